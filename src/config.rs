@@ -1,0 +1,428 @@
+//! Every environment setting doorbell reads, in one place, each documented once with its typed
+//! default. Nothing else in the crate calls `std::env::var`; code asks this module.
+//!
+//! Parsing takes a lookup function so tests can feed settings without touching the process
+//! environment.
+//!
+//! | variable | meaning | default |
+//! |---|---|---|
+//! | `DOORBELL_LOG` | log filter, `tracing` `EnvFilter` syntax (`info`, `doorbell=debug`) | `warn` |
+//! | `DOORBELL_BOOTSTRAP_TIMEOUT_S` | deadline of every bootstrap wait, seconds | `60` |
+//! | `DOORBELL_JOB_SECRET` | per-job secret every rank must share; connections that cannot prove it are dropped | derived from the launcher's job id, see [`LaunchEnv::secret`] |
+//! | `DOORBELL_WAIT_TIMEOUT_MS` | budget of every device-side spin loop, milliseconds | `30000` |
+//! | `RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `LOCAL_WORLD_SIZE` | this process's place in the job (torchrun's names) | from Slurm or MPI variables when absent |
+//! | `MASTER_ADDR`, `MASTER_PORT` | where rank 0's bootstrap listens | required with more than one rank |
+//! | `SLURM_PROCID`, `SLURM_NTASKS`, `SLURM_LOCALID`, `SLURM_NTASKS_PER_NODE` | srun's rank variables | |
+//! | `OMPI_COMM_WORLD_RANK`, `OMPI_COMM_WORLD_SIZE`, `OMPI_COMM_WORLD_LOCAL_RANK`, `OMPI_COMM_WORLD_LOCAL_SIZE` | Open MPI's | |
+//! | `PMI_RANK`, `PMI_SIZE`, `MPI_LOCALRANKID`, `MPI_LOCALNRANKS` | MPICH / Intel MPI (hydra) | |
+
+use crate::error::{Error, Result};
+use std::time::Duration;
+
+/// Default deadline for bootstrap waits.
+pub const DEFAULT_BOOTSTRAP_TIMEOUT: Duration = Duration::from_secs(60);
+/// Default budget for device-side spin loops.
+pub const DEFAULT_WAIT_TIMEOUT: Duration = Duration::from_millis(30_000);
+
+/// A source of settings: the process environment, or a map in tests.
+pub trait Lookup {
+    /// The value of `name`, if set.
+    fn get(&self, name: &str) -> Option<String>;
+}
+
+/// The process environment.
+pub struct ProcessEnv;
+
+impl Lookup for ProcessEnv {
+    fn get(&self, name: &str) -> Option<String> {
+        std::env::var(name).ok()
+    }
+}
+
+impl<F: Fn(&str) -> Option<String>> Lookup for F {
+    fn get(&self, name: &str) -> Option<String> {
+        self(name)
+    }
+}
+
+fn parse<T: std::str::FromStr>(env: &dyn Lookup, name: &str) -> Result<Option<T>> {
+    match env.get(name) {
+        None => Ok(None),
+        Some(s) if s.trim().is_empty() => Ok(None),
+        Some(s) => s.trim().parse::<T>().map(Some).map_err(|_| {
+            Error::invalid(
+                name,
+                format!("cannot parse {s:?} as {}", std::any::type_name::<T>()),
+            )
+        }),
+    }
+}
+
+/// Library-wide settings (everything except the launcher's rank variables).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Settings {
+    /// `DOORBELL_LOG`.
+    pub log_filter: String,
+    /// `DOORBELL_BOOTSTRAP_TIMEOUT_S`.
+    pub bootstrap_timeout: Duration,
+    /// `DOORBELL_WAIT_TIMEOUT_MS`.
+    pub wait_timeout: Duration,
+}
+
+impl Settings {
+    /// Reads the settings from the process environment.
+    pub fn from_env() -> Result<Self> {
+        Self::from_lookup(&ProcessEnv)
+    }
+
+    /// Reads the settings from `env`.
+    pub fn from_lookup(env: &dyn Lookup) -> Result<Self> {
+        let bootstrap_timeout = match parse::<f64>(env, "DOORBELL_BOOTSTRAP_TIMEOUT_S")? {
+            None => DEFAULT_BOOTSTRAP_TIMEOUT,
+            Some(s) if s.is_finite() && s > 0.0 => Duration::from_secs_f64(s),
+            Some(s) => {
+                return Err(Error::invalid(
+                    "DOORBELL_BOOTSTRAP_TIMEOUT_S",
+                    format!("{s} is not a positive number of seconds"),
+                ))
+            }
+        };
+        let wait_timeout = match parse::<u64>(env, "DOORBELL_WAIT_TIMEOUT_MS")? {
+            None => DEFAULT_WAIT_TIMEOUT,
+            Some(0) => {
+                return Err(Error::invalid(
+                    "DOORBELL_WAIT_TIMEOUT_MS",
+                    "0 would make every device wait fail at once; use a positive budget",
+                ))
+            }
+            Some(ms) => Duration::from_millis(ms),
+        };
+        Ok(Settings {
+            log_filter: env.get("DOORBELL_LOG").unwrap_or_else(|| "warn".into()),
+            bootstrap_timeout,
+            wait_timeout,
+        })
+    }
+}
+
+/// Which launcher convention the rank variables came from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Launcher {
+    /// `RANK`/`WORLD_SIZE` (torchrun, doorbell's own spawner, most wrappers).
+    Torchrun,
+    /// `SLURM_PROCID`/`SLURM_NTASKS` (srun).
+    Slurm,
+    /// `OMPI_COMM_WORLD_*` (Open MPI's mpirun).
+    OpenMpi,
+    /// `PMI_RANK`/`PMI_SIZE` (MPICH/Intel MPI hydra).
+    Pmi,
+}
+
+/// This process's place in the job, as the launcher described it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LaunchEnv {
+    /// Which convention supplied the values.
+    pub launcher: Launcher,
+    /// Global rank.
+    pub rank: usize,
+    /// Number of ranks in the job.
+    pub world_size: usize,
+    /// Rank among the processes of this host.
+    pub local_rank: usize,
+    /// Number of processes on this host.
+    pub local_world_size: usize,
+    /// Where rank 0's bootstrap listens.
+    pub master_addr: String,
+    /// Rank 0's bootstrap port.
+    pub master_port: u16,
+    /// The per-job secret (see [`LaunchEnv::secret`]).
+    pub secret: Vec<u8>,
+    /// True when the secret came from `DOORBELL_JOB_SECRET` rather than being derived.
+    pub secret_is_explicit: bool,
+}
+
+impl LaunchEnv {
+    /// Reads the launcher's variables from the process environment. `Ok(None)` means no launcher
+    /// variables are set at all: the process was started by hand.
+    pub fn from_env() -> Result<Option<Self>> {
+        Self::from_lookup(&ProcessEnv)
+    }
+
+    /// Reads the launcher's variables from `env`.
+    pub fn from_lookup(env: &dyn Lookup) -> Result<Option<Self>> {
+        let pick = |names: [&str; 4]| -> Result<Option<[Option<usize>; 4]>> {
+            let rank = parse::<usize>(env, names[0])?;
+            let size = parse::<usize>(env, names[1])?;
+            if rank.is_none() && size.is_none() {
+                return Ok(None);
+            }
+            Ok(Some([
+                rank,
+                size,
+                parse::<usize>(env, names[2])?,
+                parse::<usize>(env, names[3])?,
+            ]))
+        };
+        let conventions: [(Launcher, [&str; 4]); 4] = [
+            (
+                Launcher::Torchrun,
+                ["RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"],
+            ),
+            (
+                Launcher::OpenMpi,
+                [
+                    "OMPI_COMM_WORLD_RANK",
+                    "OMPI_COMM_WORLD_SIZE",
+                    "OMPI_COMM_WORLD_LOCAL_RANK",
+                    "OMPI_COMM_WORLD_LOCAL_SIZE",
+                ],
+            ),
+            (
+                Launcher::Slurm,
+                [
+                    "SLURM_PROCID",
+                    "SLURM_NTASKS",
+                    "SLURM_LOCALID",
+                    "SLURM_NTASKS_PER_NODE",
+                ],
+            ),
+            (
+                Launcher::Pmi,
+                ["PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"],
+            ),
+        ];
+        let mut found = None;
+        for (launcher, names) in conventions {
+            // SLURM_NTASKS_PER_NODE may be "4(x2)"; parse the leading number only.
+            let values = if launcher == Launcher::Slurm {
+                let rank = parse::<usize>(env, names[0])?;
+                let size = parse::<usize>(env, names[1])?;
+                if rank.is_none() && size.is_none() {
+                    None
+                } else {
+                    let per_node = env.get(names[3]).and_then(|s| {
+                        s.split(|c: char| !c.is_ascii_digit())
+                            .next()
+                            .and_then(|d| d.parse::<usize>().ok())
+                    });
+                    Some([rank, size, parse::<usize>(env, names[2])?, per_node])
+                }
+            } else {
+                pick(names)?
+            };
+            if let Some(v) = values {
+                found = Some((launcher, names, v));
+                break;
+            }
+        }
+        let Some((launcher, names, [rank, size, local_rank, local_size])) = found else {
+            return Ok(None);
+        };
+        let rank = rank.ok_or_else(|| {
+            Error::invalid(names[0], format!("{} is set but {} is not", names[1], names[0]))
+        })?;
+        let world_size = size.ok_or_else(|| {
+            Error::invalid(names[1], format!("{} is set but {} is not", names[0], names[1]))
+        })?;
+        if world_size == 0 || rank >= world_size {
+            return Err(Error::invalid(
+                names[0],
+                format!("rank {rank} is not below world size {world_size}"),
+            ));
+        }
+        // Without local variables, assume one host (a single-node launch).
+        let local_world_size = local_size.unwrap_or(world_size);
+        let local_rank = local_rank.unwrap_or(rank % local_world_size.max(1));
+        if local_world_size == 0 || local_rank >= local_world_size {
+            return Err(Error::invalid(
+                names[2],
+                format!("local rank {local_rank} is not below local world size {local_world_size}"),
+            ));
+        }
+        let master_addr = env.get("MASTER_ADDR").filter(|s| !s.is_empty());
+        let master_port = parse::<u16>(env, "MASTER_PORT")?;
+        let (master_addr, master_port) = match (master_addr, master_port) {
+            (Some(a), Some(p)) => (a, p),
+            _ if world_size == 1 => ("127.0.0.1".to_string(), 0),
+            _ => {
+                return Err(Error::invalid(
+                    "MASTER_ADDR/MASTER_PORT",
+                    format!(
+                        "{launcher:?} launch of {world_size} ranks: set MASTER_ADDR to rank 0's host and MASTER_PORT to a free port (torchrun sets both)"
+                    ),
+                ))
+            }
+        };
+        let (secret, secret_is_explicit) = Self::secret(env, &master_addr, master_port, world_size);
+        Ok(Some(LaunchEnv {
+            launcher,
+            rank,
+            world_size,
+            local_rank,
+            local_world_size,
+            master_addr,
+            master_port,
+            secret,
+            secret_is_explicit,
+        }))
+    }
+
+    /// The per-job secret: `DOORBELL_JOB_SECRET` when set (doorbell's own spawner always sets a
+    /// random one). Otherwise it is derived from what every rank of one job, and no other job,
+    /// sees: the launcher's job id (torchrun's `TORCHELASTIC_RUN_ID`, Slurm's job and step ids,
+    /// Open MPI's job id, PMIx's namespace) plus the rendezvous address and world size. A derived
+    /// secret keeps out strangers and stale jobs, not a local attacker who can read this job's
+    /// environment; set `DOORBELL_JOB_SECRET` for that.
+    pub fn secret(env: &dyn Lookup, addr: &str, port: u16, world_size: usize) -> (Vec<u8>, bool) {
+        if let Some(s) = env.get("DOORBELL_JOB_SECRET").filter(|s| !s.is_empty()) {
+            return (s.into_bytes(), true);
+        }
+        let mut material = format!("doorbell-job|{addr}|{port}|{world_size}");
+        for name in [
+            "TORCHELASTIC_RUN_ID",
+            "SLURM_JOB_ID",
+            "SLURM_STEP_ID",
+            "OMPI_MCA_ess_base_jobid",
+            "PMIX_NAMESPACE",
+        ] {
+            if let Some(v) = env.get(name) {
+                material.push('|');
+                material.push_str(&v);
+            }
+        }
+        (material.into_bytes(), false)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::HashMap;
+
+    fn env(pairs: &[(&str, &str)]) -> impl Fn(&str) -> Option<String> {
+        let map: HashMap<String, String> = pairs
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        move |k: &str| map.get(k).cloned()
+    }
+
+    #[test]
+    fn defaults_when_nothing_is_set() {
+        let s = Settings::from_lookup(&env(&[])).unwrap();
+        assert_eq!(s.bootstrap_timeout, DEFAULT_BOOTSTRAP_TIMEOUT);
+        assert_eq!(s.wait_timeout, DEFAULT_WAIT_TIMEOUT);
+        assert_eq!(s.log_filter, "warn");
+        assert_eq!(LaunchEnv::from_lookup(&env(&[])).unwrap(), None);
+    }
+
+    #[test]
+    fn settings_parse_and_reject() {
+        let s = Settings::from_lookup(&env(&[
+            ("DOORBELL_BOOTSTRAP_TIMEOUT_S", "2.5"),
+            ("DOORBELL_WAIT_TIMEOUT_MS", "7"),
+        ]))
+        .unwrap();
+        assert_eq!(s.bootstrap_timeout, Duration::from_millis(2500));
+        assert_eq!(s.wait_timeout, Duration::from_millis(7));
+        for (k, v) in [
+            ("DOORBELL_BOOTSTRAP_TIMEOUT_S", "-1"),
+            ("DOORBELL_BOOTSTRAP_TIMEOUT_S", "soon"),
+            ("DOORBELL_WAIT_TIMEOUT_MS", "0"),
+            ("DOORBELL_WAIT_TIMEOUT_MS", "1.5"),
+        ] {
+            let e = Settings::from_lookup(&env(&[(k, v)])).unwrap_err();
+            assert!(e.to_string().contains(k), "{e}");
+        }
+    }
+
+    #[test]
+    fn torchrun_variables() {
+        let l = LaunchEnv::from_lookup(&env(&[
+            ("RANK", "3"),
+            ("WORLD_SIZE", "8"),
+            ("LOCAL_RANK", "1"),
+            ("LOCAL_WORLD_SIZE", "2"),
+            ("MASTER_ADDR", "10.0.0.1"),
+            ("MASTER_PORT", "29500"),
+            ("TORCHELASTIC_RUN_ID", "abc"),
+        ]))
+        .unwrap()
+        .unwrap();
+        assert_eq!(l.launcher, Launcher::Torchrun);
+        assert_eq!(
+            (l.rank, l.world_size, l.local_rank, l.local_world_size),
+            (3, 8, 1, 2)
+        );
+        assert_eq!((l.master_addr.as_str(), l.master_port), ("10.0.0.1", 29500));
+        assert!(!l.secret_is_explicit);
+        assert!(String::from_utf8(l.secret).unwrap().contains("abc"));
+    }
+
+    #[test]
+    fn slurm_openmpi_pmi_variables() {
+        let base = [("MASTER_ADDR", "h"), ("MASTER_PORT", "1")];
+        let slurm = LaunchEnv::from_lookup(&env(&[
+            base[0],
+            base[1],
+            ("SLURM_PROCID", "5"),
+            ("SLURM_NTASKS", "16"),
+            ("SLURM_LOCALID", "5"),
+            ("SLURM_NTASKS_PER_NODE", "8(x2)"),
+        ]))
+        .unwrap()
+        .unwrap();
+        assert_eq!(slurm.launcher, Launcher::Slurm);
+        assert_eq!((slurm.rank, slurm.world_size, slurm.local_world_size), (5, 16, 8));
+        let ompi = LaunchEnv::from_lookup(&env(&[
+            base[0],
+            base[1],
+            ("OMPI_COMM_WORLD_RANK", "1"),
+            ("OMPI_COMM_WORLD_SIZE", "2"),
+            ("OMPI_COMM_WORLD_LOCAL_RANK", "1"),
+            ("OMPI_COMM_WORLD_LOCAL_SIZE", "2"),
+        ]))
+        .unwrap()
+        .unwrap();
+        assert_eq!(ompi.launcher, Launcher::OpenMpi);
+        let pmi = LaunchEnv::from_lookup(&env(&[
+            base[0],
+            base[1],
+            ("PMI_RANK", "0"),
+            ("PMI_SIZE", "4"),
+        ]))
+        .unwrap()
+        .unwrap();
+        assert_eq!((pmi.launcher, pmi.local_rank, pmi.local_world_size), (Launcher::Pmi, 0, 4));
+    }
+
+    #[test]
+    fn launcher_errors_name_the_variable() {
+        let e = LaunchEnv::from_lookup(&env(&[("RANK", "4"), ("WORLD_SIZE", "4")])).unwrap_err();
+        assert!(e.to_string().contains("RANK"), "{e}");
+        let e = LaunchEnv::from_lookup(&env(&[("RANK", "0"), ("WORLD_SIZE", "2")])).unwrap_err();
+        assert!(e.to_string().contains("MASTER_ADDR"), "{e}");
+        let e = LaunchEnv::from_lookup(&env(&[("WORLD_SIZE", "2")])).unwrap_err();
+        assert!(e.to_string().contains("RANK"), "{e}");
+        let e = LaunchEnv::from_lookup(&env(&[("RANK", "x"), ("WORLD_SIZE", "2")])).unwrap_err();
+        assert!(e.to_string().contains("RANK"), "{e}");
+        // A single rank needs no rendezvous address.
+        let one = LaunchEnv::from_lookup(&env(&[("RANK", "0"), ("WORLD_SIZE", "1")]))
+            .unwrap()
+            .unwrap();
+        assert_eq!(one.world_size, 1);
+    }
+
+    #[test]
+    fn explicit_secret_wins() {
+        let l = LaunchEnv::from_lookup(&env(&[
+            ("RANK", "0"),
+            ("WORLD_SIZE", "1"),
+            ("DOORBELL_JOB_SECRET", "s3cret"),
+        ]))
+        .unwrap()
+        .unwrap();
+        assert!(l.secret_is_explicit);
+        assert_eq!(l.secret, b"s3cret");
+    }
+}

@@ -1,0 +1,1 @@
+//! `#[repr(C)]` mirrors of the device handles in `cuda/include/doorbell/`.

@@ -1,0 +1,152 @@
+//! The one error type of the crate. Each variant says what went wrong and, where there is one,
+//! what the user can change. Library code returns these; it never panics on bad input, missing
+//! hardware or misbehaving peers.
+
+use std::fmt;
+
+/// Result alias used throughout doorbell.
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// What a device-side wait was waiting for when it gave up.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum WaitKind {
+    /// A semaphore token to reach an expected value (a peer's `signal`).
+    Semaphore,
+    /// An LL packet's flag to match the expected epoch.
+    Packet,
+    /// A FIFO slot to become free (the proxy is behind).
+    FifoSlot,
+    /// A proxy flush position.
+    Flush,
+    /// A kind this build does not know (a newer header wrote it).
+    Other(u32),
+}
+
+impl WaitKind {
+    /// Decodes the numeric code the device writes (see `cuda/include/doorbell/wait.cuh`).
+    pub fn from_code(code: u32) -> Self {
+        match code {
+            1 => WaitKind::Semaphore,
+            2 => WaitKind::Packet,
+            3 => WaitKind::FifoSlot,
+            4 => WaitKind::Flush,
+            c => WaitKind::Other(c),
+        }
+    }
+}
+
+impl fmt::Display for WaitKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            WaitKind::Semaphore => write!(f, "semaphore token"),
+            WaitKind::Packet => write!(f, "LL packet flag"),
+            WaitKind::FifoSlot => write!(f, "free FIFO slot"),
+            WaitKind::Flush => write!(f, "proxy flush"),
+            WaitKind::Other(c) => write!(f, "wait kind {c}"),
+        }
+    }
+}
+
+/// Every way a doorbell call can fail.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// libcuda could not be loaded, or the driver reports no usable GPU.
+    #[error("no CUDA driver: {why}")]
+    NoCudaDriver {
+        /// What was looked for and not found.
+        why: String,
+    },
+    /// A CUDA driver call failed.
+    #[error("CUDA call {call} failed: {code}")]
+    Cuda {
+        /// The driver entry point (or operation) that failed.
+        call: &'static str,
+        /// The driver's error name and description.
+        code: String,
+    },
+    /// The out-of-band bootstrap failed; `rank` names the rank at fault when it is known.
+    #[error("bootstrap (rank {me}): {}{why}", rank.map(|r| format!("rank {r}: ")).unwrap_or_default())]
+    Bootstrap {
+        /// The rank reporting the error.
+        me: usize,
+        /// The rank that did not come, died, or misbehaved, when known.
+        rank: Option<usize>,
+        /// What happened.
+        why: String,
+    },
+    /// A bounded wait ran out of time: on the host (bootstrap, proxy) or on the device (a kernel's
+    /// spin loop recorded who waited for what and gave up).
+    #[error("timeout on rank {rank} waiting for {what} from peer {peer} on channel {channel}: expected {expected}, saw {seen} after {waited_ms} ms (block {block}, thread {thread})")]
+    Timeout {
+        /// The rank that waited.
+        rank: i32,
+        /// The peer it waited for (-1 when not tied to one peer).
+        peer: i32,
+        /// What it waited for.
+        what: WaitKind,
+        /// The channel (or semaphore) id.
+        channel: u32,
+        /// The value it waited to see.
+        expected: u64,
+        /// The last value it saw.
+        seen: u64,
+        /// How long it waited.
+        waited_ms: u64,
+        /// The CUDA block that gave up first.
+        block: u32,
+        /// The thread in that block.
+        thread: u32,
+    },
+    /// A transport cannot be used here; `why` says what to install or set.
+    #[error("transport {transport} unavailable: {why}")]
+    TransportUnavailable {
+        /// The transport's name.
+        transport: &'static str,
+        /// Why, and what to do about it.
+        why: String,
+    },
+    /// The caller passed something that cannot work.
+    #[error("invalid argument {what}: {why}")]
+    InvalidArgument {
+        /// The argument or setting.
+        what: String,
+        /// Why it is wrong.
+        why: String,
+    },
+    /// An operating-system call failed.
+    #[error("{what}: {source}")]
+    Io {
+        /// What was being done.
+        what: String,
+        /// The underlying error.
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+impl Error {
+    /// Builds [`Error::InvalidArgument`].
+    pub fn invalid(what: impl Into<String>, why: impl Into<String>) -> Self {
+        Error::InvalidArgument {
+            what: what.into(),
+            why: why.into(),
+        }
+    }
+
+    /// Builds [`Error::Io`] from an `io::Error` and a description of what was being done.
+    pub fn io(what: impl Into<String>, source: std::io::Error) -> Self {
+        Error::Io {
+            what: what.into(),
+            source,
+        }
+    }
+}
+
+impl From<cudarc::driver::DriverError> for Error {
+    fn from(e: cudarc::driver::DriverError) -> Self {
+        Error::Cuda {
+            call: "cudarc",
+            code: e.to_string(),
+        }
+    }
+}
