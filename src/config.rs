@@ -219,10 +219,16 @@ impl LaunchEnv {
             return Ok(None);
         };
         let rank = rank.ok_or_else(|| {
-            Error::invalid(names[0], format!("{} is set but {} is not", names[1], names[0]))
+            Error::invalid(
+                names[0],
+                format!("{} is set but {} is not", names[1], names[0]),
+            )
         })?;
         let world_size = size.ok_or_else(|| {
-            Error::invalid(names[1], format!("{} is set but {} is not", names[0], names[1]))
+            Error::invalid(
+                names[1],
+                format!("{} is set but {} is not", names[0], names[1]),
+            )
         })?;
         if world_size == 0 || rank >= world_size {
             return Err(Error::invalid(
@@ -373,7 +379,10 @@ mod tests {
         .unwrap()
         .unwrap();
         assert_eq!(slurm.launcher, Launcher::Slurm);
-        assert_eq!((slurm.rank, slurm.world_size, slurm.local_world_size), (5, 16, 8));
+        assert_eq!(
+            (slurm.rank, slurm.world_size, slurm.local_world_size),
+            (5, 16, 8)
+        );
         let ompi = LaunchEnv::from_lookup(&env(&[
             base[0],
             base[1],
@@ -393,7 +402,10 @@ mod tests {
         ]))
         .unwrap()
         .unwrap();
-        assert_eq!((pmi.launcher, pmi.local_rank, pmi.local_world_size), (Launcher::Pmi, 0, 4));
+        assert_eq!(
+            (pmi.launcher, pmi.local_rank, pmi.local_world_size),
+            (Launcher::Pmi, 0, 4)
+        );
     }
 
     #[test]

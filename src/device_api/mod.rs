@@ -1,1 +1,254 @@
 //! `#[repr(C)]` mirrors of the device handles in `cuda/include/doorbell/`.
+//!
+//! Each struct here is byte-identical to the C++ struct of the same name: the layout test below
+//! compares every size and field offset with what the C++ compiler produced for the headers (a
+//! table build.rs generates by running `cuda/probe/layout_probe.cpp`). Handles are plain `Pod`
+//! data: the host fills them and passes them to kernels by value or in device arrays. Raw device
+//! addresses are `u64`, as the driver API has them.
+
+use bytemuck::{Pod, Zeroable};
+
+/// Where a device wait that gives up writes who waited for what (`wait.cuh`). Lives in host-mapped
+/// pinned memory; the host trusts the other fields only once `valid` is 1.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Pod, Zeroable)]
+pub struct WaitReport {
+    /// 1 once every other field is written.
+    pub valid: u32,
+    /// `WaitKindCode` (see [`crate::WaitKind::from_code`]).
+    pub what: u32,
+    /// The waiting rank.
+    pub rank: i32,
+    /// The rank it waited for, or -1.
+    pub peer: i32,
+    /// Channel or semaphore id.
+    pub channel: u32,
+    /// Linear block index of the waiter.
+    pub block: u32,
+    /// Linear thread index of the waiter in its block.
+    pub thread: u32,
+    /// Zero.
+    pub reserved: u32,
+    /// The value it waited for.
+    pub expected: u64,
+    /// The last value it saw.
+    pub seen: u64,
+    /// Nanoseconds it waited.
+    pub waited_ns: u64,
+}
+
+/// Who is waiting, copied into every handle that can wait.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Pod, Zeroable)]
+pub struct WaitSite {
+    /// Device address of the process's [`WaitReport`] (host-mapped).
+    pub report: u64,
+    /// Device address of the process's claim word (device memory).
+    pub claim: u64,
+    /// Budget of one wait, nanoseconds.
+    pub budget_ns: u64,
+    /// The waiting rank.
+    pub rank: i32,
+    /// The rank waited for, or -1.
+    pub peer: i32,
+    /// Channel or semaphore id.
+    pub channel: u32,
+    /// Zero.
+    pub reserved: u32,
+}
+
+/// A device-to-device semaphore between two ranks (`semaphore.cuh`).
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Pod, Zeroable)]
+pub struct SemaphoreHandle {
+    /// My inbound token (device memory); the peer adds to it.
+    pub inbound_token: u64,
+    /// My private count of consumed signals (device memory).
+    pub expected_inbound: u64,
+    /// The peer's inbound token for me, mapped into my address space.
+    pub remote_inbound_token: u64,
+    /// Who waits on this semaphore.
+    pub site: WaitSite,
+}
+
+/// A MemoryChannel to one peer (`memory_channel.cuh`).
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Pod, Zeroable)]
+pub struct MemoryChannelHandle {
+    /// The signal/wait pair with the peer.
+    pub semaphore: SemaphoreHandle,
+    /// The peer's buffer, mapped (puts land here).
+    pub dst: u64,
+    /// My buffer (puts read here, gets land here).
+    pub src: u64,
+    /// My packet landing buffer.
+    pub packet_buffer: u64,
+    /// The peer's packet landing buffer, mapped.
+    pub remote_packet_buffer: u64,
+    /// Bytes of `dst`.
+    pub dst_bytes: u64,
+    /// Bytes of `src`.
+    pub src_bytes: u64,
+    /// Bytes of each packet buffer.
+    pub packet_buffer_bytes: u64,
+}
+
+/// An LL16 packet: 8 payload bytes and two copies of the flag.
+#[repr(C, align(16))]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Pod, Zeroable)]
+pub struct Ll16Packet {
+    /// Payload bytes 0..4.
+    pub data1: u32,
+    /// Flag.
+    pub flag1: u32,
+    /// Payload bytes 4..8.
+    pub data2: u32,
+    /// Flag again.
+    pub flag2: u32,
+}
+
+/// An LL8 packet: 4 payload bytes and a flag.
+#[repr(C, align(8))]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Pod, Zeroable)]
+pub struct Ll8Packet {
+    /// Payload.
+    pub data: u32,
+    /// Flag.
+    pub flag: u32,
+}
+
+/// Payload bytes an LL packet type carries.
+pub trait LlPacket: Pod {
+    /// Payload bytes per packet.
+    const PAYLOAD: usize;
+    /// Packets needed for `bytes` of payload.
+    fn packets_for(bytes: usize) -> usize {
+        bytes.div_ceil(Self::PAYLOAD)
+    }
+}
+
+impl LlPacket for Ll16Packet {
+    const PAYLOAD: usize = 8;
+}
+
+impl LlPacket for Ll8Packet {
+    const PAYLOAD: usize = 4;
+}
+
+// SAFETY: plain-old-data structs with no padding-dependent invariants; the driver copies them
+// byte for byte as kernel arguments.
+unsafe impl cudarc::driver::DeviceRepr for MemoryChannelHandle {}
+// SAFETY: as above.
+unsafe impl cudarc::driver::DeviceRepr for SemaphoreHandle {}
+
+#[cfg(test)]
+mod layout {
+    use super::*;
+    use std::collections::BTreeMap;
+    use std::mem::{align_of, offset_of, size_of};
+
+    include!(concat!(env!("OUT_DIR"), "/cuda_layout.rs"));
+
+    /// Fields as (name, offset, size).
+    type Fields = Vec<(&'static str, usize, usize)>;
+
+    /// (struct, size, align, fields) as Rust lays them out.
+    fn rust_layout() -> Vec<(&'static str, usize, usize, Fields)> {
+        macro_rules! field_size {
+            ($t:ty, $f:ident) => {{
+                let probe: $t = <$t>::zeroed();
+                std::mem::size_of_val(&probe.$f)
+            }};
+        }
+        macro_rules! layout {
+            ($name:literal, $t:ty, [$($f:ident),* $(,)?]) => {
+                ($name, size_of::<$t>(), align_of::<$t>(),
+                 vec![$((stringify!($f), offset_of!($t, $f), field_size!($t, $f))),*])
+            };
+        }
+        vec![
+            layout!(
+                "WaitReport",
+                WaitReport,
+                [
+                    valid, what, rank, peer, channel, block, thread, reserved, expected, seen,
+                    waited_ns
+                ]
+            ),
+            layout!(
+                "WaitSite",
+                WaitSite,
+                [report, claim, budget_ns, rank, peer, channel, reserved]
+            ),
+            layout!(
+                "SemaphoreHandle",
+                SemaphoreHandle,
+                [inbound_token, expected_inbound, remote_inbound_token, site]
+            ),
+            layout!(
+                "MemoryChannelHandle",
+                MemoryChannelHandle,
+                [
+                    semaphore,
+                    dst,
+                    src,
+                    packet_buffer,
+                    remote_packet_buffer,
+                    dst_bytes,
+                    src_bytes,
+                    packet_buffer_bytes
+                ]
+            ),
+            layout!("LL16Packet", Ll16Packet, [data1, flag1, data2, flag2]),
+            layout!("LL8Packet", Ll8Packet, [data, flag]),
+        ]
+    }
+
+    #[test]
+    fn every_mirror_matches_the_cuda_layout() {
+        let mut cuda: BTreeMap<&str, (usize, usize, Fields)> = BTreeMap::new();
+        for &(kind, name, field, a, b) in CUDA_LAYOUT {
+            let e = cuda.entry(name).or_insert((0, 0, Vec::new()));
+            if kind == "struct" {
+                (e.0, e.1) = (a, b);
+            } else {
+                e.2.push((field, a, b));
+            }
+        }
+        let rust = rust_layout();
+        let rust_names: Vec<&str> = rust.iter().map(|r| r.0).collect();
+        let cuda_names: Vec<&str> = cuda.keys().copied().collect();
+        let mut sorted = rust_names.clone();
+        sorted.sort();
+        assert_eq!(
+            sorted, cuda_names,
+            "structs mirrored in Rust vs probed in C++"
+        );
+        for (name, size, align, fields) in rust {
+            let (csize, calign, cfields) = &cuda[name];
+            assert_eq!(
+                (size, align),
+                (*csize, *calign),
+                "{name}: (size, align) Rust vs C++"
+            );
+            assert_eq!(
+                &fields, cfields,
+                "{name}: fields (name, offset, size) Rust vs C++"
+            );
+            // The listed fields must tile the struct: a field added on one side but not listed
+            // would leave a hole of at least its size.
+            let mut end = 0;
+            for &(f, off, sz) in &fields {
+                assert!(
+                    off >= end && off - end < 8,
+                    "{name}.{f}: unlisted bytes before it"
+                );
+                end = off + sz;
+            }
+            assert!(
+                size - end < align.max(8),
+                "{name}: unlisted bytes at the end"
+            );
+        }
+    }
+}

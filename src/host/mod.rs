@@ -1,5 +1,9 @@
 //! Host-side setup: bootstrap, launching, CUDA, memory, semaphores and channels.
 
 pub mod bootstrap;
+pub mod communicator;
+pub mod cuda;
 pub mod fd_passing;
 pub mod launch;
+pub mod memory;
+pub mod wait;

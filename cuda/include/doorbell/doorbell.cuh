@@ -1,0 +1,9 @@
+// doorbell device API: everything a kernel needs. Include this one header.
+#pragma once
+
+#include "atomics.cuh"
+#include "copy.cuh"
+#include "memory_channel.cuh"
+#include "packet.cuh"
+#include "semaphore.cuh"
+#include "wait.cuh"

@@ -1,0 +1,62 @@
+// Prints the size and field offsets of every device handle that has a Rust mirror. build.rs
+// compiles this with the host C++ compiler (which also proves the headers are includable from
+// host-only code), runs it, and turns the output into a table the layout test compares against
+// Rust's offset_of!. Format: "struct <Name> <size> <align>" then "field <Name> <field> <offset> <size>".
+#include <doorbell/doorbell.cuh>
+
+#include <cstdio>
+
+#define STRUCT(T) std::printf("struct %s %zu %zu\n", #T, sizeof(doorbell::T), alignof(doorbell::T))
+#define FIELD(T, f) \
+  std::printf("field %s %s %zu %zu\n", #T, #f, offsetof(doorbell::T, f), sizeof(doorbell::T{}.f))
+
+int main() {
+  STRUCT(WaitReport);
+  FIELD(WaitReport, valid);
+  FIELD(WaitReport, what);
+  FIELD(WaitReport, rank);
+  FIELD(WaitReport, peer);
+  FIELD(WaitReport, channel);
+  FIELD(WaitReport, block);
+  FIELD(WaitReport, thread);
+  FIELD(WaitReport, reserved);
+  FIELD(WaitReport, expected);
+  FIELD(WaitReport, seen);
+  FIELD(WaitReport, waited_ns);
+
+  STRUCT(WaitSite);
+  FIELD(WaitSite, report);
+  FIELD(WaitSite, claim);
+  FIELD(WaitSite, budget_ns);
+  FIELD(WaitSite, rank);
+  FIELD(WaitSite, peer);
+  FIELD(WaitSite, channel);
+  FIELD(WaitSite, reserved);
+
+  STRUCT(SemaphoreHandle);
+  FIELD(SemaphoreHandle, inbound_token);
+  FIELD(SemaphoreHandle, expected_inbound);
+  FIELD(SemaphoreHandle, remote_inbound_token);
+  FIELD(SemaphoreHandle, site);
+
+  STRUCT(MemoryChannelHandle);
+  FIELD(MemoryChannelHandle, semaphore);
+  FIELD(MemoryChannelHandle, dst);
+  FIELD(MemoryChannelHandle, src);
+  FIELD(MemoryChannelHandle, packet_buffer);
+  FIELD(MemoryChannelHandle, remote_packet_buffer);
+  FIELD(MemoryChannelHandle, dst_bytes);
+  FIELD(MemoryChannelHandle, src_bytes);
+  FIELD(MemoryChannelHandle, packet_buffer_bytes);
+
+  STRUCT(LL16Packet);
+  FIELD(LL16Packet, data1);
+  FIELD(LL16Packet, flag1);
+  FIELD(LL16Packet, data2);
+  FIELD(LL16Packet, flag2);
+
+  STRUCT(LL8Packet);
+  FIELD(LL8Packet, data);
+  FIELD(LL8Packet, flag);
+  return 0;
+}

@@ -1,0 +1,89 @@
+#!/usr/bin/env bash
+# The whole GPU suite in two halves, because GPU machines have no Rust toolchain.
+#
+#   scripts/gpu-suite.sh build        on a machine with cargo (no GPU needed): builds the release
+#                                     test binaries and examples into .gpu-bundle/
+#   scripts/gpu-suite.sh run [DIR]    on the GPU machine, from the repository root: runs every
+#                                     GPU test (--ignored) and the benchmarks from .gpu-bundle/,
+#                                     writing logs to DIR (default $OUT, else ./gpu-logs)
+#
+# Environment for run: SUITE=tests|bench|all (default all), BENCH_ARGS for the examples.
+# NVLink multicast stays off everywhere (it can take shared GPUs out of service).
+set -uo pipefail
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+root=$(cd "$(dirname "$0")/.." && pwd)
+bundle="$root/.gpu-bundle"
+
+build() {
+  set -e
+  cd "$root"
+  cargo build --release --all-targets
+  rm -rf "$bundle"
+  mkdir -p "$bundle/tests" "$bundle/examples"
+  cargo test --release --no-run --message-format=json 2>/dev/null |
+    python3 -c '
+import json, sys, shutil, os
+dst = sys.argv[1]
+for line in sys.stdin:
+    try: m = json.loads(line)
+    except ValueError: continue
+    if m.get("reason") != "compiler-artifact" or not m.get("executable"): continue
+    if not m.get("profile", {}).get("test"): continue
+    t = m["target"]
+    name = ("lib" if "lib" in t["kind"] else t["name"])
+    shutil.copy2(m["executable"], os.path.join(dst, name))
+    print("test binary", name)
+' "$bundle/tests"
+  for ex in target/release/examples/*; do
+    [ -f "$ex" ] && [ -x "$ex" ] && case "$ex" in *-*) ;; *) cp "$ex" "$bundle/examples/" ;; esac
+  done
+  git rev-parse --short HEAD > "$bundle/COMMIT" 2>/dev/null || true
+  du -sh "$bundle"
+  ls -la "$bundle"/*
+}
+
+run() {
+  local logs=${1:-${OUT:-$root/gpu-logs}}
+  mkdir -p "$logs"
+  local suite=${SUITE:-all} failed=0 summary="$logs/summary.txt"
+  : > "$summary"
+  {
+    echo "commit $(cat "$bundle/COMMIT" 2>/dev/null)"
+    nvidia-smi --query-gpu=index,name,driver_version,memory.total --format=csv,noheader 2>&1
+    nvidia-smi topo -m 2>&1 | head -12
+  } > "$logs/machine.txt"
+  if [ "$suite" = all ] || [ "$suite" = tests ]; then
+    for t in "$bundle"/tests/*; do
+      local name; name=$(basename "$t")
+      local start=$SECONDS
+      if "$t" --ignored --test-threads=1 >> "$logs/tests.log" 2>&1; then
+        echo "PASS tests/$name ($((SECONDS - start)) s)" | tee -a "$summary"
+      else
+        echo "FAIL tests/$name ($((SECONDS - start)) s)" | tee -a "$summary"
+        failed=1
+      fi
+    done
+  fi
+  if [ "$suite" = all ] || [ "$suite" = bench ]; then
+    for ex in pingpong; do
+      [ -x "$bundle/examples/$ex" ] || continue
+      local start=$SECONDS
+      if "$bundle/examples/$ex" ${BENCH_ARGS:-} > "$logs/$ex.txt" 2>&1; then
+        echo "PASS examples/$ex ($((SECONDS - start)) s)" | tee -a "$summary"
+      else
+        echo "FAIL examples/$ex ($((SECONDS - start)) s)" | tee -a "$summary"
+        failed=1
+      fi
+      cat "$logs/$ex.txt"
+    done
+  fi
+  grep -E "^test result|FAILED|panicked" "$logs/tests.log" 2>/dev/null | tail -40
+  cat "$summary"
+  return $failed
+}
+
+case "${1:-}" in
+  build) build ;;
+  run) shift; run "$@" ;;
+  *) echo "usage: $0 build | run [LOGDIR]" >&2; exit 2 ;;
+esac

@@ -1,0 +1,500 @@
+//! The communicator: one per rank. It ties the bootstrap to this rank's GPU and owns what the
+//! rank shares with its peers: the fd server that hands out exported memory, the token pool that
+//! semaphores live in, and the wait diagnostics every device wait reports to.
+//!
+//! Calls that build channels are collective: every rank of the job calls them in the same order
+//! with matching arguments. The communicator checks what it can (token-pool positions travel
+//! with each exchange) and fails with a message naming the odd rank instead of wiring
+//! mismatched channels.
+
+use crate::config::Settings;
+use crate::device_api::{MemoryChannelHandle, SemaphoreHandle};
+use crate::error::{Error, Result};
+use crate::host::bootstrap::{Bootstrap, BootstrapConfig};
+use crate::host::cuda::{device_count, Gpu};
+use crate::host::fd_passing::{fetch_fd, FdServer};
+use crate::host::memory::{
+    host_id, ipc_handle_for, Buffer, MemoryDescriptor, RemoteMemory, ShareHandle,
+};
+use crate::host::wait::WaitDiagnostics;
+use cudarc::driver::CudaStream;
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+
+/// Tokens in one token pool. Each set of channels takes `world_size` of them.
+const TOKEN_SLOTS: usize = 64 * 1024;
+/// Slot 0 of the private half holds the wait diagnostics' claim word.
+const FIRST_TOKEN_SLOT: usize = 1;
+
+/// Semaphore tokens of one rank, in one VMM buffer that every same-host peer maps:
+/// `[inbound tokens: TOKEN_SLOTS x u64][private expected counters: TOKEN_SLOTS x u64]`.
+/// Peers add to inbound tokens; the private half is touched by this rank only. Nothing is ever
+/// reset (tokens are monotonic), so slots are handed out once, bump-style.
+struct TokenPool {
+    local: Buffer,
+    peers: Vec<Option<RemoteMemory>>,
+    next: Mutex<usize>,
+}
+
+impl TokenPool {
+    fn inbound(&self, slot: usize) -> u64 {
+        self.local.device_ptr() + (slot * 8) as u64
+    }
+    fn private(&self, slot: usize) -> u64 {
+        self.local.device_ptr() + ((TOKEN_SLOTS + slot) * 8) as u64
+    }
+    fn remote_inbound(&self, peer: usize, slot: usize) -> Option<u64> {
+        self.peers[peer]
+            .as_ref()
+            .map(|m| m.device_ptr() + (slot * 8) as u64)
+    }
+    fn take(&self, n: usize) -> Result<usize> {
+        let mut next = self.next.lock().unwrap_or_else(|p| p.into_inner());
+        if *next + n > TOKEN_SLOTS {
+            return Err(Error::invalid(
+                "channels",
+                format!("token pool exhausted ({TOKEN_SLOTS} semaphores per communicator)"),
+            ));
+        }
+        let base = *next;
+        *next += n;
+        Ok(base)
+    }
+}
+
+/// Memory registered with the communicator: a descriptor peers can map, and what keeps the
+/// memory alive while it is registered.
+pub struct RegisteredMemory {
+    descriptor: MemoryDescriptor,
+    ptr: u64,
+    bytes: usize,
+    _buffer: Option<Arc<Buffer>>,
+    server: Arc<FdServer>,
+}
+
+impl std::fmt::Debug for RegisteredMemory {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RegisteredMemory")
+            .field("ptr", &format_args!("{:#x}", self.ptr))
+            .field("bytes", &self.bytes)
+            .field("descriptor", &self.descriptor)
+            .finish()
+    }
+}
+
+impl RegisteredMemory {
+    /// What a peer needs to map this memory.
+    pub fn descriptor(&self) -> &MemoryDescriptor {
+        &self.descriptor
+    }
+    /// Device address in this process.
+    pub fn device_ptr(&self) -> u64 {
+        self.ptr
+    }
+    /// Registered bytes.
+    pub fn len(&self) -> usize {
+        self.bytes
+    }
+    /// True for an empty registration (never produced by the communicator).
+    pub fn is_empty(&self) -> bool {
+        self.bytes == 0
+    }
+}
+
+impl Drop for RegisteredMemory {
+    fn drop(&mut self) {
+        if let ShareHandle::PosixFd { export_id, .. } = self.descriptor.handle {
+            self.server.withdraw(export_id);
+        }
+    }
+}
+
+/// A MemoryChannel to one peer: the device handle and the mappings it points into.
+pub struct MemoryChannel {
+    peer: usize,
+    handle: MemoryChannelHandle,
+    _src: Arc<RegisteredMemory>,
+    _dst: Arc<RemoteMemory>,
+    _packets: Option<(Arc<RegisteredMemory>, Arc<RemoteMemory>)>,
+    _tokens: Arc<TokenPool>,
+}
+
+impl MemoryChannel {
+    /// The peer's rank.
+    pub fn peer(&self) -> usize {
+        self.peer
+    }
+    /// The handle kernels take (by value or in a device array).
+    pub fn device_handle(&self) -> MemoryChannelHandle {
+        self.handle
+    }
+}
+
+/// One MemoryChannel per peer, in rank order (this rank skipped).
+pub struct MemoryChannels {
+    channels: Vec<MemoryChannel>,
+}
+
+impl MemoryChannels {
+    /// The channels, in peer order.
+    pub fn iter(&self) -> impl Iterator<Item = &MemoryChannel> {
+        self.channels.iter()
+    }
+    /// The channel to `peer`.
+    pub fn to(&self, peer: usize) -> Option<&MemoryChannel> {
+        self.channels.iter().find(|c| c.peer == peer)
+    }
+    /// The device handles, in peer order.
+    pub fn handles(&self) -> Vec<MemoryChannelHandle> {
+        self.channels.iter().map(|c| c.handle).collect()
+    }
+    /// Number of channels (peers).
+    pub fn len(&self) -> usize {
+        self.channels.len()
+    }
+    /// True with no peers (a job of one rank).
+    pub fn is_empty(&self) -> bool {
+        self.channels.is_empty()
+    }
+}
+
+/// One rank's view of the job: bootstrap, GPU, and the shared state channels are built from.
+pub struct Communicator {
+    bootstrap: Bootstrap,
+    gpu: Arc<Gpu>,
+    fd_server: Arc<FdServer>,
+    host_ids: Vec<u64>,
+    tokens: Arc<TokenPool>,
+    diagnostics: WaitDiagnostics,
+    next_export: AtomicU64,
+    next_channel: AtomicU32,
+}
+
+impl Communicator {
+    /// Joins the job described by the launcher's environment and opens GPU
+    /// `LOCAL_RANK % visible GPUs` (several ranks may share a GPU for functional runs).
+    pub fn from_env() -> Result<Self> {
+        let bootstrap = Bootstrap::connect(BootstrapConfig::from_env()?)?;
+        let device = bootstrap.local_rank() % device_count()?;
+        Self::new(bootstrap, device)
+    }
+
+    /// Builds the communicator over `bootstrap` on GPU `device`. Collective.
+    pub fn new(bootstrap: Bootstrap, device: usize) -> Result<Self> {
+        let settings = Settings::from_env()?;
+        let gpu = Gpu::open(device)?;
+        let rank = bootstrap.rank();
+        let world = bootstrap.world_size();
+        let fd_server = Arc::new(FdServer::start(bootstrap.secret(), rank)?);
+
+        let host_ids: Vec<u64> = bootstrap
+            .all_gather(&host_id().to_le_bytes())?
+            .iter()
+            .enumerate()
+            .map(|(r, b)| {
+                b.as_slice()
+                    .try_into()
+                    .map(u64::from_le_bytes)
+                    .map_err(|_| Error::Bootstrap {
+                        me: rank,
+                        rank: Some(r),
+                        why: "sent a malformed host id".into(),
+                    })
+            })
+            .collect::<Result<_>>()?;
+
+        // The token pool, mapped by every peer on this host.
+        let pool = Buffer::alloc(&gpu, 2 * TOKEN_SLOTS * 8)?;
+        let export_id = 0;
+        fd_server.publish(export_id, pool.export_fd()?)?;
+        let desc = MemoryDescriptor {
+            owner_rank: rank as u32,
+            host_id: host_ids[rank],
+            bytes: pool.len() as u64,
+            handle: ShareHandle::PosixFd {
+                export_id,
+                alloc_bytes: pool.len() as u64,
+                granularity: crate::host::memory::granularity(&gpu)? as u64,
+            },
+        };
+        let mut comm_peers = Vec::with_capacity(world);
+        let descs = bootstrap.all_gather(&desc.to_bytes())?;
+        for (r, bytes) in descs.iter().enumerate() {
+            if r == rank || host_ids[r] != host_ids[rank] {
+                comm_peers.push(None);
+                continue;
+            }
+            let d = decode_from(rank, r, bytes)?;
+            let fd = fetch_fd(bootstrap.secret(), rank, r, export_id, bootstrap.timeout())?;
+            comm_peers.push(Some(RemoteMemory::import(&gpu, &d, Some(fd))?));
+        }
+        // Everyone has mapped everyone's pool before anyone withdraws it.
+        bootstrap.barrier()?;
+        fd_server.withdraw(export_id);
+
+        let claim = pool.device_ptr() + (TOKEN_SLOTS * 8) as u64;
+        let diagnostics = WaitDiagnostics::new(&gpu, claim, settings.wait_timeout, rank)?;
+        let tokens = Arc::new(TokenPool {
+            local: pool,
+            peers: comm_peers,
+            next: Mutex::new(FIRST_TOKEN_SLOT),
+        });
+        Ok(Communicator {
+            bootstrap,
+            gpu,
+            fd_server,
+            host_ids,
+            tokens,
+            diagnostics,
+            next_export: AtomicU64::new(1),
+            next_channel: AtomicU32::new(0),
+        })
+    }
+
+    /// This rank.
+    pub fn rank(&self) -> usize {
+        self.bootstrap.rank()
+    }
+
+    /// Ranks in the job.
+    pub fn world_size(&self) -> usize {
+        self.bootstrap.world_size()
+    }
+
+    /// The bootstrap, for the caller's own out-of-band exchanges.
+    pub fn bootstrap(&self) -> &Bootstrap {
+        &self.bootstrap
+    }
+
+    /// This rank's GPU.
+    pub fn gpu(&self) -> &Arc<Gpu> {
+        &self.gpu
+    }
+
+    /// The wait diagnostics of this process.
+    pub fn diagnostics(&self) -> &WaitDiagnostics {
+        &self.diagnostics
+    }
+
+    /// True if `peer` runs on this host (so CUDA IPC can reach its memory).
+    pub fn same_host(&self, peer: usize) -> bool {
+        self.host_ids.get(peer) == self.host_ids.get(self.rank())
+    }
+
+    /// Allocates `bytes` of shareable GPU memory (VMM, zero-filled).
+    pub fn alloc(&self, bytes: usize) -> Result<Arc<Buffer>> {
+        Ok(Arc::new(Buffer::alloc(&self.gpu, bytes)?))
+    }
+
+    /// Registers a doorbell buffer so peers can map it.
+    pub fn register(&self, buffer: &Arc<Buffer>) -> Result<Arc<RegisteredMemory>> {
+        let export_id = self.next_export.fetch_add(1, Ordering::Relaxed);
+        self.fd_server.publish(export_id, buffer.export_fd()?)?;
+        let granularity = crate::host::memory::granularity(&self.gpu)? as u64;
+        Ok(Arc::new(RegisteredMemory {
+            descriptor: MemoryDescriptor {
+                owner_rank: self.rank() as u32,
+                host_id: self.host_ids[self.rank()],
+                bytes: buffer.len() as u64,
+                handle: ShareHandle::PosixFd {
+                    export_id,
+                    alloc_bytes: buffer.len() as u64,
+                    granularity,
+                },
+            },
+            ptr: buffer.device_ptr(),
+            bytes: buffer.len(),
+            _buffer: Some(buffer.clone()),
+            server: self.fd_server.clone(),
+        }))
+    }
+
+    /// Registers memory the caller allocated with cudarc or `cudaMalloc` (shared with a legacy
+    /// CUDA IPC handle).
+    ///
+    /// # Safety
+    /// `[ptr, ptr + bytes)` must be device memory of this rank's GPU that stays allocated for as
+    /// long as the registration, and every channel or mapping built from it, is in use.
+    pub unsafe fn register_external(
+        &self,
+        ptr: u64,
+        bytes: usize,
+    ) -> Result<Arc<RegisteredMemory>> {
+        if bytes == 0 {
+            return Err(Error::invalid("bytes", "cannot register an empty range"));
+        }
+        let (handle, offset) = ipc_handle_for(&self.gpu, ptr, bytes)?;
+        Ok(Arc::new(RegisteredMemory {
+            descriptor: MemoryDescriptor {
+                owner_rank: self.rank() as u32,
+                host_id: self.host_ids[self.rank()],
+                bytes: bytes as u64,
+                handle: ShareHandle::CudaIpc { handle, offset },
+            },
+            ptr,
+            bytes,
+            _buffer: None,
+            server: self.fd_server.clone(),
+        }))
+    }
+
+    /// Maps every same-host peer's counterpart of `mem` (collective: each rank passes its own).
+    /// Index = rank; `None` for this rank and for ranks on other hosts.
+    pub fn exchange(&self, mem: &RegisteredMemory) -> Result<Vec<Option<Arc<RemoteMemory>>>> {
+        let all = self.bootstrap.all_gather(&mem.descriptor.to_bytes())?;
+        let mut out = Vec::with_capacity(all.len());
+        for (r, bytes) in all.iter().enumerate() {
+            if r == self.rank() || !self.same_host(r) {
+                out.push(None);
+                continue;
+            }
+            out.push(Some(Arc::new(self.import(r, bytes)?)));
+        }
+        Ok(out)
+    }
+
+    fn import(&self, peer: usize, bytes: &[u8]) -> Result<RemoteMemory> {
+        let d = decode_from(self.rank(), peer, bytes)?;
+        let fd = match d.handle {
+            ShareHandle::PosixFd { export_id, .. } => Some(fetch_fd(
+                self.bootstrap.secret(),
+                self.rank(),
+                peer,
+                export_id,
+                self.bootstrap.timeout(),
+            )?),
+            ShareHandle::CudaIpc { .. } => None,
+        };
+        RemoteMemory::import(&self.gpu, &d, fd)
+    }
+
+    /// Builds one MemoryChannel to every other rank (collective). For the channel to peer `p`:
+    /// puts read my `src` and land in `p`'s `dst`; gets do the reverse; put_packets land in `p`'s
+    /// `packets` and my `packets` receives theirs. Every rank must be on this host.
+    pub fn memory_channels(
+        &self,
+        src: &Arc<RegisteredMemory>,
+        dst: &Arc<RegisteredMemory>,
+        packets: Option<&Arc<RegisteredMemory>>,
+    ) -> Result<MemoryChannels> {
+        let rank = self.rank();
+        let world = self.world_size();
+        if let Some(p) = (0..world).find(|&p| !self.same_host(p)) {
+            return Err(Error::TransportUnavailable {
+                transport: "CudaIpc",
+                why: format!(
+                    "rank {p} runs on another host; MemoryChannels need GPUs that can map each \
+                     other's memory (NVLink or PCIe peer access on one host)"
+                ),
+            });
+        }
+        let base = self.tokens.take(world)?;
+        let channel = self.next_channel.fetch_add(1, Ordering::Relaxed);
+
+        // Agree on the token slots (catches ranks that build channels in different orders).
+        let bases = self.bootstrap.all_gather(&(base as u64).to_le_bytes())?;
+        for (r, b) in bases.iter().enumerate() {
+            if b.as_slice() != (base as u64).to_le_bytes() {
+                return Err(Error::invalid(
+                    "memory_channels",
+                    format!(
+                        "rank {r} is at a different point in its channel setup than rank {rank}: \
+                         every rank must build the same channels in the same order"
+                    ),
+                ));
+            }
+        }
+
+        let dsts = self.exchange(dst)?;
+        let pkts = match packets {
+            Some(p) => Some(self.exchange(p)?),
+            None => None,
+        };
+        let mut channels = Vec::with_capacity(world.saturating_sub(1));
+        for peer in (0..world).filter(|&p| p != rank) {
+            let missing = || Error::Bootstrap {
+                me: rank,
+                rank: Some(peer),
+                why: "its memory could not be mapped".into(),
+            };
+            let remote_dst = dsts[peer].clone().ok_or_else(missing)?;
+            let remote_token = self
+                .tokens
+                .remote_inbound(peer, base + rank)
+                .ok_or_else(missing)?;
+            let packets = match (&pkts, packets) {
+                (Some(all), Some(local)) => {
+                    Some((local.clone(), all[peer].clone().ok_or_else(missing)?))
+                }
+                _ => None,
+            };
+            let handle = MemoryChannelHandle {
+                semaphore: SemaphoreHandle {
+                    inbound_token: self.tokens.inbound(base + peer),
+                    expected_inbound: self.tokens.private(base + peer),
+                    remote_inbound_token: remote_token,
+                    site: self.diagnostics.site(peer as i32, channel),
+                },
+                dst: remote_dst.device_ptr(),
+                src: src.device_ptr(),
+                packet_buffer: packets.as_ref().map_or(0, |(l, _)| l.device_ptr()),
+                remote_packet_buffer: packets.as_ref().map_or(0, |(_, r)| r.device_ptr()),
+                dst_bytes: remote_dst.len() as u64,
+                src_bytes: src.len() as u64,
+                packet_buffer_bytes: packets
+                    .as_ref()
+                    .map_or(0, |(l, r)| l.len().min(r.len()) as u64),
+            };
+            channels.push(MemoryChannel {
+                peer,
+                handle,
+                _src: src.clone(),
+                _dst: remote_dst,
+                _packets: packets,
+                _tokens: self.tokens.clone(),
+            });
+        }
+        Ok(MemoryChannels { channels })
+    }
+
+    /// Waits for `stream`; a device wait that gave up becomes [`Error::Timeout`].
+    pub fn synchronize(&self, stream: &CudaStream) -> Result<()> {
+        match stream.synchronize() {
+            Ok(()) => self.diagnostics.check(),
+            Err(e) => Err(self.diagnostics.explain(Error::Cuda {
+                call: "cuStreamSynchronize",
+                code: e.to_string(),
+            })),
+        }
+    }
+
+    /// Converts a failed CUDA result into the device timeout that caused it, if there was one.
+    pub fn check<T>(
+        &self,
+        r: std::result::Result<T, cudarc::driver::DriverError>,
+        call: &'static str,
+    ) -> Result<T> {
+        r.map_err(|e| {
+            self.diagnostics.explain(Error::Cuda {
+                call,
+                code: e.to_string(),
+            })
+        })
+    }
+}
+
+fn decode_from(me: usize, peer: usize, bytes: &[u8]) -> Result<MemoryDescriptor> {
+    let d = MemoryDescriptor::from_bytes(bytes).map_err(|e| Error::Bootstrap {
+        me,
+        rank: Some(peer),
+        why: format!("sent a bad memory descriptor: {e}"),
+    })?;
+    if d.owner_rank as usize != peer {
+        return Err(Error::Bootstrap {
+            me,
+            rank: Some(peer),
+            why: format!("sent a descriptor of rank {}'s memory", d.owner_rank),
+        });
+    }
+    Ok(d)
+}

@@ -1,0 +1,267 @@
+//! CUDA through cudarc: opening a GPU without panicking when the driver or the GPU is missing,
+//! checking raw driver calls, loading doorbell's embedded kernels, and host-mapped pinned memory.
+//!
+//! This module owns every "is there a driver" decision: cudarc panics when libcuda cannot be
+//! loaded, so nothing else in the crate may touch the driver before [`Gpu::open`] (or
+//! [`device_count`]) has said yes.
+
+use crate::error::{Error, Result};
+use bytemuck::Pod;
+use cudarc::driver::{sys, CudaContext, CudaFunction, CudaModule, CudaStream, DriverError};
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+mod embedded {
+    include!(concat!(env!("OUT_DIR"), "/kernels.rs"));
+}
+
+/// Turns a raw driver result into [`Error::Cuda`] naming the call.
+pub(crate) fn check(call: &'static str, r: sys::CUresult) -> Result<()> {
+    match r {
+        sys::CUresult::CUDA_SUCCESS => Ok(()),
+        other => Err(Error::Cuda {
+            call,
+            code: DriverError(other).to_string(),
+        }),
+    }
+}
+
+/// Maps a cudarc error to [`Error::Cuda`] naming the operation.
+pub(crate) fn cuda_err(call: &'static str) -> impl FnOnce(DriverError) -> Error {
+    move |e| Error::Cuda {
+        call,
+        code: e.to_string(),
+    }
+}
+
+/// Loads libcuda (if it exists) and initializes the driver. Never panics.
+fn init_driver() -> Result<()> {
+    // SAFETY: only probes whether the library can be loaded; no driver call is made.
+    if !unsafe { sys::is_culib_present() } {
+        return Err(Error::NoCudaDriver {
+            why: "libcuda.so could not be loaded: no NVIDIA driver is installed here, or it is \
+                  not on the library path"
+                .into(),
+        });
+    }
+    // SAFETY: cuInit takes a flags word and has no other preconditions.
+    match unsafe { sys::cuInit(0) } {
+        sys::CUresult::CUDA_SUCCESS => Ok(()),
+        sys::CUresult::CUDA_ERROR_NO_DEVICE => Err(Error::NoCudaDriver {
+            why: "the CUDA driver is installed but sees no GPU (CUDA_ERROR_NO_DEVICE); check \
+                  CUDA_VISIBLE_DEVICES"
+                .into(),
+        }),
+        other => Err(Error::NoCudaDriver {
+            why: format!("cuInit failed: {}", DriverError(other)),
+        }),
+    }
+}
+
+/// Number of GPUs this process can see. Errors with [`Error::NoCudaDriver`] when there is no
+/// driver or no GPU.
+pub fn device_count() -> Result<usize> {
+    init_driver()?;
+    let mut n = 0;
+    // SAFETY: the driver is initialized; `n` outlives the call.
+    check("cuDeviceGetCount", unsafe { sys::cuDeviceGetCount(&mut n) })?;
+    if n <= 0 {
+        return Err(Error::NoCudaDriver {
+            why: "the CUDA driver reports no GPU".into(),
+        });
+    }
+    Ok(n as usize)
+}
+
+/// One GPU of this process: its cudarc context (the device's primary context) and doorbell's
+/// kernels, loaded once on first use.
+pub struct Gpu {
+    ctx: Arc<CudaContext>,
+    modules: Mutex<HashMap<&'static str, Arc<CudaModule>>>,
+}
+
+impl std::fmt::Debug for Gpu {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Gpu")
+            .field("ordinal", &self.ctx.ordinal())
+            .finish()
+    }
+}
+
+impl Gpu {
+    /// Opens GPU `ordinal`. [`Error::NoCudaDriver`] if there is no driver or GPU,
+    /// [`Error::InvalidArgument`] if `ordinal` is not below the number of visible GPUs.
+    pub fn open(ordinal: usize) -> Result<Arc<Gpu>> {
+        let count = device_count()?;
+        if ordinal >= count {
+            return Err(Error::invalid(
+                "device",
+                format!("GPU {ordinal} requested but this process sees {count}"),
+            ));
+        }
+        let ctx = CudaContext::new(ordinal).map_err(cuda_err("cuDevicePrimaryCtxRetain"))?;
+        Ok(Arc::new(Gpu {
+            ctx,
+            modules: Mutex::new(HashMap::new()),
+        }))
+    }
+
+    /// The cudarc context; streams and buffers of the caller's own come from it.
+    pub fn context(&self) -> &Arc<CudaContext> {
+        &self.ctx
+    }
+
+    /// The device ordinal.
+    pub fn ordinal(&self) -> usize {
+        self.ctx.ordinal()
+    }
+
+    /// Makes this GPU's context current on the calling thread (needed before raw driver calls).
+    pub fn bind(&self) -> Result<()> {
+        self.ctx
+            .bind_to_thread()
+            .map_err(cuda_err("cuCtxSetCurrent"))
+    }
+
+    /// A new stream on this GPU.
+    pub fn new_stream(&self) -> Result<Arc<CudaStream>> {
+        self.ctx.new_stream().map_err(cuda_err("cuStreamCreate"))
+    }
+
+    /// Kernel `name` from doorbell's module built from `cuda/kernels/<module>.cu`.
+    pub fn function(&self, module: &str, name: &str) -> Result<CudaFunction> {
+        let stem_name = module;
+        let module = {
+            let mut loaded = self.modules.lock().unwrap_or_else(|p| p.into_inner());
+            let Some(&(stem, image)) = embedded::KERNEL_MODULES.iter().find(|(s, _)| *s == module)
+            else {
+                return Err(Error::invalid(
+                    "kernel module",
+                    format!("no cuda/kernels/{module}.cu was built into doorbell"),
+                ));
+            };
+            match loaded.get(stem) {
+                Some(m) => m.clone(),
+                None => {
+                    let m = self
+                        .ctx
+                        .load_module(cudarc::nvrtc::Ptx::from_binary(image.to_vec()))
+                        .map_err(cuda_err("cuModuleLoadData"))?;
+                    loaded.insert(stem, m.clone());
+                    m
+                }
+            }
+        };
+        module.load_function(name).map_err(|e| Error::Cuda {
+            call: "cuModuleGetFunction",
+            code: format!("{name} in {stem_name}.cu: {e}"),
+        })
+    }
+}
+
+/// Names of the kernel modules built into this library.
+pub fn kernel_modules() -> impl Iterator<Item = (&'static str, usize)> {
+    embedded::KERNEL_MODULES.iter().map(|(s, b)| (*s, b.len()))
+}
+
+/// One `T` in pinned host memory that the GPU can read and write (cuMemHostAlloc with
+/// DEVICEMAP). The host reads it with volatile loads, so it sees device writes even while a
+/// kernel runs, and after a kernel trapped.
+pub struct HostMapped<T: Pod> {
+    gpu: Arc<Gpu>,
+    host: *mut T,
+    device: u64,
+}
+
+// SAFETY: the pointer is to pinned host memory owned by this value; access goes through volatile
+// reads/writes of Pod data, which are safe from any thread.
+unsafe impl<T: Pod> Send for HostMapped<T> {}
+// SAFETY: as above.
+unsafe impl<T: Pod> Sync for HostMapped<T> {}
+
+impl<T: Pod> HostMapped<T> {
+    /// Allocates a zeroed `T` mapped into `gpu`'s address space.
+    pub fn new(gpu: &Arc<Gpu>) -> Result<Self> {
+        gpu.bind()?;
+        let mut host: *mut std::ffi::c_void = std::ptr::null_mut();
+        let bytes = std::mem::size_of::<T>().max(1);
+        // SAFETY: `host` receives a fresh allocation of `bytes`; the context is current.
+        check("cuMemHostAlloc", unsafe {
+            sys::cuMemHostAlloc(
+                &mut host,
+                bytes,
+                sys::CU_MEMHOSTALLOC_DEVICEMAP | sys::CU_MEMHOSTALLOC_PORTABLE,
+            )
+        })?;
+        // SAFETY: the allocation is `bytes` long and T is Pod, so zero bytes are a valid T.
+        unsafe { std::ptr::write_bytes(host as *mut u8, 0, bytes) };
+        let mut device = 0;
+        // SAFETY: `host` came from cuMemHostAlloc with DEVICEMAP.
+        let r = check("cuMemHostGetDevicePointer", unsafe {
+            sys::cuMemHostGetDevicePointer_v2(&mut device, host, 0)
+        });
+        if let Err(e) = r {
+            // SAFETY: freeing the allocation made above, never used since.
+            unsafe { sys::cuMemFreeHost(host) };
+            return Err(e);
+        }
+        Ok(HostMapped {
+            gpu: gpu.clone(),
+            host: host as *mut T,
+            device,
+        })
+    }
+
+    /// The device address kernels use.
+    pub fn device_ptr(&self) -> u64 {
+        self.device
+    }
+
+    /// A fresh copy of the value (volatile: sees device writes).
+    pub fn read(&self) -> T {
+        // SAFETY: `host` points to a live, aligned T (pinned allocations are page-aligned).
+        unsafe { std::ptr::read_volatile(self.host) }
+    }
+
+    /// Overwrites the value.
+    pub fn write(&self, v: T) {
+        // SAFETY: as in `read`.
+        unsafe { std::ptr::write_volatile(self.host, v) }
+    }
+}
+
+impl<T: Pod> Drop for HostMapped<T> {
+    fn drop(&mut self) {
+        let _ = self.gpu.bind();
+        // SAFETY: `host` came from cuMemHostAlloc and is freed once, here.
+        unsafe { sys::cuMemFreeHost(self.host as *mut std::ffi::c_void) };
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn kernels_are_embedded_fatbins() {
+        let mods: Vec<_> = kernel_modules().collect();
+        assert!(mods.iter().any(|(s, _)| *s == "selftest"), "{mods:?}");
+        for (stem, image) in embedded::KERNEL_MODULES {
+            // A fatbin starts with the fatbin magic 0xBA55ED50 (little endian).
+            assert_eq!(&image[..4], &[0x50, 0xed, 0x55, 0xba], "{stem}");
+        }
+    }
+
+    #[test]
+    fn no_driver_is_an_error_not_a_panic() {
+        // SAFETY: probe only.
+        if unsafe { sys::is_culib_present() } {
+            return; // a machine with a driver: covered by the GPU suite
+        }
+        match Gpu::open(0) {
+            Err(Error::NoCudaDriver { why }) => assert!(why.contains("libcuda"), "{why}"),
+            other => panic!("expected NoCudaDriver, got {other:?}"),
+        }
+        assert!(matches!(device_count(), Err(Error::NoCudaDriver { .. })));
+    }
+}

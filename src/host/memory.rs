@@ -1,0 +1,684 @@
+//! GPU memory that other processes of the job can map.
+//!
+//! [`Buffer`] is doorbell's own allocation: CUDA VMM (`cuMemCreate` with a POSIX-fd handle,
+//! rounded up to the allocation granularity, mapped with `cuMemMap`/`cuMemSetAccess`). Its fd is
+//! exported and handed to peers on the same host over the job's Unix socket
+//! ([`crate::host::fd_passing`]); they map it with [`RemoteMemory::import`]. Memory a user already
+//! has (cudarc / `cudaMalloc`) is shared through legacy CUDA IPC handles instead.
+//!
+//! [`MemoryDescriptor`] is what travels between ranks: plain bytes, no pointers that mean
+//! anything outside the owner. Every mapping is released by `Drop`, on error paths too: each
+//! constructor builds an RAII guard per step before taking the next one.
+//!
+//! This module never decides which peers share a host; the communicator does.
+
+use crate::error::{Error, Result};
+use crate::host::cuda::{check, Gpu};
+use cudarc::driver::sys;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::sync::Arc;
+
+/// Identifies this host (hostname and boot id): ranks with equal ids can share GPU memory.
+pub fn host_id() -> u64 {
+    use std::hash::{Hash, Hasher};
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    let mut name = [0u8; 256];
+    // SAFETY: gethostname writes at most `len` bytes into the buffer.
+    unsafe { libc::gethostname(name.as_mut_ptr() as *mut libc::c_char, name.len()) };
+    name.hash(&mut h);
+    std::fs::read("/proc/sys/kernel/random/boot_id")
+        .unwrap_or_default()
+        .hash(&mut h);
+    h.finish()
+}
+
+fn allocation_prop(ordinal: usize) -> sys::CUmemAllocationProp {
+    // SAFETY: the struct is plain data; all-zero is its documented "unset" state.
+    let mut prop: sys::CUmemAllocationProp = unsafe { std::mem::zeroed() };
+    prop.type_ = sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED;
+    prop.requestedHandleTypes =
+        sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
+    prop.location.type_ = sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE;
+    prop.location.id = ordinal as i32;
+    prop
+}
+
+fn access_desc(ordinal: usize) -> sys::CUmemAccessDesc {
+    // SAFETY: plain data, zero is a valid starting state.
+    let mut d: sys::CUmemAccessDesc = unsafe { std::mem::zeroed() };
+    d.location.type_ = sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE;
+    d.location.id = ordinal as i32;
+    d.flags = sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+    d
+}
+
+/// The allocation granularity (bytes) doorbell rounds VMM buffers up to on `gpu`.
+pub fn granularity(gpu: &Gpu) -> Result<usize> {
+    gpu.bind()?;
+    let prop = allocation_prop(gpu.ordinal());
+    let mut g = 0usize;
+    // SAFETY: `prop` is a valid allocation description; `g` outlives the call.
+    check("cuMemGetAllocationGranularity", unsafe {
+        sys::cuMemGetAllocationGranularity(
+            &mut g,
+            &prop,
+            sys::CUmemAllocationGranularity_flags::CU_MEM_ALLOC_GRANULARITY_RECOMMENDED,
+        )
+    })?;
+    Ok(g.max(1))
+}
+
+/// A physical allocation handle, released on drop.
+struct PhysicalHandle(sys::CUmemGenericAllocationHandle);
+
+impl Drop for PhysicalHandle {
+    fn drop(&mut self) {
+        // SAFETY: the handle came from cuMemCreate/cuMemImportFromShareableHandle; released once.
+        unsafe { sys::cuMemRelease(self.0) };
+    }
+}
+
+/// A reserved virtual address range, freed on drop.
+struct Reservation {
+    ptr: u64,
+    bytes: usize,
+}
+
+impl Drop for Reservation {
+    fn drop(&mut self) {
+        // SAFETY: the range came from cuMemAddressReserve; nothing is mapped in it any more
+        // (Mapping drops first).
+        unsafe { sys::cuMemAddressFree(self.ptr, self.bytes) };
+    }
+}
+
+/// A physical allocation mapped into a reservation, unmapped on drop.
+struct Mapping {
+    // Field order is drop order: unmap, then free the range, then release the handle.
+    ptr: u64,
+    bytes: usize,
+    _range: Reservation,
+    _handle: PhysicalHandle,
+}
+
+impl Drop for Mapping {
+    fn drop(&mut self) {
+        // SAFETY: [ptr, ptr+bytes) was mapped by cuMemMap; unmapped once, before the range is freed.
+        unsafe { sys::cuMemUnmap(self.ptr, self.bytes) };
+    }
+}
+
+impl Mapping {
+    /// Maps `handle` (of `bytes`, a granularity multiple) and grants `gpu` read/write access.
+    fn map(gpu: &Gpu, handle: PhysicalHandle, bytes: usize, granularity: usize) -> Result<Mapping> {
+        let mut ptr = 0u64;
+        // SAFETY: reserving fresh address space; `ptr` outlives the call.
+        check("cuMemAddressReserve", unsafe {
+            sys::cuMemAddressReserve(&mut ptr, bytes, granularity, 0, 0)
+        })?;
+        let range = Reservation { ptr, bytes };
+        // SAFETY: the range is reserved and `bytes` long; the handle covers `bytes`.
+        check("cuMemMap", unsafe {
+            sys::cuMemMap(ptr, bytes, 0, handle.0, 0)
+        })?;
+        let mapping = Mapping {
+            ptr,
+            bytes,
+            _range: range,
+            _handle: handle,
+        };
+        let desc = access_desc(gpu.ordinal());
+        // SAFETY: the range is mapped; `desc` names this process's GPU.
+        check("cuMemSetAccess", unsafe {
+            sys::cuMemSetAccess(ptr, bytes, &desc, 1)
+        })
+        .map_err(|e| match e {
+            Error::Cuda { call, code } => Error::Cuda {
+                call,
+                code: format!(
+                    "{code} (GPU {} cannot map this memory: peer access between these GPUs is \
+                     not supported)",
+                    gpu.ordinal()
+                ),
+            },
+            other => other,
+        })?;
+        Ok(mapping)
+    }
+}
+
+/// GPU memory doorbell allocated with the CUDA VMM API, shareable with the job's other processes
+/// on this host. Freed on drop.
+pub struct Buffer {
+    gpu: Arc<Gpu>,
+    mapping: Mapping,
+    bytes: usize,
+}
+
+impl std::fmt::Debug for Buffer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Buffer")
+            .field("gpu", &self.gpu.ordinal())
+            .field("ptr", &format_args!("{:#x}", self.mapping.ptr))
+            .field("bytes", &self.bytes)
+            .finish()
+    }
+}
+
+impl Buffer {
+    /// Allocates at least `bytes` (rounded up to the granularity) on `gpu`, zero-filled.
+    pub fn alloc(gpu: &Arc<Gpu>, bytes: usize) -> Result<Buffer> {
+        if bytes == 0 {
+            return Err(Error::invalid("bytes", "cannot allocate an empty buffer"));
+        }
+        let g = granularity(gpu)?;
+        let rounded = bytes
+            .checked_next_multiple_of(g)
+            .ok_or_else(|| Error::invalid("bytes", format!("{bytes} bytes overflows")))?;
+        let prop = allocation_prop(gpu.ordinal());
+        let mut raw = 0;
+        // SAFETY: `prop` describes a pinned device allocation; `raw` outlives the call.
+        check("cuMemCreate", unsafe {
+            sys::cuMemCreate(&mut raw, rounded, &prop, 0)
+        })
+        .map_err(|e| match e {
+            Error::Cuda { call, code } => Error::Cuda {
+                call,
+                code: format!(
+                    "{code} (allocating {rounded} bytes on GPU {})",
+                    gpu.ordinal()
+                ),
+            },
+            other => other,
+        })?;
+        let mapping = Mapping::map(gpu, PhysicalHandle(raw), rounded, g)?;
+        // SAFETY: the mapping is `rounded` bytes of this GPU's memory, current context bound.
+        check("cuMemsetD8", unsafe {
+            sys::cuMemsetD8_v2(mapping.ptr, 0, rounded)
+        })?;
+        Ok(Buffer {
+            gpu: gpu.clone(),
+            mapping,
+            bytes: rounded,
+        })
+    }
+
+    /// Device address of the first byte.
+    pub fn device_ptr(&self) -> u64 {
+        self.mapping.ptr
+    }
+
+    /// Size in bytes (a granularity multiple, at least what was asked for).
+    pub fn len(&self) -> usize {
+        self.bytes
+    }
+
+    /// Never true: buffers are not empty.
+    pub fn is_empty(&self) -> bool {
+        false
+    }
+
+    /// The GPU holding it.
+    pub fn gpu(&self) -> &Arc<Gpu> {
+        &self.gpu
+    }
+
+    /// Exports the allocation as a POSIX fd another process can import.
+    pub fn export_fd(&self) -> Result<OwnedFd> {
+        self.gpu.bind()?;
+        let mut fd: libc::c_int = -1;
+        // SAFETY: for POSIX_FILE_DESCRIPTOR the output is an int; the handle is live.
+        check("cuMemExportToShareableHandle", unsafe {
+            sys::cuMemExportToShareableHandle(
+                &mut fd as *mut libc::c_int as *mut std::ffi::c_void,
+                self.mapping._handle.0,
+                sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
+                0,
+            )
+        })?;
+        // SAFETY: the driver returned a fresh fd that we now own.
+        Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+    }
+
+    /// Copies `data` into the buffer at `offset`. Synchronous with the whole device: it waits
+    /// for all work queued on the GPU before and after the copy (for setup and tests, not hot
+    /// paths).
+    pub fn write(&self, offset: usize, data: &[u8]) -> Result<()> {
+        self.check_range(offset, data.len())?;
+        self.device_synchronize()?;
+        // SAFETY: the range was checked to lie inside the mapping.
+        check("cuMemcpyHtoD", unsafe {
+            sys::cuMemcpyHtoD_v2(
+                self.mapping.ptr + offset as u64,
+                data.as_ptr() as *const std::ffi::c_void,
+                data.len(),
+            )
+        })?;
+        self.device_synchronize()
+    }
+
+    /// Copies `out.len()` bytes at `offset` out of the buffer, after all work queued on the GPU.
+    pub fn read(&self, offset: usize, out: &mut [u8]) -> Result<()> {
+        self.check_range(offset, out.len())?;
+        self.device_synchronize()?;
+        // SAFETY: as in `write`.
+        check("cuMemcpyDtoH", unsafe {
+            sys::cuMemcpyDtoH_v2(
+                out.as_mut_ptr() as *mut std::ffi::c_void,
+                self.mapping.ptr + offset as u64,
+                out.len(),
+            )
+        })
+    }
+
+    /// Sets `len` bytes at `offset` to `value`, synchronous with the whole device like `write`.
+    pub fn fill(&self, offset: usize, len: usize, value: u8) -> Result<()> {
+        self.check_range(offset, len)?;
+        self.device_synchronize()?;
+        // SAFETY: as in `write`.
+        check("cuMemsetD8", unsafe {
+            sys::cuMemsetD8_v2(self.mapping.ptr + offset as u64, value, len)
+        })?;
+        self.device_synchronize()
+    }
+
+    fn device_synchronize(&self) -> Result<()> {
+        self.gpu.bind()?;
+        // SAFETY: no arguments; the context is current.
+        check("cuCtxSynchronize", unsafe { sys::cuCtxSynchronize() })
+    }
+
+    fn check_range(&self, offset: usize, len: usize) -> Result<()> {
+        match offset.checked_add(len) {
+            Some(end) if end <= self.bytes => Ok(()),
+            _ => Err(Error::invalid(
+                "range",
+                format!(
+                    "[{offset}, +{len}) is outside a buffer of {} bytes",
+                    self.bytes
+                ),
+            )),
+        }
+    }
+}
+
+/// How a peer's memory reaches this process.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ShareHandle {
+    /// A VMM allocation; its fd is fetched from the owner's fd server under `export_id`.
+    PosixFd {
+        /// The owner's id for the exported fd.
+        export_id: u64,
+        /// Bytes of the whole allocation (a granularity multiple).
+        alloc_bytes: u64,
+        /// The owner's granularity, which the importer's reservation must respect.
+        granularity: u64,
+    },
+    /// A `cudaMalloc`/cudarc allocation shared with a legacy CUDA IPC handle.
+    CudaIpc {
+        /// The opaque 64-byte handle of the allocation's base.
+        handle: [u8; 64],
+        /// Offset of the registered range from the allocation's base.
+        offset: u64,
+    },
+}
+
+/// A serializable description of registered memory: what a peer needs to map it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MemoryDescriptor {
+    /// The rank that owns the memory.
+    pub owner_rank: u32,
+    /// The owner's [`host_id`].
+    pub host_id: u64,
+    /// Registered bytes.
+    pub bytes: u64,
+    /// How to map it.
+    pub handle: ShareHandle,
+}
+
+const DESCRIPTOR_MAGIC: &[u8; 4] = b"DBMD";
+const DESCRIPTOR_VERSION: u16 = 1;
+
+impl MemoryDescriptor {
+    /// Encodes the descriptor (little endian, versioned).
+    pub fn to_bytes(&self) -> Vec<u8> {
+        let mut v = Vec::with_capacity(112);
+        v.extend_from_slice(DESCRIPTOR_MAGIC);
+        v.extend_from_slice(&DESCRIPTOR_VERSION.to_le_bytes());
+        v.extend_from_slice(&self.owner_rank.to_le_bytes());
+        v.extend_from_slice(&self.host_id.to_le_bytes());
+        v.extend_from_slice(&self.bytes.to_le_bytes());
+        match &self.handle {
+            ShareHandle::PosixFd {
+                export_id,
+                alloc_bytes,
+                granularity,
+            } => {
+                v.push(1);
+                v.extend_from_slice(&export_id.to_le_bytes());
+                v.extend_from_slice(&alloc_bytes.to_le_bytes());
+                v.extend_from_slice(&granularity.to_le_bytes());
+            }
+            ShareHandle::CudaIpc { handle, offset } => {
+                v.push(2);
+                v.extend_from_slice(handle);
+                v.extend_from_slice(&offset.to_le_bytes());
+            }
+        }
+        v
+    }
+
+    /// Decodes what [`MemoryDescriptor::to_bytes`] wrote; anything else is an error.
+    pub fn from_bytes(b: &[u8]) -> Result<Self> {
+        let bad = |why: &str| Error::invalid("memory descriptor", why.to_string());
+        let mut r = Reader { b, at: 0 };
+        if r.take(4).ok_or_else(|| bad("truncated"))? != DESCRIPTOR_MAGIC {
+            return Err(bad("not a doorbell memory descriptor (bad magic)"));
+        }
+        let version = u16::from_le_bytes(r.array().ok_or_else(|| bad("truncated"))?);
+        if version != DESCRIPTOR_VERSION {
+            return Err(bad(&format!(
+                "version {version}, this build reads {DESCRIPTOR_VERSION}: mixed doorbell versions in one job"
+            )));
+        }
+        let owner_rank = r.u32().ok_or_else(|| bad("truncated"))?;
+        let host_id = r.u64().ok_or_else(|| bad("truncated"))?;
+        let bytes = r.u64().ok_or_else(|| bad("truncated"))?;
+        let handle = match r.take(1).ok_or_else(|| bad("truncated"))?[0] {
+            1 => ShareHandle::PosixFd {
+                export_id: r.u64().ok_or_else(|| bad("truncated"))?,
+                alloc_bytes: r.u64().ok_or_else(|| bad("truncated"))?,
+                granularity: r.u64().ok_or_else(|| bad("truncated"))?,
+            },
+            2 => ShareHandle::CudaIpc {
+                handle: r.array().ok_or_else(|| bad("truncated"))?,
+                offset: r.u64().ok_or_else(|| bad("truncated"))?,
+            },
+            t => return Err(bad(&format!("unknown handle kind {t}"))),
+        };
+        if r.at != b.len() {
+            return Err(bad("trailing bytes"));
+        }
+        if let ShareHandle::PosixFd {
+            alloc_bytes,
+            granularity,
+            ..
+        } = handle
+        {
+            if bytes > alloc_bytes || granularity == 0 || alloc_bytes % granularity != 0 {
+                return Err(bad("inconsistent sizes"));
+            }
+        }
+        Ok(MemoryDescriptor {
+            owner_rank,
+            host_id,
+            bytes,
+            handle,
+        })
+    }
+}
+
+struct Reader<'a> {
+    b: &'a [u8],
+    at: usize,
+}
+
+impl<'a> Reader<'a> {
+    fn take(&mut self, n: usize) -> Option<&'a [u8]> {
+        let s = self.b.get(self.at..self.at.checked_add(n)?)?;
+        self.at += n;
+        Some(s)
+    }
+    fn array<const N: usize>(&mut self) -> Option<[u8; N]> {
+        self.take(N)?.try_into().ok()
+    }
+    fn u32(&mut self) -> Option<u32> {
+        self.array().map(u32::from_le_bytes)
+    }
+    fn u64(&mut self) -> Option<u64> {
+        self.array().map(u64::from_le_bytes)
+    }
+}
+
+enum RemoteKind {
+    Vmm(#[allow(dead_code)] Mapping),
+    LegacyIpc { base: u64 },
+}
+
+/// A peer's memory mapped into this process. Unmapped on drop.
+pub struct RemoteMemory {
+    gpu: Arc<Gpu>,
+    kind: RemoteKind,
+    ptr: u64,
+    bytes: usize,
+    owner_rank: u32,
+}
+
+impl std::fmt::Debug for RemoteMemory {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RemoteMemory")
+            .field("owner_rank", &self.owner_rank)
+            .field("ptr", &format_args!("{:#x}", self.ptr))
+            .field("bytes", &self.bytes)
+            .finish()
+    }
+}
+
+impl RemoteMemory {
+    /// Maps the memory `desc` describes. `fd` must be the owner's exported fd for a
+    /// [`ShareHandle::PosixFd`] descriptor (fetched by the caller) and `None` otherwise.
+    pub fn import(gpu: &Arc<Gpu>, desc: &MemoryDescriptor, fd: Option<OwnedFd>) -> Result<Self> {
+        gpu.bind()?;
+        match (&desc.handle, fd) {
+            (
+                ShareHandle::PosixFd {
+                    alloc_bytes,
+                    granularity,
+                    ..
+                },
+                Some(fd),
+            ) => {
+                let mut raw = 0;
+                // SAFETY: for POSIX fds the "OS handle" argument is the fd value itself; the
+                // driver dups what it needs, and `fd` is closed when it drops below.
+                check("cuMemImportFromShareableHandle", unsafe {
+                    sys::cuMemImportFromShareableHandle(
+                        &mut raw,
+                        fd.as_raw_fd() as usize as *mut std::ffi::c_void,
+                        sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
+                    )
+                })?;
+                let mapping = Mapping::map(
+                    gpu,
+                    PhysicalHandle(raw),
+                    *alloc_bytes as usize,
+                    *granularity as usize,
+                )?;
+                let ptr = mapping.ptr;
+                Ok(RemoteMemory {
+                    gpu: gpu.clone(),
+                    kind: RemoteKind::Vmm(mapping),
+                    ptr,
+                    bytes: desc.bytes as usize,
+                    owner_rank: desc.owner_rank,
+                })
+            }
+            (ShareHandle::CudaIpc { handle, offset }, None) => {
+                // SAFETY: CUipcMemHandle is 64 opaque bytes.
+                let h: sys::CUipcMemHandle = unsafe { std::mem::transmute(*handle) };
+                let mut base = 0;
+                // SAFETY: opening a handle another process exported; `base` outlives the call.
+                check("cuIpcOpenMemHandle", unsafe {
+                    sys::cuIpcOpenMemHandle_v2(
+                        &mut base,
+                        h,
+                        sys::CUipcMem_flags::CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS as u32,
+                    )
+                })?;
+                Ok(RemoteMemory {
+                    gpu: gpu.clone(),
+                    kind: RemoteKind::LegacyIpc { base },
+                    ptr: base + offset,
+                    bytes: desc.bytes as usize,
+                    owner_rank: desc.owner_rank,
+                })
+            }
+            _ => Err(Error::invalid(
+                "fd",
+                "a VMM descriptor needs the owner's fd, a CUDA IPC descriptor none",
+            )),
+        }
+    }
+
+    /// Device address of the first registered byte, in this process.
+    pub fn device_ptr(&self) -> u64 {
+        self.ptr
+    }
+
+    /// Registered bytes.
+    pub fn len(&self) -> usize {
+        self.bytes
+    }
+
+    /// True for a zero-byte registration.
+    pub fn is_empty(&self) -> bool {
+        self.bytes == 0
+    }
+
+    /// The rank that owns it.
+    pub fn owner_rank(&self) -> u32 {
+        self.owner_rank
+    }
+}
+
+impl Drop for RemoteMemory {
+    fn drop(&mut self) {
+        let _ = self.gpu.bind();
+        if let RemoteKind::LegacyIpc { base } = self.kind {
+            // SAFETY: `base` came from cuIpcOpenMemHandle and is closed once.
+            unsafe { sys::cuIpcCloseMemHandle(base) };
+        }
+        // A VMM mapping unmaps itself when `kind` drops.
+    }
+}
+
+/// Legacy CUDA IPC export of memory the user allocated (cudarc `CudaSlice`, `cudaMalloc`): the
+/// handle of the allocation containing `ptr` and `ptr`'s offset in it.
+pub fn ipc_handle_for(gpu: &Gpu, ptr: u64, bytes: usize) -> Result<([u8; 64], u64)> {
+    gpu.bind()?;
+    let (mut base, mut size) = (0u64, 0usize);
+    // SAFETY: querying the allocation that contains `ptr`; outputs outlive the call.
+    check("cuMemGetAddressRange", unsafe {
+        sys::cuMemGetAddressRange_v2(&mut base, &mut size, ptr)
+    })?;
+    let offset = ptr - base;
+    if offset as usize + bytes > size {
+        return Err(Error::invalid(
+            "bytes",
+            format!("{bytes} bytes at offset {offset} run past the allocation of {size} bytes"),
+        ));
+    }
+    // SAFETY: CUipcMemHandle is plain data.
+    let mut h: sys::CUipcMemHandle = unsafe { std::mem::zeroed() };
+    // SAFETY: `base` is the start of a device allocation of this context.
+    check("cuIpcGetMemHandle", unsafe {
+        sys::cuIpcGetMemHandle(&mut h, base)
+    })
+    .map_err(|e| match e {
+        Error::Cuda { call, code } => Error::Cuda {
+            call,
+            code: format!(
+                "{code} (legacy CUDA IPC works for cudaMalloc memory only; allocate with \
+                 Communicator::alloc for VMM memory)"
+            ),
+        },
+        other => other,
+    })?;
+    // SAFETY: CUipcMemHandle is 64 opaque bytes.
+    Ok((
+        unsafe { std::mem::transmute::<sys::CUipcMemHandle, [u8; 64]>(h) },
+        offset,
+    ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn descriptors_round_trip() {
+        let mut handle = [0u8; 64];
+        handle
+            .iter_mut()
+            .enumerate()
+            .for_each(|(i, b)| *b = i as u8);
+        for d in [
+            MemoryDescriptor {
+                owner_rank: 3,
+                host_id: 0xdead_beef_0123,
+                bytes: 5 << 20,
+                handle: ShareHandle::PosixFd {
+                    export_id: 42,
+                    alloc_bytes: 6 << 20,
+                    granularity: 2 << 20,
+                },
+            },
+            MemoryDescriptor {
+                owner_rank: 0,
+                host_id: 1,
+                bytes: 17,
+                handle: ShareHandle::CudaIpc {
+                    handle,
+                    offset: 4096,
+                },
+            },
+        ] {
+            let b = d.to_bytes();
+            assert_eq!(MemoryDescriptor::from_bytes(&b).unwrap(), d);
+            // Every truncation is an error, never a panic.
+            for n in 0..b.len() {
+                assert!(MemoryDescriptor::from_bytes(&b[..n]).is_err(), "prefix {n}");
+            }
+            let mut long = b.clone();
+            long.push(0);
+            assert!(MemoryDescriptor::from_bytes(&long).is_err());
+        }
+    }
+
+    #[test]
+    fn descriptors_reject_garbage() {
+        let d = MemoryDescriptor {
+            owner_rank: 1,
+            host_id: 2,
+            bytes: 4 << 20,
+            handle: ShareHandle::PosixFd {
+                export_id: 1,
+                alloc_bytes: 4 << 20,
+                granularity: 2 << 20,
+            },
+        };
+        let good = d.to_bytes();
+        let mut b = good.clone();
+        b[0] = b'X';
+        assert!(MemoryDescriptor::from_bytes(&b)
+            .unwrap_err()
+            .to_string()
+            .contains("magic"));
+        let mut b = good.clone();
+        b[4] = 9;
+        assert!(MemoryDescriptor::from_bytes(&b)
+            .unwrap_err()
+            .to_string()
+            .contains("version"));
+        let mut b = good.clone();
+        b[26] = 7;
+        assert!(MemoryDescriptor::from_bytes(&b)
+            .unwrap_err()
+            .to_string()
+            .contains("kind"));
+        // More registered bytes than the allocation holds.
+        let mut bad = d.clone();
+        bad.bytes = 8 << 20;
+        assert!(MemoryDescriptor::from_bytes(&bad.to_bytes()).is_err());
+    }
+}
