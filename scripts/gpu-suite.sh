@@ -37,7 +37,7 @@ for line in sys.stdin:
   for ex in target/release/examples/*; do
     [ -f "$ex" ] && [ -x "$ex" ] && case "$ex" in *-*) ;; *) cp "$ex" "$bundle/examples/" ;; esac
   done
-  git rev-parse --short HEAD > "$bundle/COMMIT" 2>/dev/null || true
+  git describe --always --dirty > "$bundle/COMMIT" 2>/dev/null || true
   du -sh "$bundle"
   ls -la "$bundle"/*
 }

@@ -126,6 +126,47 @@ fn four_threads_gather_and_message() {
 }
 
 #[test]
+fn eight_threads_with_a_late_rank_zero() {
+    let configs = world(8, Duration::from_secs(10));
+    std::thread::scope(|s| {
+        for cfg in configs {
+            s.spawn(move || {
+                if cfg.rank == 0 {
+                    // The others start first and retry until rank 0 listens.
+                    std::thread::sleep(Duration::from_millis(500));
+                }
+                let b = Bootstrap::connect(cfg).unwrap();
+                let all = b.all_gather(&[b.rank() as u8; 3]).unwrap();
+                assert_eq!(all, (0..8u8).map(|r| vec![r; 3]).collect::<Vec<_>>());
+                b.barrier().unwrap();
+            });
+        }
+    });
+}
+
+#[test]
+fn many_threads_share_one_bootstrap() {
+    threads(world(2, Duration::from_secs(10)), |b| {
+        let b = b.unwrap();
+        let peer = 1 - b.rank();
+        std::thread::scope(|s| {
+            for tag in 0..4u64 {
+                let b = &b;
+                s.spawn(move || {
+                    for i in 0..100u32 {
+                        b.send(peer, tag, &i.to_le_bytes()).unwrap();
+                    }
+                    for i in 0..100u32 {
+                        assert_eq!(b.recv(peer, tag).unwrap(), i.to_le_bytes());
+                    }
+                });
+            }
+        });
+        b.barrier().unwrap();
+    });
+}
+
+#[test]
 fn one_rank_needs_no_network() {
     let mut cfg = config(0, 1, 0, Duration::from_secs(1));
     cfg.master_addr = "nowhere.invalid".into();
@@ -330,6 +371,11 @@ fn child_entry() {
             );
         }
         "stranger" => {
+            // Shows the warnings about dropped strangers in the relayed output.
+            let _ = tracing_subscriber::fmt()
+                .with_writer(std::io::stderr)
+                .with_env_filter("warn")
+                .try_init();
             if rank == 2 {
                 // Leaves the test's stranger time to knock while rank 0 still listens.
                 std::thread::sleep(secs(2));

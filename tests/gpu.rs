@@ -235,9 +235,18 @@ fn export_import(comm: &Communicator, s: &Arc<CudaStream>) {
     let bytes = 3 * 1024 * 1024 + 5;
     let vmm = comm.alloc(bytes).unwrap();
     fill(comm, s, vmm.device_ptr(), 0, bytes as u64, me, 0, 7);
-    let plain: CudaSlice<u8> = s.alloc_zeros(bytes).unwrap();
-    let plain_ptr = plain.device_ptr(s).0;
+    // cudaMalloc-style memory (cuMemAlloc): shared with a legacy CUDA IPC handle.
+    let plain = PlainAlloc::new(comm, bytes);
+    let plain_ptr = plain.0;
     fill(comm, s, plain_ptr, 0, bytes as u64, me, 1, 7);
+    // cudarc's own slices come from the stream-ordered pool, which legacy IPC cannot share: a
+    // clear error, not a crash.
+    let pooled: CudaSlice<u8> = s.alloc_zeros(4096).unwrap();
+    // SAFETY: the registration fails, so nothing keeps the pointer.
+    match unsafe { comm.register_external(pooled.device_ptr(s).0, 4096) } {
+        Err(Error::InvalidArgument { why, .. }) => assert!(why.contains("stream-ordered"), "{why}"),
+        other => panic!("expected InvalidArgument for pool memory, got {other:?}"),
+    }
     comm.synchronize(s).unwrap();
     // The device pattern and its host twin agree.
     let mut head = vec![0u8; 4096];
@@ -265,6 +274,27 @@ fn export_import(comm: &Communicator, s: &Arc<CudaStream>) {
     assert!(remote_vmm[comm.rank()].is_none());
     // Peers keep reading until everyone is done.
     comm.bootstrap().barrier().unwrap();
+}
+
+/// A cuMemAlloc allocation (what cudaMalloc returns), freed on drop.
+struct PlainAlloc(u64);
+
+impl PlainAlloc {
+    fn new(comm: &Communicator, bytes: usize) -> Self {
+        comm.gpu().bind().unwrap();
+        let mut p = 0;
+        // SAFETY: plain allocation into `p`; freed in Drop.
+        let r = unsafe { cudarc::driver::sys::cuMemAlloc_v2(&mut p, bytes) };
+        assert_eq!(r, cudarc::driver::sys::CUresult::CUDA_SUCCESS);
+        PlainAlloc(p)
+    }
+}
+
+impl Drop for PlainAlloc {
+    fn drop(&mut self) {
+        // SAFETY: allocated by cuMemAlloc in `new`, freed once.
+        unsafe { cudarc::driver::sys::cuMemFree_v2(self.0) };
+    }
 }
 
 #[repr(C)]

@@ -30,6 +30,6 @@ extern "C" __global__ void pingpong_put(MemoryChannelHandle ch, uint64_t bytes) 
 // One thread waits for `count` signals, then acknowledges once.
 extern "C" __global__ void pingpong_drain(MemoryChannelHandle ch, uint64_t count, uint32_t ack) {
   if (threadIdx.x != 0 || blockIdx.x != 0) return;
-  for (uint64_t i = 0; i < count; ++i) ch.wait();
+  ch.wait(count);
   if (ack) ch.signal();
 }

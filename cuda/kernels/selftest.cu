@@ -68,9 +68,7 @@ extern "C" __global__ void selftest_exchange(ExchangeArgs a) {
   __syncthreads();  // every access of this block is done before the signal below
   if (threadIdx.x == 0) {
     ch.signal();
-    if (part == 0) {
-      for (uint32_t b = 0; b < a.blocks_per_peer; ++b) ch.wait();
-    }
+    if (part == 0) ch.wait(a.blocks_per_peer);
   }
 }
 

@@ -77,6 +77,10 @@ const ACCEPT_POLL: Duration = Duration::from_millis(20);
 const ABORT_MARGIN: Duration = Duration::from_secs(1);
 /// Bound on writing a goodbye or an abort to a peer that may not be reading.
 const FAREWELL_WRITE_TIMEOUT: Duration = Duration::from_secs(1);
+/// Floor of a send's deadline: a send blocks only while the peer's socket buffer is full, and
+/// giving up part way through a frame breaks the link, so a tiny timeout set for polling `recv`
+/// must not apply to sends.
+const MIN_WRITE_TIMEOUT: Duration = Duration::from_secs(1);
 const NO_RANK: u64 = u64::MAX;
 
 /// Where this rank sits in the job and how to reach rank 0.
@@ -354,7 +358,9 @@ impl Bootstrap {
         self.all_gather(&[]).map(drop)
     }
 
-    /// Sends `data` to `peer` under `tag`. Messages for one `(peer, tag)` arrive in order.
+    /// Sends `data` to `peer` under `tag`. Messages for one `(peer, tag)` arrive in order. Returns
+    /// once the bytes are with the kernel; fails naming `peer` when it is gone, or when its socket
+    /// stays full for the timeout (at least 1 s), which also closes the link.
     pub fn send(&self, peer: usize, tag: u64, data: &[u8]) -> Result<()> {
         self.check_peer(peer)?;
         if peer == self.rank {
@@ -404,7 +410,7 @@ impl Bootstrap {
         };
         let mut stream = lock(&link.writer);
         let written = stream
-            .set_write_timeout(Some(self.timeout().max(Duration::from_millis(1))))
+            .set_write_timeout(Some(self.timeout().max(MIN_WRITE_TIMEOUT)))
             .and_then(|()| write_frame(&mut *stream, kind, tag, data));
         if let Err(e) = written {
             // A partly written frame would corrupt the link: close it for good.

@@ -297,11 +297,9 @@ pub fn fetch_fd(
     };
     let deadline = Instant::now() + timeout;
     let name = server_name(secret, peer_rank);
-    let addr = SocketAddr::from_abstract_name(name.as_bytes())
-        .map_err(|e| fail(format!("naming socket {name}: {e}")))?;
     let mut backoff = Duration::from_millis(5);
     let mut stream = loop {
-        match UnixStream::connect_addr(&addr) {
+        match connect_abstract(name.as_bytes()) {
             Ok(stream) => break stream,
             Err(e) => {
                 let now = Instant::now();
@@ -413,6 +411,55 @@ fn encode_refusal(why: &str) -> Vec<u8> {
 
 // ---------------------------------------------------------------------------------------------
 // The system calls std does not wrap: SO_PEERCRED, sendmsg/recvmsg with SCM_RIGHTS.
+
+/// Connects to the abstract Unix socket `name` without ever blocking: where a blocking connect
+/// would wait without bound for room in a full backlog, this fails with `WouldBlock` and the
+/// caller retries until its deadline.
+fn connect_abstract(name: &[u8]) -> io::Result<UnixStream> {
+    // SAFETY: socket() takes no pointers; on success it returns a new descriptor.
+    let raw = unsafe {
+        libc::socket(
+            libc::AF_UNIX,
+            libc::SOCK_STREAM | libc::SOCK_CLOEXEC | libc::SOCK_NONBLOCK,
+            0,
+        )
+    };
+    if raw < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: `raw` is a fresh descriptor that nothing else owns.
+    let fd = unsafe { OwnedFd::from_raw_fd(raw) };
+    let mut addr = libc::sockaddr_un {
+        sun_family: libc::AF_UNIX as libc::sa_family_t,
+        sun_path: [0; 108],
+    };
+    // An abstract name is a NUL followed by the name's bytes (no terminator).
+    if name.len() >= addr.sun_path.len() {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidInput,
+            "abstract socket name too long",
+        ));
+    }
+    for (dst, &src) in addr.sun_path[1..].iter_mut().zip(name) {
+        *dst = src as libc::c_char;
+    }
+    let len = std::mem::offset_of!(libc::sockaddr_un, sun_path) + 1 + name.len();
+    // SAFETY: `addr` is a live sockaddr_un and `len` (at most its size, checked above) covers the
+    // family, the leading NUL and the name. `fd` is owned here and stays open during the call.
+    let rc = unsafe {
+        libc::connect(
+            fd.as_raw_fd(),
+            (&addr as *const libc::sockaddr_un).cast(),
+            len as libc::socklen_t,
+        )
+    };
+    if rc != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    let stream = UnixStream::from(fd);
+    stream.set_nonblocking(false)?;
+    Ok(stream)
+}
 
 fn effective_uid() -> libc::uid_t {
     // SAFETY: geteuid takes no arguments, cannot fail and touches no memory of ours.
@@ -533,7 +580,7 @@ fn recv_with_fds(sock: BorrowedFd<'_>, buf: &mut [u8]) -> io::Result<(usize, Vec
         while !cmsg.is_null() {
             if (*cmsg).cmsg_level == libc::SOL_SOCKET && (*cmsg).cmsg_type == libc::SCM_RIGHTS {
                 let data = libc::CMSG_DATA(cmsg).cast::<libc::c_int>();
-                let bytes = (*cmsg).cmsg_len as usize - libc::CMSG_LEN(0) as usize;
+                let bytes = ((*cmsg).cmsg_len as usize).saturating_sub(libc::CMSG_LEN(0) as usize);
                 for i in 0..bytes / size_of::<libc::c_int>() {
                     let raw = std::ptr::read_unaligned(data.add(i));
                     fds.push(OwnedFd::from_raw_fd(raw));

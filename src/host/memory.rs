@@ -566,6 +566,25 @@ impl Drop for RemoteMemory {
 /// handle of the allocation containing `ptr` and `ptr`'s offset in it.
 pub fn ipc_handle_for(gpu: &Gpu, ptr: u64, bytes: usize) -> Result<([u8; 64], u64)> {
     gpu.bind()?;
+    let mut capable: libc::c_int = 0;
+    // SAFETY: the attribute is an int; `capable` outlives the call.
+    check("cuPointerGetAttribute", unsafe {
+        sys::cuPointerGetAttribute(
+            &mut capable as *mut libc::c_int as *mut std::ffi::c_void,
+            sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE,
+            ptr,
+        )
+    })?;
+    if capable == 0 {
+        return Err(Error::invalid(
+            "memory",
+            format!(
+                "{ptr:#x} cannot be shared with legacy CUDA IPC: it comes from a stream-ordered \
+                 pool (cuMemAllocAsync, which cudarc uses for CudaSlice) or a VMM allocation; \
+                 allocate shared buffers with Communicator::alloc, or with cuMemAlloc/cudaMalloc"
+            ),
+        ));
+    }
     let (mut base, mut size) = (0u64, 0usize);
     // SAFETY: querying the allocation that contains `ptr`; outputs outlive the call.
     check("cuMemGetAddressRange", unsafe {

@@ -46,7 +46,7 @@ struct MemoryChannelHandle {
 
   DOORBELL_DEVICE_INLINE void signal() const { semaphore.signal(); }
   DOORBELL_DEVICE_INLINE void relaxed_signal() const { semaphore.relaxed_signal(); }
-  DOORBELL_DEVICE_INLINE void wait() const { semaphore.wait(); }
+  DOORBELL_DEVICE_INLINE void wait(uint64_t count = 1) const { semaphore.wait(count); }
   DOORBELL_DEVICE_INLINE bool poll() const { return semaphore.poll(); }
 
   // Wraps `bytes` from my src + src_off into packets written at the peer's packet buffer +

@@ -37,10 +37,10 @@ struct SemaphoreHandle {
     return true;
   }
 
-  // Waits for the next signal (bounded; see wait.cuh). Several threads may wait at once; each
-  // consumes one signal.
-  DOORBELL_DEVICE_INLINE void wait() const {
-    const uint64_t expected = fetch_add_relaxed_gpu(expected_inbound, 1) + 1;
+  // Waits for the next `count` signals (bounded; see wait.cuh). Several threads may wait at
+  // once; each consumes the signals it asked for.
+  DOORBELL_DEVICE_INLINE void wait(uint64_t count = 1) const {
+    const uint64_t expected = fetch_add_relaxed_gpu(expected_inbound, count) + count;
     spin_until(site, kWaitSemaphore, expected, [&](uint64_t& seen) {
       seen = load_acquire_sys(inbound_token);
       return seen >= expected;
