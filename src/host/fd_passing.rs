@@ -26,7 +26,8 @@
 //! on the name cannot feed it descriptors.
 
 use crate::error::{Error, Result};
-use crate::host::bootstrap::{auth_digest, ct_eq, fmt_duration, hex, random_bytes, wait_readable};
+use crate::host::auth::{auth_digest, ct_eq, hex, random_bytes, NONCE_LEN};
+use crate::host::net::{fmt_duration, wait_readable};
 use sha2::{Digest, Sha256};
 use std::collections::HashMap;
 use std::fmt;
@@ -43,7 +44,6 @@ use std::time::{Duration, Instant};
 const HELLO_MAGIC: &[u8; 8] = b"DBFDPS01";
 const AUTH_LABEL: &[u8] = b"doorbell-fd-v1";
 const NAME_LABEL: &[u8] = b"doorbell-fd-name-v1";
-const NONCE_LEN: usize = 32;
 const HELLO_LEN: usize = HELLO_MAGIC.len() + NONCE_LEN;
 const REQUEST_LEN: usize = 32 + 8 + 8;
 const MAX_REASON_LEN: usize = 4096;

@@ -9,7 +9,9 @@
 
 use crate::config::{LaunchEnv, Settings};
 use crate::error::{Error, Result};
-use crate::host::bootstrap::{fmt_duration, hex, random_bytes, BootstrapConfig};
+use crate::host::auth::{hex, random_bytes};
+use crate::host::bootstrap::BootstrapConfig;
+use crate::host::net::fmt_duration;
 use std::ffi::OsString;
 use std::fmt;
 use std::io::{self, BufRead, BufReader, Read, Write};

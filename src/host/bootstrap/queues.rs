@@ -1,0 +1,285 @@
+//! What the links have delivered and how they ended: the message queues that reader threads fill
+//! and waiters take from, keyed by peer and channel, each peer's fate, and the job's abort.
+//!
+//! This module owns the one mutex and condvar all of that sits behind, and the loop every reader
+//! thread runs. It must never wait past a caller's deadline, never let a gone peer or an abort
+//! hide messages that arrived before it, and never write to a link: sending is the parent's.
+
+use super::wire::{decode_abort, read_frame, Kind};
+use super::{fmt_ranks, lock};
+use crate::error::Error;
+use crate::host::net::fmt_duration;
+use std::collections::{HashMap, VecDeque};
+use std::io;
+use std::net::TcpStream;
+use std::sync::{Arc, Condvar, Mutex, PoisonError};
+use std::time::{Duration, Instant};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub(super) enum Chan {
+    User(u64),
+    Gather(u64),
+}
+
+pub(super) struct Abort {
+    pub(super) from: usize,
+    pub(super) blamed: Option<usize>,
+    pub(super) why: String,
+}
+
+struct Gone {
+    /// True when the link ended without a goodbye (crash, exit, reset, protocol error).
+    died: bool,
+    why: String,
+}
+
+/// Why a wait or send failed, and whether the other ranks should hear about it.
+pub(super) struct Failure {
+    pub(super) blamed: Option<usize>,
+    pub(super) why: String,
+    /// False when the failure is itself an abort another rank sent.
+    pub(super) propagate: bool,
+}
+
+impl Failure {
+    pub(super) fn peer(peer: usize, why: String) -> Failure {
+        Failure {
+            blamed: Some(peer),
+            why,
+            propagate: true,
+        }
+    }
+
+    pub(super) fn into_error(self, me: usize) -> Error {
+        Error::Bootstrap {
+            me,
+            rank: self.blamed,
+            why: self.why,
+        }
+    }
+}
+
+struct State {
+    queues: HashMap<(usize, Chan), VecDeque<Vec<u8>>>,
+    gone: Vec<Option<Gone>>,
+    aborted: Option<Abort>,
+}
+
+pub(super) struct Shared {
+    me: usize,
+    state: Mutex<State>,
+    arrived: Condvar,
+}
+
+impl Shared {
+    pub(super) fn new(me: usize, world_size: usize) -> Shared {
+        Shared {
+            me,
+            state: Mutex::new(State {
+                queues: HashMap::new(),
+                gone: (0..world_size).map(|_| None).collect(),
+                aborted: None,
+            }),
+            arrived: Condvar::new(),
+        }
+    }
+
+    pub(super) fn deliver(&self, peer: usize, chan: Chan, data: Vec<u8>) {
+        lock(&self.state)
+            .queues
+            .entry((peer, chan))
+            .or_default()
+            .push_back(data);
+        self.arrived.notify_all();
+    }
+
+    pub(super) fn mark_gone(&self, peer: usize, died: bool, why: String) {
+        let mut st = lock(&self.state);
+        if let Some(slot) = st.gone.get_mut(peer) {
+            if slot.is_none() {
+                *slot = Some(Gone { died, why });
+            }
+        }
+        drop(st);
+        self.arrived.notify_all();
+    }
+
+    pub(super) fn gone_reason(&self, peer: usize) -> Option<String> {
+        lock(&self.state)
+            .gone
+            .get(peer)
+            .and_then(|g| g.as_ref().map(|g| g.why.clone()))
+    }
+
+    pub(super) fn set_aborted(&self, abort: Abort) {
+        let mut st = lock(&self.state);
+        if st.aborted.is_none() {
+            st.aborted = Some(abort);
+        }
+        drop(st);
+        self.arrived.notify_all();
+    }
+
+    fn abort_failure(&self, abort: &Abort) -> Failure {
+        let why = if abort.from == self.me {
+            format!("an earlier collective on this rank failed: {}", abort.why)
+        } else {
+            format!("rank {} aborted the job: {}", abort.from, abort.why)
+        };
+        Failure {
+            blamed: abort.blamed,
+            why,
+            propagate: false,
+        }
+    }
+
+    fn pop(st: &mut State, peer: usize, chan: Chan) -> Option<Vec<u8>> {
+        let queue = st.queues.get_mut(&(peer, chan))?;
+        let message = queue.pop_front();
+        if queue.is_empty() {
+            st.queues.remove(&(peer, chan));
+        }
+        message
+    }
+
+    /// Waits for one message; queued messages win over a gone peer or an abort.
+    pub(super) fn take(
+        &self,
+        peer: usize,
+        chan: Chan,
+        deadline: Instant,
+        timeout: Duration,
+    ) -> std::result::Result<Vec<u8>, Failure> {
+        let mut st = lock(&self.state);
+        loop {
+            if let Some(message) = Self::pop(&mut st, peer, chan) {
+                return Ok(message);
+            }
+            if let Some(abort) = &st.aborted {
+                return Err(self.abort_failure(abort));
+            }
+            if let Some(gone) = st.gone.get(peer).and_then(Option::as_ref) {
+                return Err(Failure {
+                    blamed: Some(peer),
+                    why: gone.why.clone(),
+                    propagate: false,
+                });
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                let what = match chan {
+                    Chan::User(tag) => format!("message with tag {tag}"),
+                    Chan::Gather(seq) => format!("all_gather contribution #{seq}"),
+                };
+                return Err(Failure {
+                    blamed: Some(peer),
+                    why: format!("sent no {what} within {}", fmt_duration(timeout)),
+                    propagate: false,
+                });
+            }
+            st = self
+                .arrived
+                .wait_timeout(st, deadline - now)
+                .unwrap_or_else(PoisonError::into_inner)
+                .0;
+        }
+    }
+
+    /// Fills every empty slot of `parts` with that rank's contribution to all_gather `seq`.
+    pub(super) fn collect(
+        &self,
+        seq: u64,
+        parts: &mut [Option<Vec<u8>>],
+        deadline: Instant,
+        timeout: Duration,
+    ) -> std::result::Result<(), Failure> {
+        let mut st = lock(&self.state);
+        loop {
+            let mut missing = Vec::new();
+            for (peer, part) in parts.iter_mut().enumerate() {
+                if part.is_none() {
+                    *part = Self::pop(&mut st, peer, Chan::Gather(seq));
+                    if part.is_none() {
+                        missing.push(peer);
+                    }
+                }
+            }
+            if missing.is_empty() {
+                return Ok(());
+            }
+            if let Some(abort) = &st.aborted {
+                return Err(self.abort_failure(abort));
+            }
+            // A peer that died is the likelier cause than one that left cleanly (it may have left
+            // because of the death), so name the dead one first.
+            let gone = |died: bool| {
+                missing.iter().find_map(|&p| match &st.gone[p] {
+                    Some(g) if g.died == died => Some((p, g.why.clone())),
+                    _ => None,
+                })
+            };
+            if let Some((peer, why)) = gone(true).or_else(|| gone(false)) {
+                return Err(Failure::peer(peer, why));
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                let also = if missing.len() > 1 {
+                    format!(" (missing too: ranks {})", fmt_ranks(&missing[1..]))
+                } else {
+                    String::new()
+                };
+                return Err(Failure::peer(
+                    missing[0],
+                    format!(
+                        "sent no contribution to all_gather #{seq} within {}{also}",
+                        fmt_duration(timeout)
+                    ),
+                ));
+            }
+            st = self
+                .arrived
+                .wait_timeout(st, deadline - now)
+                .unwrap_or_else(PoisonError::into_inner)
+                .0;
+        }
+    }
+}
+
+/// A link's reader thread: queues frames until the link ends, then records how it ended.
+pub(super) fn read_link(shared: Arc<Shared>, peer: usize, mut stream: TcpStream) {
+    let (died, why) = loop {
+        match read_frame(&mut stream) {
+            Ok((Kind::User, tag, data)) => shared.deliver(peer, Chan::User(tag), data),
+            Ok((Kind::Gather, seq, data)) => shared.deliver(peer, Chan::Gather(seq), data),
+            Ok((Kind::Abort, _, data)) => {
+                let (blamed, why) = decode_abort(&data);
+                shared.set_aborted(Abort {
+                    from: peer,
+                    blamed,
+                    why,
+                });
+            }
+            Ok((Kind::Goodbye, ..)) => {
+                break (
+                    false,
+                    "closed its bootstrap (the process finished or dropped it)".to_string(),
+                )
+            }
+            Ok((Kind::Table, ..)) => {
+                break (
+                    true,
+                    "sent an address table after the rendezvous (protocol error)".to_string(),
+                )
+            }
+            Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => {
+                break (
+                    true,
+                    "connection closed without a goodbye: the process exited or crashed"
+                        .to_string(),
+                )
+            }
+            Err(e) => break (true, format!("connection failed: {e}")),
+        }
+    };
+    shared.mark_gone(peer, died, why);
+}
