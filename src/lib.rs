@@ -4,6 +4,8 @@
 //! move data and signal peers themselves through the header-only device API in
 //! `cuda/include/doorbell/`. See `ARCHITECTURE.md` for the layers.
 
+pub mod bench;
+pub mod collectives;
 pub mod config;
 pub mod device_api;
 pub mod error;

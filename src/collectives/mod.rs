@@ -1,0 +1,81 @@
+//! Collectives built on the channels: algorithm choice and launch. Kernels live in
+//! `cuda/kernels/`; this layer picks one, sizes its launch, and keeps the per-communicator state
+//! (scratch buffers, semaphores, per-call epochs in device memory) that makes every call
+//! stream-ordered and CUDA-graph safe.
+
+use crate::error::{Error, Result};
+
+/// Element types the collectives reduce or move.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum DataType {
+    /// bfloat16.
+    Bf16,
+    /// IEEE half.
+    F16,
+    /// IEEE single.
+    F32,
+}
+
+impl DataType {
+    /// Bytes per element.
+    pub fn size(self) -> usize {
+        match self {
+            DataType::Bf16 | DataType::F16 => 2,
+            DataType::F32 => 4,
+        }
+    }
+
+    /// The name nccl-tests prints.
+    pub fn name(self) -> &'static str {
+        match self {
+            DataType::Bf16 => "bfloat16",
+            DataType::F16 => "half",
+            DataType::F32 => "float",
+        }
+    }
+
+    /// Code shared with the kernels and the argument check.
+    pub fn code(self) -> u32 {
+        match self {
+            DataType::Bf16 => 0,
+            DataType::F16 => 1,
+            DataType::F32 => 2,
+        }
+    }
+
+    /// All types, in code order.
+    pub const ALL: [DataType; 3] = [DataType::Bf16, DataType::F16, DataType::F32];
+}
+
+impl std::str::FromStr for DataType {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self> {
+        match s.to_ascii_lowercase().as_str() {
+            "bf16" | "bfloat16" => Ok(DataType::Bf16),
+            "f16" | "fp16" | "half" => Ok(DataType::F16),
+            "f32" | "fp32" | "float" => Ok(DataType::F32),
+            other => Err(Error::invalid(
+                "dtype",
+                format!("{other:?}: expected bf16, f16 or f32"),
+            )),
+        }
+    }
+}
+
+/// Reduction operators.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum ReduceOp {
+    /// Elementwise sum.
+    Sum,
+}
+
+impl ReduceOp {
+    /// The name nccl-tests prints.
+    pub fn name(self) -> &'static str {
+        "sum"
+    }
+    /// Code shared with the argument check.
+    pub fn code(self) -> u32 {
+        0
+    }
+}
