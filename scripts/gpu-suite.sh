@@ -7,7 +7,10 @@
 #                                     GPU test (--ignored) and the benchmarks from .gpu-bundle/,
 #                                     writing logs to DIR (default $OUT, else ./gpu-logs)
 #
-# Environment for run: SUITE=tests|bench|all (default all), BENCH_ARGS for the examples.
+# Environment for run: SUITE=tests|bench|all (default all); TESTS="gpu allreduce" runs only those
+# test binaries; BENCHES="pingpong allreduce" picks the examples, PINGPONG_ARGS / ALLREDUCE_ARGS
+# pass them arguments; MPS=1 starts the CUDA MPS daemon first (ranks sharing one GPU then run
+# concurrently instead of time-sliced).
 # NVLink multicast stays off everywhere (it can take shared GPUs out of service).
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -52,9 +55,13 @@ run() {
     nvidia-smi --query-gpu=index,name,driver_version,memory.total --format=csv,noheader 2>&1
     nvidia-smi topo -m 2>&1 | head -12
   } > "$logs/machine.txt"
+  if [ "${MPS:-0}" = 1 ]; then
+    nvidia-cuda-mps-control -d && echo "MPS daemon started" | tee -a "$summary"
+  fi
   if [ "$suite" = all ] || [ "$suite" = tests ]; then
     for t in "$bundle"/tests/*; do
       local name; name=$(basename "$t")
+      if [ -n "${TESTS:-}" ] && ! [[ " $TESTS " == *" $name "* ]]; then continue; fi
       local start=$SECONDS
       if "$t" --ignored --test-threads=1 >> "$logs/tests.log" 2>&1; then
         echo "PASS tests/$name ($((SECONDS - start)) s)" | tee -a "$summary"
@@ -65,10 +72,10 @@ run() {
     done
   fi
   if [ "$suite" = all ] || [ "$suite" = bench ]; then
-    for ex in pingpong; do
+    for ex in ${BENCHES:-pingpong allreduce}; do
       [ -x "$bundle/examples/$ex" ] || continue
-      local start=$SECONDS
-      if "$bundle/examples/$ex" ${BENCH_ARGS:-} > "$logs/$ex.txt" 2>&1; then
+      local start=$SECONDS var; var="$(echo "$ex" | tr a-z A-Z)_ARGS"
+      if "$bundle/examples/$ex" ${!var:-} > "$logs/$ex.txt" 2>&1; then
         echo "PASS examples/$ex ($((SECONDS - start)) s)" | tee -a "$summary"
       else
         echo "FAIL examples/$ex ($((SECONDS - start)) s)" | tee -a "$summary"
@@ -78,6 +85,7 @@ run() {
     done
   fi
   grep -E "^test result|FAILED|panicked" "$logs/tests.log" 2>/dev/null | tail -40
+  if [ "${MPS:-0}" = 1 ]; then echo quit | nvidia-cuda-mps-control; fi
   cat "$summary"
   return $failed
 }

@@ -10,6 +10,8 @@
 //! | `DOORBELL_BOOTSTRAP_TIMEOUT_S` | deadline of every bootstrap wait, seconds | `60` |
 //! | `DOORBELL_JOB_SECRET` | per-job secret every rank must share; connections that cannot prove it are dropped | derived from the launcher's job id, see [`LaunchEnv::secret`] |
 //! | `DOORBELL_WAIT_TIMEOUT_MS` | budget of every device-side spin loop, milliseconds | `30000` |
+//! | `DOORBELL_CHECK` | `1`: collectives verify that every rank called with the same arguments and fail naming the odd rank instead of hanging (one bootstrap exchange per call) | `0` |
+//! | `DOORBELL_ALLREDUCE_ALGO` | force an allreduce algorithm: `oneshot-ll8`, `oneshot-ll16`, `twoshot-ll8`, `twoshot-ll16`, `pipelined` | chosen by size and rank count |
 //! | `RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `LOCAL_WORLD_SIZE` | this process's place in the job (torchrun's names) | from Slurm or MPI variables when absent |
 //! | `MASTER_ADDR`, `MASTER_PORT` | where rank 0's bootstrap listens | required with more than one rank |
 //! | `SLURM_PROCID`, `SLURM_NTASKS`, `SLURM_LOCALID`, `SLURM_NTASKS_PER_NODE` | srun's rank variables | |
@@ -67,6 +69,10 @@ pub struct Settings {
     pub bootstrap_timeout: Duration,
     /// `DOORBELL_WAIT_TIMEOUT_MS`.
     pub wait_timeout: Duration,
+    /// `DOORBELL_CHECK`.
+    pub check_args: bool,
+    /// `DOORBELL_ALLREDUCE_ALGO`, as given (parsed by the allreduce).
+    pub allreduce_algo: Option<String>,
 }
 
 impl Settings {
@@ -97,10 +103,24 @@ impl Settings {
             }
             Some(ms) => Duration::from_millis(ms),
         };
+        let check_args = match env.get("DOORBELL_CHECK").as_deref().map(str::trim) {
+            None | Some("") | Some("0") | Some("false") | Some("off") => false,
+            Some("1") | Some("true") | Some("on") => true,
+            Some(other) => {
+                return Err(Error::invalid(
+                    "DOORBELL_CHECK",
+                    format!("{other:?}: expected 0 or 1"),
+                ))
+            }
+        };
         Ok(Settings {
             log_filter: env.get("DOORBELL_LOG").unwrap_or_else(|| "warn".into()),
             bootstrap_timeout,
             wait_timeout,
+            check_args,
+            allreduce_algo: env
+                .get("DOORBELL_ALLREDUCE_ALGO")
+                .filter(|s| !s.trim().is_empty()),
         })
     }
 }
@@ -319,6 +339,8 @@ mod tests {
         assert_eq!(s.bootstrap_timeout, DEFAULT_BOOTSTRAP_TIMEOUT);
         assert_eq!(s.wait_timeout, DEFAULT_WAIT_TIMEOUT);
         assert_eq!(s.log_filter, "warn");
+        assert!(!s.check_args);
+        assert_eq!(s.allreduce_algo, None);
         assert_eq!(LaunchEnv::from_lookup(&env(&[])).unwrap(), None);
     }
 
@@ -331,11 +353,14 @@ mod tests {
         .unwrap();
         assert_eq!(s.bootstrap_timeout, Duration::from_millis(2500));
         assert_eq!(s.wait_timeout, Duration::from_millis(7));
+        let s = Settings::from_lookup(&env(&[("DOORBELL_CHECK", "1")])).unwrap();
+        assert!(s.check_args);
         for (k, v) in [
             ("DOORBELL_BOOTSTRAP_TIMEOUT_S", "-1"),
             ("DOORBELL_BOOTSTRAP_TIMEOUT_S", "soon"),
             ("DOORBELL_WAIT_TIMEOUT_MS", "0"),
             ("DOORBELL_WAIT_TIMEOUT_MS", "1.5"),
+            ("DOORBELL_CHECK", "maybe"),
         ] {
             let e = Settings::from_lookup(&env(&[(k, v)])).unwrap_err();
             assert!(e.to_string().contains(k), "{e}");

@@ -9,61 +9,18 @@
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg};
 use doorbell::device_api::MemoryChannelHandle;
 use doorbell::host::communicator::{Communicator, MemoryChannels};
-use doorbell::host::launch::{spawn_ranks, SpawnOptions};
 use doorbell::{Error, WaitKind};
-use std::ffi::OsString;
 use std::sync::Arc;
 use std::time::Duration;
 
-const CASE_VAR: &str = "DOORBELL_GPU_CASE";
-
-/// Rank counts every multi-rank test runs with; `DOORBELL_TEST_MAX_RANKS` raises the top (8 for
-/// an 8-GPU machine).
-fn rank_counts() -> Vec<usize> {
-    let max: usize = std::env::var("DOORBELL_TEST_MAX_RANKS")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(4);
-    [2, 3, 4, 8].into_iter().filter(|&n| n <= max).collect()
-}
-
-fn run_case(case: &str, nranks: usize, extra: &[(&str, &str)]) {
-    let exe = std::env::current_exe().expect("test binary path");
-    let args: Vec<OsString> = [
-        "gpu_rank",
-        "--exact",
-        "--ignored",
-        "--nocapture",
-        "--test-threads=1",
-    ]
-    .iter()
-    .map(OsString::from)
-    .collect();
-    let mut extra_env = vec![(CASE_VAR.to_string(), case.to_string())];
-    extra_env.extend(extra.iter().map(|(k, v)| (k.to_string(), v.to_string())));
-    let exits = spawn_ranks(
-        &exe,
-        &args,
-        &SpawnOptions {
-            nranks,
-            extra_env,
-            timeout: Some(Duration::from_secs(240)),
-            grace: Duration::from_secs(20),
-        },
-    )
-    .expect("spawn ranks");
-    let failed: Vec<_> = exits.iter().filter(|e| !e.success()).collect();
-    assert!(
-        failed.is_empty(),
-        "case {case} with {nranks} ranks: {failed:?}"
-    );
-}
+mod common;
+use common::{rank_counts, run_case, spawned_case};
 
 /// The rank side of every case. Does nothing unless spawned by `run_case`.
 #[test]
 #[ignore = "needs GPU"]
 fn gpu_rank() {
-    let Ok(case) = std::env::var(CASE_VAR) else {
+    let Some(case) = spawned_case() else {
         return;
     };
     let comm = Communicator::from_env().expect("communicator");

@@ -49,6 +49,23 @@ int main() {
   FIELD(MemoryChannelHandle, src_bytes);
   FIELD(MemoryChannelHandle, packet_buffer_bytes);
 
+  STRUCT(AllReduceArgs);
+  FIELD(AllReduceArgs, input);
+  FIELD(AllReduceArgs, output);
+  FIELD(AllReduceArgs, count);
+  FIELD(AllReduceArgs, scratch);
+  FIELD(AllReduceArgs, sems);
+  FIELD(AllReduceArgs, state);
+  FIELD(AllReduceArgs, ll_offset);
+  FIELD(AllReduceArgs, ll_half_bytes);
+  FIELD(AllReduceArgs, ll_slot_bytes);
+  FIELD(AllReduceArgs, pipe_offset);
+  FIELD(AllReduceArgs, pipe_lane_bytes);
+  FIELD(AllReduceArgs, tile_elems);
+  FIELD(AllReduceArgs, rank);
+  FIELD(AllReduceArgs, world);
+  FIELD(AllReduceArgs, site);
+
   STRUCT(LL16Packet);
   FIELD(LL16Packet, data1);
   FIELD(LL16Packet, flag1);

@@ -3,6 +3,9 @@
 //! (scratch buffers, semaphores, per-call epochs in device memory) that makes every call
 //! stream-ordered and CUDA-graph safe.
 
+pub mod allreduce;
+pub mod check;
+
 use crate::error::{Error, Result};
 
 /// Element types the collectives reduce or move.

@@ -93,6 +93,45 @@ pub struct MemoryChannelHandle {
     pub packet_buffer_bytes: u64,
 }
 
+/// Most ranks a single-node collective kernel handles (`kMaxRanks`).
+pub const MAX_RANKS: usize = 8;
+
+/// Launch arguments of the allreduce kernels (`collective_args.cuh`).
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Pod, Zeroable)]
+pub struct AllReduceArgs {
+    /// My input.
+    pub input: u64,
+    /// My output (may equal `input`).
+    pub output: u64,
+    /// Elements.
+    pub count: u64,
+    /// Every rank's scratch as mapped here (own at `rank`; unused entries 0).
+    pub scratch: [u64; MAX_RANKS],
+    /// Pipeline semaphores, `[lane * world + peer]`.
+    pub sems: u64,
+    /// Device state: epoch, blocks finished.
+    pub state: u64,
+    /// LL region offset.
+    pub ll_offset: u64,
+    /// Bytes of one LL half.
+    pub ll_half_bytes: u64,
+    /// Bytes of one sender's LL slot.
+    pub ll_slot_bytes: u64,
+    /// Pipeline region offset.
+    pub pipe_offset: u64,
+    /// Pipeline bytes per lane.
+    pub pipe_lane_bytes: u64,
+    /// Pipeline elements per shard of a tile.
+    pub tile_elems: u64,
+    /// My rank.
+    pub rank: u32,
+    /// Ranks.
+    pub world: u32,
+    /// Wait site for LL waits.
+    pub site: WaitSite,
+}
+
 /// An LL16 packet: 8 payload bytes and two copies of the flag.
 #[repr(C, align(16))]
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Pod, Zeroable)]
@@ -140,6 +179,8 @@ impl LlPacket for Ll8Packet {
 unsafe impl cudarc::driver::DeviceRepr for MemoryChannelHandle {}
 // SAFETY: as above.
 unsafe impl cudarc::driver::DeviceRepr for SemaphoreHandle {}
+// SAFETY: as above.
+unsafe impl cudarc::driver::DeviceRepr for AllReduceArgs {}
 
 #[cfg(test)]
 mod layout {
@@ -197,6 +238,27 @@ mod layout {
                     dst_bytes,
                     src_bytes,
                     packet_buffer_bytes
+                ]
+            ),
+            layout!(
+                "AllReduceArgs",
+                AllReduceArgs,
+                [
+                    input,
+                    output,
+                    count,
+                    scratch,
+                    sems,
+                    state,
+                    ll_offset,
+                    ll_half_bytes,
+                    ll_slot_bytes,
+                    pipe_offset,
+                    pipe_lane_bytes,
+                    tile_elems,
+                    rank,
+                    world,
+                    site
                 ]
             ),
             layout!("LL16Packet", Ll16Packet, [data1, flag1, data2, flag2]),

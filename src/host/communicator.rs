@@ -158,6 +158,29 @@ impl MemoryChannels {
     }
 }
 
+/// Semaphores to every peer, in `sets` independent sets (collective kernels give each block its
+/// own set). `handle(set, peer)`; the entry for this rank is zeroed and must not be used.
+pub struct Semaphores {
+    handles: Vec<SemaphoreHandle>,
+    world: usize,
+    _tokens: Arc<TokenPool>,
+}
+
+impl Semaphores {
+    /// The handles, `[set * world + peer]`, ready to upload as one device array.
+    pub fn handles(&self) -> &[SemaphoreHandle] {
+        &self.handles
+    }
+    /// The handle of `set` to `peer`.
+    pub fn handle(&self, set: usize, peer: usize) -> Option<SemaphoreHandle> {
+        self.handles.get(set * self.world + peer).copied()
+    }
+    /// Number of sets.
+    pub fn sets(&self) -> usize {
+        self.handles.len() / self.world.max(1)
+    }
+}
+
 /// One rank's view of the job: bootstrap, GPU, and the shared state channels are built from.
 pub struct Communicator {
     bootstrap: Bootstrap,
@@ -368,6 +391,65 @@ impl Communicator {
         RemoteMemory::import(&self.gpu, &d, fd)
     }
 
+    /// Takes `world_size` token slots on every rank and checks that every rank took the same
+    /// ones (ranks that build channels in different orders are caught here).
+    fn take_tokens(&self, sets: usize) -> Result<usize> {
+        let rank = self.rank();
+        let n = sets
+            .checked_mul(self.world_size())
+            .ok_or_else(|| Error::invalid("sets", format!("{sets} sets overflow")))?;
+        let base = self.tokens.take(n)?;
+        let mine = ((base as u64) << 32 | sets as u64).to_le_bytes();
+        let all = self.bootstrap.all_gather(&mine)?;
+        for (r, b) in all.iter().enumerate() {
+            if b.as_slice() != mine {
+                return Err(Error::invalid(
+                    "channels",
+                    format!(
+                        "rank {r} is at a different point in its channel setup than rank {rank}: \
+                         every rank must build the same channels and semaphores in the same order"
+                    ),
+                ));
+            }
+        }
+        Ok(base)
+    }
+
+    fn semaphore(&self, base: usize, peer: usize, channel: u32) -> Result<SemaphoreHandle> {
+        let rank = self.rank();
+        let remote = self
+            .tokens
+            .remote_inbound(peer, base + rank)
+            .ok_or_else(|| Error::TransportUnavailable {
+                transport: "CudaIpc",
+                why: format!("rank {peer} is not on this host; its semaphores cannot be mapped"),
+            })?;
+        Ok(SemaphoreHandle {
+            inbound_token: self.tokens.inbound(base + peer),
+            expected_inbound: self.tokens.private(base + peer),
+            remote_inbound_token: remote,
+            site: self.diagnostics.site(peer as i32, channel),
+        })
+    }
+
+    /// Builds `sets` semaphores to every same-host peer (collective).
+    pub fn semaphores(&self, sets: usize) -> Result<Semaphores> {
+        let world = self.world_size();
+        let base = self.take_tokens(sets)?;
+        let channel = self.next_channel.fetch_add(1, Ordering::Relaxed);
+        let mut handles = vec![SemaphoreHandle::default(); sets * world];
+        for set in 0..sets {
+            for peer in (0..world).filter(|&p| p != self.rank()) {
+                handles[set * world + peer] = self.semaphore(base + set * world, peer, channel)?;
+            }
+        }
+        Ok(Semaphores {
+            handles,
+            world,
+            _tokens: self.tokens.clone(),
+        })
+    }
+
     /// Builds one MemoryChannel to every other rank (collective). For the channel to peer `p`:
     /// puts read my `src` and land in `p`'s `dst`; gets do the reverse; put_packets land in `p`'s
     /// `packets` and my `packets` receives theirs. Every rank must be on this host.
@@ -388,22 +470,8 @@ impl Communicator {
                 ),
             });
         }
-        let base = self.tokens.take(world)?;
+        let base = self.take_tokens(1)?;
         let channel = self.next_channel.fetch_add(1, Ordering::Relaxed);
-
-        // Agree on the token slots (catches ranks that build channels in different orders).
-        let bases = self.bootstrap.all_gather(&(base as u64).to_le_bytes())?;
-        for (r, b) in bases.iter().enumerate() {
-            if b.as_slice() != (base as u64).to_le_bytes() {
-                return Err(Error::invalid(
-                    "memory_channels",
-                    format!(
-                        "rank {r} is at a different point in its channel setup than rank {rank}: \
-                         every rank must build the same channels in the same order"
-                    ),
-                ));
-            }
-        }
 
         let dsts = self.exchange(dst)?;
         let pkts = match packets {
@@ -418,10 +486,6 @@ impl Communicator {
                 why: "its memory could not be mapped".into(),
             };
             let remote_dst = dsts[peer].clone().ok_or_else(missing)?;
-            let remote_token = self
-                .tokens
-                .remote_inbound(peer, base + rank)
-                .ok_or_else(missing)?;
             let packets = match (&pkts, packets) {
                 (Some(all), Some(local)) => {
                     Some((local.clone(), all[peer].clone().ok_or_else(missing)?))
@@ -429,12 +493,7 @@ impl Communicator {
                 _ => None,
             };
             let handle = MemoryChannelHandle {
-                semaphore: SemaphoreHandle {
-                    inbound_token: self.tokens.inbound(base + peer),
-                    expected_inbound: self.tokens.private(base + peer),
-                    remote_inbound_token: remote_token,
-                    site: self.diagnostics.site(peer as i32, channel),
-                },
+                semaphore: self.semaphore(base, peer, channel)?,
                 dst: remote_dst.device_ptr(),
                 src: src.device_ptr(),
                 packet_buffer: packets.as_ref().map_or(0, |(l, _)| l.device_ptr()),

@@ -2,6 +2,7 @@
 #pragma once
 
 #include "atomics.cuh"
+#include "collective_args.cuh"
 #include "copy.cuh"
 #include "memory_channel.cuh"
 #include "packet.cuh"

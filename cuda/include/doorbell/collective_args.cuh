@@ -1,0 +1,33 @@
+// doorbell device API: launch arguments of doorbell's own collective kernels. They live in a header
+// (not next to the kernels) so their Rust mirrors in src/device_api/ are layout-checked like every
+// other handle.
+#pragma once
+
+#include "semaphore.cuh"
+
+namespace doorbell {
+
+// Most ranks a single-node collective kernel handles.
+constexpr uint32_t kMaxRanks = 8;
+
+// Arguments of every allreduce kernel (cuda/kernels/allreduce.cu).
+struct AllReduceArgs {
+  const void* input;
+  void* output;
+  uint64_t count;                // elements
+  char* scratch[kMaxRanks];      // every rank's scratch, mapped here (own at [rank])
+  const SemaphoreHandle* sems;   // pipeline semaphores, [lane * world + peer]
+  uint32_t* state;               // [0] epoch, [1] blocks finished in this call
+  uint64_t ll_offset;            // LL region offset in every scratch
+  uint64_t ll_half_bytes;        // bytes of one LL half
+  uint64_t ll_slot_bytes;        // bytes of one sender's slot in an LL area
+  uint64_t pipe_offset;          // pipeline region offset
+  uint64_t pipe_lane_bytes;      // bytes per lane
+  uint64_t tile_elems;           // pipeline: elements per shard of a tile
+  uint32_t rank;
+  uint32_t world;
+  WaitSite site;                 // for LL waits (peer filled in per wait)
+};
+DOORBELL_CHECK_SIZE(AllReduceArgs, 200);
+
+}  // namespace doorbell

@@ -1,0 +1,637 @@
+//! Allreduce benchmark: doorbell beside NCCL (default and symmetric-registered buffers) in the
+//! same process layout and the same run, with nccl-tests columns, CUDA-graph and eager timing,
+//! the maximum over ranks, and the speedup over the faster NCCL mode.
+//!
+//! Started without a launcher it spawns one rank per visible GPU (`--nranks N` overrides; ranks
+//! may share a GPU for functional runs); under torchrun/srun/mpirun it runs as the given rank.
+//!
+//! ```text
+//! cargo run --release --example allreduce -- --check --plot allreduce.png
+//! ```
+
+use clap::Parser;
+use cudarc::driver::sys::{
+    CUevent_flags::CU_EVENT_DEFAULT, CUgraphInstantiate_flags, CUstreamCaptureMode,
+};
+use cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
+use doorbell::bench::nccl::Nccl;
+use doorbell::bench::plot::{Chart, Panel, Series};
+use doorbell::collectives::allreduce::{Algorithm, AllReduce, AllReduceOptions};
+use doorbell::collectives::check::Checker;
+use doorbell::collectives::DataType;
+use doorbell::host::communicator::Communicator;
+use doorbell::host::cuda::device_count;
+use doorbell::host::launch::{rank_or_spawn, Launched};
+use doorbell::{Error, Result};
+use std::io::Write;
+use std::sync::Arc;
+
+#[derive(Parser, Debug)]
+#[command(about = "Allreduce (sum): doorbell vs NCCL, nccl-tests columns, graph and eager timing")]
+struct Args {
+    /// Ranks to spawn when no launcher started us (default: one per visible GPU).
+    #[arg(long)]
+    nranks: Option<usize>,
+    /// Element type: bf16, f16 or f32.
+    #[arg(long, default_value = "bf16")]
+    dtype: String,
+    /// Smallest message (bytes; K, M, G suffixes).
+    #[arg(long, default_value = "8")]
+    min_bytes: String,
+    /// Largest message.
+    #[arg(long, default_value = "1G")]
+    max_bytes: String,
+    /// Size multiplier between rows.
+    #[arg(long, default_value_t = 2)]
+    factor: usize,
+    /// Timed iterations per eager measurement (0: by size).
+    #[arg(long, default_value_t = 0)]
+    iters: usize,
+    /// Warm-up iterations before each measurement.
+    #[arg(long, default_value_t = 5)]
+    warmup: usize,
+    /// Validate every size with rank- and index-derived inputs; exit non-zero on a wrong element.
+    #[arg(long)]
+    check: bool,
+    /// Sum in place (output = input) instead of out of place.
+    #[arg(long)]
+    inplace: bool,
+    /// Force a doorbell algorithm (oneshot-ll8, oneshot-ll16, twoshot-ll8, twoshot-ll16, pipelined).
+    #[arg(long)]
+    algo: Option<String>,
+    /// Skip NCCL.
+    #[arg(long)]
+    no_nccl: bool,
+    /// Skip eager timing (graph only).
+    #[arg(long)]
+    no_eager: bool,
+    /// Draw latency and busbw against size for both libraries into this PNG.
+    #[arg(long)]
+    plot: Option<std::path::PathBuf>,
+    /// Also write the table as Markdown to this file.
+    #[arg(long)]
+    markdown: Option<std::path::PathBuf>,
+}
+
+fn main() {
+    let args = Args::parse();
+    let code = match rank_or_spawn(args.nranks, device_count) {
+        Ok(Launched::Parent(code)) => code,
+        Ok(Launched::Rank(_)) => match run(&args) {
+            Ok(code) => code,
+            Err(e) => {
+                eprintln!("allreduce failed: {e}");
+                1
+            }
+        },
+        Err(e) => {
+            eprintln!("allreduce: {e}");
+            1
+        }
+    };
+    std::process::exit(code);
+}
+
+fn parse_size(s: &str) -> Result<usize> {
+    let t = s.trim().to_ascii_uppercase();
+    let t = t.trim_end_matches("IB").trim_end_matches('B');
+    let (num, mult) = match t.chars().last() {
+        Some('K') => (&t[..t.len() - 1], 1usize << 10),
+        Some('M') => (&t[..t.len() - 1], 1 << 20),
+        Some('G') => (&t[..t.len() - 1], 1 << 30),
+        _ => (t, 1),
+    };
+    num.parse::<usize>()
+        .ok()
+        .and_then(|n| n.checked_mul(mult))
+        .filter(|&n| n > 0)
+        .ok_or_else(|| {
+            Error::invalid(
+                "size",
+                format!("{s:?}: expected a byte count like 8, 64K, 1G"),
+            )
+        })
+}
+
+fn human(bytes: usize) -> String {
+    match bytes {
+        b if b >= 1 << 30 && b % (1 << 30) == 0 => format!("{}G", b >> 30),
+        b if b >= 1 << 20 && b % (1 << 20) == 0 => format!("{}M", b >> 20),
+        b if b >= 1 << 10 && b % (1 << 10) == 0 => format!("{}K", b >> 10),
+        b => format!("{b}"),
+    }
+}
+
+/// One library's timings at one size (us per op, max over ranks); None where not measured.
+#[derive(Clone, Copy, Default)]
+struct Timing {
+    graph: Option<f64>,
+    eager: Option<f64>,
+}
+
+struct Row {
+    bytes: usize,
+    count: usize,
+    doorbell: Timing,
+    algo: &'static str,
+    wrong: u64,
+    nccl: Timing,
+    nccl_symm: Timing,
+    nccl_wrong: Option<u64>,
+}
+
+/// Times `op` eagerly and in a CUDA graph; returns this rank's us per op.
+fn measure(
+    comm: &Communicator,
+    s: &Arc<CudaStream>,
+    bytes: usize,
+    args: &Args,
+    op: &dyn Fn(&Arc<CudaStream>) -> Result<()>,
+) -> Result<(Option<f64>, f64)> {
+    let big = bytes > (1 << 20);
+    let iters = if args.iters > 0 {
+        args.iters
+    } else if bytes <= 1 << 20 {
+        200
+    } else if bytes <= 64 << 20 {
+        40
+    } else {
+        10
+    };
+    let time = |f: &dyn Fn() -> Result<()>, n: usize| -> Result<f64> {
+        comm.synchronize(s)?;
+        comm.bootstrap().barrier()?;
+        let start = s
+            .record_event(Some(CU_EVENT_DEFAULT))
+            .map_err(cuda("cuEventRecord"))?;
+        f()?;
+        let stop = s
+            .record_event(Some(CU_EVENT_DEFAULT))
+            .map_err(cuda("cuEventRecord"))?;
+        comm.synchronize(s)?;
+        let ms = start
+            .elapsed_ms(&stop)
+            .map_err(cuda("cuEventElapsedTime"))?;
+        Ok(ms as f64 * 1e3 / n as f64)
+    };
+    for _ in 0..args.warmup {
+        op(s)?;
+    }
+    let eager = if args.no_eager {
+        None
+    } else {
+        Some(time(
+            &|| {
+                for _ in 0..iters {
+                    op(s)?;
+                }
+                Ok(())
+            },
+            iters,
+        )?)
+    };
+    // Graph: k ops captured once, replayed r times.
+    let (k, r) = if big {
+        (5, (iters / 5).max(2))
+    } else {
+        (20, 20)
+    };
+    comm.synchronize(s)?;
+    s.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)
+        .map_err(cuda("cuStreamBeginCapture"))?;
+    let captured: Result<()> = (0..k).try_for_each(|_| op(s));
+    let graph = s
+        .end_capture(CUgraphInstantiate_flags(0))
+        .map_err(cuda("cuStreamEndCapture"))?;
+    captured?;
+    let graph = graph.ok_or_else(|| Error::invalid("graph", "capture produced no graph"))?;
+    graph.launch().map_err(cuda("cuGraphLaunch"))?;
+    let g = time(
+        &|| {
+            for _ in 0..r {
+                graph.launch().map_err(cuda("cuGraphLaunch"))?;
+            }
+            Ok(())
+        },
+        k * r,
+    )?;
+    Ok((eager, g))
+}
+
+fn max_over_ranks(comm: &Communicator, v: f64) -> Result<f64> {
+    let all = comm.bootstrap().all_gather(&v.to_le_bytes())?;
+    Ok(all
+        .iter()
+        .filter_map(|b| b.as_slice().try_into().ok().map(f64::from_le_bytes))
+        .fold(0.0, f64::max))
+}
+
+fn sum_over_ranks(comm: &Communicator, v: u64) -> Result<u64> {
+    let all = comm.bootstrap().all_gather(&v.to_le_bytes())?;
+    Ok(all
+        .iter()
+        .filter_map(|b| b.as_slice().try_into().ok().map(u64::from_le_bytes))
+        .sum())
+}
+
+fn timing(comm: &Communicator, t: (Option<f64>, f64)) -> Result<Timing> {
+    let eager = match t.0 {
+        Some(e) => Some(max_over_ranks(comm, e)?),
+        None => None,
+    };
+    Ok(Timing {
+        graph: Some(max_over_ranks(comm, t.1)?),
+        eager,
+    })
+}
+
+fn run(args: &Args) -> Result<i32> {
+    let dtype: DataType = args.dtype.parse()?;
+    let min_bytes = parse_size(&args.min_bytes)?;
+    let max_bytes = parse_size(&args.max_bytes)?;
+    if args.factor < 2 || min_bytes > max_bytes {
+        return Err(Error::invalid(
+            "sizes",
+            "need --factor >= 2 and --min-bytes <= --max-bytes",
+        ));
+    }
+    let comm = Arc::new(Communicator::from_env()?);
+    let rank = comm.rank();
+    let world = comm.world_size();
+    let lead = rank == 0;
+    let algorithm = args
+        .algo
+        .as_deref()
+        .map(str::parse::<Algorithm>)
+        .transpose()?;
+    let ar = AllReduce::new(
+        &comm,
+        AllReduceOptions {
+            algorithm,
+            ..Default::default()
+        },
+    )?;
+    let checker = Checker::new(comm.gpu())?;
+    let s = comm.gpu().new_stream()?;
+    let nccl = if args.no_nccl {
+        None
+    } else {
+        match Nccl::new(comm.bootstrap(), comm.gpu()) {
+            Ok(n) => Some(n),
+            Err(e) => {
+                if lead {
+                    eprintln!("NCCL unavailable, doorbell only: {e}");
+                }
+                None
+            }
+        }
+    };
+    let symm = match &nccl {
+        Some(n) => match (n.symmetric_buffer(max_bytes), n.symmetric_buffer(max_bytes)) {
+            (Ok(a), Ok(b)) => Some((a, b)),
+            (Err(e), _) | (_, Err(e)) => {
+                if lead {
+                    eprintln!("NCCL symmetric buffers unavailable, default NCCL only: {e}");
+                }
+                None
+            }
+        },
+        None => None,
+    };
+    let input: CudaSlice<u8> = s.alloc_zeros(max_bytes).map_err(cuda("cuMemAlloc"))?;
+    let output: CudaSlice<u8> = s.alloc_zeros(max_bytes).map_err(cuda("cuMemAlloc"))?;
+    let in_ptr = input.device_ptr(&s).0;
+    let out_ptr = if args.inplace {
+        in_ptr
+    } else {
+        output.device_ptr(&s).0
+    };
+
+    if lead {
+        println!(
+            "# doorbell allreduce: {world} ranks, {} GPU(s) visible, {}, {}, NVLS {}",
+            device_count().unwrap_or(0),
+            dtype.name(),
+            if args.inplace {
+                "in place"
+            } else {
+                "out of place"
+            },
+            std::env::var("NCCL_NVLS_ENABLE")
+                .map_or("default".into(), |v| format!("NCCL_NVLS_ENABLE={v}"))
+        );
+        if let Some(n) = &nccl {
+            println!(
+                "# NCCL {} loaded at run time; speedup = faster NCCL mode / doorbell",
+                n.version()
+            );
+        }
+        println!("# times in us, max over ranks; busbw in GB/s = 2(n-1)/n * size / time");
+    }
+
+    let mut sizes = Vec::new();
+    let mut b = min_bytes;
+    while b <= max_bytes {
+        sizes.push(b);
+        b = match b.checked_mul(args.factor) {
+            Some(n) => n,
+            None => break,
+        };
+    }
+    let mut rows = Vec::new();
+    let mut failed = false;
+    for (idx, &bytes) in sizes.iter().enumerate() {
+        let count = (bytes / dtype.size()).max(1);
+        let bytes = count * dtype.size();
+        if lead {
+            eprintln!(
+                "progress: size {}/{} ({})",
+                idx + 1,
+                sizes.len(),
+                human(bytes)
+            );
+        }
+        let seed = idx as u32 + 1;
+        let plan = ar.plan(count, dtype)?;
+        // Correctness first (also the warm-up for this size).
+        let mut wrong = 0;
+        if args.check {
+            // SAFETY: both buffers hold max_bytes >= bytes.
+            unsafe {
+                checker.fill(&s, in_ptr, count, dtype, rank as u32, seed)?;
+                ar.run_raw(&s, in_ptr, out_ptr, count, dtype)?;
+                wrong = checker.count_wrong(&s, out_ptr, count, dtype, world as u32, seed)?;
+            }
+            wrong = sum_over_ranks(&comm, wrong)?;
+            failed |= wrong > 0;
+        }
+        // SAFETY: as above; in place the input is refilled only by the check.
+        let db = measure(&comm, &s, bytes, args, &|st| unsafe {
+            ar.run_raw(st, in_ptr, out_ptr, count, dtype)
+        })?;
+        let doorbell = timing(&comm, db)?;
+        let (mut nccl_t, mut symm_t, mut nccl_wrong) = (Timing::default(), Timing::default(), None);
+        if let Some(n) = &nccl {
+            if args.check {
+                // SAFETY: as above.
+                let w = unsafe {
+                    checker.fill(&s, in_ptr, count, dtype, rank as u32, seed)?;
+                    n.all_reduce(&s, in_ptr, out_ptr, count, dtype)?;
+                    checker.count_wrong(&s, out_ptr, count, dtype, world as u32, seed)?
+                };
+                nccl_wrong = Some(sum_over_ranks(&comm, w)?);
+            }
+            // SAFETY: as above.
+            let t = measure(&comm, &s, bytes, args, &|st| unsafe {
+                n.all_reduce(st, in_ptr, out_ptr, count, dtype)
+            })?;
+            nccl_t = timing(&comm, t)?;
+            if let Some((si, so)) = &symm {
+                let (sin, sout) = (
+                    si.device_ptr(),
+                    if args.inplace {
+                        si.device_ptr()
+                    } else {
+                        so.device_ptr()
+                    },
+                );
+                // SAFETY: the symmetric buffers hold max_bytes each.
+                let t = measure(&comm, &s, bytes, args, &|st| unsafe {
+                    n.all_reduce(st, sin, sout, count, dtype)
+                })?;
+                symm_t = timing(&comm, t)?;
+            }
+        }
+        rows.push(Row {
+            bytes,
+            count,
+            doorbell,
+            algo: plan.algorithm.name(),
+            wrong,
+            nccl: nccl_t,
+            nccl_symm: symm_t,
+            nccl_wrong,
+        });
+        if lead {
+            print_row(rows.last().expect("just pushed"), world, dtype, idx == 0);
+        }
+    }
+    if lead {
+        summarize(&rows, world);
+        if let Some(path) = &args.markdown {
+            write_markdown(path, &rows, world, dtype)?;
+        }
+        if let Some(path) = &args.plot {
+            plot(path, &rows, world, dtype)?;
+            println!("# plot written to {}", path.display());
+        }
+    }
+    comm.bootstrap().barrier()?;
+    if failed {
+        if lead {
+            eprintln!("allreduce: wrong results (see #wrong)");
+        }
+        return Ok(2);
+    }
+    Ok(0)
+}
+
+fn busbw(bytes: usize, world: usize, us: Option<f64>) -> Option<f64> {
+    us.map(|t| bytes as f64 / t / 1e3 * 2.0 * (world as f64 - 1.0) / world as f64)
+}
+
+fn fmt_opt(v: Option<f64>, prec: usize) -> String {
+    v.map_or("-".into(), |x| format!("{x:.prec$}"))
+}
+
+fn best(a: Option<f64>, b: Option<f64>) -> Option<f64> {
+    match (a, b) {
+        (Some(x), Some(y)) => Some(x.min(y)),
+        (x, None) => x,
+        (None, y) => y,
+    }
+}
+
+fn speedup(nccl: Option<f64>, ours: Option<f64>) -> Option<f64> {
+    Some(nccl? / ours?)
+}
+
+fn print_row(r: &Row, world: usize, dtype: DataType, header: bool) {
+    if header {
+        println!(
+            "#{:>11} {:>11} {:>8} {:>5} | {:>12} | {:>8} {:>7} {:>8} {:>7} {:>6} | {:>8} {:>7} {:>8} {:>7} | {:>8} {:>8} | {:>7} {:>7}",
+            "size", "count", "type", "redop", "algorithm",
+            "graph", "busbw", "eager", "busbw", "#wrong",
+            "graph", "busbw", "eager", "busbw",
+            "graph", "eager",
+            "x graph", "x eager"
+        );
+        println!(
+            "#{:>11} {:>11} {:>8} {:>5} | {:>12} | {:^39} | {:^33} | {:^17} | {:^15}",
+            "(B)",
+            "(elements)",
+            "",
+            "",
+            "doorbell",
+            "doorbell (us, GB/s)",
+            "NCCL default (us, GB/s)",
+            "NCCL symmetric",
+            "speedup"
+        );
+    }
+    let nccl_best_g = best(r.nccl.graph, r.nccl_symm.graph);
+    let nccl_best_e = best(r.nccl.eager, r.nccl_symm.eager);
+    println!(
+        "{:>12} {:>11} {:>8} {:>5} | {:>12} | {:>8} {:>7} {:>8} {:>7} {:>6} | {:>8} {:>7} {:>8} {:>7} | {:>8} {:>8} | {:>7} {:>7}",
+        r.bytes,
+        r.count,
+        dtype.name(),
+        "sum",
+        r.algo,
+        fmt_opt(r.doorbell.graph, 2),
+        fmt_opt(busbw(r.bytes, world, r.doorbell.graph), 1),
+        fmt_opt(r.doorbell.eager, 2),
+        fmt_opt(busbw(r.bytes, world, r.doorbell.eager), 1),
+        r.wrong,
+        fmt_opt(r.nccl.graph, 2),
+        fmt_opt(busbw(r.bytes, world, r.nccl.graph), 1),
+        fmt_opt(r.nccl.eager, 2),
+        fmt_opt(busbw(r.bytes, world, r.nccl.eager), 1),
+        fmt_opt(r.nccl_symm.graph, 2),
+        fmt_opt(r.nccl_symm.eager, 2),
+        fmt_opt(speedup(nccl_best_g, r.doorbell.graph), 2),
+        fmt_opt(speedup(nccl_best_e, r.doorbell.eager), 2),
+    );
+    let _ = std::io::stdout().flush();
+}
+
+fn summarize(rows: &[Row], world: usize) {
+    let mut slower = Vec::new();
+    for r in rows {
+        for (mode, ours, theirs) in [
+            (
+                "graph",
+                r.doorbell.graph,
+                best(r.nccl.graph, r.nccl_symm.graph),
+            ),
+            (
+                "eager",
+                r.doorbell.eager,
+                best(r.nccl.eager, r.nccl_symm.eager),
+            ),
+        ] {
+            if let (Some(o), Some(t)) = (ours, theirs) {
+                if o > t {
+                    slower.push(format!(
+                        "{} {mode} ({:.2} vs {:.2} us)",
+                        human(r.bytes),
+                        o,
+                        t
+                    ));
+                }
+            }
+        }
+    }
+    let wrong: u64 = rows.iter().map(|r| r.wrong).sum();
+    let nccl_wrong: u64 = rows.iter().filter_map(|r| r.nccl_wrong).sum();
+    println!(
+        "# {world} ranks: {} sizes, doorbell #wrong total {wrong}, NCCL #wrong total {nccl_wrong}",
+        rows.len()
+    );
+    if slower.is_empty() {
+        println!("# doorbell was faster than the faster NCCL mode at every measured size");
+    } else {
+        println!("# doorbell slower than NCCL at: {}", slower.join(", "));
+    }
+}
+
+fn write_markdown(
+    path: &std::path::Path,
+    rows: &[Row],
+    world: usize,
+    dtype: DataType,
+) -> Result<()> {
+    let mut t = String::from(
+        "| size | algorithm | doorbell graph us | busbw | NCCL graph us | NCCL symm graph us | speedup graph | doorbell eager us | NCCL eager us | NCCL symm eager us | speedup eager | #wrong |\n\
+         |---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n"
+    );
+    for r in rows {
+        t.push_str(&format!(
+            "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |\n",
+            human(r.bytes),
+            r.algo,
+            fmt_opt(r.doorbell.graph, 2),
+            fmt_opt(busbw(r.bytes, world, r.doorbell.graph), 1),
+            fmt_opt(r.nccl.graph, 2),
+            fmt_opt(r.nccl_symm.graph, 2),
+            fmt_opt(
+                speedup(best(r.nccl.graph, r.nccl_symm.graph), r.doorbell.graph),
+                2
+            ),
+            fmt_opt(r.doorbell.eager, 2),
+            fmt_opt(r.nccl.eager, 2),
+            fmt_opt(r.nccl_symm.eager, 2),
+            fmt_opt(
+                speedup(best(r.nccl.eager, r.nccl_symm.eager), r.doorbell.eager),
+                2
+            ),
+            r.wrong
+        ));
+    }
+    let _ = dtype;
+    std::fs::write(path, t).map_err(|e| Error::io(format!("writing {}", path.display()), e))
+}
+
+fn plot(path: &std::path::Path, rows: &[Row], world: usize, dtype: DataType) -> Result<()> {
+    let series = |label: &str, pick: &dyn Fn(&Row) -> Option<f64>| Series {
+        label: label.to_string(),
+        points: rows
+            .iter()
+            .filter_map(|r| pick(r).map(|v| (r.bytes as f64, v)))
+            .collect(),
+    };
+    let chart = Chart {
+        title: format!(
+            "allreduce (sum), {world} ranks, {}: CUDA graph and eager",
+            dtype.name()
+        ),
+        x_label: "message size (bytes)".into(),
+        panels: vec![
+            Panel {
+                title: "latency".into(),
+                y_label: "us".into(),
+                log_y: true,
+                series: vec![
+                    series("doorbell graph", &|r| r.doorbell.graph),
+                    series("NCCL graph", &|r| r.nccl.graph),
+                    series("NCCL symm graph", &|r| r.nccl_symm.graph),
+                    series("doorbell eager", &|r| r.doorbell.eager),
+                    series("NCCL eager", &|r| r.nccl.eager),
+                    series("NCCL symm eager", &|r| r.nccl_symm.eager),
+                ],
+            },
+            Panel {
+                title: "bus bandwidth".into(),
+                y_label: "GB/s".into(),
+                log_y: false,
+                series: vec![
+                    series("doorbell graph", &|r| {
+                        busbw(r.bytes, world, r.doorbell.graph)
+                    }),
+                    series("NCCL graph", &|r| busbw(r.bytes, world, r.nccl.graph)),
+                    series("NCCL symm graph", &|r| {
+                        busbw(r.bytes, world, r.nccl_symm.graph)
+                    }),
+                ],
+            },
+        ],
+    };
+    chart.render_png(path)
+}
+
+fn cuda(call: &'static str) -> impl Fn(cudarc::driver::DriverError) -> Error {
+    move |e| Error::Cuda {
+        call,
+        code: e.to_string(),
+    }
+}

@@ -1,0 +1,586 @@
+//! Allreduce (sum) over the ranks of one node, on the caller's cudarc stream.
+//!
+//! Three algorithms (kernels in `cuda/kernels/allreduce.cu`, protocol comments there):
+//! - one-shot with LL packets: every rank pushes its input to every peer, each reduces all of
+//!   it; one NVLink crossing, for small messages;
+//! - two-shot with LL packets: reduce-scatter then all-gather in one kernel, no barrier; for
+//!   medium messages;
+//! - pipelined: reduce-scatter + all-gather in tiles through a scratch ring, synchronized with
+//!   semaphores, many blocks (lanes) in flight; for large messages.
+//!
+//! The choice comes from [`Algorithm::choose`], a table of measured crossovers by rank count
+//! and size, overridden by [`AllReduceOptions::algorithm`] or `DOORBELL_ALLREDUCE_ALGO`.
+//! Scratch and semaphores are allocated once, in [`AllReduce::new`]; every call reads its
+//! per-call state (epochs) from device memory, so calls are stream-ordered and CUDA-graph
+//! capturable with any number of replays.
+//!
+//! Every rank must call with the same count, type and algorithm choice inputs, in the same
+//! order. `DOORBELL_CHECK=1` (or [`AllReduceOptions::check_args`]) verifies that on every call
+//! and names the odd rank instead of hanging.
+
+use crate::collectives::{DataType, ReduceOp};
+use crate::config::Settings;
+use crate::device_api::{AllReduceArgs, SemaphoreHandle, MAX_RANKS};
+use crate::error::{Error, Result};
+use crate::host::communicator::{Communicator, RegisteredMemory, Semaphores};
+use crate::host::cuda::cuda_err;
+use crate::host::memory::{Buffer, RemoteMemory};
+use cudarc::driver::{
+    CudaFunction, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig,
+    PushKernelArg,
+};
+use std::collections::HashMap;
+use std::sync::Arc;
+
+/// An allreduce algorithm.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Algorithm {
+    /// One-shot, LL8 packets (4 payload bytes per 8-byte packet).
+    OneShotLl8,
+    /// One-shot, LL16 packets (8 payload bytes per 16-byte packet).
+    OneShotLl16,
+    /// Two-shot (reduce-scatter + all-gather), LL8 packets.
+    TwoShotLl8,
+    /// Two-shot, LL16 packets.
+    TwoShotLl16,
+    /// Pipelined reduce-scatter + all-gather through scratch, with semaphores.
+    Pipelined,
+}
+
+impl Algorithm {
+    /// Every algorithm.
+    pub const ALL: [Algorithm; 5] = [
+        Algorithm::OneShotLl8,
+        Algorithm::OneShotLl16,
+        Algorithm::TwoShotLl8,
+        Algorithm::TwoShotLl16,
+        Algorithm::Pipelined,
+    ];
+
+    /// The name used in settings, options and tables.
+    pub fn name(self) -> &'static str {
+        match self {
+            Algorithm::OneShotLl8 => "oneshot-ll8",
+            Algorithm::OneShotLl16 => "oneshot-ll16",
+            Algorithm::TwoShotLl8 => "twoshot-ll8",
+            Algorithm::TwoShotLl16 => "twoshot-ll16",
+            Algorithm::Pipelined => "pipelined",
+        }
+    }
+
+    fn kernel_stem(self) -> &'static str {
+        match self {
+            Algorithm::OneShotLl8 => "allreduce_oneshot_ll8",
+            Algorithm::OneShotLl16 => "allreduce_oneshot_ll16",
+            Algorithm::TwoShotLl8 => "allreduce_twoshot_ll8",
+            Algorithm::TwoShotLl16 => "allreduce_twoshot_ll16",
+            Algorithm::Pipelined => "allreduce_pipelined",
+        }
+    }
+
+    /// Packet size for the LL algorithms.
+    fn packet(self) -> Option<(usize, usize)> {
+        // (packet bytes, payload bytes)
+        match self {
+            Algorithm::OneShotLl8 | Algorithm::TwoShotLl8 => Some((8, 4)),
+            Algorithm::OneShotLl16 | Algorithm::TwoShotLl16 => Some((16, 8)),
+            Algorithm::Pipelined => None,
+        }
+    }
+
+    /// The measured choice for `bytes` on `world` ranks of one node (H100/H200, NVLink).
+    /// See docs/performance.md for the sweep the crossovers come from.
+    pub fn choose(world: usize, bytes: usize) -> Algorithm {
+        let (oneshot_max, twoshot_max) = match world {
+            0..=2 => (256 << 10, 1 << 20),
+            3..=4 => (64 << 10, 1 << 20),
+            _ => (32 << 10, 512 << 10),
+        };
+        if bytes <= oneshot_max {
+            Algorithm::OneShotLl16
+        } else if bytes <= twoshot_max {
+            Algorithm::TwoShotLl16
+        } else {
+            Algorithm::Pipelined
+        }
+    }
+}
+
+impl std::str::FromStr for Algorithm {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self> {
+        Algorithm::ALL
+            .into_iter()
+            .find(|a| a.name() == s.trim())
+            .ok_or_else(|| {
+                Error::invalid(
+                    "allreduce algorithm",
+                    format!(
+                        "{s:?}: expected one of {}",
+                        Algorithm::ALL.map(|a| a.name()).join(", ")
+                    ),
+                )
+            })
+    }
+}
+
+/// Element types the allreduce takes through the typed API.
+pub trait Element: DeviceRepr + Copy {
+    /// Its [`DataType`].
+    const DTYPE: DataType;
+}
+
+impl Element for half::bf16 {
+    const DTYPE: DataType = DataType::Bf16;
+}
+impl Element for half::f16 {
+    const DTYPE: DataType = DataType::F16;
+}
+impl Element for f32 {
+    const DTYPE: DataType = DataType::F32;
+}
+
+/// Knobs of an [`AllReduce`]. The defaults are what the measurements chose.
+#[derive(Debug, Clone)]
+pub struct AllReduceOptions {
+    /// Always use this algorithm (else `DOORBELL_ALLREDUCE_ALGO`, else [`Algorithm::choose`]).
+    pub algorithm: Option<Algorithm>,
+    /// Verify argument agreement on every call (else `DOORBELL_CHECK`).
+    pub check_args: Option<bool>,
+    /// Bytes of one sender's slot in the LL scratch areas (bounds the LL algorithms' sizes).
+    pub ll_slot_bytes: usize,
+    /// Most pipeline lanes (blocks); capped by the number of SMs.
+    pub max_lanes: u32,
+    /// Largest shard of one pipeline tile, bytes (a multiple of 16).
+    pub max_tile_bytes: usize,
+    /// Smallest shard of one pipeline tile, bytes (a multiple of 16).
+    pub min_tile_bytes: usize,
+    /// Threads per block of the pipelined kernel.
+    pub pipeline_threads: u32,
+    /// Threads per block of the LL kernels.
+    pub ll_threads: u32,
+    /// Most blocks of the LL kernels (capped by the number of SMs).
+    pub max_ll_blocks: u32,
+}
+
+impl Default for AllReduceOptions {
+    fn default() -> Self {
+        AllReduceOptions {
+            algorithm: None,
+            check_args: None,
+            ll_slot_bytes: 1 << 20,
+            max_lanes: 32,
+            max_tile_bytes: 64 << 10,
+            min_tile_bytes: 4 << 10,
+            pipeline_threads: 1024,
+            ll_threads: 512,
+            max_ll_blocks: 64,
+        }
+    }
+}
+
+/// How one call will run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Plan {
+    /// The algorithm.
+    pub algorithm: Algorithm,
+    /// Blocks launched.
+    pub blocks: u32,
+    /// Threads per block.
+    pub threads: u32,
+    /// Pipeline: elements per shard of a tile (0 for LL algorithms).
+    pub tile_elems: u64,
+}
+
+/// Allreduce state of one communicator: scratch every peer maps, semaphores, device epochs and
+/// the kernels. Build it once (collective) and call it as often as needed.
+pub struct AllReduce {
+    comm: Arc<Communicator>,
+    opts: AllReduceOptions,
+    forced: Option<Algorithm>,
+    check_args: bool,
+    base: AllReduceArgs,
+    sms: u32,
+    kernels: HashMap<(Algorithm, bool, DataType), CudaFunction>,
+    _scratch: Arc<Buffer>,
+    _scratch_reg: Arc<RegisteredMemory>,
+    _peers: Vec<Option<Arc<RemoteMemory>>>,
+    _semaphores: Semaphores,
+    _sems_dev: CudaSlice<SemaphoreHandle>,
+    _state: CudaSlice<u32>,
+    calls: std::sync::atomic::AtomicU64,
+}
+
+impl AllReduce {
+    /// Allocates scratch, maps every peer's, builds the semaphores and loads the kernels.
+    /// Collective: every rank calls it, with the same options.
+    pub fn new(comm: &Arc<Communicator>, opts: AllReduceOptions) -> Result<AllReduce> {
+        let world = comm.world_size();
+        let rank = comm.rank();
+        if world > MAX_RANKS {
+            return Err(Error::invalid(
+                "world size",
+                format!("{world} ranks: the single-node allreduce handles at most {MAX_RANKS}"),
+            ));
+        }
+        if opts.max_tile_bytes % 16 != 0
+            || opts.min_tile_bytes % 16 != 0
+            || opts.min_tile_bytes == 0
+            || opts.min_tile_bytes > opts.max_tile_bytes
+        {
+            return Err(Error::invalid(
+                "tile bytes",
+                "min and max tile bytes must be positive multiples of 16, min <= max",
+            ));
+        }
+        if opts.ll_slot_bytes < 16 || opts.ll_slot_bytes % 16 != 0 {
+            return Err(Error::invalid(
+                "ll_slot_bytes",
+                "must be a positive multiple of 16",
+            ));
+        }
+        let settings = Settings::from_env()?;
+        let forced = match (opts.algorithm, &settings.allreduce_algo) {
+            (Some(a), _) => Some(a),
+            (None, Some(s)) => Some(s.parse()?),
+            (None, None) => None,
+        };
+        let check_args = opts.check_args.unwrap_or(settings.check_args);
+        let gpu = comm.gpu().clone();
+        let sms = gpu
+            .context()
+            .attribute(
+                cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
+            )
+            .map_err(cuda_err("cuDeviceGetAttribute"))? as u32;
+        let lanes = opts.max_lanes.clamp(1, sms) as usize;
+
+        let ll_half = 2 * world * opts.ll_slot_bytes;
+        let ll_bytes = 2 * ll_half;
+        let lane_bytes = 2 * 2 * world * opts.max_tile_bytes;
+        let scratch = comm.alloc(ll_bytes + lanes * lane_bytes)?;
+        let scratch_reg = comm.register(&scratch)?;
+        let peers = comm.exchange(&scratch_reg)?;
+        let semaphores = comm.semaphores(lanes)?;
+
+        let stream = gpu.new_stream()?;
+        let sems_dev = stream
+            .clone_htod(semaphores.handles())
+            .map_err(cuda_err("cuMemcpyHtoD"))?;
+        let state = stream
+            .alloc_zeros::<u32>(2)
+            .map_err(cuda_err("cuMemAlloc"))?;
+        let mut scratch_ptrs = [0u64; MAX_RANKS];
+        for (r, p) in scratch_ptrs.iter_mut().enumerate().take(world) {
+            *p = if r == rank {
+                scratch.device_ptr()
+            } else {
+                peers[r]
+                    .as_ref()
+                    .ok_or_else(|| Error::TransportUnavailable {
+                        transport: "CudaIpc",
+                        why: format!("rank {r} is on another host; the allreduce is single-node"),
+                    })?
+                    .device_ptr()
+            };
+        }
+        let base = AllReduceArgs {
+            scratch: scratch_ptrs,
+            sems: sems_dev.device_ptr(&stream).0,
+            state: state.device_ptr(&stream).0,
+            ll_offset: 0,
+            ll_half_bytes: ll_half as u64,
+            ll_slot_bytes: opts.ll_slot_bytes as u64,
+            pipe_offset: ll_bytes as u64,
+            pipe_lane_bytes: lane_bytes as u64,
+            rank: rank as u32,
+            world: world as u32,
+            site: comm.diagnostics().site(-1, u32::MAX),
+            ..Default::default()
+        };
+        stream
+            .synchronize()
+            .map_err(cuda_err("cuStreamSynchronize"))?;
+
+        let mut kernels = HashMap::new();
+        for dtype in DataType::ALL {
+            let suffix = match dtype {
+                DataType::Bf16 => "bf16",
+                DataType::F16 => "f16",
+                DataType::F32 => "f32",
+            };
+            for algo in Algorithm::ALL {
+                if algo == Algorithm::Pipelined {
+                    for vec in [true, false] {
+                        let name = format!(
+                            "{}_{}_{suffix}",
+                            algo.kernel_stem(),
+                            if vec { "vec" } else { "scalar" }
+                        );
+                        kernels.insert((algo, vec, dtype), gpu.function("allreduce", &name)?);
+                    }
+                } else {
+                    let name = format!("{}_{suffix}", algo.kernel_stem());
+                    kernels.insert((algo, false, dtype), gpu.function("allreduce", &name)?);
+                }
+            }
+        }
+        // Every peer has mapped our scratch before anyone launches into it.
+        comm.bootstrap().barrier()?;
+        Ok(AllReduce {
+            comm: comm.clone(),
+            opts,
+            forced,
+            check_args,
+            base,
+            sms,
+            kernels,
+            _scratch: scratch,
+            _scratch_reg: scratch_reg,
+            _peers: peers,
+            _semaphores: semaphores,
+            _sems_dev: sems_dev,
+            _state: state,
+            calls: std::sync::atomic::AtomicU64::new(0),
+        })
+    }
+
+    /// The communicator.
+    pub fn communicator(&self) -> &Arc<Communicator> {
+        &self.comm
+    }
+
+    /// Largest message (bytes) `algorithm` can take with this scratch.
+    pub fn max_bytes(&self, algorithm: Algorithm) -> usize {
+        match algorithm.packet() {
+            None => usize::MAX,
+            Some((pkt, payload)) => {
+                let packets = self.opts.ll_slot_bytes / pkt;
+                match algorithm {
+                    Algorithm::OneShotLl8 | Algorithm::OneShotLl16 => packets * payload,
+                    _ => packets * payload * self.comm.world_size(),
+                }
+            }
+        }
+    }
+
+    /// How a call of `count` elements of `dtype` would run.
+    pub fn plan(&self, count: usize, dtype: DataType) -> Result<Plan> {
+        let world = self.comm.world_size();
+        let bytes = count
+            .checked_mul(dtype.size())
+            .ok_or_else(|| Error::invalid("count", format!("{count} elements overflow")))?;
+        let mut algorithm = self
+            .forced
+            .unwrap_or_else(|| Algorithm::choose(world, bytes));
+        if self.forced.is_none() && bytes > self.max_bytes(algorithm) {
+            algorithm = Algorithm::Pipelined;
+        }
+        if bytes > self.max_bytes(algorithm) {
+            return Err(Error::invalid(
+                "count",
+                format!(
+                    "{bytes} bytes exceed {}'s limit of {} bytes with this scratch (raise ll_slot_bytes)",
+                    algorithm.name(),
+                    self.max_bytes(algorithm)
+                ),
+            ));
+        }
+        let sms = self.sms;
+        Ok(match algorithm.packet() {
+            Some((_, payload)) => {
+                let packets = bytes.div_ceil(payload).max(1);
+                let work = match algorithm {
+                    Algorithm::OneShotLl8 | Algorithm::OneShotLl16 => packets,
+                    _ => packets.div_ceil(world),
+                };
+                let threads = self.opts.ll_threads;
+                let blocks = (work.div_ceil(threads as usize) as u32)
+                    .clamp(1, self.opts.max_ll_blocks.min(sms).max(1));
+                Plan {
+                    algorithm,
+                    blocks,
+                    threads,
+                    tile_elems: 0,
+                }
+            }
+            None => {
+                let size = dtype.size();
+                let vec_elems = 16 / size;
+                let lanes = self.opts.max_lanes.clamp(1, sms) as usize;
+                let min_e = self.opts.min_tile_bytes / size;
+                let max_e = self.opts.max_tile_bytes / size;
+                let want = count.div_ceil(world * lanes).next_multiple_of(vec_elems);
+                let ke = want.clamp(min_e, max_e);
+                let ntiles = count.div_ceil(ke * world).max(1);
+                Plan {
+                    algorithm,
+                    blocks: ntiles.min(lanes) as u32,
+                    threads: self.opts.pipeline_threads,
+                    tile_elems: ke as u64,
+                }
+            }
+        })
+    }
+
+    /// Sums `count` elements of `dtype` at `input` over all ranks into `output` (which may equal
+    /// `input`), on `stream`.
+    ///
+    /// # Safety
+    /// `input` and `output` must be device memory of this rank's GPU holding `count` elements,
+    /// valid until the work on `stream` completes, and not overlapping unless equal.
+    pub unsafe fn run_raw(
+        &self,
+        stream: &CudaStream,
+        input: u64,
+        output: u64,
+        count: usize,
+        dtype: DataType,
+    ) -> Result<()> {
+        if self.check_args {
+            self.agree(count, dtype)?;
+        }
+        self.calls
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        if count == 0 {
+            return Ok(());
+        }
+        let elem = dtype.size() as u64;
+        if input % elem != 0 || output % elem != 0 {
+            return Err(Error::invalid(
+                "buffer",
+                format!("pointers must be aligned to the element size ({elem} bytes)"),
+            ));
+        }
+        if self.comm.world_size() == 1 {
+            if input != output {
+                self.comm.gpu().bind()?;
+                // SAFETY: the caller guarantees both ranges hold `count` elements.
+                crate::host::cuda::check("cuMemcpyDtoDAsync", unsafe {
+                    cudarc::driver::sys::cuMemcpyDtoDAsync_v2(
+                        output,
+                        input,
+                        count * dtype.size(),
+                        stream.cu_stream(),
+                    )
+                })?;
+            }
+            return Ok(());
+        }
+        let aligned = input % 16 == 0 && output % 16 == 0;
+        let plan = self.plan(count, dtype)?;
+        let vec = plan.algorithm == Algorithm::Pipelined && aligned;
+        let f = self
+            .kernels
+            .get(&(plan.algorithm, vec, dtype))
+            .ok_or_else(|| Error::invalid("allreduce", "kernel missing"))?;
+        let args = AllReduceArgs {
+            input,
+            output,
+            count: count as u64,
+            tile_elems: plan.tile_elems,
+            ..self.base
+        };
+        let mut b = stream.launch_builder(f);
+        b.arg(&args);
+        let cfg = LaunchConfig {
+            grid_dim: (plan.blocks, 1, 1),
+            block_dim: (plan.threads, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: the arguments match the kernel's AllReduceArgs (layout-tested); the caller
+        // vouches for the buffers; scratch and semaphores live as long as `self`.
+        self.comm
+            .check(unsafe { b.launch(cfg) }.map(|_| ()), "cuLaunchKernel")
+    }
+
+    /// Sums `input` over all ranks into `output`.
+    pub fn run<T: Element, I: DevicePtr<T>, O: DevicePtrMut<T>>(
+        &self,
+        stream: &CudaStream,
+        input: &I,
+        output: &mut O,
+    ) -> Result<()> {
+        if input.len() != output.len() {
+            return Err(Error::invalid(
+                "output",
+                format!("{} elements in, {} out", input.len(), output.len()),
+            ));
+        }
+        let count = input.len();
+        let (i, _gi) = input.device_ptr(stream);
+        let (o, _go) = output.device_ptr_mut(stream);
+        // SAFETY: both come from live cudarc allocations of `count` elements on this context;
+        // distinct borrows, so they do not alias.
+        unsafe { self.run_raw(stream, i, o, count, T::DTYPE) }
+    }
+
+    /// Sums `buf` over all ranks in place.
+    pub fn run_in_place<T: Element, B: DevicePtrMut<T>>(
+        &self,
+        stream: &CudaStream,
+        buf: &mut B,
+    ) -> Result<()> {
+        let count = buf.len();
+        let (p, _g) = buf.device_ptr_mut(stream);
+        // SAFETY: a live cudarc allocation of `count` elements on this context.
+        unsafe { self.run_raw(stream, p, p, count, T::DTYPE) }
+    }
+
+    /// Checks that every rank makes the same call; names the ranks that differ from the
+    /// majority (or from rank 0 on a tie).
+    fn agree(&self, count: usize, dtype: DataType) -> Result<()> {
+        let call = self.calls.load(std::sync::atomic::Ordering::Relaxed);
+        let mut mine = Vec::with_capacity(24);
+        mine.extend_from_slice(&call.to_le_bytes());
+        mine.extend_from_slice(&(count as u64).to_le_bytes());
+        mine.extend_from_slice(&dtype.code().to_le_bytes());
+        mine.extend_from_slice(&ReduceOp::Sum.code().to_le_bytes());
+        let all = self.comm.bootstrap().all_gather(&mine)?;
+        let describe = |b: &[u8]| -> String {
+            if b.len() != 24 {
+                return "a malformed call record".into();
+            }
+            let n = u64::from_le_bytes(b[8..16].try_into().unwrap_or_default());
+            let t = u32::from_le_bytes(b[16..20].try_into().unwrap_or_default());
+            let dtype = DataType::ALL
+                .into_iter()
+                .find(|d| d.code() == t)
+                .map_or("?", |d| d.name());
+            let call = u64::from_le_bytes(b[0..8].try_into().unwrap_or_default());
+            format!("call #{call}: {n} x {dtype}, sum")
+        };
+        // The majority value is taken as right.
+        let mut counts: HashMap<&[u8], usize> = HashMap::new();
+        for b in &all {
+            *counts.entry(b.as_slice()).or_default() += 1;
+        }
+        let best = counts.values().copied().max().unwrap_or(0);
+        let majority: &[u8] = if counts.values().filter(|&&c| c == best).count() > 1 {
+            all[0].as_slice()
+        } else {
+            counts
+                .iter()
+                .find(|(_, &c)| c == best)
+                .map(|(k, _)| *k)
+                .unwrap_or(&all[0])
+        };
+        let odd: Vec<String> = all
+            .iter()
+            .enumerate()
+            .filter(|(_, b)| b.as_slice() != majority)
+            .map(|(r, b)| format!("rank {r} ({})", describe(b)))
+            .collect();
+        if odd.is_empty() {
+            return Ok(());
+        }
+        Err(Error::invalid(
+            "allreduce arguments",
+            format!(
+                "ranks disagree: {} while the others made {}",
+                odd.join(", "),
+                describe(majority)
+            ),
+        ))
+    }
+}

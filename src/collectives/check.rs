@@ -1,0 +1,182 @@
+//! Inputs with exact sums and result checks, for the collective tests and the benchmarks'
+//! `--check` (kernels in `cuda/kernels/check.cu`).
+//!
+//! [`value`] is the host twin of the device's `check_value`: small integers derived from (rank,
+//! index, seed), so the sum over up to 8 ranks is exact in every supported type and a wrong
+//! element is a real error. [`Checker::fill_random`] and [`Checker::hash`] serve the pressure
+//! tests: rounding there depends on summation order, so a race shows up as differing hashes.
+
+use crate::collectives::DataType;
+use crate::error::Result;
+use crate::host::cuda::{cuda_err, Gpu};
+use cudarc::driver::{CudaFunction, CudaStream, DevicePtr, LaunchConfig, PushKernelArg};
+use std::sync::Arc;
+
+/// Element `i` of `rank`'s check input with `seed` (twin of `check_value` in check.cu).
+pub fn value(rank: u32, i: u64, seed: u32) -> i32 {
+    ((i.wrapping_mul(7) + rank as u64 * 13 + seed as u64 * 5) % 17) as i32 - 8
+}
+
+/// The expected sum of element `i` over `world` ranks.
+pub fn expected_sum(world: u32, i: u64, seed: u32) -> i32 {
+    (0..world).map(|r| value(r, i, seed)).sum()
+}
+
+/// The check kernels of one GPU, for every data type.
+pub struct Checker {
+    fill: [CudaFunction; 3],
+    count_wrong: [CudaFunction; 3],
+    fill_random: [CudaFunction; 3],
+    hash: [CudaFunction; 3],
+}
+
+fn suffix(dtype: DataType) -> &'static str {
+    match dtype {
+        DataType::Bf16 => "bf16",
+        DataType::F16 => "f16",
+        DataType::F32 => "f32",
+    }
+}
+
+fn grid(count: usize) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: ((count.div_ceil(256)).clamp(1, 1024) as u32, 1, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+impl Checker {
+    /// Loads the kernels.
+    pub fn new(gpu: &Arc<Gpu>) -> Result<Checker> {
+        let load = |stem: &str| -> Result<[CudaFunction; 3]> {
+            Ok([
+                gpu.function("check", &format!("{stem}_{}", suffix(DataType::Bf16)))?,
+                gpu.function("check", &format!("{stem}_{}", suffix(DataType::F16)))?,
+                gpu.function("check", &format!("{stem}_{}", suffix(DataType::F32)))?,
+            ])
+        };
+        Ok(Checker {
+            fill: load("check_fill")?,
+            count_wrong: load("check_count_wrong")?,
+            fill_random: load("check_fill_random")?,
+            hash: load("check_hash")?,
+        })
+    }
+
+    /// Writes `rank`'s check input (`value(rank, i, seed)`) to `count` elements at `ptr`.
+    ///
+    /// # Safety
+    /// `ptr` must be device memory of this GPU holding `count` elements of `dtype`.
+    pub unsafe fn fill(
+        &self,
+        s: &Arc<CudaStream>,
+        ptr: u64,
+        count: usize,
+        dtype: DataType,
+        rank: u32,
+        seed: u32,
+    ) -> Result<()> {
+        let f = &self.fill[dtype.code() as usize];
+        let n = count as u64;
+        let mut b = s.launch_builder(f);
+        b.arg(&ptr).arg(&n).arg(&rank).arg(&seed);
+        // SAFETY: matches check_fill_*; the caller vouches for the range.
+        unsafe { b.launch(grid(count)) }.map_err(cuda_err("cuLaunchKernel"))?;
+        Ok(())
+    }
+
+    /// Pseudo-random values in [-1, 1) derived from (rank, index, seed).
+    ///
+    /// # Safety
+    /// As for [`Checker::fill`].
+    pub unsafe fn fill_random(
+        &self,
+        s: &Arc<CudaStream>,
+        ptr: u64,
+        count: usize,
+        dtype: DataType,
+        rank: u32,
+        seed: u32,
+    ) -> Result<()> {
+        let f = &self.fill_random[dtype.code() as usize];
+        let n = count as u64;
+        let mut b = s.launch_builder(f);
+        b.arg(&ptr).arg(&n).arg(&rank).arg(&seed);
+        // SAFETY: matches check_fill_random_*; the caller vouches for the range.
+        unsafe { b.launch(grid(count)) }.map_err(cuda_err("cuLaunchKernel"))?;
+        Ok(())
+    }
+
+    /// Counts elements at `ptr` that are not the sum over `world` ranks of their check input.
+    /// Synchronizes `s`.
+    ///
+    /// # Safety
+    /// As for [`Checker::fill`].
+    pub unsafe fn count_wrong(
+        &self,
+        s: &Arc<CudaStream>,
+        ptr: u64,
+        count: usize,
+        dtype: DataType,
+        world: u32,
+        seed: u32,
+    ) -> Result<u64> {
+        let wrong = s.alloc_zeros::<u64>(1).map_err(cuda_err("cuMemAlloc"))?;
+        {
+            let (w, _g) = wrong.device_ptr(s);
+            let f = &self.count_wrong[dtype.code() as usize];
+            let n = count as u64;
+            let mut b = s.launch_builder(f);
+            b.arg(&ptr).arg(&n).arg(&world).arg(&seed).arg(&w);
+            // SAFETY: matches check_count_wrong_*; `wrong` holds one u64.
+            unsafe { b.launch(grid(count)) }.map_err(cuda_err("cuLaunchKernel"))?;
+        }
+        let v = s.clone_dtoh(&wrong).map_err(cuda_err("cuMemcpyDtoH"))?;
+        Ok(v[0])
+    }
+
+    /// An order-independent hash of the `count` elements at `ptr`. Synchronizes `s`.
+    ///
+    /// # Safety
+    /// As for [`Checker::fill`].
+    pub unsafe fn hash(
+        &self,
+        s: &Arc<CudaStream>,
+        ptr: u64,
+        count: usize,
+        dtype: DataType,
+    ) -> Result<u64> {
+        let out = s.alloc_zeros::<u64>(1).map_err(cuda_err("cuMemAlloc"))?;
+        {
+            let (o, _g) = out.device_ptr(s);
+            let f = &self.hash[dtype.code() as usize];
+            let n = count as u64;
+            let mut b = s.launch_builder(f);
+            b.arg(&ptr).arg(&n).arg(&o);
+            // SAFETY: matches check_hash_*; `out` holds one u64.
+            unsafe { b.launch(grid(count)) }.map_err(cuda_err("cuLaunchKernel"))?;
+        }
+        let v = s.clone_dtoh(&out).map_err(cuda_err("cuMemcpyDtoH"))?;
+        Ok(v[0])
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sums_are_exact_small_integers() {
+        for world in 1..=8u32 {
+            for i in 0..1000u64 {
+                let s = expected_sum(world, i, 3);
+                assert!(s.abs() <= 64, "{s}");
+                // Exact in bf16: integers up to 256 have an exact representation.
+                assert_eq!(half::bf16::from_f32(s as f32).to_f32(), s as f32);
+            }
+        }
+        assert_eq!(value(0, 0, 0), -8);
+        assert_eq!(value(1, 2, 3), ((14 + 13 + 15) % 17) - 8);
+    }
+}

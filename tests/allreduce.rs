@@ -1,0 +1,250 @@
+//! Allreduce on GPUs (`#[ignore = "needs GPU"]`; run with `--ignored`): every algorithm x data
+//! type x rank count x awkward size (1 element, not a multiple of 16 bytes, one past a tile or
+//! shard boundary) x in/out of place, eager and as 100 CUDA-graph replays; a pressure mode that
+//! repeats random sizes and compares result hashes across ranks and across runs; and the
+//! argument-agreement check.
+
+mod common;
+
+use common::{rank_counts, run_case, spawned_case};
+use cudarc::driver::sys::CUstreamCaptureMode;
+use cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
+use doorbell::collectives::allreduce::{Algorithm, AllReduce, AllReduceOptions};
+use doorbell::collectives::check::Checker;
+use doorbell::collectives::DataType;
+use doorbell::host::communicator::Communicator;
+use doorbell::Error;
+use std::sync::Arc;
+
+#[test]
+#[ignore = "needs GPU"]
+fn gpu_rank() {
+    let Some(case) = spawned_case() else {
+        return;
+    };
+    let comm = Arc::new(Communicator::from_env().expect("communicator"));
+    let stream = comm.gpu().new_stream().expect("stream");
+    match case.as_str() {
+        "matrix" => matrix(&comm, &stream),
+        "pressure" => pressure(&comm, &stream),
+        "disagree" => disagree(&comm, &stream),
+        other => panic!("unknown case {other}"),
+    }
+    comm.bootstrap().barrier().expect("final barrier");
+}
+
+#[test]
+#[ignore = "needs GPU"]
+fn every_algorithm_dtype_size_and_placement() {
+    for n in rank_counts() {
+        run_case("matrix", n, &[]);
+    }
+}
+
+#[test]
+#[ignore = "needs GPU"]
+fn pressure_random_sizes_same_hash_everywhere() {
+    for n in rank_counts() {
+        run_case("pressure", n, &[]);
+    }
+}
+
+#[test]
+#[ignore = "needs GPU"]
+fn argument_check_names_the_odd_rank() {
+    run_case("disagree", 3, &[("DOORBELL_CHECK", "1")]);
+}
+
+struct Bufs {
+    input: CudaSlice<u8>,
+    output: CudaSlice<u8>,
+}
+
+fn ptr(s: &Arc<CudaStream>, b: &CudaSlice<u8>, offset: usize) -> u64 {
+    b.device_ptr(s).0 + offset as u64
+}
+
+/// Sizes (elements) that stress the edges of `algo` on this communicator.
+fn sizes(ar: &AllReduce, algo: Algorithm, dtype: DataType) -> Vec<usize> {
+    let world = ar.communicator().world_size();
+    let max = ar.max_bytes(algo).min(24 << 20) / dtype.size();
+    let mut v = vec![1, 2, 7, 4097, 8192 * world + 1];
+    if algo == Algorithm::Pipelined {
+        // One past a tile, one past a shard, one past the last full round of lanes.
+        for probe in [1 << 16, 3 << 20, 11 << 20] {
+            let plan = ar.plan(probe, dtype).unwrap();
+            let ke = plan.tile_elems as usize;
+            v.push(ke * world + 1);
+            v.push(ke + 1);
+            v.push(ke * world * plan.blocks as usize + 1);
+        }
+    } else {
+        v.push(max);
+        v.push(max - 1);
+    }
+    v.retain(|&n| n >= 1 && n <= max);
+    v.sort();
+    v.dedup();
+    v
+}
+
+fn matrix(comm: &Arc<Communicator>, s: &Arc<CudaStream>) {
+    let rank = comm.rank() as u32;
+    let world = comm.world_size() as u32;
+    let checker = Checker::new(comm.gpu()).unwrap();
+    let cap = 24 << 20;
+    // Room for a misaligned start (offset by one element) too.
+    let bufs = Bufs {
+        input: s.alloc_zeros::<u8>(cap + 64).unwrap(),
+        output: s.alloc_zeros::<u8>(cap + 64).unwrap(),
+    };
+    let mut seed = 0u32;
+    for algo in Algorithm::ALL {
+        let ar = AllReduce::new(
+            comm,
+            AllReduceOptions {
+                algorithm: Some(algo),
+                ..Default::default()
+            },
+        )
+        .unwrap();
+        for dtype in DataType::ALL {
+            for count in sizes(&ar, algo, dtype) {
+                for in_place in [false, true] {
+                    for misaligned in [false, true] {
+                        if misaligned && count > 100_000 {
+                            continue; // the scalar path is slow; small sizes cover it
+                        }
+                        seed += 1;
+                        let off = if misaligned { dtype.size() } else { 0 };
+                        let inp = ptr(s, &bufs.input, off);
+                        let out = if in_place {
+                            inp
+                        } else {
+                            ptr(s, &bufs.output, off)
+                        };
+                        let what = format!(
+                            "{} {} x {} {} {}",
+                            algo.name(),
+                            count,
+                            dtype.name(),
+                            if in_place { "in place" } else { "out of place" },
+                            if misaligned { "misaligned" } else { "aligned" }
+                        );
+                        // Eager.
+                        // SAFETY: the ranges lie inside `bufs`, which outlive the stream work.
+                        unsafe {
+                            checker.fill(s, inp, count, dtype, rank, seed).unwrap();
+                            ar.run_raw(s, inp, out, count, dtype).unwrap();
+                            let wrong = checker
+                                .count_wrong(s, out, count, dtype, world, seed)
+                                .unwrap();
+                            assert_eq!(wrong, 0, "rank {rank}: {what}: {wrong} wrong (eager)");
+                        }
+                        // 100 graph replays of [fill, allreduce]; checked every 25.
+                        comm.synchronize(s).unwrap();
+                        s.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)
+                            .unwrap();
+                        // SAFETY: as above.
+                        unsafe {
+                            checker.fill(s, inp, count, dtype, rank, seed).unwrap();
+                            ar.run_raw(s, inp, out, count, dtype).unwrap();
+                        }
+                        let graph = s
+                            .end_capture(cudarc::driver::sys::CUgraphInstantiate_flags(0))
+                            .unwrap()
+                            .expect("captured graph");
+                        for replay in 1..=100 {
+                            graph.launch().unwrap();
+                            if replay % 25 == 0 {
+                                // SAFETY: as above.
+                                let wrong = unsafe {
+                                    checker.count_wrong(s, out, count, dtype, world, seed)
+                                }
+                                .unwrap();
+                                assert_eq!(
+                                    wrong, 0,
+                                    "rank {rank}: {what}: {wrong} wrong after {replay} replays"
+                                );
+                            }
+                        }
+                        comm.synchronize(s).unwrap();
+                    }
+                }
+            }
+        }
+        comm.bootstrap().barrier().unwrap();
+    }
+}
+
+/// Random sizes with random (order-sensitive) values: every rank must hold the same result, and
+/// a second run of the same sequence must give the same hashes.
+fn pressure(comm: &Arc<Communicator>, s: &Arc<CudaStream>) {
+    let rank = comm.rank() as u32;
+    let checker = Checker::new(comm.gpu()).unwrap();
+    let ar = AllReduce::new(comm, AllReduceOptions::default()).unwrap();
+    let cap = 48 << 20;
+    let input = s.alloc_zeros::<u8>(cap).unwrap();
+    let output = s.alloc_zeros::<u8>(cap).unwrap();
+    let mut runs: Vec<Vec<u64>> = Vec::new();
+    for _run in 0..2 {
+        let mut rng = 0x9E37_79B9_7F4A_7C15u64;
+        let mut hashes = Vec::new();
+        for iter in 0..60u32 {
+            rng ^= rng << 13;
+            rng ^= rng >> 7;
+            rng ^= rng << 17;
+            let dtype = DataType::ALL[(rng % 3) as usize];
+            // Log-uniform sizes from 1 element to the buffer.
+            let max_log = ((cap / dtype.size()) as f64).log2();
+            let count = (2f64.powf((rng >> 8) as f64 / (1u64 << 56) as f64 * max_log) as usize)
+                .clamp(1, cap / dtype.size());
+            let (i, o) = (ptr(s, &input, 0), ptr(s, &output, 0));
+            // SAFETY: ranges inside the buffers.
+            let h = unsafe {
+                checker.fill_random(s, i, count, dtype, rank, iter).unwrap();
+                ar.run_raw(s, i, o, count, dtype).unwrap();
+                checker.hash(s, o, count, dtype).unwrap()
+            };
+            let all = comm.bootstrap().all_gather(&h.to_le_bytes()).unwrap();
+            for (r, b) in all.iter().enumerate() {
+                assert_eq!(
+                    b.as_slice(),
+                    h.to_le_bytes(),
+                    "iteration {iter}: {count} x {} ({}): rank {r}'s result differs from rank {rank}'s",
+                    dtype.name(),
+                    ar.plan(count, dtype).unwrap().algorithm.name()
+                );
+            }
+            hashes.push(h);
+        }
+        runs.push(hashes);
+    }
+    assert_eq!(
+        runs[0], runs[1],
+        "the same sequence gave different results on its second run"
+    );
+}
+
+/// With DOORBELL_CHECK=1, rank 1 calls with a different count: every rank gets an error naming
+/// rank 1 instead of hanging.
+fn disagree(comm: &Arc<Communicator>, s: &Arc<CudaStream>) {
+    let ar = AllReduce::new(comm, AllReduceOptions::default()).unwrap();
+    let buf = s.alloc_zeros::<f32>(4096).unwrap();
+    let p = buf.device_ptr(s).0;
+    // A matching call first.
+    // SAFETY: 4096 floats.
+    unsafe { ar.run_raw(s, p, p, 1000, DataType::F32) }.unwrap();
+    let count = if comm.rank() == 1 { 999 } else { 1000 };
+    // SAFETY: as above.
+    let err = unsafe { ar.run_raw(s, p, p, count, DataType::F32) }.expect_err("ranks disagree");
+    match &err {
+        Error::InvalidArgument { why, .. } => {
+            assert!(why.contains("rank 1 (call #1: 999 x float"), "{why}");
+            assert!(!why.contains("rank 0 ("), "{why}");
+        }
+        other => panic!("expected InvalidArgument, got {other:?}"),
+    }
+    eprintln!("rank {} reported: {err}", comm.rank());
+    comm.synchronize(s).unwrap();
+}
