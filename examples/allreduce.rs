@@ -59,6 +59,18 @@ struct Args {
     /// Force a doorbell algorithm (oneshot-ll8, oneshot-ll16, twoshot-ll8, twoshot-ll16, pipelined).
     #[arg(long)]
     algo: Option<String>,
+    /// Pipeline lanes (blocks), at most one per SM (default: the library's).
+    #[arg(long)]
+    lanes: Option<u32>,
+    /// Largest pipeline tile shard in KiB (default: what the scratch budget allows).
+    #[arg(long)]
+    tile_kib: Option<usize>,
+    /// Threads per block of the pipelined kernel (default: the library's).
+    #[arg(long)]
+    threads: Option<u32>,
+    /// Blocks of every LL launch (default: the library's).
+    #[arg(long)]
+    ll_blocks: Option<u32>,
     /// Skip NCCL.
     #[arg(long)]
     no_nccl: bool,
@@ -264,11 +276,16 @@ fn run(args: &Args) -> Result<i32> {
         .as_deref()
         .map(str::parse::<Algorithm>)
         .transpose()?;
+    let defaults = AllReduceOptions::default();
     let ar = AllReduce::new(
         &comm,
         AllReduceOptions {
             algorithm,
-            ..Default::default()
+            max_lanes: args.lanes.unwrap_or(defaults.max_lanes),
+            max_tile_bytes: args.tile_kib.map(|k| k << 10).or(defaults.max_tile_bytes),
+            pipeline_threads: args.threads.unwrap_or(defaults.pipeline_threads),
+            ll_blocks: args.ll_blocks.unwrap_or(defaults.ll_blocks),
+            ..defaults
         },
     )?;
     let checker = Checker::new(comm.gpu())?;

@@ -6,15 +6,20 @@
 // seen from this rank). It holds two regions:
 //   LL region      [half 0 | half 1], each half [RS area: world slots][AG area: world slots],
 //                  one slot per sending rank. Calls alternate halves by epoch parity.
-//   pipeline region, one part per lane: [slot 0 | slot 1], each [RS: world x tile][AG: world x tile].
+//   pipeline region, one part per lane: [slot 0 | slot 1 | slot 2], each
+//                  [RS: world x tile shard][AG: world x tile shard].
 //
-// Per-call state lives in device memory (`state[0]` = epoch, `state[1]` = blocks finished), so a
-// captured CUDA graph replays correctly any number of times:
-//   - LL kernels take flag = epoch + 1 for every packet of the call and read/write the half
-//     `epoch & 1`. The last block to finish advances the epoch; the next call in the stream sees
-//     it. A rank can run at most one call ahead of a peer (it needs the peer's packets of the
-//     current call to finish it), so a call never overwrites a half a peer is still reading.
-//   - The pipelined kernel synchronizes with monotonic semaphores (one per lane and peer), whose
+// Per-call state lives in device memory, so a captured CUDA graph replays correctly any number
+// of times:
+//   - LL kernels always run with the same grid (the host fixes it per communicator), so packet i
+//     of any LL call is always written and read by the same block index on every rank. Each
+//     block keeps its own epoch (`epochs[block]`), reads it at the start, uses flag = epoch + 1
+//     for every packet and the scratch half `epoch & 1`, and advances it at the end: no atomics,
+//     no grid-wide step. A rank can run at most one call ahead of a peer: every LL call has at
+//     least one packet some block waits for, so a rank's kernel for call k+1 cannot end before
+//     the peer's kernel k+1 started, i.e. finished call k; so no call overwrites a half a peer
+//     is still reading.
+//   - The pipelined kernel synchronizes with monotonic semaphores (two per lane and peer), whose
 //     signal and wait counts per call are the same on every rank, so nothing needs resetting.
 //
 // Every block of a launch must be resident at once (blocks spin on peers' blocks): the host caps
@@ -25,18 +30,15 @@
 
 using namespace doorbell;
 
-// Advances the epoch once every block of this launch is done with it.
-DOORBELL_DEVICE_INLINE void finish_call(const AllReduceArgs& a) {
+// This block's LL epoch for the call.
+DOORBELL_DEVICE_INLINE uint32_t block_epoch(const AllReduceArgs& a) { return a.epochs[blockIdx.x]; }
+
+// Advances this block's epoch once every thread of the block is done with the call. Epochs run
+// over an even number of values so the half parity alternates across the wrap, and flag =
+// epoch + 1 is never 0 (the value of untouched scratch).
+DOORBELL_DEVICE_INLINE void finish_call(const AllReduceArgs& a, uint32_t epoch) {
   __syncthreads();
-  if (threadIdx.x == 0) {
-    const uint32_t done = atomicAdd(&a.state[1], 1u);
-    if (done == gridDim.x - 1) {
-      a.state[1] = 0;
-      // Epochs run over an even number of values so the half parity alternates across the wrap;
-      // flag = epoch + 1 is never 0 (the value of untouched scratch).
-      a.state[0] = a.state[0] >= 0xFFFFFFFDu ? 0u : a.state[0] + 1u;
-    }
-  }
+  if (threadIdx.x == 0) a.epochs[blockIdx.x] = epoch >= 0xFFFFFFFDu ? 0u : epoch + 1u;
 }
 
 template <typename P>
@@ -51,7 +53,7 @@ DOORBELL_DEVICE_INLINE void wait_packet(const P* pk, uint32_t flag, uint32_t* w,
 template <typename T, typename P>
 DOORBELL_DEVICE_INLINE void oneshot(const AllReduceArgs& a) {
   constexpr int W = P::kPayload / 4;
-  const uint32_t epoch = a.state[0];
+  const uint32_t epoch = block_epoch(a);
   const uint32_t flag = epoch + 1;
   const uint64_t half = (epoch & 1) * a.ll_half_bytes;
   const uint64_t bytes = a.count * sizeof(T);
@@ -85,7 +87,7 @@ DOORBELL_DEVICE_INLINE void oneshot(const AllReduceArgs& a) {
     acc.get(w);
     store_payload(out + off, take, w[0], w[1]);
   }
-  finish_call(a);
+  finish_call(a, epoch);
 }
 
 // Two-shot with packets: reduce-scatter (each rank reduces one shard of packets), then
@@ -94,7 +96,7 @@ DOORBELL_DEVICE_INLINE void oneshot(const AllReduceArgs& a) {
 template <typename T, typename P>
 DOORBELL_DEVICE_INLINE void twoshot(const AllReduceArgs& a) {
   constexpr int W = P::kPayload / 4;
-  const uint32_t epoch = a.state[0];
+  const uint32_t epoch = block_epoch(a);
   const uint32_t flag = epoch + 1;
   const uint64_t half = (epoch & 1) * a.ll_half_bytes;
   const uint64_t area = uint64_t(a.world) * a.ll_slot_bytes;  // RS area, then AG area
@@ -153,7 +155,7 @@ DOORBELL_DEVICE_INLINE void twoshot(const AllReduceArgs& a) {
     const P* src = reinterpret_cast<const P*>(mine + area + p * a.ll_slot_bytes);
     copy_from_packets(out + p * spk * P::kPayload, src, shard_bytes(p), flag, tid, nthreads, site);
   }
-  finish_call(a);
+  finish_call(a, epoch);
 }
 
 // Sums `n` elements at `srcs[0..world)` (rank order) into `dst` and every `peers_dst[k]`.
@@ -189,83 +191,91 @@ DOORBELL_DEVICE_INLINE void reduce_range(const T* const* srcs, uint32_t world, u
   }
 }
 
-// Pipelined reduce-scatter + all-gather for large messages. The message is cut into tiles of
-// world shards (`tile_elems` each); shard j of a tile is reduced by rank j. Lane (block) l takes
-// tiles l, l + lanes, ... and for each tile:
-//   1. puts my part of shard p into p's RS slot for me, for every peer p; signals each peer;
-//   2. waits for every peer's signal, sums shard `rank` (my input + the peers' parts, rank
-//      order), writes it to my output and into every peer's AG slot for me; signals each peer;
-//   3. waits for every peer's signal and copies their reduced shards from my AG slots to my
-//      output.
-// Slots alternate per tile. Reuse is safe without extra signals: before I put tile t into p's
-// slot, I have already waited for p's signals of tile t - 2 (p finished reading that slot), and
-// p's signals of one call all precede its next call.
+// Slots per lane in the pipeline ring (see the reuse argument below).
+constexpr uint32_t kPipeDepth = 3;
+
+// Pipelined reduce-scatter + all-gather for medium and large messages. The message is cut into
+// tiles of world shards (`tile_elems` each); shard j of a tile is reduced by rank j. Lane (block)
+// l takes tiles l, l + lanes, ...; its k-th tile uses slot k % 3 and goes through three stages,
+// software-pipelined so that iteration k runs stage 1 of tile k, stage 2 of tile k-1 and stage 3
+// of tile k-2 (the data a stage waits for was sent an iteration earlier):
+//   1. put my part of shard p into p's RS slot for me, for every peer p; signal rs_sems[p];
+//   2. wait rs_sems from every peer; sum shard `rank` (my input + the peers' parts, rank order);
+//      write it to my output and into every peer's AG slot for me; signal ag_sems[p];
+//   3. wait ag_sems from every peer; copy their reduced shards from my AG slots to my output.
+// Slot reuse needs no extra signal, with 3 slots: before stage 1 of tile k writes p's RS slot, I
+// waited (stage 3 of tile k-3) for p's ag signal of tile k-3, which p sends after reducing it;
+// before stage 2 of tile k-1 writes p's AG slot, I waited for p's rs signal of tile k-1, which p
+// sends after finishing stage 3 of tile k-4, the slot's previous user. Across calls the same
+// holds, because a call ends only after every peer's last signals.
+// Block synchronization: one thread per peer signals or waits; __syncthreads around it orders
+// the whole block's puts before the signal and the peers' data before the block's reads.
 template <typename T, bool kVec>
 DOORBELL_DEVICE_INLINE void pipelined(const AllReduceArgs& a) {
   const uint32_t lane = blockIdx.x;
+  const uint32_t lanes = gridDim.x;
   const uint32_t world = a.world;
   const uint32_t npeers = world - 1;
   const uint64_t ke = a.tile_elems;
   const uint64_t tile = ke * world;
   const uint64_t ntiles = (a.count + tile - 1) / tile;
+  const uint64_t mine = lane < ntiles ? (ntiles - lane + lanes - 1) / lanes : 0;  // my tiles
   const uint64_t slot_bytes = 2 * uint64_t(world) * ke * sizeof(T);
-  const SemaphoreHandle* sems = a.sems + uint64_t(lane) * world;
+  const SemaphoreHandle* rs_sems = a.rs_sems + uint64_t(lane) * world;
+  const SemaphoreHandle* ag_sems = a.ag_sems + uint64_t(lane) * world;
   const T* in = static_cast<const T*>(a.input);
   T* out = static_cast<T*>(a.output);
-  const uint32_t peer_of_thread = (a.rank + 1 + threadIdx.x) % world;  // valid for threadIdx.x < npeers
+  const bool peer_thread = threadIdx.x < npeers;
+  const uint32_t my_peer = (a.rank + 1 + threadIdx.x) % world;  // meaningful for peer threads
 
-  uint32_t iter = 0;
-  for (uint64_t t = lane; t < ntiles; t += gridDim.x, ++iter) {
-    const uint64_t slot = (iter & 1) * slot_bytes;
-    auto shard = [&](uint32_t j, uint64_t& begin) -> uint64_t {
-      begin = t * tile + j * ke;
-      if (begin >= a.count) return 0;
-      return begin + ke <= a.count ? ke : a.count - begin;
-    };
-    auto rs = [&](uint32_t owner, uint32_t from) -> T* {
-      return reinterpret_cast<T*>(a.scratch[owner] + a.pipe_offset + lane * a.pipe_lane_bytes + slot) + from * ke;
-    };
-    auto ag = [&](uint32_t owner, uint32_t from) -> T* { return rs(owner, from) + uint64_t(world) * ke; };
+  auto shard = [&](uint64_t k, uint32_t j, uint64_t& begin) -> uint64_t {
+    begin = (lane + k * lanes) * tile + j * ke;
+    if (begin >= a.count) return 0;
+    return begin + ke <= a.count ? ke : a.count - begin;
+  };
+  auto rs = [&](uint64_t k, uint32_t owner, uint32_t from) -> T* {
+    char* slot = a.scratch[owner] + a.pipe_offset + lane * a.pipe_lane_bytes + (k % kPipeDepth) * slot_bytes;
+    return reinterpret_cast<T*>(slot) + from * ke;
+  };
+  auto ag = [&](uint64_t k, uint32_t owner, uint32_t from) -> T* { return rs(k, owner, from) + uint64_t(world) * ke; };
 
-    // 1. Reduce-scatter push.
-    for (uint32_t k = 1; k < world; ++k) {
-      const uint32_t p = (a.rank + k) % world;
-      uint64_t begin;
-      const uint64_t n = shard(p, begin);
-      copy(rs(p, a.rank), in + begin, n * sizeof(T), threadIdx.x, blockDim.x);
+  for (uint64_t k = 0; k < mine + 2; ++k) {
+    if (k < mine) {  // 1. reduce-scatter push of tile k
+      for (uint32_t i = 1; i < world; ++i) {
+        const uint32_t p = (a.rank + i) % world;
+        uint64_t begin;
+        const uint64_t n = shard(k, p, begin);
+        copy(rs(k, p, a.rank), in + begin, n * sizeof(T), threadIdx.x, blockDim.x);
+      }
+      __syncthreads();
+      if (peer_thread) rs_sems[my_peer].signal();
     }
-    __syncthreads();  // every put of this block is issued before the signals
-    if (threadIdx.x < npeers) {
-      sems[peer_of_thread].signal();
-      sems[peer_of_thread].wait();
-    }
-    __syncthreads();
-
-    // 2. Reduce my shard, keep it, push it to every peer.
-    {
+    if (k >= 1 && k - 1 < mine) {  // 2. reduce tile k-1
+      const uint64_t j = k - 1;
+      if (peer_thread) rs_sems[my_peer].wait();
+      __syncthreads();
       uint64_t begin;
-      const uint64_t n = shard(a.rank, begin);
+      const uint64_t n = shard(j, a.rank, begin);
       const T* srcs[kMaxRanks];
       T* peer_dst[kMaxRanks];
-      for (uint32_t r = 0; r < world; ++r) srcs[r] = r == a.rank ? in + begin : rs(a.rank, r);
-      for (uint32_t k = 0; k < npeers; ++k) peer_dst[k] = ag((a.rank + 1 + k) % world, a.rank);
+      for (uint32_t r = 0; r < world; ++r) srcs[r] = r == a.rank ? in + begin : rs(j, a.rank, r);
+      for (uint32_t i = 0; i < npeers; ++i) peer_dst[i] = ag(j, (a.rank + 1 + i) % world, a.rank);
       reduce_range<T, kVec>(srcs, world, n, out + begin, peer_dst, npeers);
+      __syncthreads();
+      if (peer_thread) ag_sems[my_peer].signal();
     }
-    __syncthreads();
-    if (threadIdx.x < npeers) {
-      sems[peer_of_thread].signal();
-      sems[peer_of_thread].wait();
+    if (k >= 2) {  // 3. all-gather copy-out of tile k-2
+      const uint64_t j = k - 2;
+      if (peer_thread) ag_sems[my_peer].wait();
+      __syncthreads();
+      for (uint32_t i = 1; i < world; ++i) {
+        const uint32_t p = (a.rank + i) % world;
+        uint64_t begin;
+        const uint64_t n = shard(j, p, begin);
+        copy(out + begin, ag(j, a.rank, p), n * sizeof(T), threadIdx.x, blockDim.x);
+      }
+      __syncthreads();
     }
-    __syncthreads();
-
-    // 3. All-gather: the peers' reduced shards into my output.
-    for (uint32_t k = 1; k < world; ++k) {
-      const uint32_t p = (a.rank + k) % world;
-      uint64_t begin;
-      const uint64_t n = shard(p, begin);
-      copy(out + begin, ag(a.rank, p), n * sizeof(T), threadIdx.x, blockDim.x);
-    }
-    __syncthreads();
   }
 }
 

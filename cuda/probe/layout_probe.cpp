@@ -54,8 +54,9 @@ int main() {
   FIELD(AllReduceArgs, output);
   FIELD(AllReduceArgs, count);
   FIELD(AllReduceArgs, scratch);
-  FIELD(AllReduceArgs, sems);
-  FIELD(AllReduceArgs, state);
+  FIELD(AllReduceArgs, rs_sems);
+  FIELD(AllReduceArgs, ag_sems);
+  FIELD(AllReduceArgs, epochs);
   FIELD(AllReduceArgs, ll_offset);
   FIELD(AllReduceArgs, ll_half_bytes);
   FIELD(AllReduceArgs, ll_slot_bytes);

@@ -32,6 +32,9 @@ use cudarc::driver::{
 use std::collections::HashMap;
 use std::sync::Arc;
 
+/// Slots per lane in the pipeline ring (`kPipeDepth` in allreduce.cu).
+const PIPE_DEPTH: usize = 3;
+
 /// An allreduce algorithm.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Algorithm {
@@ -149,18 +152,22 @@ pub struct AllReduceOptions {
     pub check_args: Option<bool>,
     /// Bytes of one sender's slot in the LL scratch areas (bounds the LL algorithms' sizes).
     pub ll_slot_bytes: usize,
+    /// Blocks of every LL launch (fixed per communicator: packet i always belongs to the same
+    /// block, which is what lets each block keep its own epoch); capped by the number of SMs.
+    pub ll_blocks: u32,
+    /// Threads per block of the LL kernels.
+    pub ll_threads: u32,
     /// Most pipeline lanes (blocks); capped by the number of SMs.
     pub max_lanes: u32,
-    /// Largest shard of one pipeline tile, bytes (a multiple of 16).
-    pub max_tile_bytes: usize,
+    /// Scratch for the pipeline ring, all lanes together; sets the largest tile shard.
+    pub pipeline_scratch_bytes: usize,
+    /// Largest shard of one pipeline tile, bytes (a multiple of 16); `None`: what
+    /// `pipeline_scratch_bytes` allows, at most 256 KiB.
+    pub max_tile_bytes: Option<usize>,
     /// Smallest shard of one pipeline tile, bytes (a multiple of 16).
     pub min_tile_bytes: usize,
     /// Threads per block of the pipelined kernel.
     pub pipeline_threads: u32,
-    /// Threads per block of the LL kernels.
-    pub ll_threads: u32,
-    /// Most blocks of the LL kernels (capped by the number of SMs).
-    pub max_ll_blocks: u32,
 }
 
 impl Default for AllReduceOptions {
@@ -169,12 +176,13 @@ impl Default for AllReduceOptions {
             algorithm: None,
             check_args: None,
             ll_slot_bytes: 1 << 20,
-            max_lanes: 32,
-            max_tile_bytes: 64 << 10,
-            min_tile_bytes: 4 << 10,
-            pipeline_threads: 1024,
+            ll_blocks: 32,
             ll_threads: 512,
-            max_ll_blocks: 64,
+            max_lanes: 128,
+            pipeline_scratch_bytes: 96 << 20,
+            max_tile_bytes: None,
+            min_tile_bytes: 4 << 10,
+            pipeline_threads: 512,
         }
     }
 }
@@ -200,14 +208,16 @@ pub struct AllReduce {
     forced: Option<Algorithm>,
     check_args: bool,
     base: AllReduceArgs,
-    sms: u32,
+    lanes: u32,
+    ll_blocks: u32,
+    max_tile_bytes: usize,
     kernels: HashMap<(Algorithm, bool, DataType), CudaFunction>,
     _scratch: Arc<Buffer>,
     _scratch_reg: Arc<RegisteredMemory>,
     _peers: Vec<Option<Arc<RemoteMemory>>>,
     _semaphores: Semaphores,
     _sems_dev: CudaSlice<SemaphoreHandle>,
-    _state: CudaSlice<u32>,
+    _epochs: CudaSlice<u32>,
     calls: std::sync::atomic::AtomicU64,
 }
 
@@ -223,10 +233,11 @@ impl AllReduce {
                 format!("{world} ranks: the single-node allreduce handles at most {MAX_RANKS}"),
             ));
         }
-        if opts.max_tile_bytes % 16 != 0
+        if opts
+            .max_tile_bytes
+            .is_some_and(|b| b % 16 != 0 || b < opts.min_tile_bytes)
             || opts.min_tile_bytes % 16 != 0
             || opts.min_tile_bytes == 0
-            || opts.min_tile_bytes > opts.max_tile_bytes
         {
             return Err(Error::invalid(
                 "tile bytes",
@@ -254,21 +265,30 @@ impl AllReduce {
             )
             .map_err(cuda_err("cuDeviceGetAttribute"))? as u32;
         let lanes = opts.max_lanes.clamp(1, sms) as usize;
+        let ll_blocks = opts.ll_blocks.clamp(1, sms);
+        // A lane holds PIPE_DEPTH slots of [RS | AG] x world shards.
+        let per_shard_budget = opts.pipeline_scratch_bytes / (lanes * PIPE_DEPTH * 2 * world);
+        let max_tile_bytes = opts
+            .max_tile_bytes
+            .unwrap_or((per_shard_budget / 16 * 16).min(256 << 10))
+            .max(opts.min_tile_bytes);
 
         let ll_half = 2 * world * opts.ll_slot_bytes;
         let ll_bytes = 2 * ll_half;
-        let lane_bytes = 2 * 2 * world * opts.max_tile_bytes;
+        let lane_bytes = PIPE_DEPTH * 2 * world * max_tile_bytes;
         let scratch = comm.alloc(ll_bytes + lanes * lane_bytes)?;
         let scratch_reg = comm.register(&scratch)?;
         let peers = comm.exchange(&scratch_reg)?;
-        let semaphores = comm.semaphores(lanes)?;
+        // Sets [0, lanes) say "reduce-scatter part arrived", [lanes, 2 lanes) "reduced shard
+        // arrived".
+        let semaphores = comm.semaphores(2 * lanes)?;
 
         let stream = gpu.new_stream()?;
         let sems_dev = stream
             .clone_htod(semaphores.handles())
             .map_err(cuda_err("cuMemcpyHtoD"))?;
-        let state = stream
-            .alloc_zeros::<u32>(2)
+        let epochs = stream
+            .alloc_zeros::<u32>(ll_blocks as usize)
             .map_err(cuda_err("cuMemAlloc"))?;
         let mut scratch_ptrs = [0u64; MAX_RANKS];
         for (r, p) in scratch_ptrs.iter_mut().enumerate().take(world) {
@@ -284,10 +304,12 @@ impl AllReduce {
                     .device_ptr()
             };
         }
+        let sems_ptr = sems_dev.device_ptr(&stream).0;
         let base = AllReduceArgs {
             scratch: scratch_ptrs,
-            sems: sems_dev.device_ptr(&stream).0,
-            state: state.device_ptr(&stream).0,
+            rs_sems: sems_ptr,
+            ag_sems: sems_ptr + (lanes * world * std::mem::size_of::<SemaphoreHandle>()) as u64,
+            epochs: epochs.device_ptr(&stream).0,
             ll_offset: 0,
             ll_half_bytes: ll_half as u64,
             ll_slot_bytes: opts.ll_slot_bytes as u64,
@@ -333,14 +355,16 @@ impl AllReduce {
             forced,
             check_args,
             base,
-            sms,
+            lanes: lanes as u32,
+            ll_blocks,
+            max_tile_bytes,
             kernels,
             _scratch: scratch,
             _scratch_reg: scratch_reg,
             _peers: peers,
             _semaphores: semaphores,
             _sems_dev: sems_dev,
-            _state: state,
+            _epochs: epochs,
             calls: std::sync::atomic::AtomicU64::new(0),
         })
     }
@@ -386,30 +410,20 @@ impl AllReduce {
                 ),
             ));
         }
-        let sms = self.sms;
         Ok(match algorithm.packet() {
-            Some((_, payload)) => {
-                let packets = bytes.div_ceil(payload).max(1);
-                let work = match algorithm {
-                    Algorithm::OneShotLl8 | Algorithm::OneShotLl16 => packets,
-                    _ => packets.div_ceil(world),
-                };
-                let threads = self.opts.ll_threads;
-                let blocks = (work.div_ceil(threads as usize) as u32)
-                    .clamp(1, self.opts.max_ll_blocks.min(sms).max(1));
-                Plan {
-                    algorithm,
-                    blocks,
-                    threads,
-                    tile_elems: 0,
-                }
-            }
+            // Every LL launch has the same grid (see the kernels' epoch argument).
+            Some(_) => Plan {
+                algorithm,
+                blocks: self.ll_blocks,
+                threads: self.opts.ll_threads,
+                tile_elems: 0,
+            },
             None => {
                 let size = dtype.size();
                 let vec_elems = 16 / size;
-                let lanes = self.opts.max_lanes.clamp(1, sms) as usize;
+                let lanes = self.lanes as usize;
                 let min_e = self.opts.min_tile_bytes / size;
-                let max_e = self.opts.max_tile_bytes / size;
+                let max_e = self.max_tile_bytes / size;
                 let want = count.div_ceil(world * lanes).next_multiple_of(vec_elems);
                 let ke = want.clamp(min_e, max_e);
                 let ntiles = count.div_ceil(ke * world).max(1);

@@ -108,10 +108,12 @@ pub struct AllReduceArgs {
     pub count: u64,
     /// Every rank's scratch as mapped here (own at `rank`; unused entries 0).
     pub scratch: [u64; MAX_RANKS],
-    /// Pipeline semaphores, `[lane * world + peer]`.
-    pub sems: u64,
-    /// Device state: epoch, blocks finished.
-    pub state: u64,
+    /// Pipeline "reduce-scatter part arrived" semaphores, `[lane * world + peer]`.
+    pub rs_sems: u64,
+    /// Pipeline "reduced shard arrived" semaphores, `[lane * world + peer]`.
+    pub ag_sems: u64,
+    /// LL epochs, one per block of the fixed LL grid.
+    pub epochs: u64,
     /// LL region offset.
     pub ll_offset: u64,
     /// Bytes of one LL half.
@@ -248,8 +250,9 @@ mod layout {
                     output,
                     count,
                     scratch,
-                    sems,
-                    state,
+                    rs_sems,
+                    ag_sems,
+                    epochs,
                     ll_offset,
                     ll_half_bytes,
                     ll_slot_bytes,

@@ -373,6 +373,9 @@ impl Communicator {
             }
             out.push(Some(Arc::new(self.import(r, bytes)?)));
         }
+        // Every peer has fetched and mapped before any rank returns: a rank that drops its
+        // registration right after this call must not withdraw an fd a slower peer still needs.
+        self.bootstrap.barrier()?;
         Ok(out)
     }
 

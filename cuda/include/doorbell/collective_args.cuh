@@ -16,8 +16,9 @@ struct AllReduceArgs {
   void* output;
   uint64_t count;                // elements
   char* scratch[kMaxRanks];      // every rank's scratch, mapped here (own at [rank])
-  const SemaphoreHandle* sems;   // pipeline semaphores, [lane * world + peer]
-  uint32_t* state;               // [0] epoch, [1] blocks finished in this call
+  const SemaphoreHandle* rs_sems;  // pipeline "reduce-scatter part arrived", [lane * world + peer]
+  const SemaphoreHandle* ag_sems;  // pipeline "reduced shard arrived", [lane * world + peer]
+  uint32_t* epochs;              // LL: one epoch per block of the (fixed) LL grid
   uint64_t ll_offset;            // LL region offset in every scratch
   uint64_t ll_half_bytes;        // bytes of one LL half
   uint64_t ll_slot_bytes;        // bytes of one sender's slot in an LL area
@@ -28,6 +29,6 @@ struct AllReduceArgs {
   uint32_t world;
   WaitSite site;                 // for LL waits (peer filled in per wait)
 };
-DOORBELL_CHECK_SIZE(AllReduceArgs, 200);
+DOORBELL_CHECK_SIZE(AllReduceArgs, 208);
 
 }  // namespace doorbell
