@@ -12,10 +12,10 @@ for n in ${RANKS:-4 2}; do
       grep -E "^\[rank 0\] +[0-9]" | awk '{print $2, $7, $8, $9}'
   done <<CFGS
 ${CONFIGS:---lanes 128 --threads 512
---lanes 128 --threads 1024
---lanes 64 --threads 1024 --tile-kib 64
---lanes 32 --threads 1024 --tile-kib 128
+--lanes 128 --threads 384
+--lanes 64 --threads 512 --tile-kib 64
+--lanes 128 --threads 512 --tile-kib 16
 --lanes 128 --threads 512 --tile-kib 64
---lanes 96 --threads 768 --tile-kib 64}
+--lanes 96 --threads 512}
 CFGS
 done

@@ -158,16 +158,17 @@ DOORBELL_DEVICE_INLINE void twoshot(const AllReduceArgs& a) {
   finish_call(a, epoch);
 }
 
-// Sums `n` elements at `srcs[0..world)` (rank order) into `dst` and every `peers_dst[k]`.
+// Sums `n` elements at `srcs[0..world)` (rank order) into `dst` and every `peer_dst[k]`, with
+// threads [tid, n) of a group of `nthreads`.
 template <typename T, bool kVec>
-DOORBELL_DEVICE_INLINE void reduce_range(const T* const* srcs, uint32_t world, uint64_t n, T* dst, T* const* peer_dst,
-                                         uint32_t npeers) {
+DOORBELL_DEVICE_INLINE void reduce_range_group(const T* const* srcs, uint32_t world, uint64_t n, T* dst,
+                                               T* const* peer_dst, uint32_t npeers, uint32_t tid, uint32_t nthreads) {
   uint64_t done = 0;
   if (kVec) {
     constexpr int W = 4;  // 16 bytes = 4 words
     const uint64_t per = 16 / sizeof(T);
     const uint64_t nvec = n / per;
-    for (uint64_t v = threadIdx.x; v < nvec; v += blockDim.x) {
+    for (uint64_t v = tid; v < nvec; v += nthreads) {
       WordSum<T, W> acc;
       for (uint32_t r = 0; r < world; ++r) {
         const uint4 x = reinterpret_cast<const uint4*>(srcs[r])[v];
@@ -182,7 +183,7 @@ DOORBELL_DEVICE_INLINE void reduce_range(const T* const* srcs, uint32_t world, u
     }
     done = nvec * per;
   }
-  for (uint64_t i = done + threadIdx.x; i < n; i += blockDim.x) {
+  for (uint64_t i = done + tid; i < n; i += nthreads) {
     float acc = 0.f;
     for (uint32_t r = 0; r < world; ++r) acc += to_f32(srcs[r][i]);
     const T y = from_f32<T>(acc);
@@ -196,20 +197,22 @@ constexpr uint32_t kPipeDepth = 3;
 
 // Pipelined reduce-scatter + all-gather for medium and large messages. The message is cut into
 // tiles of world shards (`tile_elems` each); shard j of a tile is reduced by rank j. Lane (block)
-// l takes tiles l, l + lanes, ...; its k-th tile uses slot k % 3 and goes through three stages,
-// software-pipelined so that iteration k runs stage 1 of tile k, stage 2 of tile k-1 and stage 3
-// of tile k-2 (the data a stage waits for was sent an iteration earlier):
-//   1. put my part of shard p into p's RS slot for me, for every peer p; signal rs_sems[p];
-//   2. wait rs_sems from every peer; sum shard `rank` (my input + the peers' parts, rank order);
-//      write it to my output and into every peer's AG slot for me; signal ag_sems[p];
-//   3. wait ag_sems from every peer; copy their reduced shards from my AG slots to my output.
-// Slot reuse needs no extra signal, with 3 slots: before stage 1 of tile k writes p's RS slot, I
-// waited (stage 3 of tile k-3) for p's ag signal of tile k-3, which p sends after reducing it;
-// before stage 2 of tile k-1 writes p's AG slot, I waited for p's rs signal of tile k-1, which p
-// sends after finishing stage 3 of tile k-4, the slot's previous user. Across calls the same
-// holds, because a call ends only after every peer's last signals.
-// Block synchronization: one thread per peer signals or waits; __syncthreads around it orders
-// the whole block's puts before the signal and the peers' data before the block's reads.
+// l takes tiles l, l + lanes, ...; its k-th tile uses slot k % 3 and goes through three stages:
+//   1. put my part of shard p into p's RS slot for me, for every peer p;
+//   2. sum shard `rank` (my input + the peers' parts, rank order); write it to my output and
+//      into every peer's AG slot for me;
+//   3. copy the peers' reduced shards from my AG slots to my output.
+// The block is split into three warp groups that run, in iteration k, stage 1 of tile k, stage 2
+// of tile k-1 and stage 3 of tile k-2 at the same time. Each iteration:
+//   one thread per peer waits for that peer's rs signal of tile k-1 and ag signal of tile k-2
+//   (both sent at the end of the peer's previous iteration); __syncthreads; the three groups
+//   work; __syncthreads (every put of the block issued); one thread per peer signals rs for
+//   tile k and ag for tile k-1.
+// Slot reuse needs no extra signal, with 3 slots: stage 1 of tile k writes p's RS slot after I
+// waited (in iteration k-1) for p's ag signal of tile k-3, sent after p reduced tile k-3; stage
+// 2 of tile k-1 writes p's AG slot after I waited for p's rs signal of tile k-1, sent at the end
+// of p's iteration k-1, after its stage 3 of tile k-4, the slot's previous user. Across calls the
+// same holds, because a call ends only after every peer's last signals.
 template <typename T, bool kVec>
 DOORBELL_DEVICE_INLINE void pipelined(const AllReduceArgs& a) {
   const uint32_t lane = blockIdx.x;
@@ -228,6 +231,17 @@ DOORBELL_DEVICE_INLINE void pipelined(const AllReduceArgs& a) {
   const bool peer_thread = threadIdx.x < npeers;
   const uint32_t my_peer = (a.rank + 1 + threadIdx.x) % world;  // meaningful for peer threads
 
+  // Warp groups: 3/8 of the warps push, 3/8 reduce, 2/8 copy out (at least one warp each).
+  const uint32_t warps = blockDim.x / 32;
+  const uint32_t push_warps = max(1u, warps * 3 / 8);
+  const uint32_t reduce_warps = max(1u, warps * 3 / 8);
+  const uint32_t warp = threadIdx.x / 32;
+  const uint32_t group = warp < push_warps ? 0 : (warp < push_warps + reduce_warps ? 1 : 2);
+  const uint32_t group_first = group == 0 ? 0 : (group == 1 ? push_warps : push_warps + reduce_warps);
+  const uint32_t group_warps = group == 0 ? push_warps : (group == 1 ? reduce_warps : warps - push_warps - reduce_warps);
+  const uint32_t gtid = threadIdx.x - group_first * 32;
+  const uint32_t gthreads = group_warps * 32;
+
   auto shard = [&](uint64_t k, uint32_t j, uint64_t& begin) -> uint64_t {
     begin = (lane + k * lanes) * tile + j * ke;
     if (begin >= a.count) return 0;
@@ -240,41 +254,43 @@ DOORBELL_DEVICE_INLINE void pipelined(const AllReduceArgs& a) {
   auto ag = [&](uint64_t k, uint32_t owner, uint32_t from) -> T* { return rs(k, owner, from) + uint64_t(world) * ke; };
 
   for (uint64_t k = 0; k < mine + 2; ++k) {
-    if (k < mine) {  // 1. reduce-scatter push of tile k
+    const bool s1 = k < mine;
+    const bool s2 = k >= 1 && k - 1 < mine;
+    const bool s3 = k >= 2;
+    if (peer_thread) {
+      if (s2) rs_sems[my_peer].wait();
+      if (s3) ag_sems[my_peer].wait();
+    }
+    __syncthreads();
+    if (group == 0 && s1) {  // 1. reduce-scatter push of tile k
       for (uint32_t i = 1; i < world; ++i) {
         const uint32_t p = (a.rank + i) % world;
         uint64_t begin;
         const uint64_t n = shard(k, p, begin);
-        copy(rs(k, p, a.rank), in + begin, n * sizeof(T), threadIdx.x, blockDim.x);
+        copy(rs(k, p, a.rank), in + begin, n * sizeof(T), gtid, gthreads);
       }
-      __syncthreads();
-      if (peer_thread) rs_sems[my_peer].signal();
-    }
-    if (k >= 1 && k - 1 < mine) {  // 2. reduce tile k-1
+    } else if (group == 1 && s2) {  // 2. reduce tile k-1, push it to every peer
       const uint64_t j = k - 1;
-      if (peer_thread) rs_sems[my_peer].wait();
-      __syncthreads();
       uint64_t begin;
       const uint64_t n = shard(j, a.rank, begin);
       const T* srcs[kMaxRanks];
       T* peer_dst[kMaxRanks];
       for (uint32_t r = 0; r < world; ++r) srcs[r] = r == a.rank ? in + begin : rs(j, a.rank, r);
       for (uint32_t i = 0; i < npeers; ++i) peer_dst[i] = ag(j, (a.rank + 1 + i) % world, a.rank);
-      reduce_range<T, kVec>(srcs, world, n, out + begin, peer_dst, npeers);
-      __syncthreads();
-      if (peer_thread) ag_sems[my_peer].signal();
-    }
-    if (k >= 2) {  // 3. all-gather copy-out of tile k-2
+      reduce_range_group<T, kVec>(srcs, world, n, out + begin, peer_dst, npeers, gtid, gthreads);
+    } else if (group == 2 && s3) {  // 3. all-gather copy-out of tile k-2
       const uint64_t j = k - 2;
-      if (peer_thread) ag_sems[my_peer].wait();
-      __syncthreads();
       for (uint32_t i = 1; i < world; ++i) {
         const uint32_t p = (a.rank + i) % world;
         uint64_t begin;
         const uint64_t n = shard(j, p, begin);
-        copy(out + begin, ag(j, a.rank, p), n * sizeof(T), threadIdx.x, blockDim.x);
+        copy(out + begin, ag(j, a.rank, p), n * sizeof(T), gtid, gthreads);
       }
-      __syncthreads();
+    }
+    __syncthreads();  // every put of this iteration is issued before the signals
+    if (peer_thread) {
+      if (s1) rs_sems[my_peer].signal();
+      if (s2) ag_sems[my_peer].signal();
     }
   }
 }
@@ -292,10 +308,10 @@ DOORBELL_DEVICE_INLINE void pipelined(const AllReduceArgs& a) {
   extern "C" __global__ void __launch_bounds__(512) allreduce_twoshot_ll16_##NAME(AllReduceArgs a) {               \
     twoshot<T, LL16Packet>(a);                                                                                       \
   }                                                                                                                  \
-  extern "C" __global__ void __launch_bounds__(1024) allreduce_pipelined_vec_##NAME(AllReduceArgs a) {              \
+  extern "C" __global__ void __launch_bounds__(512) allreduce_pipelined_vec_##NAME(AllReduceArgs a) {              \
     pipelined<T, true>(a);                                                                                           \
   }                                                                                                                  \
-  extern "C" __global__ void __launch_bounds__(1024) allreduce_pipelined_scalar_##NAME(AllReduceArgs a) {           \
+  extern "C" __global__ void __launch_bounds__(512) allreduce_pipelined_scalar_##NAME(AllReduceArgs a) {           \
     pipelined<T, false>(a);                                                                                          \
   }
 

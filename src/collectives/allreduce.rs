@@ -34,6 +34,8 @@ use std::sync::Arc;
 
 /// Slots per lane in the pipeline ring (`kPipeDepth` in allreduce.cu).
 const PIPE_DEPTH: usize = 3;
+/// Tiles each pipeline lane aims for (its stages overlap from the third tile on).
+const TILES_PER_LANE: usize = 4;
 
 /// An allreduce algorithm.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -176,7 +178,7 @@ impl Default for AllReduceOptions {
             algorithm: None,
             check_args: None,
             ll_slot_bytes: 1 << 20,
-            ll_blocks: 32,
+            ll_blocks: 64,
             ll_threads: 512,
             max_lanes: 128,
             pipeline_scratch_bytes: 96 << 20,
@@ -242,6 +244,21 @@ impl AllReduce {
             return Err(Error::invalid(
                 "tile bytes",
                 "min and max tile bytes must be positive multiples of 16, min <= max",
+            ));
+        }
+        if !(128..=512).contains(&opts.pipeline_threads) || opts.pipeline_threads % 32 != 0 {
+            return Err(Error::invalid(
+                "pipeline_threads",
+                format!(
+                    "{}: must be a multiple of 32 in [128, 512] (the kernel splits its warps into three groups)",
+                    opts.pipeline_threads
+                ),
+            ));
+        }
+        if !(32..=512).contains(&opts.ll_threads) || opts.ll_threads % 32 != 0 {
+            return Err(Error::invalid(
+                "ll_threads",
+                format!("{}: must be a multiple of 32 in [32, 512]", opts.ll_threads),
             ));
         }
         if opts.ll_slot_bytes < 16 || opts.ll_slot_bytes % 16 != 0 {
@@ -424,7 +441,10 @@ impl AllReduce {
                 let lanes = self.lanes as usize;
                 let min_e = self.opts.min_tile_bytes / size;
                 let max_e = self.max_tile_bytes / size;
-                let want = count.div_ceil(world * lanes).next_multiple_of(vec_elems);
+                // About four tiles per lane, so the lane's three stages overlap.
+                let want = count
+                    .div_ceil(world * lanes * TILES_PER_LANE)
+                    .next_multiple_of(vec_elems);
                 let ke = want.clamp(min_e, max_e);
                 let ntiles = count.div_ceil(ke * world).max(1);
                 Plan {
