@@ -9,7 +9,7 @@ for n in ${RANKS:-4 2}; do
   while read -r cfg; do
     echo "## ranks $n: $cfg"
     timeout 120 $ar --nranks "$n" --no-nccl --no-eager --min-bytes 2M --max-bytes 1G --factor 4 $cfg 2>&1 |
-      grep -E "^\[rank 0\] +[0-9]" | awk '{print $2, $7, $8, $9}'
+      grep -E "^\[rank 0\] +[0-9]" | awk '{print $3, $10, $11}'
   done <<CFGS
 ${CONFIGS:---lanes 128 --threads 512
 --lanes 128 --threads 384

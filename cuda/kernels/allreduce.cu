@@ -41,6 +41,14 @@ DOORBELL_DEVICE_INLINE void finish_call(const AllReduceArgs& a, uint32_t epoch) 
   if (threadIdx.x == 0) a.epochs[blockIdx.x] = epoch >= 0xFFFFFFFDu ? 0u : epoch + 1u;
 }
 
+// Packet index of this thread in LL kernels: warps are interleaved across blocks (warp w of the
+// grid is warp w / gridDim of block w % gridDim), so a message of a few packets already spreads
+// over many SMs, while each warp still touches 32 consecutive packets. The mapping depends only
+// on the (fixed) grid, so packet i always belongs to the same block in every call.
+DOORBELL_DEVICE_INLINE uint32_t ll_thread() {
+  return ((threadIdx.x / 32) * gridDim.x + blockIdx.x) * 32 + (threadIdx.x % 32);
+}
+
 template <typename P>
 DOORBELL_DEVICE_INLINE void wait_packet(const P* pk, uint32_t flag, uint32_t* w, WaitSite& site, uint32_t peer) {
   site.peer = static_cast<int32_t>(peer);
@@ -58,7 +66,7 @@ DOORBELL_DEVICE_INLINE void oneshot(const AllReduceArgs& a) {
   const uint64_t half = (epoch & 1) * a.ll_half_bytes;
   const uint64_t bytes = a.count * sizeof(T);
   const uint64_t npk = packets_for<P>(bytes);
-  const uint32_t tid = blockIdx.x * blockDim.x + threadIdx.x;
+  const uint32_t tid = ll_thread();
   const uint32_t nthreads = gridDim.x * blockDim.x;
   const char* in = static_cast<const char*>(a.input);
   char* out = static_cast<char*>(a.output);
@@ -103,7 +111,7 @@ DOORBELL_DEVICE_INLINE void twoshot(const AllReduceArgs& a) {
   const uint64_t bytes = a.count * sizeof(T);
   const uint64_t npk = packets_for<P>(bytes);
   const uint64_t spk = (npk + a.world - 1) / a.world;  // packets per shard
-  const uint32_t tid = blockIdx.x * blockDim.x + threadIdx.x;
+  const uint32_t tid = ll_thread();
   const uint32_t nthreads = gridDim.x * blockDim.x;
   const char* in = static_cast<const char*>(a.input);
   char* out = static_cast<char*>(a.output);
@@ -231,17 +239,8 @@ DOORBELL_DEVICE_INLINE void pipelined(const AllReduceArgs& a) {
   const bool peer_thread = threadIdx.x < npeers;
   const uint32_t my_peer = (a.rank + 1 + threadIdx.x) % world;  // meaningful for peer threads
 
-  // Warp groups: 3/8 of the warps push, 3/8 reduce, 2/8 copy out (at least one warp each).
   const uint32_t warps = blockDim.x / 32;
-  const uint32_t push_warps = max(1u, warps * 3 / 8);
-  const uint32_t reduce_warps = max(1u, warps * 3 / 8);
   const uint32_t warp = threadIdx.x / 32;
-  const uint32_t group = warp < push_warps ? 0 : (warp < push_warps + reduce_warps ? 1 : 2);
-  const uint32_t group_first = group == 0 ? 0 : (group == 1 ? push_warps : push_warps + reduce_warps);
-  const uint32_t group_warps = group == 0 ? push_warps : (group == 1 ? reduce_warps : warps - push_warps - reduce_warps);
-  const uint32_t gtid = threadIdx.x - group_first * 32;
-  const uint32_t gthreads = group_warps * 32;
-
   auto shard = [&](uint64_t k, uint32_t j, uint64_t& begin) -> uint64_t {
     begin = (lane + k * lanes) * tile + j * ke;
     if (begin >= a.count) return 0;
@@ -261,6 +260,23 @@ DOORBELL_DEVICE_INLINE void pipelined(const AllReduceArgs& a) {
       if (s2) rs_sems[my_peer].wait();
       if (s3) ag_sems[my_peer].wait();
     }
+    // Warps go to the active stages in proportion 3 : 3 : 2 (push : reduce : copy-out); a stage
+    // that runs alone (the first and last iterations, or a lane with one tile) gets them all.
+    uint32_t n1 = 0, n2 = 0, n3 = 0;
+    {
+      const uint32_t total = (s1 ? 3 : 0) + (s2 ? 3 : 0) + (s3 ? 2 : 0);  // > 0: some stage runs
+      if (s1) n1 = max(1u, warps * 3 / total);
+      if (s2) n2 = max(1u, warps * 3 / total);
+      // The last active stage takes the remaining warps.
+      if (s3) n3 = warps - n1 - n2;
+      else if (s2) n2 = warps - n1;
+      else n1 = warps;
+    }
+    const uint32_t group = warp < n1 ? 0 : (warp < n1 + n2 ? 1 : 2);
+    const uint32_t group_first = group == 0 ? 0 : (group == 1 ? n1 : n1 + n2);
+    const uint32_t group_warps = group == 0 ? n1 : (group == 1 ? n2 : n3);
+    const uint32_t gtid = threadIdx.x - group_first * 32;
+    const uint32_t gthreads = group_warps * 32;
     __syncthreads();
     if (group == 0 && s1) {  // 1. reduce-scatter push of tile k
       for (uint32_t i = 1; i < world; ++i) {

@@ -34,8 +34,10 @@ use std::sync::Arc;
 
 /// Slots per lane in the pipeline ring (`kPipeDepth` in allreduce.cu).
 const PIPE_DEPTH: usize = 3;
-/// Tiles each pipeline lane aims for (its stages overlap from the third tile on).
-const TILES_PER_LANE: usize = 4;
+/// Tiles each pipeline lane aims for: one, while the tile cap allows (the whole block then works
+/// on each stage in turn); larger messages get several capped tiles per lane, whose stages
+/// overlap from the third tile on (measured: smaller tiles to force overlap lose at 2-16 MiB).
+const TILES_PER_LANE: usize = 1;
 
 /// An allreduce algorithm.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -441,7 +443,6 @@ impl AllReduce {
                 let lanes = self.lanes as usize;
                 let min_e = self.opts.min_tile_bytes / size;
                 let max_e = self.max_tile_bytes / size;
-                // About four tiles per lane, so the lane's three stages overlap.
                 let want = count
                     .div_ceil(world * lanes * TILES_PER_LANE)
                     .next_multiple_of(vec_elems);
