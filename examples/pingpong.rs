@@ -19,7 +19,7 @@ use std::sync::Arc;
 #[derive(Parser, Debug)]
 #[command(about = "MemoryChannel signal/wait round trip and put bandwidth between two ranks")]
 struct Args {
-    /// Ranks to spawn when no launcher started us (the benchmark uses ranks 0 and 1).
+    /// Ranks to spawn when no launcher started us (the benchmark needs exactly two).
     #[arg(long, default_value_t = 2)]
     nranks: usize,
     /// Round trips per latency measurement.
@@ -74,8 +74,14 @@ fn cfg(blocks: u32, threads: u32) -> LaunchConfig {
 
 fn run(args: &Args) -> Result<()> {
     let comm = Communicator::from_env()?;
-    if comm.world_size() < 2 {
-        return Err(Error::invalid("--nranks", "pingpong needs two ranks"));
+    if comm.world_size() != 2 {
+        return Err(Error::invalid(
+            "--nranks",
+            format!(
+                "pingpong measures between exactly two ranks, not {}",
+                comm.world_size()
+            ),
+        ));
     }
     let rank = comm.rank();
     let gpu = comm.gpu().clone();
@@ -103,21 +109,26 @@ fn run(args: &Args) -> Result<()> {
     } else {
         args.blocks
     };
-    if rank > 1 {
-        // Extra ranks only take part in the collective setup.
-        comm.bootstrap().barrier()?;
-        return Ok(());
-    }
-    let ch = chans.to(1 - rank).expect("peer channel").device_handle();
+    let ch = chans
+        .to(1 - rank)
+        .ok_or_else(|| Error::invalid("channels", "no channel to the other rank"))?
+        .device_handle();
+    let gpus = comm
+        .bootstrap()
+        .all_gather(&(gpu.ordinal() as u32).to_le_bytes())?;
+    let gpu_of = |r: usize| {
+        gpus.get(r)
+            .and_then(|b| b.as_slice().try_into().ok())
+            .map_or(u32::MAX, u32::from_le_bytes)
+    };
     if rank == 0 {
         println!(
-            "# doorbell pingpong: rank 0 on GPU {} -> rank 1 (same GPU: see rank 1's line), {} SMs, put with {blocks} x {} threads",
-            gpu.ordinal(),
-            sms,
+            "# doorbell pingpong: rank 0 on GPU {} <-> rank 1 on GPU {}{}, {sms} SMs, put with {blocks} x {} threads",
+            gpu_of(0),
+            gpu_of(1),
+            if gpu_of(0) == gpu_of(1) { " (one GPU: not an NVLink measurement)" } else { "" },
             args.threads
         );
-    } else {
-        println!("# rank 1 on GPU {}", gpu.ordinal());
     }
     comm.bootstrap().barrier()?;
 

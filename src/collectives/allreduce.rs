@@ -95,8 +95,11 @@ impl Algorithm {
         }
     }
 
-    /// The measured choice for `bytes` on `world` ranks of one node (H100/H200, NVLink).
-    /// See docs/performance.md for the sweep the crossovers come from.
+    /// The choice for `bytes` on `world` ranks of one node. The 2- and 4-rank crossovers are
+    /// measured on 4 x H200 (docs/performance.md: one-shot wins to 256 KiB on 2 GPUs and to
+    /// 64 KiB on 4, two-shot LL to 1 MiB, the pipeline above); 3 ranks take the 4-rank table,
+    /// and 5 to 8 ranks a guess (smaller one-shot range, as the one-shot's traffic grows with
+    /// the rank count) not yet measured on 8 GPUs.
     pub fn choose(world: usize, bytes: usize) -> Algorithm {
         let (oneshot_max, twoshot_max) = match world {
             0..=2 => (256 << 10, 1 << 20),
