@@ -37,6 +37,12 @@ struct Args {
     /// Threads per block for the put kernel.
     #[arg(long, default_value_t = 1024)]
     threads: u32,
+    /// Also measure puts through the TMA bulk-copy unit with this many blocks (0: skip; sm_90+).
+    #[arg(long, default_value_t = 0)]
+    bulk_blocks: u32,
+    /// Chunk per bulk copy, KiB (two chunks of shared memory per block).
+    #[arg(long, default_value_t = 16)]
+    bulk_chunk_kib: u32,
 }
 
 fn main() {
@@ -61,7 +67,25 @@ fn main() {
 struct Kernels {
     latency: CudaFunction,
     put: CudaFunction,
+    put_bulk: CudaFunction,
     drain: CudaFunction,
+}
+
+/// How the puts of a bandwidth round are issued.
+#[derive(Clone, Copy)]
+enum PutKind {
+    /// SM stores: blocks x threads.
+    Threads { blocks: u32, threads: u32 },
+    /// TMA bulk copies: one issuing thread per block, chunk bytes per copy.
+    Bulk { blocks: u32, chunk: u32 },
+}
+
+impl PutKind {
+    fn blocks(self) -> u32 {
+        match self {
+            PutKind::Threads { blocks, .. } | PutKind::Bulk { blocks, .. } => blocks,
+        }
+    }
 }
 
 fn cfg(blocks: u32, threads: u32) -> LaunchConfig {
@@ -89,6 +113,7 @@ fn run(args: &Args) -> Result<()> {
     let k = Kernels {
         latency: gpu.function("pingpong", "pingpong_latency")?,
         put: gpu.function("pingpong", "pingpong_put")?,
+        put_bulk: gpu.function("pingpong", "pingpong_put_bulk")?,
         drain: gpu.function("pingpong", "pingpong_drain")?,
     };
     let max_bytes = args.max_mib << 20;
@@ -153,34 +178,55 @@ fn run(args: &Args) -> Result<()> {
         );
     }
 
-    let mut size = 1 << 20;
-    while size <= max_bytes {
-        let reps = args.reps.max(1);
-        bandwidth_round(&comm, &stream, &k, ch, size, 2, blocks, args.threads)?;
-        let mut best = f64::MAX;
-        for _ in 0..3 {
-            best = best.min(bandwidth_round(
-                &comm,
-                &stream,
-                &k,
-                ch,
-                size,
-                reps,
-                blocks,
-                args.threads,
-            )?);
-        }
+    let mut kinds = vec![(
+        "SM stores".to_string(),
+        PutKind::Threads {
+            blocks,
+            threads: args.threads,
+        },
+    )];
+    if args.bulk_blocks > 0 {
+        let chunk = args.bulk_chunk_kib.clamp(1, 96) << 10;
+        kinds.push((
+            format!(
+                "TMA bulk copies, {} blocks x {} KiB chunks",
+                args.bulk_blocks, args.bulk_chunk_kib
+            ),
+            PutKind::Bulk {
+                blocks: args.bulk_blocks,
+                chunk,
+            },
+        ));
+    }
+    for (label, kind) in kinds {
         if rank == 0 {
-            let per = best / reps as f64;
+            println!();
+            println!("# put through {label}");
             println!(
-                "{:>12} {:>8} {:>12.2} {:>10.1}",
-                size,
-                reps,
-                per * 1e6,
-                size as f64 / per / 1e9
+                "{:>12} {:>8} {:>12} {:>10}",
+                "bytes", "reps", "time(us)", "GB/s"
             );
         }
-        size *= 4;
+        let mut size = 1 << 20;
+        while size <= max_bytes {
+            let reps = args.reps.max(1);
+            bandwidth_round(&comm, &stream, &k, ch, size, 2, kind)?;
+            let mut best = f64::MAX;
+            for _ in 0..3 {
+                best = best.min(bandwidth_round(&comm, &stream, &k, ch, size, reps, kind)?);
+            }
+            if rank == 0 {
+                let per = best / reps as f64;
+                println!(
+                    "{:>12} {:>8} {:>12.2} {:>10.1}",
+                    size,
+                    reps,
+                    per * 1e6,
+                    size as f64 / per / 1e9
+                );
+            }
+            size *= 4;
+        }
     }
     Ok(())
 }
@@ -222,8 +268,7 @@ fn bandwidth_round(
     ch: MemoryChannelHandle,
     bytes: usize,
     reps: u32,
-    blocks: u32,
-    threads: u32,
+    kind: PutKind,
 ) -> Result<f64> {
     comm.bootstrap().barrier()?;
     let bytes = bytes as u64;
@@ -232,10 +277,31 @@ fn bandwidth_round(
             .record_event(Some(CU_EVENT_DEFAULT))
             .map_err(cuda("cuEventRecord"))?;
         for _ in 0..reps {
-            let mut b = stream.launch_builder(&k.put);
-            b.arg(&ch).arg(&bytes);
-            // SAFETY: matches pingpong_put; `bytes` fits both buffers.
-            comm.check(unsafe { b.launch(cfg(blocks, threads)) }, "cuLaunchKernel")?;
+            match kind {
+                PutKind::Threads { blocks, threads } => {
+                    let mut b = stream.launch_builder(&k.put);
+                    b.arg(&ch).arg(&bytes);
+                    // SAFETY: matches pingpong_put; `bytes` fits both buffers.
+                    comm.check(unsafe { b.launch(cfg(blocks, threads)) }, "cuLaunchKernel")?;
+                }
+                PutKind::Bulk { blocks, chunk } => {
+                    let mut b = stream.launch_builder(&k.put_bulk);
+                    b.arg(&ch).arg(&bytes).arg(&chunk);
+                    let mut c = cfg(blocks, 32);
+                    c.shared_mem_bytes = 2 * chunk + 16;
+                    if c.shared_mem_bytes > 48 << 10 {
+                        k.put_bulk
+                            .set_attribute(
+                                cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                                c.shared_mem_bytes as i32,
+                            )
+                            .map_err(cuda("cuFuncSetAttribute"))?;
+                    }
+                    // SAFETY: matches pingpong_put_bulk; `bytes` fits both buffers (16-byte
+                    // multiples), shared memory sized as the kernel expects.
+                    comm.check(unsafe { b.launch(c) }, "cuLaunchKernel")?;
+                }
+            }
         }
         // Wait for rank 1's acknowledgement that every block's data arrived.
         let (one, no_ack) = (1u64, 0u32);
@@ -252,7 +318,7 @@ fn bandwidth_round(
             .map_err(cuda("cuEventElapsedTime"))?;
         Ok(ms as f64 / 1e3)
     } else {
-        let (count, ack) = (reps as u64 * blocks as u64, 1u32);
+        let (count, ack) = (reps as u64 * kind.blocks() as u64, 1u32);
         let mut b = stream.launch_builder(&k.drain);
         b.arg(&ch).arg(&count).arg(&ack);
         // SAFETY: matches pingpong_drain.
