@@ -68,7 +68,8 @@ fn ptr(s: &Arc<CudaStream>, b: &CudaSlice<u8>, offset: usize) -> u64 {
 fn sizes(ar: &AllReduce, algo: Algorithm, dtype: DataType) -> Vec<usize> {
     let world = ar.communicator().world_size();
     let max = ar.max_bytes(algo).min(24 << 20) / dtype.size();
-    let mut v = vec![1, 2, 7, 4097, 8192 * world + 1];
+    // Odd sizes, and 16-byte multiples (the sentinel two-shot takes only those).
+    let mut v = vec![1, 2, 7, 8, 1024, 4097, 8192 * world + 1, 65536];
     if algo == Algorithm::Pipelined {
         // One past a tile, one past a shard, one past the last full round of lanes.
         for probe in [1 << 16, 3 << 20, 11 << 20] {

@@ -22,6 +22,14 @@
 //   - The pipelined kernel synchronizes with monotonic semaphores (two per lane and peer), whose
 //     signal and wait counts per call are the same on every rank, so nothing needs resetting.
 //
+//   - The sentinel ("Lamport") two-shot carries no flags at all: its three buffers are filled with
+//     all-ones bytes (a NaN in every type), writers replace that one NaN pattern by a canonical
+//     quiet NaN, and readers poll each element until it is no longer all ones. Every element is
+//     checked on its own, so only element-size stores need to be atomic. Call j uses buffer
+//     j % 3 and each block clears, in buffer (j - 1) % 3, exactly what it consumed in call j - 1;
+//     that buffer is next written in call j + 2, by peers that must first receive this rank's
+//     data of call j + 1, which it sends only after this kernel (and its clearing) completed.
+//
 // Every block of a launch must be resident at once (blocks spin on peers' blocks): the host caps
 // the grid at the number of SMs.
 #include <doorbell/doorbell.cuh>
@@ -164,6 +172,149 @@ DOORBELL_DEVICE_INLINE void twoshot(const AllReduceArgs& a) {
     copy_from_packets(out + p * spk * P::kPayload, src, shard_bytes(p), flag, tid, nthreads, site);
   }
   finish_call(a, epoch);
+}
+
+// Sentinel two-shot ---------------------------------------------------------------------------
+
+constexpr uint32_t kEmpty = 0xFFFFFFFFu;  // an untouched 32-bit word of a sentinel buffer
+
+// True when no element of `w` is still the sentinel.
+template <typename T>
+DOORBELL_DEVICE_INLINE bool all_arrived(const uint32_t (&w)[4]) {
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    if (sizeof(T) == 4 ? w[i] == kEmpty : ((w[i] & 0xFFFFu) == 0xFFFFu || (w[i] >> 16) == 0xFFFFu)) return false;
+  }
+  return true;
+}
+
+// Replaces elements whose bits are all ones (the sentinel) by the type's canonical quiet NaN.
+template <typename T>
+DOORBELL_DEVICE_INLINE void canonicalize(uint32_t (&w)[4]) {
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    if (sizeof(T) == 4) {
+      if (w[i] == kEmpty) w[i] = 0x7FC00000u;
+    } else {
+      const uint32_t nan16 = std::is_same<T, __half>::value ? 0x7E00u : 0x7FC0u;  // f16 : bf16
+      if ((w[i] & 0xFFFFu) == 0xFFFFu) w[i] = (w[i] & 0xFFFF0000u) | nan16;
+      if ((w[i] >> 16) == 0xFFFFu) w[i] = (w[i] & 0xFFFFu) | (nan16 << 16);
+    }
+  }
+}
+
+DOORBELL_DEVICE_INLINE void load_vec(const void* p, uint32_t (&w)[4]) {
+  const uint4 v = *reinterpret_cast<const uint4*>(p);
+  w[0] = v.x; w[1] = v.y; w[2] = v.z; w[3] = v.w;
+}
+
+DOORBELL_DEVICE_INLINE void store_vec(void* p, const uint32_t (&w)[4]) {
+  *reinterpret_cast<uint4*>(p) = make_uint4(w[0], w[1], w[2], w[3]);
+}
+
+template <typename T>
+DOORBELL_DEVICE_INLINE void wait_vec(const uint32_t* p, uint32_t (&w)[4], WaitSite& site, uint32_t peer) {
+  site.peer = static_cast<int32_t>(peer);
+  spin_until(site, kWaitPacket, kEmpty, [&](uint64_t& seen) {
+    load_volatile_v4(p, w[0], w[1], w[2], w[3]);
+    seen = w[0];
+    return all_arrived<T>(w);
+  });
+}
+
+// Two-shot over sentinel buffers: like the LL two-shot (reduce-scatter, then all-gather, one
+// kernel, no barrier), with no flag bytes, so twice the payload per byte moved. Needs 16-byte
+// aligned buffers and a size that is a multiple of 16 bytes (the host checks).
+template <typename T>
+DOORBELL_DEVICE_INLINE void twoshot_sentinel(const AllReduceArgs& a) {
+  LamportState* state = a.lamport_state + blockIdx.x;
+  const uint32_t call = state->call;
+  const uint64_t prev_count = state->prev_count;
+  const uint32_t buf = call % 3, old = (call + 2) % 3;
+  const uint32_t world = a.world;
+  const uint32_t tid = ll_thread();
+  const uint32_t nthreads = gridDim.x * blockDim.x;
+  const uint64_t slot = a.lamport_slot_bytes;
+  auto area = [&](uint32_t b, uint32_t ag, uint32_t owner, uint32_t from) -> uint32_t* {
+    return reinterpret_cast<uint32_t*>(a.scratch[owner] + a.lamport_offset + b * a.lamport_buf_bytes +
+                                       (ag * world + from) * slot);
+  };
+  auto shard_vecs = [&](uint64_t nvec, uint64_t svec, uint32_t j) -> uint64_t {
+    const uint64_t begin = j * svec;
+    return begin >= nvec ? 0 : (begin + svec <= nvec ? svec : nvec - begin);
+  };
+  const uint64_t nvec = a.count * sizeof(T) / 16;
+  const uint64_t svec = (nvec + world - 1) / world;
+  const char* in = static_cast<const char*>(a.input);
+  char* out = static_cast<char*>(a.output);
+  WaitSite site = a.site;
+
+  // 1. Reduce-scatter push: my part of shard p into p's RS slot for me.
+  for (uint32_t k = 1; k < world; ++k) {
+    const uint32_t p = (a.rank + k) % world;
+    const uint64_t n = shard_vecs(nvec, svec, p);
+    uint32_t* dst = area(buf, 0, p, a.rank);
+    for (uint64_t v = tid; v < n; v += nthreads) {
+      uint32_t w[4];
+      load_vec(in + (p * svec + v) * 16, w);
+      canonicalize<T>(w);
+      store_volatile_v4(dst + v * 4, w[0], w[1], w[2], w[3]);
+    }
+  }
+  // 2. Reduce my shard in rank order; keep it and push it to every peer's AG slot for me.
+  {
+    const uint64_t n = shard_vecs(nvec, svec, a.rank);
+    for (uint64_t v = tid; v < n; v += nthreads) {
+      WordSum<T, 4> acc;
+      for (uint32_t r = 0; r < world; ++r) {
+        uint32_t w[4];
+        if (r == a.rank) {
+          load_vec(in + (a.rank * svec + v) * 16, w);
+        } else {
+          wait_vec<T>(area(buf, 0, a.rank, r) + v * 4, w, site, r);
+        }
+        if (r == 0) acc.set(w); else acc.add(w);
+      }
+      uint32_t y[4];
+      acc.get(y);
+      canonicalize<T>(y);
+      store_vec(out + (a.rank * svec + v) * 16, y);
+      for (uint32_t k = 1; k < world; ++k) {
+        const uint32_t p = (a.rank + k) % world;
+        store_volatile_v4(area(buf, 1, p, a.rank) + v * 4, y[0], y[1], y[2], y[3]);
+      }
+    }
+  }
+  // 3. All-gather: every peer's reduced shard.
+  for (uint32_t k = 1; k < world; ++k) {
+    const uint32_t p = (a.rank + k) % world;
+    const uint64_t n = shard_vecs(nvec, svec, p);
+    const uint32_t* src = area(buf, 1, a.rank, p);
+    for (uint64_t v = tid; v < n; v += nthreads) {
+      uint32_t w[4];
+      wait_vec<T>(src + v * 4, w, site, p);
+      store_vec(out + (p * svec + v) * 16, w);
+    }
+  }
+  // 4. Refill with the sentinel what this thread consumed in the previous call (same mapping).
+  {
+    const uint64_t pnvec = prev_count * sizeof(T) / 16;
+    const uint64_t psvec = (pnvec + world - 1) / world;
+    const uint64_t mine = shard_vecs(pnvec, psvec, a.rank);
+    for (uint32_t r = 0; r < world; ++r) {
+      if (r == a.rank) continue;
+      uint32_t* rs = area(old, 0, a.rank, r);
+      for (uint64_t v = tid; v < mine; v += nthreads) store_vec(rs + v * 4, {kEmpty, kEmpty, kEmpty, kEmpty});
+      uint32_t* ag = area(old, 1, a.rank, r);
+      const uint64_t theirs = shard_vecs(pnvec, psvec, r);
+      for (uint64_t v = tid; v < theirs; v += nthreads) store_vec(ag + v * 4, {kEmpty, kEmpty, kEmpty, kEmpty});
+    }
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    state->call = (call + 1) % 3;
+    state->prev_count = a.count;
+  }
 }
 
 // Sums `n` elements at `srcs[0..world)` (rank order) into `dst` and every `peer_dst[k]`, with
@@ -323,6 +474,9 @@ DOORBELL_DEVICE_INLINE void pipelined(const AllReduceArgs& a) {
   }                                                                                                                  \
   extern "C" __global__ void __launch_bounds__(512) allreduce_twoshot_ll16_##NAME(AllReduceArgs a) {               \
     twoshot<T, LL16Packet>(a);                                                                                       \
+  }                                                                                                                  \
+  extern "C" __global__ void __launch_bounds__(512) allreduce_twoshot_sentinel_##NAME(AllReduceArgs a) {           \
+    twoshot_sentinel<T>(a);                                                                                          \
   }                                                                                                                  \
   extern "C" __global__ void __launch_bounds__(512) allreduce_pipelined_vec_##NAME(AllReduceArgs a) {              \
     pipelined<T, true>(a);                                                                                           \

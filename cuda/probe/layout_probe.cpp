@@ -63,9 +63,18 @@ int main() {
   FIELD(AllReduceArgs, pipe_offset);
   FIELD(AllReduceArgs, pipe_lane_bytes);
   FIELD(AllReduceArgs, tile_elems);
+  FIELD(AllReduceArgs, lamport_offset);
+  FIELD(AllReduceArgs, lamport_buf_bytes);
+  FIELD(AllReduceArgs, lamport_slot_bytes);
+  FIELD(AllReduceArgs, lamport_state);
   FIELD(AllReduceArgs, rank);
   FIELD(AllReduceArgs, world);
   FIELD(AllReduceArgs, site);
+
+  STRUCT(LamportState);
+  FIELD(LamportState, call);
+  FIELD(LamportState, reserved);
+  FIELD(LamportState, prev_count);
 
   STRUCT(LL16Packet);
   FIELD(LL16Packet, data1);

@@ -20,7 +20,7 @@
 
 use crate::collectives::{DataType, ReduceOp};
 use crate::config::Settings;
-use crate::device_api::{AllReduceArgs, SemaphoreHandle, MAX_RANKS};
+use crate::device_api::{AllReduceArgs, LamportState, SemaphoreHandle, MAX_RANKS};
 use crate::error::{Error, Result};
 use crate::host::communicator::{Communicator, RegisteredMemory, Semaphores};
 use crate::host::cuda::cuda_err;
@@ -50,17 +50,21 @@ pub enum Algorithm {
     TwoShotLl8,
     /// Two-shot, LL16 packets.
     TwoShotLl16,
+    /// Two-shot over sentinel-filled buffers: no flags, full payload per byte. Needs 16-byte
+    /// aligned buffers and a multiple of 16 bytes; other calls fall back to [`Algorithm::TwoShotLl16`].
+    TwoShotSentinel,
     /// Pipelined reduce-scatter + all-gather through scratch, with semaphores.
     Pipelined,
 }
 
 impl Algorithm {
     /// Every algorithm.
-    pub const ALL: [Algorithm; 5] = [
+    pub const ALL: [Algorithm; 6] = [
         Algorithm::OneShotLl8,
         Algorithm::OneShotLl16,
         Algorithm::TwoShotLl8,
         Algorithm::TwoShotLl16,
+        Algorithm::TwoShotSentinel,
         Algorithm::Pipelined,
     ];
 
@@ -71,6 +75,7 @@ impl Algorithm {
             Algorithm::OneShotLl16 => "oneshot-ll16",
             Algorithm::TwoShotLl8 => "twoshot-ll8",
             Algorithm::TwoShotLl16 => "twoshot-ll16",
+            Algorithm::TwoShotSentinel => "twoshot-sentinel",
             Algorithm::Pipelined => "pipelined",
         }
     }
@@ -81,6 +86,7 @@ impl Algorithm {
             Algorithm::OneShotLl16 => "allreduce_oneshot_ll16",
             Algorithm::TwoShotLl8 => "allreduce_twoshot_ll8",
             Algorithm::TwoShotLl16 => "allreduce_twoshot_ll16",
+            Algorithm::TwoShotSentinel => "allreduce_twoshot_sentinel",
             Algorithm::Pipelined => "allreduce_pipelined",
         }
     }
@@ -91,7 +97,7 @@ impl Algorithm {
         match self {
             Algorithm::OneShotLl8 | Algorithm::TwoShotLl8 => Some((8, 4)),
             Algorithm::OneShotLl16 | Algorithm::TwoShotLl16 => Some((16, 8)),
-            Algorithm::Pipelined => None,
+            Algorithm::TwoShotSentinel | Algorithm::Pipelined => None,
         }
     }
 
@@ -102,14 +108,14 @@ impl Algorithm {
     /// the rank count) not yet measured on 8 GPUs.
     pub fn choose(world: usize, bytes: usize) -> Algorithm {
         let (oneshot_max, twoshot_max) = match world {
-            0..=2 => (256 << 10, 1 << 20),
-            3..=4 => (64 << 10, 1 << 20),
-            _ => (32 << 10, 512 << 10),
+            0..=2 => (256 << 10, 4 << 20),
+            3..=4 => (64 << 10, 8 << 20),
+            _ => (32 << 10, 16 << 20),
         };
         if bytes <= oneshot_max {
             Algorithm::OneShotLl16
         } else if bytes <= twoshot_max {
-            Algorithm::TwoShotLl16
+            Algorithm::TwoShotSentinel
         } else {
             Algorithm::Pipelined
         }
@@ -159,6 +165,9 @@ pub struct AllReduceOptions {
     pub check_args: Option<bool>,
     /// Bytes of one sender's slot in the LL scratch areas (bounds the LL algorithms' sizes).
     pub ll_slot_bytes: usize,
+    /// Bytes of one sender's slot in the sentinel two-shot's buffers (its largest message is
+    /// world size x this; the region takes 3 x 2 x world x this).
+    pub sentinel_slot_bytes: usize,
     /// Blocks of every LL launch (fixed per communicator: packet i always belongs to the same
     /// block, which is what lets each block keep its own epoch); capped by the number of SMs.
     pub ll_blocks: u32,
@@ -183,6 +192,7 @@ impl Default for AllReduceOptions {
             algorithm: None,
             check_args: None,
             ll_slot_bytes: 1 << 20,
+            sentinel_slot_bytes: 2 << 20,
             ll_blocks: 64,
             ll_threads: 512,
             max_lanes: 128,
@@ -225,6 +235,7 @@ pub struct AllReduce {
     _semaphores: Semaphores,
     _sems_dev: CudaSlice<SemaphoreHandle>,
     _epochs: CudaSlice<u32>,
+    _sentinel_state: CudaSlice<u8>,
     calls: std::sync::atomic::AtomicU64,
 }
 
@@ -266,6 +277,12 @@ impl AllReduce {
                 format!("{}: must be a multiple of 32 in [32, 512]", opts.ll_threads),
             ));
         }
+        if opts.sentinel_slot_bytes < 16 || opts.sentinel_slot_bytes % 16 != 0 {
+            return Err(Error::invalid(
+                "sentinel_slot_bytes",
+                "must be a positive multiple of 16",
+            ));
+        }
         if opts.ll_slot_bytes < 16 || opts.ll_slot_bytes % 16 != 0 {
             return Err(Error::invalid(
                 "ll_slot_bytes",
@@ -298,7 +315,11 @@ impl AllReduce {
         let ll_half = 2 * world * opts.ll_slot_bytes;
         let ll_bytes = 2 * ll_half;
         let lane_bytes = PIPE_DEPTH * 2 * world * max_tile_bytes;
-        let scratch = comm.alloc(ll_bytes + lanes * lane_bytes)?;
+        let sentinel_buf = 2 * world * opts.sentinel_slot_bytes;
+        let sentinel_offset = ll_bytes + lanes * lane_bytes;
+        let scratch = comm.alloc(sentinel_offset + 3 * sentinel_buf)?;
+        // The sentinel region starts empty: all ones.
+        scratch.fill(sentinel_offset, 3 * sentinel_buf, 0xFF)?;
         let scratch_reg = comm.register(&scratch)?;
         let peers = comm.exchange(&scratch_reg)?;
         // Sets [0, lanes) say "reduce-scatter part arrived", [lanes, 2 lanes) "reduced shard
@@ -311,6 +332,9 @@ impl AllReduce {
             .map_err(cuda_err("cuMemcpyHtoD"))?;
         let epochs = stream
             .alloc_zeros::<u32>(ll_blocks as usize)
+            .map_err(cuda_err("cuMemAlloc"))?;
+        let sentinel_state = stream
+            .alloc_zeros::<u8>(ll_blocks as usize * std::mem::size_of::<LamportState>())
             .map_err(cuda_err("cuMemAlloc"))?;
         let mut scratch_ptrs = [0u64; MAX_RANKS];
         for (r, p) in scratch_ptrs.iter_mut().enumerate().take(world) {
@@ -337,6 +361,10 @@ impl AllReduce {
             ll_slot_bytes: opts.ll_slot_bytes as u64,
             pipe_offset: ll_bytes as u64,
             pipe_lane_bytes: lane_bytes as u64,
+            lamport_offset: sentinel_offset as u64,
+            lamport_buf_bytes: sentinel_buf as u64,
+            lamport_slot_bytes: opts.sentinel_slot_bytes as u64,
+            lamport_state: sentinel_state.device_ptr(&stream).0,
             rank: rank as u32,
             world: world as u32,
             site: comm.diagnostics().site(-1, u32::MAX),
@@ -387,6 +415,7 @@ impl AllReduce {
             _semaphores: semaphores,
             _sems_dev: sems_dev,
             _epochs: epochs,
+            _sentinel_state: sentinel_state,
             calls: std::sync::atomic::AtomicU64::new(0),
         })
     }
@@ -398,6 +427,9 @@ impl AllReduce {
 
     /// Largest message (bytes) `algorithm` can take with this scratch.
     pub fn max_bytes(&self, algorithm: Algorithm) -> usize {
+        if algorithm == Algorithm::TwoShotSentinel {
+            return self.opts.sentinel_slot_bytes * self.comm.world_size();
+        }
         match algorithm.packet() {
             None => usize::MAX,
             Some((pkt, payload)) => {
@@ -410,8 +442,12 @@ impl AllReduce {
         }
     }
 
-    /// How a call of `count` elements of `dtype` would run.
+    /// How a call of `count` elements of `dtype` on 16-byte aligned buffers would run.
     pub fn plan(&self, count: usize, dtype: DataType) -> Result<Plan> {
+        self.plan_for(count, dtype, true)
+    }
+
+    fn plan_for(&self, count: usize, dtype: DataType, aligned: bool) -> Result<Plan> {
         let world = self.comm.world_size();
         let bytes = count
             .checked_mul(dtype.size())
@@ -419,6 +455,14 @@ impl AllReduce {
         let mut algorithm = self
             .forced
             .unwrap_or_else(|| Algorithm::choose(world, bytes));
+        if algorithm == Algorithm::TwoShotSentinel && (!aligned || bytes % 16 != 0) {
+            // The documented fallback, forced or not.
+            algorithm = if bytes <= self.max_bytes(Algorithm::TwoShotLl16) {
+                Algorithm::TwoShotLl16
+            } else {
+                Algorithm::Pipelined
+            };
+        }
         if self.forced.is_none() && bytes > self.max_bytes(algorithm) {
             algorithm = Algorithm::Pipelined;
         }
@@ -433,8 +477,14 @@ impl AllReduce {
             ));
         }
         Ok(match algorithm.packet() {
-            // Every LL launch has the same grid (see the kernels' epoch argument).
+            // Every LL and sentinel launch has the same grid (see the kernels' epoch argument).
             Some(_) => Plan {
+                algorithm,
+                blocks: self.ll_blocks,
+                threads: self.opts.ll_threads,
+                tile_elems: 0,
+            },
+            None if algorithm == Algorithm::TwoShotSentinel => Plan {
                 algorithm,
                 blocks: self.ll_blocks,
                 threads: self.opts.ll_threads,
@@ -506,7 +556,7 @@ impl AllReduce {
             return Ok(());
         }
         let aligned = input % 16 == 0 && output % 16 == 0;
-        let plan = self.plan(count, dtype)?;
+        let plan = self.plan_for(count, dtype, aligned)?;
         let vec = plan.algorithm == Algorithm::Pipelined && aligned;
         let f = self
             .kernels

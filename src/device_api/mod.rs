@@ -126,12 +126,32 @@ pub struct AllReduceArgs {
     pub pipe_lane_bytes: u64,
     /// Pipeline elements per shard of a tile.
     pub tile_elems: u64,
+    /// Sentinel two-shot region offset.
+    pub lamport_offset: u64,
+    /// Bytes of one of its three buffers.
+    pub lamport_buf_bytes: u64,
+    /// Bytes of one sender's slot in a buffer's RS or AG area.
+    pub lamport_slot_bytes: u64,
+    /// Per-block [`LamportState`] array (device).
+    pub lamport_state: u64,
     /// My rank.
     pub rank: u32,
     /// Ranks.
     pub world: u32,
     /// Wait site for LL waits.
     pub site: WaitSite,
+}
+
+/// Per-block state of the sentinel two-shot (`collective_args.cuh`).
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Pod, Zeroable)]
+pub struct LamportState {
+    /// Calls so far, modulo 3.
+    pub call: u32,
+    /// Zero.
+    pub reserved: u32,
+    /// Elements of the previous call.
+    pub prev_count: u64,
 }
 
 /// An LL16 packet: 8 payload bytes and two copies of the flag.
@@ -259,11 +279,16 @@ mod layout {
                     pipe_offset,
                     pipe_lane_bytes,
                     tile_elems,
+                    lamport_offset,
+                    lamport_buf_bytes,
+                    lamport_slot_bytes,
+                    lamport_state,
                     rank,
                     world,
                     site
                 ]
             ),
+            layout!("LamportState", LamportState, [call, reserved, prev_count]),
             layout!("LL16Packet", Ll16Packet, [data1, flag1, data2, flag2]),
             layout!("LL8Packet", Ll8Packet, [data, flag]),
         ]

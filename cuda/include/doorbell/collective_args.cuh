@@ -10,6 +10,15 @@ namespace doorbell {
 // Most ranks a single-node collective kernel handles.
 constexpr uint32_t kMaxRanks = 8;
 
+// Per-block state of the sentinel ("Lamport") two-shot: which of the three buffers the next call
+// uses, and how many elements the previous call had (this block clears what it consumed then).
+struct LamportState {
+  uint32_t call;        // calls so far, modulo 3
+  uint32_t reserved;
+  uint64_t prev_count;  // elements of the previous call
+};
+DOORBELL_CHECK_SIZE(LamportState, 16);
+
 // Arguments of every allreduce kernel (cuda/kernels/allreduce.cu).
 struct AllReduceArgs {
   const void* input;
@@ -25,10 +34,14 @@ struct AllReduceArgs {
   uint64_t pipe_offset;          // pipeline region offset
   uint64_t pipe_lane_bytes;      // bytes per lane
   uint64_t tile_elems;           // pipeline: elements per shard of a tile
+  uint64_t lamport_offset;       // sentinel two-shot region offset in every scratch
+  uint64_t lamport_buf_bytes;    // bytes of one of its three buffers
+  uint64_t lamport_slot_bytes;   // bytes of one sender's slot in a buffer's RS or AG area
+  LamportState* lamport_state;   // one per block of the (fixed) LL grid
   uint32_t rank;
   uint32_t world;
   WaitSite site;                 // for LL waits (peer filled in per wait)
 };
-DOORBELL_CHECK_SIZE(AllReduceArgs, 208);
+DOORBELL_CHECK_SIZE(AllReduceArgs, 240);
 
 }  // namespace doorbell
