@@ -346,6 +346,17 @@ fn run(args: &Args) -> Result<i32> {
         println!("# times in us, max over ranks; busbw in GB/s = 2(n-1)/n * size / time");
     }
 
+    // Warm-up (clocks, caches, lazily created driver state) before the first measured row.
+    for _ in 0..200 {
+        // SAFETY: both buffers hold max_bytes >= 8 bytes.
+        unsafe { ar.run_raw(&s, in_ptr, out_ptr, 8 / dtype.size(), dtype)? };
+        if let Some(n) = &nccl {
+            // SAFETY: as above.
+            unsafe { n.all_reduce(&s, in_ptr, out_ptr, 8 / dtype.size(), dtype)? };
+        }
+    }
+    comm.synchronize(&s)?;
+
     let mut sizes = Vec::new();
     let mut b = min_bytes;
     while b <= max_bytes {

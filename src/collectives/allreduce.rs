@@ -101,20 +101,23 @@ impl Algorithm {
         }
     }
 
-    /// The choice for `bytes` on `world` ranks of one node. The 2- and 4-rank crossovers are
-    /// measured on 4 x H200 (docs/performance.md: one-shot wins to 256 KiB on 2 GPUs and to
-    /// 64 KiB on 4, two-shot LL to 1 MiB, the pipeline above); 3 ranks take the 4-rank table,
-    /// and 5 to 8 ranks a guess (smaller one-shot range, as the one-shot's traffic grows with
+    /// The choice for `bytes` on `world` ranks of one node, from forced-algorithm sweeps on
+    /// 4 x H200 (docs/performance.md, "Choosing the algorithms"): one-shot while the message is
+    /// small (to 256 KiB on 2 GPUs, 64 KiB on 4), then the LL two-shot (4 GPUs, to 256 KiB),
+    /// the sentinel two-shot (to 4 MiB on 2 GPUs, 2 MiB on 4), the pipeline above. 3 ranks take
+    /// the 4-rank table; 5 to 8 ranks a guess (smaller one-shot range, as its traffic grows with
     /// the rank count) not yet measured on 8 GPUs.
     pub fn choose(world: usize, bytes: usize) -> Algorithm {
-        let (oneshot_max, twoshot_max) = match world {
-            0..=2 => (256 << 10, 4 << 20),
-            3..=4 => (64 << 10, 8 << 20),
-            _ => (32 << 10, 16 << 20),
+        let (oneshot_max, ll_twoshot_max, sentinel_max) = match world {
+            0..=2 => (256 << 10, 256 << 10, 4 << 20),
+            3..=4 => (64 << 10, 256 << 10, 2 << 20),
+            _ => (32 << 10, 256 << 10, 4 << 20),
         };
         if bytes <= oneshot_max {
             Algorithm::OneShotLl16
-        } else if bytes <= twoshot_max {
+        } else if bytes <= ll_twoshot_max {
+            Algorithm::TwoShotLl16
+        } else if bytes <= sentinel_max {
             Algorithm::TwoShotSentinel
         } else {
             Algorithm::Pipelined
@@ -670,5 +673,43 @@ impl AllReduce {
                 describe(majority)
             ),
         ))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn choice_follows_the_measured_table() {
+        use Algorithm::*;
+        let table: &[(usize, usize, Algorithm)] = &[
+            (2, 8, OneShotLl16),
+            (2, 256 << 10, OneShotLl16),
+            (2, (256 << 10) + 1, TwoShotSentinel),
+            (2, 4 << 20, TwoShotSentinel),
+            (2, (4 << 20) + 1, Pipelined),
+            (4, 64 << 10, OneShotLl16),
+            (4, 128 << 10, TwoShotLl16),
+            (4, 256 << 10, TwoShotLl16),
+            (4, 512 << 10, TwoShotSentinel),
+            (4, 2 << 20, TwoShotSentinel),
+            (4, 4 << 20, Pipelined),
+            (3, 1 << 20, TwoShotSentinel),
+            (8, 32 << 10, OneShotLl16),
+            (8, 1 << 30, Pipelined),
+        ];
+        for &(world, bytes, want) in table {
+            assert_eq!(Algorithm::choose(world, bytes), want, "{world} ranks, {bytes} bytes");
+        }
+    }
+
+    #[test]
+    fn names_round_trip_and_bad_names_are_errors() {
+        for a in Algorithm::ALL {
+            assert_eq!(a.name().parse::<Algorithm>().unwrap(), a);
+        }
+        let e = "ring".parse::<Algorithm>().unwrap_err().to_string();
+        assert!(e.contains("twoshot-sentinel"), "{e}");
     }
 }
