@@ -9,7 +9,8 @@
 #
 # Environment for run: SUITE=tests|bench|all (default all); TESTS="gpu allreduce" runs only those
 # test binaries; BENCHES="pingpong allreduce" picks the examples, PINGPONG_ARGS / ALLREDUCE_ARGS
-# pass them arguments; MPS=1 starts the CUDA MPS daemon first (ranks sharing one GPU then run
+# pass them arguments; TEST_ARGS are added to every test binary's arguments (e.g. "--skip forced_");
+# DOORBELL_TEST_RANKS / DOORBELL_TEST_MAX_RANKS pick rank counts (tests/common); MPS=1 starts the CUDA MPS daemon first (ranks sharing one GPU then run
 # concurrently instead of time-sliced).
 # NVLink multicast stays off everywhere (it can take shared GPUs out of service).
 set -uo pipefail
@@ -63,7 +64,8 @@ run() {
       local name; name=$(basename "$t")
       if [ -n "${TESTS:-}" ] && ! [[ " $TESTS " == *" $name "* ]]; then continue; fi
       local start=$SECONDS
-      if "$t" --ignored --test-threads=1 >> "$logs/tests.log" 2>&1; then
+      # shellcheck disable=SC2086
+      if "$t" --ignored --test-threads=1 ${TEST_ARGS:-} >> "$logs/tests.log" 2>&1; then
         echo "PASS tests/$name ($((SECONDS - start)) s)" | tee -a "$summary"
       else
         echo "FAIL tests/$name ($((SECONDS - start)) s)" | tee -a "$summary"

@@ -700,7 +700,11 @@ mod tests {
             (8, 1 << 30, Pipelined),
         ];
         for &(world, bytes, want) in table {
-            assert_eq!(Algorithm::choose(world, bytes), want, "{world} ranks, {bytes} bytes");
+            assert_eq!(
+                Algorithm::choose(world, bytes),
+                want,
+                "{world} ranks, {bytes} bytes"
+            );
         }
     }
 

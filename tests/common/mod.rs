@@ -10,9 +10,20 @@ use std::time::Duration;
 /// The variable that tells a spawned rank which case to run.
 pub const CASE_VAR: &str = "DOORBELL_GPU_CASE";
 
-/// Rank counts every multi-rank test runs with; `DOORBELL_TEST_MAX_RANKS` raises the top (8 for
-/// an 8-GPU machine, or for ranks sharing fewer GPUs).
+/// Rank counts every multi-rank test runs with: `DOORBELL_TEST_RANKS` (e.g. "8") lists them
+/// explicitly; otherwise 2, 3 and 4, and `DOORBELL_TEST_MAX_RANKS=8` adds 8 (an 8-GPU machine, or
+/// ranks sharing fewer GPUs).
 pub fn rank_counts() -> Vec<usize> {
+    if let Ok(list) = std::env::var("DOORBELL_TEST_RANKS") {
+        let v: Vec<usize> = list
+            .split([' ', ','])
+            .filter_map(|s| s.trim().parse().ok())
+            .filter(|&n| n >= 2)
+            .collect();
+        if !v.is_empty() {
+            return v;
+        }
+    }
     let max: usize = std::env::var("DOORBELL_TEST_MAX_RANKS")
         .ok()
         .and_then(|s| s.parse().ok())
