@@ -74,7 +74,7 @@ run() {
     done
   fi
   if [ "$suite" = all ] || [ "$suite" = bench ]; then
-    for ex in ${BENCHES:-pingpong allreduce}; do
+    for ex in ${BENCHES:-pingpong portchannel allreduce}; do
       [ -x "$bundle/examples/$ex" ] || continue
       local start=$SECONDS var; var="$(echo "$ex" | tr a-z A-Z)_ARGS"
       if "$bundle/examples/$ex" ${!var:-} > "$logs/$ex.txt" 2>&1; then

@@ -18,6 +18,10 @@ pub enum WaitKind {
     FifoSlot,
     /// A proxy flush position.
     Flush,
+    /// The proxy service stopped while a kernel depended on it.
+    ProxyStopped,
+    /// A trigger field out of range (reported like a wait).
+    BadTrigger,
     /// A kind this build does not know (a newer header wrote it).
     Other(u32),
 }
@@ -30,6 +34,8 @@ impl WaitKind {
             2 => WaitKind::Packet,
             3 => WaitKind::FifoSlot,
             4 => WaitKind::Flush,
+            5 => WaitKind::ProxyStopped,
+            6 => WaitKind::BadTrigger,
             c => WaitKind::Other(c),
         }
     }
@@ -42,6 +48,10 @@ impl fmt::Display for WaitKind {
             WaitKind::Packet => write!(f, "LL packet flag"),
             WaitKind::FifoSlot => write!(f, "free FIFO slot"),
             WaitKind::Flush => write!(f, "proxy flush"),
+            WaitKind::ProxyStopped => write!(f, "proxy service (it stopped)"),
+            WaitKind::BadTrigger => {
+                write!(f, "a valid trigger (memory or semaphore id out of range)")
+            }
             WaitKind::Other(c) => write!(f, "wait kind {c}"),
         }
     }

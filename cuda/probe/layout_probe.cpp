@@ -49,6 +49,32 @@ int main() {
   FIELD(MemoryChannelHandle, src_bytes);
   FIELD(MemoryChannelHandle, packet_buffer_bytes);
 
+  STRUCT(ProxyTrigger);
+  FIELD(ProxyTrigger, src_offset);
+  FIELD(ProxyTrigger, dst_offset);
+  FIELD(ProxyTrigger, size);
+  FIELD(ProxyTrigger, meta);
+
+  STRUCT(FifoHandle);
+  FIELD(FifoHandle, triggers);
+  FIELD(FifoHandle, head);
+  FIELD(FifoHandle, tail);
+  FIELD(FifoHandle, tail_cache);
+  FIELD(FifoHandle, stopped);
+  FIELD(FifoHandle, size_log2);
+  FIELD(FifoHandle, reserved);
+  FIELD(FifoHandle, site);
+
+  STRUCT(PortChannelHandle);
+  FIELD(PortChannelHandle, fifo);
+  FIELD(PortChannelHandle, inbound_token);
+  FIELD(PortChannelHandle, expected_inbound);
+  FIELD(PortChannelHandle, flush_done);
+  FIELD(PortChannelHandle, semaphore);
+  FIELD(PortChannelHandle, dst_mem);
+  FIELD(PortChannelHandle, src_mem);
+  FIELD(PortChannelHandle, reserved);
+
   STRUCT(AllReduceArgs);
   FIELD(AllReduceArgs, input);
   FIELD(AllReduceArgs, output);

@@ -8,7 +8,7 @@
 //! mismatched channels.
 
 use crate::config::Settings;
-use crate::device_api::{MemoryChannelHandle, SemaphoreHandle};
+use crate::device_api::{MemoryChannelHandle, PortChannelHandle, SemaphoreHandle};
 use crate::error::{Error, Result};
 use crate::host::bootstrap::{Bootstrap, BootstrapConfig};
 use crate::host::cuda::{device_count, Gpu};
@@ -16,6 +16,7 @@ use crate::host::fd_passing::{fetch_fd, FdServer};
 use crate::host::memory::{
     host_id, ipc_handle_for, Buffer, MemoryDescriptor, RemoteMemory, ShareHandle,
 };
+use crate::host::proxy::{ProxyBuilder, DEFAULT_FIFO_SIZE};
 use crate::host::wait::WaitDiagnostics;
 use cudarc::driver::CudaStream;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
@@ -153,6 +154,50 @@ impl MemoryChannels {
         self.channels.len()
     }
     /// True with no peers (a job of one rank).
+    pub fn is_empty(&self) -> bool {
+        self.channels.is_empty()
+    }
+}
+
+/// A PortChannel to one peer: the device handle and what its proxy entries point into.
+pub struct PortChannel {
+    peer: usize,
+    handle: PortChannelHandle,
+    _src: Arc<RegisteredMemory>,
+    _dst: Arc<RemoteMemory>,
+    _tokens: Arc<TokenPool>,
+}
+
+impl PortChannel {
+    /// The peer's rank.
+    pub fn peer(&self) -> usize {
+        self.peer
+    }
+    /// The handle kernels take.
+    pub fn device_handle(&self) -> PortChannelHandle {
+        self.handle
+    }
+}
+
+/// One PortChannel per peer, in rank order (this rank skipped).
+pub struct PortChannels {
+    channels: Vec<PortChannel>,
+}
+
+impl PortChannels {
+    /// The channel to `peer`.
+    pub fn to(&self, peer: usize) -> Option<&PortChannel> {
+        self.channels.iter().find(|c| c.peer == peer)
+    }
+    /// The device handles, in peer order.
+    pub fn handles(&self) -> Vec<PortChannelHandle> {
+        self.channels.iter().map(|c| c.handle).collect()
+    }
+    /// Number of channels.
+    pub fn len(&self) -> usize {
+        self.channels.len()
+    }
+    /// True with no peers.
     pub fn is_empty(&self) -> bool {
         self.channels.is_empty()
     }
@@ -517,6 +562,75 @@ impl Communicator {
             });
         }
         Ok(MemoryChannels { channels })
+    }
+
+    /// A proxy for this rank's GPU with a FIFO of `fifo_size` triggers (0: the default), to add
+    /// PortChannels to and then start.
+    pub fn proxy_builder(&self, fifo_size: usize) -> Result<ProxyBuilder> {
+        let size = if fifo_size == 0 {
+            DEFAULT_FIFO_SIZE
+        } else {
+            fifo_size
+        };
+        ProxyBuilder::new(&self.gpu, size, self.diagnostics.site(-1, u32::MAX))
+    }
+
+    /// Builds one PortChannel to every other rank on `proxy` (collective; start the proxy after).
+    /// For the channel to peer `p`: puts copy from my `src` into `p`'s `dst` by copy engine on a
+    /// stream of this rank's proxy, and signals land in `p`'s inbound token after the data.
+    pub fn port_channels(
+        &self,
+        proxy: &mut ProxyBuilder,
+        src: &Arc<RegisteredMemory>,
+        dst: &Arc<RegisteredMemory>,
+    ) -> Result<PortChannels> {
+        let rank = self.rank();
+        let world = self.world_size();
+        if let Some(p) = (0..world).find(|&p| !self.same_host(p)) {
+            return Err(Error::TransportUnavailable {
+                transport: "CudaIpc",
+                why: format!(
+                    "rank {p} runs on another host; PortChannels between hosts need the Ethernet \
+                     or InfiniBand transport, which this build does not have yet"
+                ),
+            });
+        }
+        let base = self.take_tokens(1)?;
+        let channel = self.next_channel.fetch_add(1, Ordering::Relaxed);
+        let dsts = self.exchange(dst)?;
+        let src_id = proxy.add_memory(src.device_ptr(), src.len() as u64)?;
+        let fifo = proxy.fifo_handle();
+        let mut channels = Vec::with_capacity(world.saturating_sub(1));
+        for peer in (0..world).filter(|&p| p != rank) {
+            let remote = dsts[peer].clone().ok_or_else(|| Error::Bootstrap {
+                me: rank,
+                rank: Some(peer),
+                why: "its memory could not be mapped".into(),
+            })?;
+            let dst_id = proxy.add_memory(remote.device_ptr(), remote.len() as u64)?;
+            let (conn, flush_done) = proxy.add_connection()?;
+            let sem = self.semaphore(base, peer, channel)?;
+            let sem_id = proxy.add_semaphore(conn, sem.remote_inbound_token)?;
+            let mut f = fifo;
+            f.site = self.diagnostics.site(peer as i32, channel);
+            channels.push(PortChannel {
+                peer,
+                handle: PortChannelHandle {
+                    fifo: f,
+                    inbound_token: sem.inbound_token,
+                    expected_inbound: sem.expected_inbound,
+                    flush_done,
+                    semaphore: sem_id.0,
+                    dst_mem: dst_id.0,
+                    src_mem: src_id.0,
+                    reserved: 0,
+                },
+                _src: src.clone(),
+                _dst: remote,
+                _tokens: self.tokens.clone(),
+            });
+        }
+        Ok(PortChannels { channels })
     }
 
     /// Waits for `stream`; a device wait that gave up becomes [`Error::Timeout`].

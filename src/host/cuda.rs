@@ -16,7 +16,7 @@ mod embedded {
 }
 
 /// Turns a raw driver result into [`Error::Cuda`] naming the call.
-pub(crate) fn check(call: &'static str, r: sys::CUresult) -> Result<()> {
+pub fn check(call: &'static str, r: sys::CUresult) -> Result<()> {
     match r {
         sys::CUresult::CUDA_SUCCESS => Ok(()),
         other => Err(Error::Cuda {
@@ -164,27 +164,33 @@ pub fn kernel_modules() -> impl Iterator<Item = (&'static str, usize)> {
     embedded::KERNEL_MODULES.iter().map(|(s, b)| (*s, b.len()))
 }
 
-/// One `T` in pinned host memory that the GPU can read and write (cuMemHostAlloc with
-/// DEVICEMAP). The host reads it with volatile loads, so it sees device writes even while a
-/// kernel runs, and after a kernel trapped.
-pub struct HostMapped<T: Pod> {
+/// `len` values of `T` in pinned host memory the GPU can read and write (cuMemHostAlloc with
+/// DEVICEMAP), zero-filled. Accessed with volatile reads and writes, so the host sees device
+/// writes while kernels run (and after one trapped).
+pub struct HostArray<T: Pod> {
     gpu: Arc<Gpu>,
     host: *mut T,
     device: u64,
+    len: usize,
 }
 
-// SAFETY: the pointer is to pinned host memory owned by this value; access goes through volatile
-// reads/writes of Pod data, which are safe from any thread.
-unsafe impl<T: Pod> Send for HostMapped<T> {}
+// SAFETY: pinned host memory owned by this value; all access is volatile reads/writes of Pod
+// data, safe from any thread.
+unsafe impl<T: Pod> Send for HostArray<T> {}
 // SAFETY: as above.
-unsafe impl<T: Pod> Sync for HostMapped<T> {}
+unsafe impl<T: Pod> Sync for HostArray<T> {}
 
-impl<T: Pod> HostMapped<T> {
-    /// Allocates a zeroed `T` mapped into `gpu`'s address space.
-    pub fn new(gpu: &Arc<Gpu>) -> Result<Self> {
+impl<T: Pod> HostArray<T> {
+    /// Allocates `len` zeroed values mapped into `gpu`'s address space.
+    pub fn new(gpu: &Arc<Gpu>, len: usize) -> Result<Self> {
+        if len == 0 {
+            return Err(Error::invalid("len", "empty host array"));
+        }
         gpu.bind()?;
+        let bytes = std::mem::size_of::<T>()
+            .checked_mul(len)
+            .ok_or_else(|| Error::invalid("len", "overflow"))?;
         let mut host: *mut std::ffi::c_void = std::ptr::null_mut();
-        let bytes = std::mem::size_of::<T>().max(1);
         // SAFETY: `host` receives a fresh allocation of `bytes`; the context is current.
         check("cuMemHostAlloc", unsafe {
             sys::cuMemHostAlloc(
@@ -193,7 +199,7 @@ impl<T: Pod> HostMapped<T> {
                 sys::CU_MEMHOSTALLOC_DEVICEMAP | sys::CU_MEMHOSTALLOC_PORTABLE,
             )
         })?;
-        // SAFETY: the allocation is `bytes` long and T is Pod, so zero bytes are a valid T.
+        // SAFETY: the allocation is `bytes` long; zero bytes are a valid T (Pod).
         unsafe { std::ptr::write_bytes(host as *mut u8, 0, bytes) };
         let mut device = 0;
         // SAFETY: `host` came from cuMemHostAlloc with DEVICEMAP.
@@ -205,32 +211,54 @@ impl<T: Pod> HostMapped<T> {
             unsafe { sys::cuMemFreeHost(host) };
             return Err(e);
         }
-        Ok(HostMapped {
+        Ok(HostArray {
             gpu: gpu.clone(),
             host: host as *mut T,
             device,
+            len,
         })
     }
 
-    /// The device address kernels use.
+    /// Device address of element 0.
     pub fn device_ptr(&self) -> u64 {
         self.device
     }
 
-    /// A fresh copy of the value (volatile: sees device writes).
-    pub fn read(&self) -> T {
-        // SAFETY: `host` points to a live, aligned T (pinned allocations are page-aligned).
-        unsafe { std::ptr::read_volatile(self.host) }
+    /// Number of elements.
+    pub fn len(&self) -> usize {
+        self.len
     }
 
-    /// Overwrites the value.
-    pub fn write(&self, v: T) {
+    /// Never true.
+    pub fn is_empty(&self) -> bool {
+        false
+    }
+
+    /// Element `i` (volatile). Panics if `i` is out of range (a caller bug, not input).
+    pub fn read(&self, i: usize) -> T {
+        assert!(i < self.len);
+        // SAFETY: in range of a live allocation of aligned Ts.
+        unsafe { std::ptr::read_volatile(self.host.add(i)) }
+    }
+
+    /// Overwrites element `i` (volatile). Panics if `i` is out of range (a caller bug).
+    pub fn write(&self, i: usize, v: T) {
+        assert!(i < self.len);
         // SAFETY: as in `read`.
-        unsafe { std::ptr::write_volatile(self.host, v) }
+        unsafe { std::ptr::write_volatile(self.host.add(i), v) }
+    }
+
+    /// The `word`-th u64 of element `i` (volatile), for protocols that must read one word of a
+    /// struct before the others. Panics if out of range.
+    pub fn read_field(&self, i: usize, word: usize) -> u64 {
+        assert!(i < self.len && (word + 1) * 8 <= std::mem::size_of::<T>());
+        // SAFETY: in range; T's alignment is at least 8 for every struct read this way (checked
+        // by the layout tests), so the word is aligned.
+        unsafe { std::ptr::read_volatile((self.host.add(i) as *const u64).add(word)) }
     }
 }
 
-impl<T: Pod> Drop for HostMapped<T> {
+impl<T: Pod> Drop for HostArray<T> {
     fn drop(&mut self) {
         let _ = self.gpu.bind();
         // SAFETY: `host` came from cuMemHostAlloc and is freed once, here.

@@ -8,4 +8,5 @@ pub mod fd_passing;
 pub mod launch;
 pub mod memory;
 mod net;
+pub mod proxy;
 pub mod wait;

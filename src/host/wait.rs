@@ -8,13 +8,13 @@
 
 use crate::device_api::{WaitReport, WaitSite};
 use crate::error::{Error, Result, WaitKind};
-use crate::host::cuda::{Gpu, HostMapped};
+use crate::host::cuda::{Gpu, HostArray};
 use std::sync::Arc;
 use std::time::Duration;
 
 /// The process's wait report and budget.
 pub struct WaitDiagnostics {
-    report: HostMapped<WaitReport>,
+    report: HostArray<WaitReport>,
     claim: u64,
     budget: Duration,
     rank: i32,
@@ -24,7 +24,7 @@ impl WaitDiagnostics {
     /// `claim` is the device address of a zeroed u32 in device memory that nothing else uses.
     pub(crate) fn new(gpu: &Arc<Gpu>, claim: u64, budget: Duration, rank: usize) -> Result<Self> {
         Ok(WaitDiagnostics {
-            report: HostMapped::new(gpu)?,
+            report: HostArray::new(gpu, 1)?,
             claim,
             budget,
             rank: rank as i32,
@@ -51,7 +51,7 @@ impl WaitDiagnostics {
 
     /// The recorded device timeout, if a wait of this process gave up.
     pub fn timeout(&self) -> Option<Error> {
-        let r = self.report.read();
+        let r = self.report.read(0);
         if r.valid != 1 {
             return None;
         }

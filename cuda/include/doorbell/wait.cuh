@@ -25,6 +25,8 @@ enum WaitKindCode : uint32_t {
   kWaitPacket = 2,
   kWaitFifoSlot = 3,
   kWaitFlush = 4,
+  kWaitProxyStopped = 5,  // the proxy service stopped while a kernel depended on it
+  kWaitBadTrigger = 6,    // a trigger field out of range (not a wait: reported the same way)
 };
 
 // Written once, by the first waiter of the process that gives up. Lives in host-mapped pinned memory.

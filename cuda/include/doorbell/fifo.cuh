@@ -1,0 +1,91 @@
+// doorbell device API: the device-to-host trigger FIFO (PortChannel -> ProxyService).
+//
+// Layout: `triggers` is a ring of 2^size_log2 32-byte slots in pinned host memory the GPU maps;
+// `head` (device memory) counts positions claimed by pushers; `tail` (pinned host memory) counts
+// positions the proxy has consumed; `tail_cache` (device memory) is the pushers' last look at it.
+//
+// Protocol:
+//   push: pos = atomic add on head. If pos >= tail_cache + size the ring is full: spin (bounded)
+//     on tail with acquire loads until pos < tail + size. Then write the slot's first three words
+//     with relaxed stores and publish the fourth, which carries the commit bit, with one release
+//     store. The commit bit is the lap parity of pos (lap 0 writes 1, lap 1 writes 0, ...), so no
+//     field needs a reserved "empty" value and zeros are fine everywhere; pinned memory starts
+//     zeroed, which reads as "not committed" on lap 0.
+//   pop (host): the slot at tail is committed when its commit bit equals the parity it expects;
+//     the proxy then reads the other words, performs the trigger, and publishes tail + 1 with a
+//     release store. A pusher can only reuse a slot after that, so a slot is never overwritten
+//     while the proxy reads it.
+//   Pushers learn their position, which flush() waits on.
+// Sizes and offsets are full 64-bit values (transfers and offsets of 4 GiB and more work); memory
+// and semaphore ids are range-checked on every push and a bad one traps with a report instead of
+// being truncated.
+#pragma once
+
+#include "wait.cuh"
+
+namespace doorbell {
+
+enum TriggerType : uint32_t {
+  kTriggerData = 1,   // copy `size` bytes: src memory + src_offset -> dst memory + dst_offset
+  kTriggerFlag = 2,   // add 1 to the peer's semaphore token, after the data before it
+  kTriggerFlush = 4,  // report completion of everything before it at this position
+};
+
+// One trigger. `meta` bits: [0, 3) type, [3, 19) semaphore id, [19, 34) src memory id,
+// [34, 49) dst memory id, [49, 63) zero, 63 commit parity.
+struct alignas(32) ProxyTrigger {
+  uint64_t src_offset;
+  uint64_t dst_offset;
+  uint64_t size;
+  uint64_t meta;
+};
+DOORBELL_CHECK_SIZE(ProxyTrigger, 32);
+
+constexpr uint64_t kTriggerSemaphoreBits = 16;
+constexpr uint64_t kTriggerMemoryBits = 15;
+
+struct FifoHandle {
+  ProxyTrigger* triggers;   // host-pinned ring, device pointer
+  uint64_t* head;           // device memory
+  const uint64_t* tail;     // host-pinned, written by the proxy
+  uint64_t* tail_cache;     // device memory
+  const uint32_t* stopped;  // host-pinned: nonzero once the proxy stopped
+  uint32_t size_log2;
+  uint32_t reserved;
+  WaitSite site;
+
+#if DOORBELL_CUDA
+  // Pushes one trigger; returns its position. Any thread may push; pushes never block each other
+  // except when the ring is full.
+  DOORBELL_DEVICE_INLINE uint64_t push(uint32_t type, uint32_t semaphore, uint32_t src_mem, uint64_t src_offset,
+                                       uint32_t dst_mem, uint64_t dst_offset, uint64_t size) const {
+    if (semaphore >> kTriggerSemaphoreBits || src_mem >> kTriggerMemoryBits || dst_mem >> kTriggerMemoryBits) {
+      wait_gave_up(site, kWaitBadTrigger, 0, (uint64_t(src_mem) << 32) | dst_mem, 0);
+    }
+    const uint64_t pos = fetch_add_relaxed_gpu(head, 1);
+    const uint64_t capacity = uint64_t(1) << size_log2;
+    if (pos >= *reinterpret_cast<volatile uint64_t*>(tail_cache) + capacity) {
+      uint64_t last = 0;
+      spin_until(site, kWaitFifoSlot, pos - capacity + 1, [&](uint64_t& seen) {
+        seen = load_acquire_sys(tail);
+        last = seen;
+        return pos < seen + capacity || load_acquire_sys(stopped) != 0;
+      });
+      if (load_acquire_sys(stopped) != 0) wait_gave_up(site, kWaitProxyStopped, pos - capacity + 1, last, 0);
+      *reinterpret_cast<volatile uint64_t*>(tail_cache) = last;
+    }
+    ProxyTrigger* slot = triggers + (pos & (capacity - 1));
+    const uint64_t parity = ((pos >> size_log2) & 1) ^ 1;
+    const uint64_t meta = uint64_t(type & 7) | (uint64_t(semaphore) << 3) | (uint64_t(src_mem) << 19) |
+                          (uint64_t(dst_mem) << 34) | (parity << 63);
+    store_relaxed_sys(&slot->src_offset, src_offset);
+    store_relaxed_sys(&slot->dst_offset, dst_offset);
+    store_relaxed_sys(&slot->size, size);
+    store_release_sys(&slot->meta, meta);
+    return pos;
+  }
+#endif
+};
+DOORBELL_CHECK_SIZE(FifoHandle, 88);
+
+}  // namespace doorbell

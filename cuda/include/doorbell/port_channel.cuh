@@ -1,0 +1,86 @@
+// doorbell device API: PortChannel, a channel whose data moves by DMA (copy engines, or the
+// network) on behalf of the GPU: kernels push small triggers into the proxy's FIFO and keep
+// computing; the ProxyService performs them.
+//
+// Semantics (the same vocabulary as MemoryChannel):
+//   put                       copy bytes from my registered memory to the peer's (asynchronous)
+//   signal                    add 1 to the peer's inbound token, after every earlier put of this
+//                             channel has landed (the proxy orders it on the same copy stream)
+//   put_with_signal           both, as one trigger
+//   flush                     wait until everything this channel pushed before has completed
+//                             locally (sources reusable); returns only then
+//   wait / poll               consume a signal from the peer, as on a semaphore
+// A put returns before the data moves: do not overwrite its source before a flush, and let the
+// peer read the destination only after it waited for the matching signal.
+#pragma once
+
+#include "fifo.cuh"
+
+namespace doorbell {
+
+struct PortChannelHandle {
+  FifoHandle fifo;
+  uint64_t* inbound_token;     // mine: the peer's proxy writes its running count here
+  uint64_t* expected_inbound;  // mine, private: signals consumed
+  const uint64_t* flush_done;  // host-pinned: every position below it has completed
+  uint32_t semaphore;          // proxy semaphore id: signals go to the peer's inbound token
+  uint32_t dst_mem;            // proxy memory id of the peer's buffer
+  uint32_t src_mem;            // proxy memory id of my buffer
+  uint32_t reserved;
+
+#if DOORBELL_CUDA
+  DOORBELL_DEVICE_INLINE uint64_t put(uint64_t dst_off, uint64_t src_off, uint64_t bytes) const {
+    return fifo.push(kTriggerData, semaphore, src_mem, src_off, dst_mem, dst_off, bytes);
+  }
+  DOORBELL_DEVICE_INLINE uint64_t signal() const { return fifo.push(kTriggerFlag, semaphore, 0, 0, 0, 0, 0); }
+  DOORBELL_DEVICE_INLINE uint64_t put_with_signal(uint64_t dst_off, uint64_t src_off, uint64_t bytes) const {
+    return fifo.push(kTriggerData | kTriggerFlag, semaphore, src_mem, src_off, dst_mem, dst_off, bytes);
+  }
+  DOORBELL_DEVICE_INLINE void put_with_signal_and_flush(uint64_t dst_off, uint64_t src_off, uint64_t bytes) const {
+    wait_flushed(
+        fifo.push(kTriggerData | kTriggerFlag | kTriggerFlush, semaphore, src_mem, src_off, dst_mem, dst_off, bytes));
+  }
+  DOORBELL_DEVICE_INLINE void flush() const { wait_flushed(fifo.push(kTriggerFlush, semaphore, 0, 0, 0, 0, 0)); }
+
+  // Waits (bounded) until the proxy reports position `pos` complete.
+  DOORBELL_DEVICE_INLINE void wait_flushed(uint64_t pos) const {
+    spin_until(fifo.site, kWaitFlush, pos + 1, [&](uint64_t& seen) {
+      seen = load_acquire_sys(flush_done);
+      return seen > pos || load_acquire_sys(fifo.stopped) != 0;
+    });
+    if (load_acquire_sys(fifo.stopped) != 0 && load_acquire_sys(flush_done) <= pos) {
+      wait_gave_up(fifo.site, kWaitProxyStopped, pos + 1, load_acquire_sys(flush_done), 0);
+    }
+  }
+
+  // Waits until the proxy consumed the trigger at `pos` (it has been taken off the ring, not
+  // necessarily performed): the FIFO round trip.
+  DOORBELL_DEVICE_INLINE void wait_consumed(uint64_t pos) const {
+    spin_until(fifo.site, kWaitFifoSlot, pos + 1, [&](uint64_t& seen) {
+      seen = load_acquire_sys(fifo.tail);
+      return seen > pos || load_acquire_sys(fifo.stopped) != 0;
+    });
+  }
+
+  DOORBELL_DEVICE_INLINE bool poll() const {
+    const uint64_t next = *expected_inbound + 1;
+    if (load_acquire_sys(inbound_token) < next) return false;
+    *expected_inbound = next;
+    return true;
+  }
+
+  DOORBELL_DEVICE_INLINE void wait(uint64_t count = 1) const {
+    const uint64_t expected = fetch_add_relaxed_gpu(expected_inbound, count) + count;
+    spin_until(fifo.site, kWaitSemaphore, expected, [&](uint64_t& seen) {
+      seen = load_acquire_sys(inbound_token);
+      return seen >= expected || load_acquire_sys(fifo.stopped) != 0;
+    });
+    if (load_acquire_sys(inbound_token) < expected) {
+      wait_gave_up(fifo.site, kWaitProxyStopped, expected, load_acquire_sys(inbound_token), 0);
+    }
+  }
+#endif
+};
+DOORBELL_CHECK_SIZE(PortChannelHandle, 128);
+
+}  // namespace doorbell

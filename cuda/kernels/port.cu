@@ -1,0 +1,80 @@
+// Kernels behind the PortChannel tests and examples/portchannel: every PortChannel operation
+// between ranks, the FIFO round trip, and put bandwidth through the proxy's copy engines.
+#include <doorbell/doorbell.cuh>
+
+using namespace doorbell;
+
+// Every rank sends its outbox slot for peer p (bytes at src_skew) to p's inbox slot for it,
+// one thread per peer, with the operation `mode` selects, then consumes the peer's signal:
+//   0: put + signal (two triggers) + flush
+//   1: put_with_signal + flush
+//   2: put_with_signal_and_flush
+//   3: put_with_signal, then poll() for the peer's signal (falling back to the bounded wait())
+// Buffer layout as in selftest.cu: [outbox: world slots][inbox: world slots].
+extern "C" __global__ void port_exchange(const PortChannelHandle* channels, uint32_t rank, uint32_t world,
+                                         uint64_t slot, uint64_t bytes, uint64_t src_skew, uint64_t dst_skew,
+                                         uint32_t mode) {
+  const uint32_t i = threadIdx.x;
+  if (i >= world - 1) return;
+  const uint32_t peer = i < rank ? i : i + 1;
+  const PortChannelHandle& ch = channels[i];
+  const uint64_t dst = uint64_t(world) * slot + rank * slot + dst_skew;
+  const uint64_t src = peer * slot + src_skew;
+  switch (mode) {
+    case 0:
+      ch.put(dst, src, bytes);
+      ch.signal();
+      ch.flush();
+      ch.wait();
+      break;
+    case 1:
+      ch.put_with_signal(dst, src, bytes);
+      ch.flush();
+      ch.wait();
+      break;
+    case 2:
+      ch.put_with_signal_and_flush(dst, src, bytes);
+      ch.wait();
+      break;
+    default: {
+      ch.put_with_signal(dst, src, bytes);
+      bool got = false;
+      for (uint32_t k = 0; k < (1u << 20) && !got; ++k) got = ch.poll();
+      if (!got) ch.wait();
+      ch.flush();
+      break;
+    }
+  }
+}
+
+// FIFO round trip: push a no-op trigger and wait until the proxy took it, `iters` times.
+extern "C" __global__ void port_fifo_roundtrip(PortChannelHandle ch, uint32_t iters) {
+  if (threadIdx.x != 0 || blockIdx.x != 0) return;
+  for (uint32_t i = 0; i < iters; ++i) ch.wait_consumed(ch.fifo.push(0, 0, 0, 0, 0, 0, 0));
+}
+
+// One thread puts my [0, bytes) to the peer's [dst_base, dst_base + bytes) in `chunk`-byte
+// triggers, signalling with the last one.
+extern "C" __global__ void port_put(PortChannelHandle ch, uint64_t bytes, uint64_t chunk, uint64_t dst_base) {
+  if (threadIdx.x != 0 || blockIdx.x != 0) return;
+  for (uint64_t off = 0; off < bytes; off += chunk) {
+    const uint64_t n = bytes - off < chunk ? bytes - off : chunk;
+    if (off + n >= bytes) {
+      ch.put_with_signal(dst_base + off, off, n);
+    } else {
+      ch.put(dst_base + off, off, n);
+    }
+  }
+}
+
+// Waits for `count` signals, then (if `ack`) signals back once.
+extern "C" __global__ void port_drain(PortChannelHandle ch, uint64_t count, uint32_t ack) {
+  if (threadIdx.x != 0 || blockIdx.x != 0) return;
+  ch.wait(count);
+  if (ack) ch.signal();
+}
+
+// Waits for a signal nobody sends (the proxy is stopped meanwhile): must give up with a report.
+extern "C" __global__ void port_wait_forever(PortChannelHandle ch) {
+  if (threadIdx.x == 0 && blockIdx.x == 0) ch.wait();
+}

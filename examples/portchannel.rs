@@ -1,0 +1,235 @@
+//! PortChannel between two GPUs: FIFO push-to-proxy round trip, and put bandwidth through the
+//! proxy's copy engine next to a host-issued copy-engine peer copy of the same bytes.
+//!
+//! ```text
+//! cargo run --release --example portchannel
+//! ```
+
+use clap::Parser;
+use cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT;
+use cudarc::driver::{CudaStream, LaunchConfig, PushKernelArg};
+use doorbell::host::communicator::Communicator;
+use doorbell::host::launch::{rank_or_spawn, Launched};
+use doorbell::{Error, Result};
+use std::sync::Arc;
+
+#[derive(Parser, Debug)]
+#[command(about = "PortChannel FIFO round trip and copy-engine put bandwidth between two ranks")]
+struct Args {
+    /// Ranks to spawn when no launcher started us (exactly two).
+    #[arg(long, default_value_t = 2)]
+    nranks: usize,
+    /// FIFO round trips per measurement.
+    #[arg(long, default_value_t = 10_000)]
+    iters: u32,
+    /// Largest put, MiB.
+    #[arg(long, default_value_t = 1024)]
+    max_mib: usize,
+    /// Puts per bandwidth measurement.
+    #[arg(long, default_value_t = 10)]
+    reps: u32,
+    /// Bytes per put trigger, MiB (0: the whole message in one trigger).
+    #[arg(long, default_value_t = 0)]
+    chunk_mib: usize,
+}
+
+fn main() {
+    let args = Args::parse();
+    let code = match rank_or_spawn(Some(args.nranks), || Ok(2)) {
+        Ok(Launched::Parent(code)) => code,
+        Ok(Launched::Rank(_)) => match run(&args) {
+            Ok(()) => 0,
+            Err(e) => {
+                eprintln!("portchannel failed: {e}");
+                1
+            }
+        },
+        Err(e) => {
+            eprintln!("portchannel: {e}");
+            1
+        }
+    };
+    std::process::exit(code);
+}
+
+fn one() -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (1, 1, 1),
+        block_dim: (32, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+fn cuda(call: &'static str) -> impl Fn(cudarc::driver::DriverError) -> Error {
+    move |e| Error::Cuda {
+        call,
+        code: e.to_string(),
+    }
+}
+
+fn run(args: &Args) -> Result<()> {
+    let comm = Communicator::from_env()?;
+    if comm.world_size() != 2 {
+        return Err(Error::invalid(
+            "--nranks",
+            format!(
+                "portchannel measures between exactly two ranks, not {}",
+                comm.world_size()
+            ),
+        ));
+    }
+    let rank = comm.rank();
+    let gpu = comm.gpu().clone();
+    let s = gpu.new_stream()?;
+    let max_bytes = args.max_mib << 20;
+    let buf = comm.alloc(max_bytes)?;
+    let reg = comm.register(&buf)?;
+    let remote = comm.exchange(&reg)?;
+    let mut proxy = comm.proxy_builder(0)?;
+    let chans = comm.port_channels(&mut proxy, &reg, &reg)?;
+    let proxy = proxy.start()?;
+    let ch = chans
+        .to(1 - rank)
+        .ok_or_else(|| Error::invalid("channels", "no channel to the other rank"))?
+        .device_handle();
+    let roundtrip = gpu.function("port", "port_fifo_roundtrip")?;
+    let put = gpu.function("port", "port_put")?;
+    let drain = gpu.function("port", "port_drain")?;
+    comm.bootstrap().barrier()?;
+
+    // FIFO round trip: rank 0's kernel pushes and waits for its proxy to take each trigger.
+    if rank == 0 {
+        let mut best = f64::MAX;
+        for i in 0..6 {
+            let n = if i == 0 { 100 } else { args.iters };
+            let t = timed(&comm, &s, &|st| {
+                let mut b = st.launch_builder(&roundtrip);
+                b.arg(&ch).arg(&n);
+                // SAFETY: matches port_fifo_roundtrip.
+                comm.check(unsafe { b.launch(one()) }.map(|_| ()), "cuLaunchKernel")
+            })?;
+            if i > 0 {
+                best = best.min(t / n as f64);
+            }
+        }
+        println!(
+            "# doorbell portchannel: rank 0 on GPU {} -> rank 1",
+            gpu.ordinal()
+        );
+        println!();
+        println!("{:>28} {:>10}", "FIFO push -> proxy round trip", "us");
+        println!(
+            "{:>28} {:>10.3}",
+            format!("({} iterations)", args.iters),
+            best * 1e6
+        );
+        println!();
+        println!(
+            "{:>12} {:>6} {:>14} {:>10} {:>16} {:>10} {:>7}",
+            "bytes", "reps", "port put (us)", "GB/s", "host CE copy (us)", "GB/s", "ratio"
+        );
+    }
+    comm.bootstrap().barrier()?;
+
+    let peer_buf = remote[1 - rank]
+        .as_ref()
+        .ok_or_else(|| Error::invalid("memory", "peer buffer not mapped"))?
+        .device_ptr();
+    let mut size = 1 << 20;
+    while size <= max_bytes {
+        let bytes = size as u64;
+        let chunk = if args.chunk_mib == 0 {
+            bytes
+        } else {
+            (args.chunk_mib as u64) << 20
+        };
+        let reps = args.reps.max(1);
+        let mut best_port = f64::MAX;
+        let mut best_ce = f64::MAX;
+        for _ in 0..3 {
+            comm.bootstrap().barrier()?;
+            if rank == 0 {
+                let t = timed(&comm, &s, &|st| {
+                    let zero = 0u64;
+                    for _ in 0..reps {
+                        let mut b = st.launch_builder(&put);
+                        b.arg(&ch).arg(&bytes).arg(&chunk).arg(&zero);
+                        // SAFETY: matches port_put; `bytes` fits both buffers.
+                        comm.check(unsafe { b.launch(one()) }.map(|_| ()), "cuLaunchKernel")?;
+                    }
+                    let (ack, no) = (1u64, 0u32);
+                    let mut b = st.launch_builder(&drain);
+                    b.arg(&ch).arg(&ack).arg(&no);
+                    // SAFETY: matches port_drain.
+                    comm.check(unsafe { b.launch(one()) }.map(|_| ()), "cuLaunchKernel")
+                })?;
+                best_port = best_port.min(t);
+            } else {
+                let (count, ack) = (reps as u64, 1u32);
+                let mut b = s.launch_builder(&drain);
+                b.arg(&ch).arg(&count).arg(&ack);
+                // SAFETY: matches port_drain.
+                comm.check(unsafe { b.launch(one()) }.map(|_| ()), "cuLaunchKernel")?;
+                comm.synchronize(&s)?;
+            }
+            comm.bootstrap().barrier()?;
+            if rank == 0 {
+                let t = timed(&comm, &s, &|st| {
+                    for _ in 0..reps {
+                        // SAFETY: both ranges hold `bytes` (the peer's buffer is mapped here).
+                        doorbell::host::cuda::check("cuMemcpyDtoDAsync", unsafe {
+                            cudarc::driver::sys::cuMemcpyDtoDAsync_v2(
+                                peer_buf,
+                                buf.device_ptr(),
+                                size,
+                                st.cu_stream(),
+                            )
+                        })?;
+                    }
+                    Ok(())
+                })?;
+                best_ce = best_ce.min(t);
+            }
+        }
+        if rank == 0 {
+            let (p, c) = (best_port / reps as f64, best_ce / reps as f64);
+            println!(
+                "{:>12} {:>6} {:>14.2} {:>10.1} {:>16.2} {:>10.1} {:>7.3}",
+                size,
+                reps,
+                p * 1e6,
+                size as f64 / p / 1e9,
+                c * 1e6,
+                size as f64 / c / 1e9,
+                c / p
+            );
+        }
+        size *= 4;
+    }
+    comm.bootstrap().barrier()?;
+    if let Some(f) = proxy.failure() {
+        return Err(Error::invalid("proxy", f));
+    }
+    proxy.stop()?;
+    Ok(())
+}
+
+/// Seconds for `op` on `s`, between two events.
+fn timed(
+    comm: &Communicator,
+    s: &Arc<CudaStream>,
+    op: &dyn Fn(&Arc<CudaStream>) -> Result<()>,
+) -> Result<f64> {
+    let start = s
+        .record_event(Some(CU_EVENT_DEFAULT))
+        .map_err(cuda("cuEventRecord"))?;
+    op(s)?;
+    let stop = s
+        .record_event(Some(CU_EVENT_DEFAULT))
+        .map_err(cuda("cuEventRecord"))?;
+    comm.synchronize(s)?;
+    Ok(start
+        .elapsed_ms(&stop)
+        .map_err(cuda("cuEventElapsedTime"))? as f64
+        / 1e3)
+}

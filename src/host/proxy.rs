@@ -1,0 +1,556 @@
+//! The proxy service: one host thread per GPU that drains the device-to-host trigger FIFO
+//! (`cuda/include/doorbell/fifo.cuh`) and performs the triggers on the GPU's behalf.
+//!
+//! For CUDA IPC peers a `put` is a copy-engine copy (`cuMemcpyDtoDAsync`) on the connection's own
+//! stream, a `signal` is a `cuStreamWriteValue64` of the semaphore's running count into the peer's
+//! inbound token, queued on the same stream so it lands after the data, and a `flush` records an
+//! event and reports the trigger's position as done once the event completes. Flushes progress
+//! asynchronously per connection, so a slow one never blocks triggers of other channels.
+//!
+//! Stopping the service (or dropping it) sets the FIFO's `stopped` word: every kernel spinning on
+//! this proxy (a full ring, a flush, a PortChannel wait) gives up with a reported
+//! [`crate::WaitKind::ProxyStopped`] instead of hanging.
+//!
+//! This module never decides which peers get channels (the communicator does) and never blocks
+//! on one connection while others have work.
+
+use crate::device_api::{trigger, FifoHandle, ProxyTrigger, WaitSite};
+use crate::error::{Error, Result};
+use crate::host::cuda::{check, cuda_err, Gpu, HostArray};
+use cudarc::driver::{sys, CudaEvent, CudaSlice, CudaStream, DevicePtr};
+use std::collections::VecDeque;
+use std::sync::atomic::{fence, AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+
+/// Index of a registered memory in a proxy's table.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MemoryId(pub u32);
+
+/// Index of a semaphore (a peer's inbound token this proxy signals) in a proxy's table.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SemaphoreId(pub u32);
+
+/// Index of a connection (a copy stream and its flush word) in a proxy's table.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ConnectionId(pub u32);
+
+struct Memory {
+    ptr: u64,
+    bytes: u64,
+}
+
+struct Semaphore {
+    remote_token: u64,
+    connection: usize,
+    outbound: u64,
+}
+
+struct Connection {
+    stream: Arc<CudaStream>,
+    flush_done: HostArray<u64>,
+    /// Data or signals queued since the last flush request.
+    dirty: bool,
+    /// Flushes waiting for their event: (position, event).
+    pending: VecDeque<(u64, CudaEvent)>,
+    spare_events: Vec<CudaEvent>,
+}
+
+/// Everything the proxy thread works on. Built before the thread starts; the thread owns it.
+struct Tables {
+    memories: Vec<Memory>,
+    semaphores: Vec<Semaphore>,
+    connections: Vec<Connection>,
+}
+
+/// A proxy being set up: register memories, connections and semaphores, hand out the FIFO's
+/// device handle, then [`ProxyBuilder::start`] it.
+pub struct ProxyBuilder {
+    gpu: Arc<Gpu>,
+    triggers: HostArray<ProxyTrigger>,
+    tail: HostArray<u64>,
+    stopped: Arc<HostArray<u32>>,
+    device_words: CudaSlice<u64>,
+    size_log2: u32,
+    tables: Tables,
+    site: WaitSite,
+}
+
+/// Default FIFO depth (triggers in flight).
+pub const DEFAULT_FIFO_SIZE: usize = 512;
+
+impl ProxyBuilder {
+    /// A proxy for `gpu` with a FIFO of `fifo_size` triggers (a power of two). `site` names the
+    /// waiter in reports (rank; peer -1).
+    pub fn new(gpu: &Arc<Gpu>, fifo_size: usize, site: WaitSite) -> Result<ProxyBuilder> {
+        if !fifo_size.is_power_of_two() || fifo_size < 2 {
+            return Err(Error::invalid(
+                "fifo_size",
+                format!("{fifo_size}: must be a power of two of at least 2"),
+            ));
+        }
+        let stream = gpu.new_stream()?;
+        // [head, tail_cache] in device memory.
+        let device_words = stream
+            .alloc_zeros::<u64>(2)
+            .map_err(cuda_err("cuMemAlloc"))?;
+        stream
+            .synchronize()
+            .map_err(cuda_err("cuStreamSynchronize"))?;
+        Ok(ProxyBuilder {
+            gpu: gpu.clone(),
+            triggers: HostArray::new(gpu, fifo_size)?,
+            tail: HostArray::new(gpu, 1)?,
+            stopped: Arc::new(HostArray::new(gpu, 1)?),
+            device_words,
+            size_log2: fifo_size.trailing_zeros(),
+            tables: Tables {
+                memories: Vec::new(),
+                semaphores: Vec::new(),
+                connections: Vec::new(),
+            },
+            site,
+        })
+    }
+
+    /// Registers `bytes` of device memory at `ptr` (local, or a peer's mapped into this process).
+    pub fn add_memory(&mut self, ptr: u64, bytes: u64) -> Result<MemoryId> {
+        let id = self.tables.memories.len() as u32;
+        if id > ProxyTrigger::MAX_MEMORY {
+            return Err(Error::invalid(
+                "memories",
+                format!(
+                    "a proxy holds at most {} memories",
+                    ProxyTrigger::MAX_MEMORY + 1
+                ),
+            ));
+        }
+        self.tables.memories.push(Memory { ptr, bytes });
+        Ok(MemoryId(id))
+    }
+
+    /// A connection: its own copy stream and flush word. Returns its id and the flush word's
+    /// device address.
+    pub fn add_connection(&mut self) -> Result<(ConnectionId, u64)> {
+        let stream = self.gpu.new_stream()?;
+        let flush_done = HostArray::new(&self.gpu, 1)?;
+        let ptr = flush_done.device_ptr();
+        self.tables.connections.push(Connection {
+            stream,
+            flush_done,
+            dirty: false,
+            pending: VecDeque::new(),
+            spare_events: Vec::new(),
+        });
+        Ok((ConnectionId(self.tables.connections.len() as u32 - 1), ptr))
+    }
+
+    /// A semaphore this proxy signals: `remote_token` is the peer's inbound token (device
+    /// address in this process), written in order with `connection`'s data.
+    pub fn add_semaphore(
+        &mut self,
+        connection: ConnectionId,
+        remote_token: u64,
+    ) -> Result<SemaphoreId> {
+        let id = self.tables.semaphores.len() as u32;
+        if id > ProxyTrigger::MAX_SEMAPHORE {
+            return Err(Error::invalid(
+                "semaphores",
+                format!(
+                    "a proxy holds at most {} semaphores",
+                    ProxyTrigger::MAX_SEMAPHORE + 1
+                ),
+            ));
+        }
+        if connection.0 as usize >= self.tables.connections.len() {
+            return Err(Error::invalid(
+                "connection",
+                "not a connection of this proxy",
+            ));
+        }
+        self.tables.semaphores.push(Semaphore {
+            remote_token,
+            connection: connection.0 as usize,
+            outbound: 0,
+        });
+        Ok(SemaphoreId(id))
+    }
+
+    /// The FIFO's device handle (copied into every PortChannel handle).
+    pub fn fifo_handle(&self) -> FifoHandle {
+        let s = self.gpu.context().default_stream();
+        let base = self.device_words.device_ptr(&s).0;
+        FifoHandle {
+            triggers: self.triggers.device_ptr(),
+            head: base,
+            tail: self.tail.device_ptr(),
+            tail_cache: base + 8,
+            stopped: self.stopped.device_ptr(),
+            size_log2: self.size_log2,
+            reserved: 0,
+            site: self.site,
+        }
+    }
+
+    /// Starts the proxy thread.
+    pub fn start(self) -> Result<ProxyService> {
+        let stop = Arc::new(AtomicBool::new(false));
+        let failure = Arc::new(Mutex::new(None));
+        let mut worker = Worker {
+            gpu: self.gpu.clone(),
+            triggers: self.triggers,
+            tail: self.tail,
+            size_log2: self.size_log2,
+            tables: self.tables,
+        };
+        let (stop2, failure2, stopped2) = (stop.clone(), failure.clone(), self.stopped.clone());
+        let thread = std::thread::Builder::new()
+            .name(format!("doorbell-proxy-gpu{}", self.gpu.ordinal()))
+            .spawn(move || {
+                if let Err(e) = worker.run(&stop2) {
+                    tracing::error!("proxy stopped on error: {e}");
+                    *failure2.lock().unwrap_or_else(|p| p.into_inner()) = Some(e);
+                    // Kernels waiting on this proxy must not hang.
+                    stopped2.write(0, 1);
+                }
+                worker
+            })
+            .map_err(|e| Error::io("starting the proxy thread", e))?;
+        Ok(ProxyService {
+            stopped: self.stopped,
+            stop,
+            failure,
+            thread: Some(thread),
+            _device_words: self.device_words,
+        })
+    }
+}
+
+/// The consumer side of the FIFO ring, over any memory laid out as `fifo.cuh` describes (pinned
+/// host memory in service, plain memory in the CPU model test).
+pub(crate) struct RingReader {
+    size_log2: u32,
+}
+
+impl RingReader {
+    /// The trigger at position `tail`, if its pusher committed it. `word(slot, i)` reads the
+    /// i-th u64 of a slot with a volatile load.
+    pub(crate) fn poll(
+        &self,
+        tail: u64,
+        word: impl Fn(usize, usize) -> u64,
+    ) -> Option<ProxyTrigger> {
+        let slot = (tail & ((1u64 << self.size_log2) - 1)) as usize;
+        let meta = word(slot, 3);
+        let want = ((tail >> self.size_log2) & 1) ^ 1;
+        if meta >> 63 != want {
+            return None;
+        }
+        // The commit word was published with a release store; order the other reads after it.
+        fence(Ordering::Acquire);
+        Some(ProxyTrigger {
+            src_offset: word(slot, 0),
+            dst_offset: word(slot, 1),
+            size: word(slot, 2),
+            meta,
+        })
+    }
+}
+
+struct Worker {
+    gpu: Arc<Gpu>,
+    triggers: HostArray<ProxyTrigger>,
+    tail: HostArray<u64>,
+    size_log2: u32,
+    tables: Tables,
+}
+
+impl Worker {
+    fn run(&mut self, stop: &AtomicBool) -> Result<()> {
+        self.gpu.bind()?;
+        let ring = RingReader {
+            size_log2: self.size_log2,
+        };
+        let mut tail = 0u64;
+        let mut idle = 0u32;
+        loop {
+            let mut worked = false;
+            // Drain what is committed.
+            for _ in 0..64 {
+                let Some(t) = ring.poll(tail, |slot, w| self.triggers.read_field(slot, w)) else {
+                    break;
+                };
+                self.perform(tail, &t)?;
+                tail += 1;
+                fence(Ordering::Release);
+                self.tail.write(0, tail);
+                worked = true;
+            }
+            worked |= self.progress_flushes()?;
+            if worked {
+                idle = 0;
+                continue;
+            }
+            if stop.load(Ordering::Relaxed) {
+                return Ok(());
+            }
+            idle = idle.saturating_add(1);
+            if idle < 4096 {
+                std::hint::spin_loop();
+            } else {
+                std::thread::yield_now();
+            }
+        }
+    }
+
+    fn perform(&mut self, pos: u64, t: &ProxyTrigger) -> Result<()> {
+        let m = ProxyTrigger::unpack(t.meta);
+        let sem = if m.kind != 0 {
+            Some(m.semaphore as usize)
+                .filter(|&s| s < self.tables.semaphores.len())
+                .ok_or_else(|| {
+                    Error::invalid(
+                        "trigger",
+                        format!(
+                            "position {pos}: semaphore {} is not registered",
+                            m.semaphore
+                        ),
+                    )
+                })?
+        } else {
+            return Ok(()); // a no-op trigger (FIFO round-trip probes)
+        };
+        let conn = self.tables.semaphores[sem].connection;
+        if m.kind & trigger::DATA != 0 && t.size > 0 {
+            let (src, dst) = (
+                self.range(m.src_mem, t.src_offset, t.size, pos)?,
+                self.range(m.dst_mem, t.dst_offset, t.size, pos)?,
+            );
+            let c = &mut self.tables.connections[conn];
+            // SAFETY: both ranges were checked against registered memory of this context.
+            check("cuMemcpyDtoDAsync", unsafe {
+                sys::cuMemcpyDtoDAsync_v2(dst, src, t.size as usize, c.stream.cu_stream())
+            })?;
+            c.dirty = true;
+        }
+        if m.kind & trigger::FLAG != 0 {
+            let s = &mut self.tables.semaphores[sem];
+            s.outbound += 1;
+            let c = &mut self.tables.connections[conn];
+            // SAFETY: the token address is the peer's inbound token mapped in this context; the
+            // write is queued after this connection's copies.
+            check("cuStreamWriteValue64", unsafe {
+                sys::cuStreamWriteValue64_v2(
+                    c.stream.cu_stream(),
+                    s.remote_token,
+                    s.outbound,
+                    sys::CUstreamWriteValue_flags::CU_STREAM_WRITE_VALUE_DEFAULT as u32,
+                )
+            })?;
+            c.dirty = true;
+        }
+        if m.kind & trigger::FLUSH != 0 {
+            let c = &mut self.tables.connections[conn];
+            if !c.dirty && c.pending.is_empty() {
+                c.flush_done.write(0, pos + 1);
+            } else {
+                let ev = match c.spare_events.pop() {
+                    Some(e) => e,
+                    None => self
+                        .gpu
+                        .context()
+                        .new_event(None)
+                        .map_err(cuda_err("cuEventCreate"))?,
+                };
+                ev.record(&c.stream).map_err(cuda_err("cuEventRecord"))?;
+                c.pending.push_back((pos, ev));
+                c.dirty = false;
+            }
+        }
+        Ok(())
+    }
+
+    /// Reports completed flushes; true if any progressed.
+    fn progress_flushes(&mut self) -> Result<bool> {
+        let mut any = false;
+        for c in &mut self.tables.connections {
+            while let Some((pos, ev)) = c.pending.front() {
+                if !ev.try_is_complete().map_err(cuda_err("cuEventQuery"))? {
+                    break;
+                }
+                let pos = *pos;
+                c.flush_done.write(0, pos + 1);
+                if let Some((_, ev)) = c.pending.pop_front() {
+                    c.spare_events.push(ev);
+                }
+                any = true;
+            }
+        }
+        Ok(any)
+    }
+
+    fn range(&self, mem: u32, offset: u64, size: u64, pos: u64) -> Result<u64> {
+        let m = self.tables.memories.get(mem as usize).ok_or_else(|| {
+            Error::invalid(
+                "trigger",
+                format!("position {pos}: memory {mem} is not registered"),
+            )
+        })?;
+        match offset.checked_add(size) {
+            Some(end) if end <= m.bytes => Ok(m.ptr + offset),
+            _ => Err(Error::invalid(
+                "trigger",
+                format!(
+                    "position {pos}: [{offset}, +{size}) is outside memory {mem} of {} bytes",
+                    m.bytes
+                ),
+            )),
+        }
+    }
+}
+
+/// A running proxy. [`ProxyService::stop`] (or dropping it) ends the thread and releases any
+/// kernel still waiting on it with a reported error.
+pub struct ProxyService {
+    stopped: Arc<HostArray<u32>>,
+    stop: Arc<AtomicBool>,
+    failure: Arc<Mutex<Option<Error>>>,
+    thread: Option<JoinHandle<Worker>>,
+    _device_words: CudaSlice<u64>,
+}
+
+impl ProxyService {
+    /// An error the proxy thread stopped on, if any (a bad trigger, a failed copy).
+    pub fn failure(&self) -> Option<String> {
+        self.failure
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .as_ref()
+            .map(|e| e.to_string())
+    }
+
+    /// Stops the thread; kernels still spinning on this proxy give up with a report. Returns the
+    /// error the thread stopped on, if it stopped on one.
+    pub fn stop(mut self) -> Result<()> {
+        self.shutdown();
+        match self
+            .failure
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take()
+        {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
+    }
+
+    fn shutdown(&mut self) {
+        self.stopped.write(0, 1);
+        self.stop.store(true, Ordering::Relaxed);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+impl Drop for ProxyService {
+    fn drop(&mut self) {
+        self.shutdown();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::device_api::TriggerMeta;
+    use std::sync::atomic::AtomicU64;
+
+    /// The FIFO protocol on plain memory: host threads push exactly as `FifoHandle::push` does
+    /// (claim a position, wait for room, write three words, publish the commit word with a
+    /// release store carrying the lap parity), the proxy's own `RingReader` drains. A tiny ring
+    /// and many pushers make every slot go through hundreds of laps; every trigger must arrive
+    /// exactly once, with its fields intact (zeros included).
+    #[test]
+    fn many_pushers_many_laps_every_trigger_exactly_once() {
+        const LOG2: u32 = 3; // 8 slots
+        const PUSHERS: u64 = 4;
+        const EACH: u64 = 5_000; // 20 000 triggers through 8 slots: 2 500 laps
+        let slots: Arc<Vec<AtomicU64>> =
+            Arc::new((0..(4 << LOG2)).map(|_| AtomicU64::new(0)).collect());
+        let head = Arc::new(AtomicU64::new(0));
+        let tail = Arc::new(AtomicU64::new(0));
+        let capacity = 1u64 << LOG2;
+        let pushers: Vec<_> = (0..PUSHERS)
+            .map(|p| {
+                let (slots, head, tail) = (slots.clone(), head.clone(), tail.clone());
+                std::thread::spawn(move || {
+                    for i in 0..EACH {
+                        let pos = head.fetch_add(1, Ordering::Relaxed);
+                        let deadline =
+                            std::time::Instant::now() + std::time::Duration::from_secs(30);
+                        while pos >= tail.load(Ordering::Acquire) + capacity {
+                            assert!(std::time::Instant::now() < deadline, "ring never drained");
+                            // More threads than cores here: let the consumer run.
+                            std::thread::yield_now();
+                        }
+                        let base = ((pos & (capacity - 1)) * 4) as usize;
+                        // Zeros are legal values: every third trigger is all zeros but the meta.
+                        let payload = if i % 3 == 0 { 0 } else { p << 32 | i };
+                        slots[base].store(payload, Ordering::Relaxed);
+                        slots[base + 1].store(payload ^ 0xABCD, Ordering::Relaxed);
+                        slots[base + 2].store(i, Ordering::Relaxed);
+                        let parity = ((pos >> LOG2) & 1) ^ 1;
+                        let meta = ProxyTrigger::pack(TriggerMeta {
+                            kind: trigger::DATA,
+                            semaphore: p as u32,
+                            src_mem: 0,
+                            dst_mem: (i % 7) as u32,
+                            parity: parity as u32,
+                        });
+                        slots[base + 3].store(meta, Ordering::Release);
+                    }
+                })
+            })
+            .collect();
+        let ring = RingReader { size_log2: LOG2 };
+        let mut seen = vec![vec![false; EACH as usize]; PUSHERS as usize];
+        let mut t = 0u64;
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+        while t < PUSHERS * EACH {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "consumer stalled at {t}"
+            );
+            let Some(trig) = ring.poll(t, |slot, w| slots[slot * 4 + w].load(Ordering::Relaxed))
+            else {
+                std::thread::yield_now();
+                continue;
+            };
+            let m = ProxyTrigger::unpack(trig.meta);
+            let (p, i) = (m.semaphore as u64, trig.size);
+            assert_eq!(m.kind, trigger::DATA);
+            assert_eq!(m.dst_mem as u64, i % 7);
+            let payload = if i % 3 == 0 { 0 } else { p << 32 | i };
+            assert_eq!(
+                (trig.src_offset, trig.dst_offset),
+                (payload, payload ^ 0xABCD),
+                "pusher {p} #{i}"
+            );
+            assert!(
+                !seen[p as usize][i as usize],
+                "pusher {p} #{i} delivered twice"
+            );
+            seen[p as usize][i as usize] = true;
+            t += 1;
+            tail.store(t, Ordering::Release);
+        }
+        for h in pushers {
+            h.join().expect("pusher");
+        }
+        assert!(
+            seen.iter().all(|v| v.iter().all(|&b| b)),
+            "a trigger was lost"
+        );
+        assert_eq!(t, PUSHERS * EACH);
+    }
+}

@@ -1,0 +1,292 @@
+//! PortChannels over CUDA IPC on GPUs (`#[ignore = "needs GPU"]`; run with `--ignored`): every
+//! operation between 2..4 ranks with rank-derived payloads, transfers and offsets past 4 GiB, and
+//! a proxy stopped under a waiting kernel (reported, not hung).
+
+mod common;
+
+use common::{rank_counts, run_case, spawned_case};
+use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, LaunchConfig, PushKernelArg};
+use doorbell::device_api::PortChannelHandle;
+use doorbell::host::communicator::Communicator;
+use doorbell::{Error, WaitKind};
+use std::sync::Arc;
+use std::time::Duration;
+
+#[test]
+#[ignore = "needs GPU"]
+fn gpu_rank() {
+    let Some(case) = spawned_case() else {
+        return;
+    };
+    let comm = Communicator::from_env().expect("communicator");
+    let stream = comm.gpu().new_stream().expect("stream");
+    match case.as_str() {
+        "ops" => ops(&comm, &stream),
+        "huge" => huge(&comm, &stream),
+        "stop" => stop(&comm, &stream),
+        other => panic!("unknown case {other}"),
+    }
+    comm.bootstrap().barrier().expect("final barrier");
+}
+
+#[test]
+#[ignore = "needs GPU"]
+fn every_port_channel_operation() {
+    for n in rank_counts() {
+        run_case("ops", n, &[]);
+    }
+}
+
+#[test]
+#[ignore = "needs GPU"]
+fn transfers_and_offsets_past_4_gib() {
+    run_case("huge", 2, &[]);
+}
+
+#[test]
+#[ignore = "needs GPU"]
+fn stopping_the_proxy_releases_a_waiting_kernel() {
+    run_case("stop", 2, &[("DOORBELL_WAIT_TIMEOUT_MS", "20000")]);
+}
+
+fn cfg(threads: u32) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (1, 1, 1),
+        block_dim: (threads, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+/// Writes pattern(from, to, round, .) (selftest.cu; host twin in tests/gpu.rs).
+fn fill(
+    comm: &Communicator,
+    s: &Arc<CudaStream>,
+    ptr: u64,
+    bytes: u64,
+    from: u32,
+    to: u32,
+    round: u32,
+) {
+    let f = comm.gpu().function("selftest", "selftest_fill").unwrap();
+    let zero = 0u64;
+    let mut b = s.launch_builder(&f);
+    b.arg(&ptr)
+        .arg(&zero)
+        .arg(&bytes)
+        .arg(&from)
+        .arg(&to)
+        .arg(&round);
+    let c = LaunchConfig {
+        grid_dim: (256, 1, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    // SAFETY: matches selftest_fill; the range is inside the caller's buffer.
+    unsafe { b.launch(c) }.unwrap();
+}
+
+fn count_wrong(
+    comm: &Communicator,
+    s: &Arc<CudaStream>,
+    ptr: u64,
+    bytes: u64,
+    from: u32,
+    to: u32,
+    round: u32,
+) -> u64 {
+    let f = comm
+        .gpu()
+        .function("selftest", "selftest_count_wrong")
+        .unwrap();
+    let wrong: CudaSlice<u64> = s.alloc_zeros(1).unwrap();
+    {
+        let (w, _g) = wrong.device_ptr(s);
+        let zero = 0u64;
+        let mut b = s.launch_builder(&f);
+        b.arg(&ptr)
+            .arg(&zero)
+            .arg(&bytes)
+            .arg(&from)
+            .arg(&to)
+            .arg(&round)
+            .arg(&w);
+        let c = LaunchConfig {
+            grid_dim: (256, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: matches selftest_count_wrong.
+        unsafe { b.launch(c) }.unwrap();
+    }
+    comm.synchronize(s).unwrap();
+    s.clone_dtoh(&wrong).unwrap()[0]
+}
+
+fn ops(comm: &Communicator, s: &Arc<CudaStream>) {
+    let me = comm.rank() as u32;
+    let world = comm.world_size() as u32;
+    let slot: u64 = 4 << 20;
+    let buf = comm.alloc((2 * world as u64 * slot) as usize).unwrap();
+    let reg = comm.register(&buf).unwrap();
+    let mut proxy = comm.proxy_builder(0).unwrap();
+    let chans = comm.port_channels(&mut proxy, &reg, &reg).unwrap();
+    let proxy = proxy.start().unwrap();
+    let dev: CudaSlice<PortChannelHandle> = s.clone_htod(&chans.handles()).unwrap();
+    let dev_ptr = dev.device_ptr(s).0;
+    let f = comm.gpu().function("port", "port_exchange").unwrap();
+    let inbox = world as u64 * slot;
+    let mut round = 0;
+    for mode in 0u32..4 {
+        for &(bytes, src_skew, dst_skew) in &[
+            (1u64, 0u64, 0u64),
+            (4097, 3, 5),
+            ((1 << 20) + 3, 8, 1),
+            (3 << 20, 0, 0),
+        ] {
+            round += 1;
+            buf.fill(inbox as usize, (world as u64 * slot) as usize, 0xEE)
+                .unwrap();
+            for p in (0..world).filter(|&p| p != me) {
+                fill(
+                    comm,
+                    s,
+                    buf.device_ptr() + p as u64 * slot + src_skew,
+                    bytes,
+                    me,
+                    p,
+                    round,
+                );
+            }
+            comm.synchronize(s).unwrap();
+            comm.bootstrap().barrier().unwrap();
+            let mut b = s.launch_builder(&f);
+            b.arg(&dev_ptr)
+                .arg(&me)
+                .arg(&world)
+                .arg(&slot)
+                .arg(&bytes)
+                .arg(&src_skew)
+                .arg(&dst_skew)
+                .arg(&mode);
+            // SAFETY: matches port_exchange; ranges lie inside `buf` on every rank.
+            unsafe { b.launch(cfg(32)) }.unwrap();
+            comm.synchronize(s).unwrap();
+            for p in (0..world).filter(|&p| p != me) {
+                let at = buf.device_ptr() + inbox + p as u64 * slot + dst_skew;
+                let wrong = count_wrong(comm, s, at, bytes, p, me, round);
+                assert_eq!(wrong, 0, "rank {me} from {p}: mode {mode}, {bytes} bytes");
+                let mut edge = [0u8; 16];
+                buf.read(
+                    (inbox + p as u64 * slot + dst_skew + bytes) as usize,
+                    &mut edge,
+                )
+                .unwrap();
+                assert!(
+                    edge.iter().all(|&b| b == 0xEE),
+                    "mode {mode}: wrote past {bytes} bytes"
+                );
+            }
+            comm.bootstrap().barrier().unwrap();
+        }
+    }
+    assert!(proxy.failure().is_none(), "{:?}", proxy.failure());
+    proxy.stop().unwrap();
+}
+
+/// One put of 4 GiB + 4 KiB into the peer's buffer at offset 4 GiB + 4 KiB, and one 1 MiB put
+/// between offsets past 4 GiB: nothing is truncated to 32 bits.
+fn huge(comm: &Communicator, s: &Arc<CudaStream>) {
+    let me = comm.rank() as u32;
+    let peer = 1 - me;
+    let big: u64 = (4 << 30) + (4 << 10);
+    // [my message: big][landing zone for the peer's: big]
+    let buf = comm.alloc((2 * big) as usize).unwrap();
+    let reg = comm.register(&buf).unwrap();
+    let mut proxy = comm.proxy_builder(0).unwrap();
+    let chans = comm.port_channels(&mut proxy, &reg, &reg).unwrap();
+    let proxy = proxy.start().unwrap();
+    let ch = chans.to(peer as usize).unwrap().device_handle();
+    fill(comm, s, buf.device_ptr(), big, me, peer, 9);
+    comm.synchronize(s).unwrap();
+    comm.bootstrap().barrier().unwrap();
+    let put = comm.gpu().function("port", "port_put").unwrap();
+    let drain = comm.gpu().function("port", "port_drain").unwrap();
+    let (one, no) = (1u64, 0u32);
+    let mut b = s.launch_builder(&put);
+    b.arg(&ch).arg(&big).arg(&big).arg(&big); // one trigger of `big` bytes to offset `big`
+                                              // SAFETY: matches port_put; [0, big) and [big, 2 big) are inside both buffers.
+    unsafe { b.launch(cfg(32)) }.unwrap();
+    let mut b = s.launch_builder(&drain);
+    b.arg(&ch).arg(&one).arg(&no);
+    // SAFETY: matches port_drain.
+    unsafe { b.launch(cfg(32)) }.unwrap();
+    comm.synchronize(s).unwrap();
+    let wrong = count_wrong(comm, s, buf.device_ptr() + big, big, peer, me, 9);
+    assert_eq!(wrong, 0, "rank {me}: one {big}-byte put");
+
+    // 1 MiB from source offset 4 GiB + 1 KiB to destination offset (4 GiB + 4 KiB) + 2 KiB.
+    comm.bootstrap().barrier().unwrap();
+    let (src_off, dst_off, n) = ((4u64 << 30) + 1024, big + 2048, 1u64 << 20);
+    fill(comm, s, buf.device_ptr() + src_off, n, me, peer, 10);
+    comm.synchronize(s).unwrap();
+    comm.bootstrap().barrier().unwrap();
+    let f = comm.gpu().function("port", "port_exchange").unwrap();
+    // port_exchange with slot 0 puts [src_skew, +n) to the peer's [dst_skew, +n).
+    let dev = s.clone_htod(&[ch]).unwrap();
+    let dev_ptr = dev.device_ptr(s).0;
+    let (slot, world, mode) = (0u64, 2u32, 1u32);
+    let mut b = s.launch_builder(&f);
+    b.arg(&dev_ptr)
+        .arg(&me)
+        .arg(&world)
+        .arg(&slot)
+        .arg(&n)
+        .arg(&src_off)
+        .arg(&dst_off)
+        .arg(&mode);
+    // SAFETY: matches port_exchange; both ranges are inside `buf` on both ranks.
+    unsafe { b.launch(cfg(32)) }.unwrap();
+    comm.synchronize(s).unwrap();
+    let wrong = count_wrong(comm, s, buf.device_ptr() + dst_off, n, peer, me, 10);
+    assert_eq!(wrong, 0, "rank {me}: put between offsets past 4 GiB");
+    comm.bootstrap().barrier().unwrap();
+    proxy.stop().unwrap();
+}
+
+/// Rank 0 waits for a signal nobody sends; the host stops its proxy: the kernel must give up with
+/// a ProxyStopped report well before the wait budget.
+fn stop(comm: &Communicator, s: &Arc<CudaStream>) {
+    let buf = comm.alloc(1 << 20).unwrap();
+    let reg = comm.register(&buf).unwrap();
+    let mut proxy = comm.proxy_builder(0).unwrap();
+    let chans = comm.port_channels(&mut proxy, &reg, &reg).unwrap();
+    let proxy = proxy.start().unwrap();
+    if comm.rank() == 0 {
+        let ch = chans.to(1).unwrap().device_handle();
+        let f = comm.gpu().function("port", "port_wait_forever").unwrap();
+        let mut b = s.launch_builder(&f);
+        b.arg(&ch);
+        // SAFETY: matches port_wait_forever.
+        unsafe { b.launch(cfg(32)) }.unwrap();
+        std::thread::sleep(Duration::from_millis(300));
+        let started = std::time::Instant::now();
+        proxy.stop().unwrap();
+        let err = comm.synchronize(s).expect_err("the wait must be released");
+        eprintln!("reported: {err}");
+        match err {
+            Error::Timeout {
+                what, rank, peer, ..
+            } => {
+                assert_eq!((what, rank, peer), (WaitKind::ProxyStopped, 0, 1));
+                assert!(
+                    started.elapsed() < Duration::from_secs(5),
+                    "{:?}",
+                    started.elapsed()
+                );
+            }
+            other => panic!("expected Error::Timeout(ProxyStopped), got {other:?}"),
+        }
+    } else {
+        proxy.stop().unwrap();
+    }
+}
