@@ -24,6 +24,7 @@ fn gpu_rank() {
         "ops" => ops(&comm, &stream),
         "huge" => huge(&comm, &stream),
         "stop" => stop(&comm, &stream),
+        "storm" => storm(&comm, &stream),
         other => panic!("unknown case {other}"),
     }
     comm.bootstrap().barrier().expect("final barrier");
@@ -35,6 +36,12 @@ fn every_port_channel_operation() {
     for n in rank_counts() {
         run_case("ops", n, &[]);
     }
+}
+
+#[test]
+#[ignore = "needs GPU"]
+fn many_pushers_many_laps_deliver_every_signal_once() {
+    run_case("storm", 2, &[]);
 }
 
 #[test]
@@ -193,12 +200,12 @@ fn ops(comm: &Communicator, s: &Arc<CudaStream>) {
     proxy.stop().unwrap();
 }
 
-/// One put of 4 GiB + 4 KiB into the peer's buffer at offset 4 GiB + 4 KiB, and one 1 MiB put
+/// One put of 4 GiB + 2 MiB into the peer's buffer at offset 4 GiB + 2 MiB, and one 1 MiB put
 /// between offsets past 4 GiB: nothing is truncated to 32 bits.
 fn huge(comm: &Communicator, s: &Arc<CudaStream>) {
     let me = comm.rank() as u32;
     let peer = 1 - me;
-    let big: u64 = (4 << 30) + (4 << 10);
+    let big: u64 = (4 << 30) + (2 << 20);
     // [my message: big][landing zone for the peer's: big]
     let buf = comm.alloc((2 * big) as usize).unwrap();
     let reg = comm.register(&buf).unwrap();
@@ -224,7 +231,8 @@ fn huge(comm: &Communicator, s: &Arc<CudaStream>) {
     let wrong = count_wrong(comm, s, buf.device_ptr() + big, big, peer, me, 9);
     assert_eq!(wrong, 0, "rank {me}: one {big}-byte put");
 
-    // 1 MiB from source offset 4 GiB + 1 KiB to destination offset (4 GiB + 4 KiB) + 2 KiB.
+    // 1 MiB from source offset 4 GiB + 1 KiB (inside my message half) to destination offset
+    // big + 2 KiB (inside the landing half): the two ranges never overlap.
     comm.bootstrap().barrier().unwrap();
     let (src_off, dst_off, n) = ((4u64 << 30) + 1024, big + 2048, 1u64 << 20);
     fill(comm, s, buf.device_ptr() + src_off, n, me, peer, 10);
@@ -250,6 +258,51 @@ fn huge(comm: &Communicator, s: &Arc<CudaStream>) {
     let wrong = count_wrong(comm, s, buf.device_ptr() + dst_off, n, peer, me, 10);
     assert_eq!(wrong, 0, "rank {me}: put between offsets past 4 GiB");
     comm.bootstrap().barrier().unwrap();
+    proxy.stop().unwrap();
+}
+
+/// Rank 0: 64 blocks x 256 threads each push 8 signals (131072 triggers through a 512-slot ring,
+/// 256 laps); rank 1 must count exactly that many.
+fn storm(comm: &Communicator, s: &Arc<CudaStream>) {
+    let buf = comm.alloc(1 << 20).unwrap();
+    let reg = comm.register(&buf).unwrap();
+    let mut proxy = comm.proxy_builder(512).unwrap();
+    let chans = comm.port_channels(&mut proxy, &reg, &reg).unwrap();
+    let proxy = proxy.start().unwrap();
+    let ch = chans.to(1 - comm.rank()).unwrap().device_handle();
+    let (blocks, threads, per) = (64u32, 256u32, 8u32);
+    let total = (blocks * threads * per) as u64;
+    if comm.rank() == 0 {
+        let f = comm.gpu().function("port", "port_signal_storm").unwrap();
+        let mut b = s.launch_builder(&f);
+        b.arg(&ch).arg(&per);
+        let c = LaunchConfig {
+            grid_dim: (blocks, 1, 1),
+            block_dim: (threads, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: matches port_signal_storm.
+        unsafe { b.launch(c) }.unwrap();
+        comm.synchronize(s).unwrap();
+    } else {
+        let f = comm.gpu().function("port", "port_count_signals").unwrap();
+        let extra: CudaSlice<u32> = s.alloc_zeros(1).unwrap();
+        {
+            let (e, _g) = extra.device_ptr(s);
+            let mut b = s.launch_builder(&f);
+            b.arg(&ch).arg(&total).arg(&e);
+            // SAFETY: matches port_count_signals; `extra` holds one u32.
+            unsafe { b.launch(cfg(32)) }.unwrap();
+        }
+        comm.synchronize(s).unwrap();
+        assert_eq!(
+            s.clone_dtoh(&extra).unwrap()[0],
+            0,
+            "more signals than pushes arrived"
+        );
+    }
+    comm.bootstrap().barrier().unwrap();
+    assert!(proxy.failure().is_none(), "{:?}", proxy.failure());
     proxy.stop().unwrap();
 }
 

@@ -78,3 +78,15 @@ extern "C" __global__ void port_drain(PortChannelHandle ch, uint64_t count, uint
 extern "C" __global__ void port_wait_forever(PortChannelHandle ch) {
   if (threadIdx.x == 0 && blockIdx.x == 0) ch.wait();
 }
+
+// Many pushers across many laps: every thread of the grid signals `per_thread` times.
+extern "C" __global__ void port_signal_storm(PortChannelHandle ch, uint32_t per_thread) {
+  for (uint32_t i = 0; i < per_thread; ++i) ch.signal();
+}
+
+// Consumes exactly `count` signals, then reports in `extra` whether one more had arrived.
+extern "C" __global__ void port_count_signals(PortChannelHandle ch, uint64_t count, uint32_t* extra) {
+  if (threadIdx.x != 0 || blockIdx.x != 0) return;
+  ch.wait(count);
+  *extra = ch.poll() ? 1u : 0u;
+}

@@ -294,8 +294,10 @@ impl Worker {
             if stop.load(Ordering::Relaxed) {
                 return Ok(());
             }
+            // A proxy is a dedicated thread: spin while work is likely (a few milliseconds), then
+            // yield so an idle proxy does not starve the host.
             idle = idle.saturating_add(1);
-            if idle < 4096 {
+            if idle < (1 << 20) {
                 std::hint::spin_loop();
             } else {
                 std::thread::yield_now();

@@ -41,6 +41,15 @@ DOORBELL_DEVICE_INLINE void store_release_sys(uint32_t* p, uint32_t v) {
   asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }
 
+// Two 64-bit words in one 16-byte store (p 16-byte aligned).
+DOORBELL_DEVICE_INLINE void store_relaxed_sys_v2(uint64_t* p, uint64_t a, uint64_t b) {
+  asm volatile("st.relaxed.sys.global.v2.u64 [%0], {%1, %2};" ::"l"(p), "l"(a), "l"(b) : "memory");
+}
+
+DOORBELL_DEVICE_INLINE void store_release_sys_v2(uint64_t* p, uint64_t a, uint64_t b) {
+  asm volatile("st.release.sys.global.v2.u64 [%0], {%1, %2};" ::"l"(p), "l"(a), "l"(b) : "memory");
+}
+
 // Fire-and-forget remote add that orders this thread's earlier writes before it (release, sys).
 DOORBELL_DEVICE_INLINE void red_add_release_sys(uint64_t* p, uint64_t v) {
   asm volatile("red.release.sys.global.add.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");

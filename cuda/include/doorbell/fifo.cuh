@@ -6,9 +6,9 @@
 //
 // Protocol:
 //   push: pos = atomic add on head. If pos >= tail_cache + size the ring is full: spin (bounded)
-//     on tail with acquire loads until pos < tail + size. Then write the slot's first three words
-//     with relaxed stores and publish the fourth, which carries the commit bit, with one release
-//     store. The commit bit is the lap parity of pos (lap 0 writes 1, lap 1 writes 0, ...), so no
+//     on tail with acquire loads until pos < tail + size. Then write the slot's first half
+//     (offsets) with one relaxed 16-byte store and publish the second half (size and the word
+//     with the commit bit) with one release 16-byte store. The commit bit is the lap parity of pos (lap 0 writes 1, lap 1 writes 0, ...), so no
 //     field needs a reserved "empty" value and zeros are fine everywhere; pinned memory starts
 //     zeroed, which reads as "not committed" on lap 0.
 //   pop (host): the slot at tail is committed when its commit bit equals the parity it expects;
@@ -78,10 +78,8 @@ struct FifoHandle {
     const uint64_t parity = ((pos >> size_log2) & 1) ^ 1;
     const uint64_t meta = uint64_t(type & 7) | (uint64_t(semaphore) << 3) | (uint64_t(src_mem) << 19) |
                           (uint64_t(dst_mem) << 34) | (parity << 63);
-    store_relaxed_sys(&slot->src_offset, src_offset);
-    store_relaxed_sys(&slot->dst_offset, dst_offset);
-    store_relaxed_sys(&slot->size, size);
-    store_release_sys(&slot->meta, meta);
+    store_relaxed_sys_v2(&slot->src_offset, src_offset, dst_offset);
+    store_release_sys_v2(&slot->size, size, meta);
     return pos;
   }
 #endif
