@@ -100,7 +100,7 @@ pub struct MemoryChannelHandle {
 pub struct ProxyTrigger {
     /// Offset in the source memory.
     pub src_offset: u64,
-    /// Offset in the destination memory.
+    /// Offset in the destination memory (low 63 bits; bit 63 repeats the commit parity).
     pub dst_offset: u64,
     /// Bytes.
     pub size: u64,

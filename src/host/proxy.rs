@@ -241,16 +241,21 @@ impl RingReader {
         word: impl Fn(usize, usize) -> u64,
     ) -> Option<ProxyTrigger> {
         let slot = (tail & ((1u64 << self.size_log2) - 1)) as usize;
-        let meta = word(slot, 3);
         let want = ((tail >> self.size_log2) & 1) ^ 1;
+        // Each 16-byte half lands whole and carries the commit parity in bit 63 of its second
+        // word; the slot is committed once both do.
+        let meta = word(slot, 3);
         if meta >> 63 != want {
             return None;
         }
-        // The commit word was published with a release store; order the other reads after it.
+        let dst = word(slot, 1);
+        if dst >> 63 != want {
+            return None;
+        }
         fence(Ordering::Acquire);
         Some(ProxyTrigger {
             src_offset: word(slot, 0),
-            dst_offset: word(slot, 1),
+            dst_offset: dst & !(1 << 63),
             size: word(slot, 2),
             meta,
         })
@@ -498,10 +503,10 @@ mod tests {
                         let base = ((pos & (capacity - 1)) * 4) as usize;
                         // Zeros are legal values: every third trigger is all zeros but the meta.
                         let payload = if i % 3 == 0 { 0 } else { p << 32 | i };
-                        slots[base].store(payload, Ordering::Relaxed);
-                        slots[base + 1].store(payload ^ 0xABCD, Ordering::Relaxed);
-                        slots[base + 2].store(i, Ordering::Relaxed);
                         let parity = ((pos >> LOG2) & 1) ^ 1;
+                        // As the device: both halves carry the parity; no order between them.
+                        fence(Ordering::Release);
+                        slots[base + 2].store(i, Ordering::Relaxed);
                         let meta = ProxyTrigger::pack(TriggerMeta {
                             kind: trigger::DATA,
                             semaphore: p as u32,
@@ -509,7 +514,9 @@ mod tests {
                             dst_mem: (i % 7) as u32,
                             parity: parity as u32,
                         });
-                        slots[base + 3].store(meta, Ordering::Release);
+                        slots[base + 3].store(meta, Ordering::Relaxed);
+                        slots[base].store(payload, Ordering::Relaxed);
+                        slots[base + 1].store((payload ^ 0xABCD) | parity << 63, Ordering::Relaxed);
                     }
                 })
             })

@@ -5,20 +5,23 @@
 // positions the proxy has consumed; `tail_cache` (device memory) is the pushers' last look at it.
 //
 // Protocol:
-//   push: pos = atomic add on head. If pos >= tail_cache + size the ring is full: spin (bounded)
-//     on tail with acquire loads until pos < tail + size. Then write the slot's first half
-//     (offsets) with one relaxed 16-byte store and publish the second half (size and the word
-//     with the commit bit) with one release 16-byte store. The commit bit is the lap parity of pos (lap 0 writes 1, lap 1 writes 0, ...), so no
-//     field needs a reserved "empty" value and zeros are fine everywhere; pinned memory starts
-//     zeroed, which reads as "not committed" on lap 0.
-//   pop (host): the slot at tail is committed when its commit bit equals the parity it expects;
-//     the proxy then reads the other words, performs the trigger, and publishes tail + 1 with a
-//     release store. A pusher can only reuse a slot after that, so a slot is never overwritten
-//     while the proxy reads it.
+//   push: pos = atomic add on head. If pos >= tail_cache + size the ring is full: poll tail
+//     (bounded, with a short sleep between reads so thousands of waiting pushers do not flood
+//     PCIe) until pos < tail + size. Then one system-scope fence orders everything this thread
+//     wrote before (data the proxy will copy) ahead of the trigger, and the slot is written as
+//     two 16-byte stores, each carrying the commit bit: bit 63 of dst_offset and bit 63 of meta.
+//     The commit bit is the lap parity of pos (lap 0 writes 1, lap 1 writes 0, ...), so no field
+//     needs a reserved "empty" value and zeros are fine everywhere; pinned memory starts zeroed,
+//     which reads as "not committed" on lap 0. Fencing before the stores, instead of making the
+//     second store a release, keeps the fence from waiting for the first store to cross PCIe.
+//   pop (host): the slot at tail is committed when both halves carry the parity it expects (each
+//     16-byte store lands whole); the proxy then performs the trigger and publishes tail + 1. A
+//     pusher can only reuse a slot after that, so a slot is never overwritten while the proxy
+//     reads it.
 //   Pushers learn their position, which flush() waits on.
-// Sizes and offsets are full 64-bit values (transfers and offsets of 4 GiB and more work); memory
-// and semaphore ids are range-checked on every push and a bad one traps with a report instead of
-// being truncated.
+// Sizes and source offsets are full 64-bit values, destination offsets 63-bit (transfers and
+// offsets of 4 GiB and more work); memory and semaphore ids, and destination offsets, are
+// range-checked on every push and a bad one traps with a report instead of being truncated.
 #pragma once
 
 #include "wait.cuh"
@@ -32,7 +35,8 @@ enum TriggerType : uint32_t {
 };
 
 // One trigger. `meta` bits: [0, 3) type, [3, 19) semaphore id, [19, 34) src memory id,
-// [34, 49) dst memory id, [49, 63) zero, 63 commit parity.
+// [34, 49) dst memory id, [49, 63) zero, 63 commit parity. Bit 63 of dst_offset repeats the
+// commit parity (the offset itself is the low 63 bits).
 struct alignas(32) ProxyTrigger {
   uint64_t src_offset;
   uint64_t dst_offset;
@@ -59,15 +63,19 @@ struct FifoHandle {
   // except when the ring is full.
   DOORBELL_DEVICE_INLINE uint64_t push(uint32_t type, uint32_t semaphore, uint32_t src_mem, uint64_t src_offset,
                                        uint32_t dst_mem, uint64_t dst_offset, uint64_t size) const {
-    if (semaphore >> kTriggerSemaphoreBits || src_mem >> kTriggerMemoryBits || dst_mem >> kTriggerMemoryBits) {
+    if (semaphore >> kTriggerSemaphoreBits || src_mem >> kTriggerMemoryBits || dst_mem >> kTriggerMemoryBits ||
+        dst_offset >> 63) {
       wait_gave_up(site, kWaitBadTrigger, 0, (uint64_t(src_mem) << 32) | dst_mem, 0);
     }
     const uint64_t pos = fetch_add_relaxed_gpu(head, 1);
     const uint64_t capacity = uint64_t(1) << size_log2;
     if (pos >= *reinterpret_cast<volatile uint64_t*>(tail_cache) + capacity) {
       uint64_t last = 0;
+      bool first = true;
       spin_until(site, kWaitFifoSlot, pos - capacity + 1, [&](uint64_t& seen) {
-        seen = load_acquire_sys(tail);
+        if (!first) __nanosleep(256);
+        first = false;
+        seen = load_relaxed_sys(tail);
         last = seen;
         return pos < seen + capacity || load_acquire_sys(stopped) != 0;
       });
@@ -78,8 +86,9 @@ struct FifoHandle {
     const uint64_t parity = ((pos >> size_log2) & 1) ^ 1;
     const uint64_t meta = uint64_t(type & 7) | (uint64_t(semaphore) << 3) | (uint64_t(src_mem) << 19) |
                           (uint64_t(dst_mem) << 34) | (parity << 63);
-    store_relaxed_sys_v2(&slot->src_offset, src_offset, dst_offset);
-    store_release_sys_v2(&slot->size, size, meta);
+    fence_acq_rel_sys();
+    store_relaxed_sys_v2(&slot->src_offset, src_offset, dst_offset | (parity << 63));
+    store_relaxed_sys_v2(&slot->size, size, meta);
     return pos;
   }
 #endif
