@@ -59,6 +59,8 @@ struct FifoHandle {
   WaitSite site;
 
 #if DOORBELL_CUDA
+  DOORBELL_DEVICE_INLINE uint64_t seen_tail() const { return *reinterpret_cast<volatile uint64_t*>(tail_cache); }
+
   // Pushes one trigger; returns its position. Any thread may push; pushes never block each other
   // except when the ring is full.
   DOORBELL_DEVICE_INLINE uint64_t push(uint32_t type, uint32_t semaphore, uint32_t src_mem, uint64_t src_offset,
@@ -70,17 +72,28 @@ struct FifoHandle {
     const uint64_t pos = fetch_add_relaxed_gpu(head, 1);
     const uint64_t capacity = uint64_t(1) << size_log2;
     if (pos >= *reinterpret_cast<volatile uint64_t*>(tail_cache) + capacity) {
-      uint64_t last = 0;
-      bool first = true;
+      // The ring is full. Only pushers near its front read the host's tail (PCIe); they share
+      // what they read through tail_cache in device memory, which everyone else polls with a
+      // sleep, so thousands of waiting pushers cost a handful of PCIe reads.
+      uint32_t polls = 0;
+      bool stop = false;
       spin_until(site, kWaitFifoSlot, pos - capacity + 1, [&](uint64_t& seen) {
-        if (!first) __nanosleep(256);
-        first = false;
-        seen = load_relaxed_sys(tail);
-        last = seen;
-        return pos < seen + capacity || load_acquire_sys(stopped) != 0;
+        const uint64_t cached = *reinterpret_cast<volatile uint64_t*>(tail_cache);
+        seen = cached;
+        if (pos < cached + capacity) return true;
+        ++polls;
+        if (pos < cached + capacity + 32) {
+          const uint64_t t = load_relaxed_sys(tail);
+          atomicMax(reinterpret_cast<unsigned long long*>(tail_cache), static_cast<unsigned long long>(t));
+          seen = t;
+          if (pos < t + capacity) return true;
+        } else {
+          __nanosleep(1024);
+        }
+        if ((polls & 1023) == 0) stop = load_acquire_sys(stopped) != 0;
+        return stop;
       });
-      if (load_acquire_sys(stopped) != 0) wait_gave_up(site, kWaitProxyStopped, pos - capacity + 1, last, 0);
-      *reinterpret_cast<volatile uint64_t*>(tail_cache) = last;
+      if (stop) wait_gave_up(site, kWaitProxyStopped, pos - capacity + 1, seen_tail(), 0);
     }
     ProxyTrigger* slot = triggers + (pos & (capacity - 1));
     const uint64_t parity = ((pos >> size_log2) & 1) ^ 1;
