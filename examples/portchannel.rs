@@ -93,6 +93,7 @@ fn run(args: &Args) -> Result<()> {
         .ok_or_else(|| Error::invalid("channels", "no channel to the other rank"))?
         .device_handle();
     let roundtrip = gpu.function("port", "port_fifo_roundtrip")?;
+    let storm = gpu.function("port", "port_signal_storm")?;
     let put = gpu.function("port", "port_put")?;
     let drain = gpu.function("port", "port_drain")?;
     comm.bootstrap().barrier()?;
@@ -128,6 +129,51 @@ fn run(args: &Args) -> Result<()> {
             "{:>12} {:>6} {:>14} {:>10} {:>16} {:>10} {:>7}",
             "bytes", "reps", "port put (us)", "GB/s", "host CE copy (us)", "GB/s", "ratio"
         );
+    }
+    comm.bootstrap().barrier()?;
+
+    // Signal rate: one pushing thread, every trigger a signal the peer counts.
+    let signals = 20_000u32;
+    comm.bootstrap().barrier()?;
+    if rank == 0 {
+        let t = timed(&comm, &s, &|st| {
+            let mut b = st.launch_builder(&storm);
+            b.arg(&ch).arg(&signals);
+            // SAFETY: matches port_signal_storm.
+            comm.check(
+                unsafe {
+                    b.launch(LaunchConfig {
+                        grid_dim: (1, 1, 1),
+                        block_dim: (1, 1, 1),
+                        shared_mem_bytes: 0,
+                    })
+                }
+                .map(|_| ()),
+                "cuLaunchKernel",
+            )?;
+            let (ack, no) = (1u64, 0u32);
+            let mut b = st.launch_builder(&drain);
+            b.arg(&ch).arg(&ack).arg(&no);
+            // SAFETY: matches port_drain.
+            comm.check(unsafe { b.launch(one()) }.map(|_| ()), "cuLaunchKernel")
+        })?;
+        println!(
+            "{:>28} {:>10.3}",
+            "signals through the proxy, us each",
+            t * 1e6 / signals as f64
+        );
+        println!();
+        println!(
+            "{:>12} {:>6} {:>14} {:>10} {:>16} {:>10} {:>7}",
+            "bytes", "reps", "port put (us)", "GB/s", "host CE copy (us)", "GB/s", "ratio"
+        );
+    } else {
+        let (count, ack) = (signals as u64, 1u32);
+        let mut b = s.launch_builder(&drain);
+        b.arg(&ch).arg(&count).arg(&ack);
+        // SAFETY: matches port_drain.
+        comm.check(unsafe { b.launch(one()) }.map(|_| ()), "cuLaunchKernel")?;
+        comm.synchronize(&s)?;
     }
     comm.bootstrap().barrier()?;
 
