@@ -86,6 +86,7 @@ struct Args {
 }
 
 fn main() {
+    doorbell::init_logging();
     let args = Args::parse();
     let code = match rank_or_spawn(args.nranks, device_count) {
         Ok(Launched::Parent(code)) => code,

@@ -46,6 +46,7 @@ struct Args {
 }
 
 fn main() {
+    doorbell::init_logging();
     let args = Args::parse();
     let code = match rank_or_spawn(Some(args.nranks), || Ok(2)) {
         Ok(Launched::Parent(code)) => code,

@@ -34,6 +34,7 @@ struct Args {
 }
 
 fn main() {
+    doorbell::init_logging();
     let args = Args::parse();
     let code = match rank_or_spawn(Some(args.nranks), || Ok(2)) {
         Ok(Launched::Parent(code)) => code,
@@ -79,15 +80,36 @@ fn run(args: &Args) -> Result<()> {
         ));
     }
     let rank = comm.rank();
-    let gpu = comm.gpu().clone();
-    let s = gpu.new_stream()?;
-    let max_bytes = args.max_mib << 20;
-    let buf = comm.alloc(max_bytes)?;
+    let s = comm.gpu().new_stream()?;
+    let buf = comm.alloc(args.max_mib << 20)?;
     let reg = comm.register(&buf)?;
     let remote = comm.exchange(&reg)?;
     let mut proxy = comm.proxy_builder(0)?;
     let chans = comm.port_channels(&mut proxy, &reg, &reg)?;
     let proxy = proxy.start()?;
+    let result = measure(&comm, &s, args, &chans, &remote, &buf, rank);
+    if let Some(f) = proxy.failure() {
+        return Err(Error::invalid(
+            "proxy",
+            format!("{f} (the measurement said: {result:?})"),
+        ));
+    }
+    result?;
+    proxy.stop()
+}
+
+#[allow(clippy::too_many_arguments)]
+fn measure(
+    comm: &Communicator,
+    s: &Arc<CudaStream>,
+    args: &Args,
+    chans: &doorbell::host::communicator::PortChannels,
+    remote: &[Option<Arc<doorbell::host::memory::RemoteMemory>>],
+    buf: &doorbell::host::memory::Buffer,
+    rank: usize,
+) -> Result<()> {
+    let gpu = comm.gpu().clone();
+    let max_bytes = args.max_mib << 20;
     let ch = chans
         .to(1 - rank)
         .ok_or_else(|| Error::invalid("channels", "no channel to the other rank"))?
@@ -103,7 +125,7 @@ fn run(args: &Args) -> Result<()> {
         let mut best = f64::MAX;
         for i in 0..6 {
             let n = if i == 0 { 100 } else { args.iters };
-            let t = timed(&comm, &s, &|st| {
+            let t = timed(comm, s, &|st| {
                 let mut b = st.launch_builder(&roundtrip);
                 b.arg(&ch).arg(&n);
                 // SAFETY: matches port_fifo_roundtrip.
@@ -136,7 +158,7 @@ fn run(args: &Args) -> Result<()> {
     let signals = 20_000u32;
     comm.bootstrap().barrier()?;
     if rank == 0 {
-        let t = timed(&comm, &s, &|st| {
+        let t = timed(comm, s, &|st| {
             let mut b = st.launch_builder(&storm);
             b.arg(&ch).arg(&signals);
             // SAFETY: matches port_signal_storm.
@@ -173,7 +195,7 @@ fn run(args: &Args) -> Result<()> {
         b.arg(&ch).arg(&count).arg(&ack);
         // SAFETY: matches port_drain.
         comm.check(unsafe { b.launch(one()) }.map(|_| ()), "cuLaunchKernel")?;
-        comm.synchronize(&s)?;
+        comm.synchronize(s)?;
     }
     comm.bootstrap().barrier()?;
 
@@ -195,7 +217,7 @@ fn run(args: &Args) -> Result<()> {
         for _ in 0..3 {
             comm.bootstrap().barrier()?;
             if rank == 0 {
-                let t = timed(&comm, &s, &|st| {
+                let t = timed(comm, s, &|st| {
                     let zero = 0u64;
                     for _ in 0..reps {
                         let mut b = st.launch_builder(&put);
@@ -216,11 +238,11 @@ fn run(args: &Args) -> Result<()> {
                 b.arg(&ch).arg(&count).arg(&ack);
                 // SAFETY: matches port_drain.
                 comm.check(unsafe { b.launch(one()) }.map(|_| ()), "cuLaunchKernel")?;
-                comm.synchronize(&s)?;
+                comm.synchronize(s)?;
             }
             comm.bootstrap().barrier()?;
             if rank == 0 {
-                let t = timed(&comm, &s, &|st| {
+                let t = timed(comm, s, &|st| {
                     for _ in 0..reps {
                         // SAFETY: both ranges hold `bytes` (the peer's buffer is mapped here).
                         doorbell::host::cuda::check("cuMemcpyDtoDAsync", unsafe {
@@ -253,10 +275,6 @@ fn run(args: &Args) -> Result<()> {
         size *= 4;
     }
     comm.bootstrap().barrier()?;
-    if let Some(f) = proxy.failure() {
-        return Err(Error::invalid("proxy", f));
-    }
-    proxy.stop()?;
     Ok(())
 }
 

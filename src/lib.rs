@@ -12,3 +12,17 @@ pub mod error;
 pub mod host;
 
 pub use error::{Error, Result, WaitKind};
+
+/// Installs a `tracing` subscriber that prints doorbell's logs to stderr, filtered by
+/// `DOORBELL_LOG` (`EnvFilter` syntax; default `warn`). For programs that have no subscriber of
+/// their own (the examples call it); a second call, or one after another subscriber was set, does
+/// nothing.
+pub fn init_logging() {
+    let filter = config::Settings::from_env()
+        .map(|s| s.log_filter)
+        .unwrap_or_else(|_| "warn".into());
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::new(filter))
+        .with_writer(std::io::stderr)
+        .try_init();
+}

@@ -177,7 +177,12 @@ fn ops(comm: &Communicator, s: &Arc<CudaStream>) {
                 .arg(&mode);
             // SAFETY: matches port_exchange; ranges lie inside `buf` on every rank.
             unsafe { b.launch(cfg(32)) }.unwrap();
-            comm.synchronize(s).unwrap();
+            if let Err(e) = comm.synchronize(s) {
+                panic!(
+                    "mode {mode}, {bytes} bytes: {e}; proxy: {:?}",
+                    proxy.failure()
+                );
+            }
             for p in (0..world).filter(|&p| p != me) {
                 let at = buf.device_ptr() + inbox + p as u64 * slot + dst_skew;
                 let wrong = count_wrong(comm, s, at, bytes, p, me, round);
@@ -261,16 +266,16 @@ fn huge(comm: &Communicator, s: &Arc<CudaStream>) {
     proxy.stop().unwrap();
 }
 
-/// Rank 0: 64 blocks x 256 threads each push 8 signals (131072 triggers through a 512-slot ring,
-/// 256 laps); rank 1 must count exactly that many.
+/// Rank 0: 8 blocks x 64 threads each push 8 signals (4096 triggers through a 32-slot ring,
+/// 128 laps, 512 pushers at once); rank 1 must count exactly that many.
 fn storm(comm: &Communicator, s: &Arc<CudaStream>) {
     let buf = comm.alloc(1 << 20).unwrap();
     let reg = comm.register(&buf).unwrap();
-    let mut proxy = comm.proxy_builder(512).unwrap();
+    let mut proxy = comm.proxy_builder(32).unwrap();
     let chans = comm.port_channels(&mut proxy, &reg, &reg).unwrap();
     let proxy = proxy.start().unwrap();
     let ch = chans.to(1 - comm.rank()).unwrap().device_handle();
-    let (blocks, threads, per) = (64u32, 256u32, 8u32);
+    let (blocks, threads, per) = (8u32, 64u32, 8u32);
     let total = (blocks * threads * per) as u64;
     if comm.rank() == 0 {
         let f = comm.gpu().function("port", "port_signal_storm").unwrap();
@@ -283,7 +288,9 @@ fn storm(comm: &Communicator, s: &Arc<CudaStream>) {
         };
         // SAFETY: matches port_signal_storm.
         unsafe { b.launch(c) }.unwrap();
-        comm.synchronize(s).unwrap();
+        if let Err(e) = comm.synchronize(s) {
+            panic!("{e}; proxy: {:?}", proxy.failure());
+        }
     } else {
         let f = comm.gpu().function("port", "port_count_signals").unwrap();
         let extra: CudaSlice<u32> = s.alloc_zeros(1).unwrap();
@@ -294,7 +301,9 @@ fn storm(comm: &Communicator, s: &Arc<CudaStream>) {
             // SAFETY: matches port_count_signals; `extra` holds one u32.
             unsafe { b.launch(cfg(32)) }.unwrap();
         }
-        comm.synchronize(s).unwrap();
+        if let Err(e) = comm.synchronize(s) {
+            panic!("{e}; proxy: {:?}", proxy.failure());
+        }
         assert_eq!(
             s.clone_dtoh(&extra).unwrap()[0],
             0,
