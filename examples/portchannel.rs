@@ -146,11 +146,6 @@ fn measure(
             format!("({} iterations)", args.iters),
             best * 1e6
         );
-        println!();
-        println!(
-            "{:>12} {:>6} {:>14} {:>10} {:>16} {:>10} {:>7}",
-            "bytes", "reps", "port put (us)", "GB/s", "host CE copy (us)", "GB/s", "ratio"
-        );
     }
     comm.bootstrap().barrier()?;
 
