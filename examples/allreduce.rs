@@ -21,7 +21,7 @@ use doorbell::collectives::check::Checker;
 use doorbell::collectives::DataType;
 use doorbell::host::communicator::Communicator;
 use doorbell::host::cuda::device_count;
-use doorbell::host::launch::{rank_or_spawn, Launched};
+use doorbell::host::launch::run_job;
 use doorbell::{Error, Result};
 use std::io::Write;
 use std::sync::Arc;
@@ -56,7 +56,8 @@ struct Args {
     /// Sum in place (output = input) instead of out of place.
     #[arg(long)]
     inplace: bool,
-    /// Force a doorbell algorithm (oneshot-ll8, oneshot-ll16, twoshot-ll8, twoshot-ll16, pipelined).
+    /// Force a doorbell algorithm (oneshot-ll8, oneshot-ll16, twoshot-ll8, twoshot-ll16,
+    /// twoshot-sentinel, pipelined).
     #[arg(long)]
     algo: Option<String>,
     /// Pipeline lanes (blocks), at most one per SM (default: the library's).
@@ -88,21 +89,7 @@ struct Args {
 fn main() {
     doorbell::init_logging();
     let args = Args::parse();
-    let code = match rank_or_spawn(args.nranks, device_count) {
-        Ok(Launched::Parent(code)) => code,
-        Ok(Launched::Rank(_)) => match run(&args) {
-            Ok(code) => code,
-            Err(e) => {
-                eprintln!("allreduce failed: {e}");
-                1
-            }
-        },
-        Err(e) => {
-            eprintln!("allreduce: {e}");
-            1
-        }
-    };
-    std::process::exit(code);
+    run_job("allreduce", args.nranks, device_count, || run(&args))
 }
 
 fn parse_size(s: &str) -> Result<usize> {

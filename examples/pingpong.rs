@@ -12,7 +12,7 @@ use cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT;
 use cudarc::driver::{CudaFunction, CudaStream, LaunchConfig, PushKernelArg};
 use doorbell::device_api::MemoryChannelHandle;
 use doorbell::host::communicator::Communicator;
-use doorbell::host::launch::{rank_or_spawn, Launched};
+use doorbell::host::launch::run_job;
 use doorbell::{Error, Result};
 use std::sync::Arc;
 
@@ -48,21 +48,12 @@ struct Args {
 fn main() {
     doorbell::init_logging();
     let args = Args::parse();
-    let code = match rank_or_spawn(Some(args.nranks), || Ok(2)) {
-        Ok(Launched::Parent(code)) => code,
-        Ok(Launched::Rank(_)) => match run(&args) {
-            Ok(()) => 0,
-            Err(e) => {
-                eprintln!("pingpong failed: {e}");
-                1
-            }
-        },
-        Err(e) => {
-            eprintln!("pingpong: {e}");
-            1
-        }
-    };
-    std::process::exit(code);
+    run_job(
+        "pingpong",
+        Some(args.nranks),
+        || Ok(2),
+        || run(&args).map(|()| 0),
+    )
 }
 
 struct Kernels {

@@ -11,7 +11,7 @@
 //! | `DOORBELL_JOB_SECRET` | per-job secret every rank must share; connections that cannot prove it are dropped | derived from the launcher's job id, see [`LaunchEnv::secret`] |
 //! | `DOORBELL_WAIT_TIMEOUT_MS` | budget of every device-side spin loop, milliseconds | `30000` |
 //! | `DOORBELL_CHECK` | `1`: collectives verify that every rank called with the same arguments and fail naming the odd rank instead of hanging (one bootstrap exchange per call) | `0` |
-//! | `DOORBELL_ALLREDUCE_ALGO` | force an allreduce algorithm: `oneshot-ll8`, `oneshot-ll16`, `twoshot-ll8`, `twoshot-ll16`, `pipelined` | chosen by size and rank count |
+//! | `DOORBELL_ALLREDUCE_ALGO` | force an allreduce algorithm: `oneshot-ll8`, `oneshot-ll16`, `twoshot-ll8`, `twoshot-ll16`, `twoshot-sentinel`, `pipelined` | chosen by size and rank count |
 //! | `RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `LOCAL_WORLD_SIZE` | this process's place in the job (torchrun's names) | from Slurm or MPI variables when absent |
 //! | `MASTER_ADDR`, `MASTER_PORT` | where rank 0's bootstrap listens | required with more than one rank |
 //! | `SLURM_PROCID`, `SLURM_NTASKS`, `SLURM_LOCALID`, `SLURM_NTASKS_PER_NODE` | srun's rank variables | |

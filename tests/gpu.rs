@@ -6,7 +6,7 @@
 //! picks the GPU, so more ranks than GPUs share them. Payloads are derived from (sender,
 //! receiver, round, byte index): a wrong byte says who sent it.
 
-use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DeviceRepr, PushKernelArg};
 use doorbell::device_api::MemoryChannelHandle;
 use doorbell::host::communicator::{Communicator, MemoryChannels};
 use doorbell::{Error, WaitKind};
@@ -14,7 +14,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 mod common;
-use common::{rank_counts, run_case, spawned_case};
+use common::{count_wrong, fill, launch_cfg, pattern, rank_counts, run_case, spawned_case};
 
 /// The rank side of every case. Does nothing unless spawned by `run_case`.
 #[test]
@@ -100,78 +100,6 @@ fn no_such_gpu_is_an_error_not_a_panic() {
 }
 
 // ---- host twin of the device pattern and launch helpers ---------------------------------------
-
-/// Byte `j` of the message `from` sends to `to` in `round` (twin of `pattern` in selftest.cu).
-fn pattern(from: u32, to: u32, round: u32, j: u64) -> u8 {
-    let h = (j as u32)
-        .wrapping_mul(2654435761)
-        .wrapping_add(((j >> 32) as u32).wrapping_mul(40503));
-    ((h >> 11) ^ (from * 37 + to * 11 + round * 101 + 1)) as u8
-}
-
-fn launch_cfg(blocks: u32, threads: u32) -> LaunchConfig {
-    LaunchConfig {
-        grid_dim: (blocks, 1, 1),
-        block_dim: (threads, 1, 1),
-        shared_mem_bytes: 0,
-    }
-}
-
-#[allow(clippy::too_many_arguments)]
-fn fill(
-    comm: &Communicator,
-    s: &Arc<CudaStream>,
-    ptr: u64,
-    off: u64,
-    bytes: u64,
-    from: u32,
-    to: u32,
-    round: u32,
-) {
-    let f = comm.gpu().function("selftest", "selftest_fill").unwrap();
-    let mut b = s.launch_builder(&f);
-    b.arg(&ptr)
-        .arg(&off)
-        .arg(&bytes)
-        .arg(&from)
-        .arg(&to)
-        .arg(&round);
-    // SAFETY: arguments match selftest_fill's signature; the range lies in the caller's buffer.
-    unsafe { b.launch(launch_cfg(128, 256)) }.unwrap();
-}
-
-#[allow(clippy::too_many_arguments)]
-fn count_wrong(
-    comm: &Communicator,
-    s: &Arc<CudaStream>,
-    ptr: u64,
-    off: u64,
-    bytes: u64,
-    from: u32,
-    to: u32,
-    round: u32,
-) -> u64 {
-    let f = comm
-        .gpu()
-        .function("selftest", "selftest_count_wrong")
-        .unwrap();
-    let wrong: CudaSlice<u64> = s.alloc_zeros(1).unwrap();
-    {
-        let (wp, _g) = wrong.device_ptr(s);
-        let mut b = s.launch_builder(&f);
-        b.arg(&ptr)
-            .arg(&off)
-            .arg(&bytes)
-            .arg(&from)
-            .arg(&to)
-            .arg(&round)
-            .arg(&wp);
-        // SAFETY: arguments match selftest_count_wrong; `wrong` holds one u64.
-        unsafe { b.launch(launch_cfg(128, 256)) }.unwrap();
-    }
-    comm.synchronize(s).unwrap();
-    s.clone_dtoh(&wrong).unwrap()[0]
-}
 
 fn upload(s: &Arc<CudaStream>, chans: &MemoryChannels) -> CudaSlice<MemoryChannelHandle> {
     s.clone_htod(&chans.handles()).unwrap()

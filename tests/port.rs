@@ -4,7 +4,7 @@
 
 mod common;
 
-use common::{rank_counts, run_case, spawned_case};
+use common::{count_wrong, fill, rank_counts, run_case, spawned_case};
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, LaunchConfig, PushKernelArg};
 use doorbell::device_api::PortChannelHandle;
 use doorbell::host::communicator::Communicator;
@@ -64,71 +64,6 @@ fn cfg(threads: u32) -> LaunchConfig {
     }
 }
 
-/// Writes pattern(from, to, round, .) (selftest.cu; host twin in tests/gpu.rs).
-fn fill(
-    comm: &Communicator,
-    s: &Arc<CudaStream>,
-    ptr: u64,
-    bytes: u64,
-    from: u32,
-    to: u32,
-    round: u32,
-) {
-    let f = comm.gpu().function("selftest", "selftest_fill").unwrap();
-    let zero = 0u64;
-    let mut b = s.launch_builder(&f);
-    b.arg(&ptr)
-        .arg(&zero)
-        .arg(&bytes)
-        .arg(&from)
-        .arg(&to)
-        .arg(&round);
-    let c = LaunchConfig {
-        grid_dim: (256, 1, 1),
-        block_dim: (256, 1, 1),
-        shared_mem_bytes: 0,
-    };
-    // SAFETY: matches selftest_fill; the range is inside the caller's buffer.
-    unsafe { b.launch(c) }.unwrap();
-}
-
-fn count_wrong(
-    comm: &Communicator,
-    s: &Arc<CudaStream>,
-    ptr: u64,
-    bytes: u64,
-    from: u32,
-    to: u32,
-    round: u32,
-) -> u64 {
-    let f = comm
-        .gpu()
-        .function("selftest", "selftest_count_wrong")
-        .unwrap();
-    let wrong: CudaSlice<u64> = s.alloc_zeros(1).unwrap();
-    {
-        let (w, _g) = wrong.device_ptr(s);
-        let zero = 0u64;
-        let mut b = s.launch_builder(&f);
-        b.arg(&ptr)
-            .arg(&zero)
-            .arg(&bytes)
-            .arg(&from)
-            .arg(&to)
-            .arg(&round)
-            .arg(&w);
-        let c = LaunchConfig {
-            grid_dim: (256, 1, 1),
-            block_dim: (256, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        // SAFETY: matches selftest_count_wrong.
-        unsafe { b.launch(c) }.unwrap();
-    }
-    comm.synchronize(s).unwrap();
-    s.clone_dtoh(&wrong).unwrap()[0]
-}
-
 fn ops(comm: &Communicator, s: &Arc<CudaStream>) {
     let me = comm.rank() as u32;
     let world = comm.world_size() as u32;
@@ -158,6 +93,7 @@ fn ops(comm: &Communicator, s: &Arc<CudaStream>) {
                     comm,
                     s,
                     buf.device_ptr() + p as u64 * slot + src_skew,
+                    0,
                     bytes,
                     me,
                     p,
@@ -185,7 +121,7 @@ fn ops(comm: &Communicator, s: &Arc<CudaStream>) {
             }
             for p in (0..world).filter(|&p| p != me) {
                 let at = buf.device_ptr() + inbox + p as u64 * slot + dst_skew;
-                let wrong = count_wrong(comm, s, at, bytes, p, me, round);
+                let wrong = count_wrong(comm, s, at, 0, bytes, p, me, round);
                 assert_eq!(wrong, 0, "rank {me} from {p}: mode {mode}, {bytes} bytes");
                 let mut edge = [0u8; 16];
                 buf.read(
@@ -218,7 +154,7 @@ fn huge(comm: &Communicator, s: &Arc<CudaStream>) {
     let chans = comm.port_channels(&mut proxy, &reg, &reg).unwrap();
     let proxy = proxy.start().unwrap();
     let ch = chans.to(peer as usize).unwrap().device_handle();
-    fill(comm, s, buf.device_ptr(), big, me, peer, 9);
+    fill(comm, s, buf.device_ptr(), 0, big, me, peer, 9);
     comm.synchronize(s).unwrap();
     comm.bootstrap().barrier().unwrap();
     let put = comm.gpu().function("port", "port_put").unwrap();
@@ -233,14 +169,14 @@ fn huge(comm: &Communicator, s: &Arc<CudaStream>) {
     // SAFETY: matches port_drain.
     unsafe { b.launch(cfg(32)) }.unwrap();
     comm.synchronize(s).unwrap();
-    let wrong = count_wrong(comm, s, buf.device_ptr() + big, big, peer, me, 9);
+    let wrong = count_wrong(comm, s, buf.device_ptr() + big, 0, big, peer, me, 9);
     assert_eq!(wrong, 0, "rank {me}: one {big}-byte put");
 
     // 1 MiB from source offset 4 GiB + 1 KiB (inside my message half) to destination offset
     // big + 2 KiB (inside the landing half): the two ranges never overlap.
     comm.bootstrap().barrier().unwrap();
     let (src_off, dst_off, n) = ((4u64 << 30) + 1024, big + 2048, 1u64 << 20);
-    fill(comm, s, buf.device_ptr() + src_off, n, me, peer, 10);
+    fill(comm, s, buf.device_ptr() + src_off, 0, n, me, peer, 10);
     comm.synchronize(s).unwrap();
     comm.bootstrap().barrier().unwrap();
     let f = comm.gpu().function("port", "port_exchange").unwrap();
@@ -260,7 +196,7 @@ fn huge(comm: &Communicator, s: &Arc<CudaStream>) {
     // SAFETY: matches port_exchange; both ranges are inside `buf` on both ranks.
     unsafe { b.launch(cfg(32)) }.unwrap();
     comm.synchronize(s).unwrap();
-    let wrong = count_wrong(comm, s, buf.device_ptr() + dst_off, n, peer, me, 10);
+    let wrong = count_wrong(comm, s, buf.device_ptr() + dst_off, 0, n, peer, me, 10);
     assert_eq!(wrong, 0, "rank {me}: put between offsets past 4 GiB");
     comm.bootstrap().barrier().unwrap();
     proxy.stop().unwrap();

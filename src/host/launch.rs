@@ -400,6 +400,33 @@ fn announce(message: &str) {
     let _ = writeln!(err, "[launch] {message}");
 }
 
+/// The `main` of a multi-rank program such as doorbell's examples. Under a launcher it runs `run`
+/// as the rank it was given and exits with its code (1, after printing the error, if it failed);
+/// started by hand it spawns `nranks` (or `default_nranks()`) ranks of this same program and
+/// exits with their combined code. Never returns.
+pub fn run_job(
+    name: &str,
+    nranks: Option<usize>,
+    default_nranks: impl FnOnce() -> Result<usize>,
+    run: impl FnOnce() -> Result<i32>,
+) -> ! {
+    let code = match rank_or_spawn(nranks, default_nranks) {
+        Ok(Launched::Parent(code)) => code,
+        Ok(Launched::Rank(_)) => match run() {
+            Ok(code) => code,
+            Err(e) => {
+                eprintln!("{name} failed: {e}");
+                1
+            }
+        },
+        Err(e) => {
+            eprintln!("{name}: {e}");
+            1
+        }
+    };
+    std::process::exit(code)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

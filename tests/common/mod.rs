@@ -1,10 +1,15 @@
 //! Shared harness of the multi-process GPU tests: each test spawns its ranks as processes of its
 //! own test binary, running the binary's `gpu_rank` test with the case in `DOORBELL_GPU_CASE`,
 //! as a launcher would (one process per rank; `LOCAL_RANK % GPUs` picks the GPU, so more ranks
-//! than GPUs share them).
+//! than GPUs share them). Also the rank- and index-derived payloads (`pattern`, the host twin of
+//! the self-test kernels' fill) that let a wrong byte say who sent it.
+#![allow(dead_code)] // each test binary uses part of it
 
+use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, LaunchConfig, PushKernelArg};
+use doorbell::host::communicator::Communicator;
 use doorbell::host::launch::{spawn_ranks, SpawnOptions};
 use std::ffi::OsString;
+use std::sync::Arc;
 use std::time::Duration;
 
 /// The variable that tells a spawned rank which case to run.
@@ -67,4 +72,76 @@ pub fn run_case(case: &str, nranks: usize, extra: &[(&str, &str)]) {
 /// The case this process should run as a rank, if it was spawned by `run_case`.
 pub fn spawned_case() -> Option<String> {
     std::env::var(CASE_VAR).ok()
+}
+
+/// Byte `j` of the message `from` sends to `to` in `round` (twin of `pattern` in selftest.cu).
+pub fn pattern(from: u32, to: u32, round: u32, j: u64) -> u8 {
+    let h = (j as u32)
+        .wrapping_mul(2654435761)
+        .wrapping_add(((j >> 32) as u32).wrapping_mul(40503));
+    ((h >> 11) ^ (from * 37 + to * 11 + round * 101 + 1)) as u8
+}
+
+pub fn launch_cfg(blocks: u32, threads: u32) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (blocks, 1, 1),
+        block_dim: (threads, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+pub fn fill(
+    comm: &Communicator,
+    s: &Arc<CudaStream>,
+    ptr: u64,
+    off: u64,
+    bytes: u64,
+    from: u32,
+    to: u32,
+    round: u32,
+) {
+    let f = comm.gpu().function("selftest", "selftest_fill").unwrap();
+    let mut b = s.launch_builder(&f);
+    b.arg(&ptr)
+        .arg(&off)
+        .arg(&bytes)
+        .arg(&from)
+        .arg(&to)
+        .arg(&round);
+    // SAFETY: arguments match selftest_fill's signature; the range lies in the caller's buffer.
+    unsafe { b.launch(launch_cfg(128, 256)) }.unwrap();
+}
+
+#[allow(clippy::too_many_arguments)]
+pub fn count_wrong(
+    comm: &Communicator,
+    s: &Arc<CudaStream>,
+    ptr: u64,
+    off: u64,
+    bytes: u64,
+    from: u32,
+    to: u32,
+    round: u32,
+) -> u64 {
+    let f = comm
+        .gpu()
+        .function("selftest", "selftest_count_wrong")
+        .unwrap();
+    let wrong: CudaSlice<u64> = s.alloc_zeros(1).unwrap();
+    {
+        let (wp, _g) = wrong.device_ptr(s);
+        let mut b = s.launch_builder(&f);
+        b.arg(&ptr)
+            .arg(&off)
+            .arg(&bytes)
+            .arg(&from)
+            .arg(&to)
+            .arg(&round)
+            .arg(&wp);
+        // SAFETY: arguments match selftest_count_wrong; `wrong` holds one u64.
+        unsafe { b.launch(launch_cfg(128, 256)) }.unwrap();
+    }
+    comm.synchronize(s).unwrap();
+    s.clone_dtoh(&wrong).unwrap()[0]
 }
