@@ -292,12 +292,14 @@ impl Worker {
                 worked = true;
             }
             worked |= self.progress_flushes()?;
+            // Checked on every pass, busy or not: a kernel that keeps pushing must not keep the
+            // proxy from stopping (its pushes then fail with a report, see FifoHandle::push).
+            if stop.load(Ordering::Relaxed) {
+                return Ok(());
+            }
             if worked {
                 idle = 0;
                 continue;
-            }
-            if stop.load(Ordering::Relaxed) {
-                return Ok(());
             }
             // A proxy is a dedicated thread: spin while work is likely (a few milliseconds), then
             // yield so an idle proxy does not starve the host.
