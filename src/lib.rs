@@ -4,6 +4,8 @@
 //! move data and signal peers themselves through the header-only device API in
 //! `cuda/include/doorbell/`. See `ARCHITECTURE.md` for the layers.
 
+#![warn(missing_docs)]
+
 pub mod bench;
 pub mod collectives;
 pub mod config;
