@@ -69,9 +69,11 @@ struct FifoHandle {
         dst_offset >> 63) {
       wait_gave_up(site, kWaitBadTrigger, 0, (uint64_t(src_mem) << 32) | dst_mem, 0);
     }
+    // The cached tail is loaded before the position is claimed so both trips to L2 overlap.
+    const uint64_t cached_tail = *reinterpret_cast<volatile uint64_t*>(tail_cache);
     const uint64_t pos = fetch_add_relaxed_gpu(head, 1);
     const uint64_t capacity = uint64_t(1) << size_log2;
-    if (pos >= *reinterpret_cast<volatile uint64_t*>(tail_cache) + capacity) {
+    if (pos >= cached_tail + capacity) {
       // The ring is full. Only pushers near its front read the host's tail (PCIe); they share
       // what they read through tail_cache in device memory, which everyone else polls with a
       // sleep, so thousands of waiting pushers cost a handful of PCIe reads.

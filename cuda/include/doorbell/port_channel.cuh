@@ -56,8 +56,9 @@ struct PortChannelHandle {
   // Waits until the proxy consumed the trigger at `pos` (it has been taken off the ring, not
   // necessarily performed): the FIFO round trip.
   DOORBELL_DEVICE_INLINE void wait_consumed(uint64_t pos) const {
+    // Relaxed: only the count matters here, nothing is read under its protection.
     spin_until(fifo.site, kWaitFifoSlot, pos + 1, [&](uint64_t& seen) {
-      seen = load_acquire_sys(fifo.tail);
+      seen = load_relaxed_sys(fifo.tail);
       return seen > pos || load_acquire_sys(fifo.stopped) != 0;
     });
   }
