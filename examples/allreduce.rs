@@ -10,10 +10,8 @@
 //! ```
 
 use clap::Parser;
-use cudarc::driver::sys::{
-    CUevent_flags::CU_EVENT_DEFAULT, CUgraphInstantiate_flags, CUstreamCaptureMode,
-};
-use cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
+use cudarc::driver::{CudaSlice, DevicePtr};
+use doorbell::bench::harness::{human, measure, parse_size, sum_over_ranks, sweep, Repeat, Timing};
 use doorbell::bench::nccl::Nccl;
 use doorbell::bench::plot::{Chart, Panel, Series};
 use doorbell::collectives::allreduce::{Algorithm, AllReduce, AllReduceOptions};
@@ -92,43 +90,6 @@ fn main() {
     run_job("allreduce", args.nranks, device_count, || run(&args))
 }
 
-fn parse_size(s: &str) -> Result<usize> {
-    let t = s.trim().to_ascii_uppercase();
-    let t = t.trim_end_matches("IB").trim_end_matches('B');
-    let (num, mult) = match t.chars().last() {
-        Some('K') => (&t[..t.len() - 1], 1usize << 10),
-        Some('M') => (&t[..t.len() - 1], 1 << 20),
-        Some('G') => (&t[..t.len() - 1], 1 << 30),
-        _ => (t, 1),
-    };
-    num.parse::<usize>()
-        .ok()
-        .and_then(|n| n.checked_mul(mult))
-        .filter(|&n| n > 0)
-        .ok_or_else(|| {
-            Error::invalid(
-                "size",
-                format!("{s:?}: expected a byte count like 8, 64K, 1G"),
-            )
-        })
-}
-
-fn human(bytes: usize) -> String {
-    match bytes {
-        b if b >= 1 << 30 && b % (1 << 30) == 0 => format!("{}G", b >> 30),
-        b if b >= 1 << 20 && b % (1 << 20) == 0 => format!("{}M", b >> 20),
-        b if b >= 1 << 10 && b % (1 << 10) == 0 => format!("{}K", b >> 10),
-        b => format!("{b}"),
-    }
-}
-
-/// One library's timings at one size (us per op, max over ranks); None where not measured.
-#[derive(Clone, Copy, Default)]
-struct Timing {
-    graph: Option<f64>,
-    eager: Option<f64>,
-}
-
 struct Row {
     bytes: usize,
     count: usize,
@@ -138,111 +99,6 @@ struct Row {
     nccl: Timing,
     nccl_symm: Timing,
     nccl_wrong: Option<u64>,
-}
-
-/// Times `op` eagerly and in a CUDA graph; returns this rank's us per op.
-fn measure(
-    comm: &Communicator,
-    s: &Arc<CudaStream>,
-    bytes: usize,
-    args: &Args,
-    op: &dyn Fn(&Arc<CudaStream>) -> Result<()>,
-) -> Result<(Option<f64>, f64)> {
-    let big = bytes > (1 << 20);
-    let iters = if args.iters > 0 {
-        args.iters
-    } else if bytes <= 1 << 20 {
-        200
-    } else if bytes <= 64 << 20 {
-        40
-    } else {
-        10
-    };
-    let time = |f: &dyn Fn() -> Result<()>, n: usize| -> Result<f64> {
-        comm.synchronize(s)?;
-        comm.bootstrap().barrier()?;
-        let start = s
-            .record_event(Some(CU_EVENT_DEFAULT))
-            .map_err(cuda("cuEventRecord"))?;
-        f()?;
-        let stop = s
-            .record_event(Some(CU_EVENT_DEFAULT))
-            .map_err(cuda("cuEventRecord"))?;
-        comm.synchronize(s)?;
-        let ms = start
-            .elapsed_ms(&stop)
-            .map_err(cuda("cuEventElapsedTime"))?;
-        Ok(ms as f64 * 1e3 / n as f64)
-    };
-    for _ in 0..args.warmup {
-        op(s)?;
-    }
-    let eager = if args.no_eager {
-        None
-    } else {
-        Some(time(
-            &|| {
-                for _ in 0..iters {
-                    op(s)?;
-                }
-                Ok(())
-            },
-            iters,
-        )?)
-    };
-    // Graph: k ops captured once, replayed r times.
-    let (k, r) = if big {
-        (5, (iters / 5).max(2))
-    } else {
-        (20, 20)
-    };
-    comm.synchronize(s)?;
-    s.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)
-        .map_err(cuda("cuStreamBeginCapture"))?;
-    let captured: Result<()> = (0..k).try_for_each(|_| op(s));
-    let graph = s
-        .end_capture(CUgraphInstantiate_flags(0))
-        .map_err(cuda("cuStreamEndCapture"))?;
-    captured?;
-    let graph = graph.ok_or_else(|| Error::invalid("graph", "capture produced no graph"))?;
-    graph.launch().map_err(cuda("cuGraphLaunch"))?;
-    let g = time(
-        &|| {
-            for _ in 0..r {
-                graph.launch().map_err(cuda("cuGraphLaunch"))?;
-            }
-            Ok(())
-        },
-        k * r,
-    )?;
-    Ok((eager, g))
-}
-
-fn max_over_ranks(comm: &Communicator, v: f64) -> Result<f64> {
-    let all = comm.bootstrap().all_gather(&v.to_le_bytes())?;
-    Ok(all
-        .iter()
-        .filter_map(|b| b.as_slice().try_into().ok().map(f64::from_le_bytes))
-        .fold(0.0, f64::max))
-}
-
-fn sum_over_ranks(comm: &Communicator, v: u64) -> Result<u64> {
-    let all = comm.bootstrap().all_gather(&v.to_le_bytes())?;
-    Ok(all
-        .iter()
-        .filter_map(|b| b.as_slice().try_into().ok().map(u64::from_le_bytes))
-        .sum())
-}
-
-fn timing(comm: &Communicator, t: (Option<f64>, f64)) -> Result<Timing> {
-    let eager = match t.0 {
-        Some(e) => Some(max_over_ranks(comm, e)?),
-        None => None,
-    };
-    Ok(Timing {
-        graph: Some(max_over_ranks(comm, t.1)?),
-        eager,
-    })
 }
 
 fn run(args: &Args) -> Result<i32> {
@@ -345,15 +201,12 @@ fn run(args: &Args) -> Result<i32> {
     }
     comm.synchronize(&s)?;
 
-    let mut sizes = Vec::new();
-    let mut b = min_bytes;
-    while b <= max_bytes {
-        sizes.push(b);
-        b = match b.checked_mul(args.factor) {
-            Some(n) => n,
-            None => break,
-        };
-    }
+    let sizes = sweep(min_bytes, max_bytes, args.factor);
+    let repeat = Repeat {
+        iters: args.iters,
+        warmup: args.warmup,
+        no_eager: args.no_eager,
+    };
     let mut rows = Vec::new();
     let mut failed = false;
     for (idx, &bytes) in sizes.iter().enumerate() {
@@ -382,10 +235,9 @@ fn run(args: &Args) -> Result<i32> {
             failed |= wrong > 0;
         }
         // SAFETY: as above; in place the input is refilled only by the check.
-        let db = measure(&comm, &s, bytes, args, &|st| unsafe {
+        let doorbell = measure(&comm, &s, bytes, repeat, &|st| unsafe {
             ar.run_raw(st, in_ptr, out_ptr, count, dtype)
         })?;
-        let doorbell = timing(&comm, db)?;
         let (mut nccl_t, mut symm_t, mut nccl_wrong) = (Timing::default(), Timing::default(), None);
         if let Some(n) = &nccl {
             if args.check {
@@ -398,10 +250,9 @@ fn run(args: &Args) -> Result<i32> {
                 nccl_wrong = Some(sum_over_ranks(&comm, w)?);
             }
             // SAFETY: as above.
-            let t = measure(&comm, &s, bytes, args, &|st| unsafe {
+            nccl_t = measure(&comm, &s, bytes, repeat, &|st| unsafe {
                 n.all_reduce(st, in_ptr, out_ptr, count, dtype)
             })?;
-            nccl_t = timing(&comm, t)?;
             if let Some((si, so)) = &symm {
                 let (sin, sout) = (
                     si.device_ptr(),
@@ -412,10 +263,9 @@ fn run(args: &Args) -> Result<i32> {
                     },
                 );
                 // SAFETY: the symmetric buffers hold max_bytes each.
-                let t = measure(&comm, &s, bytes, args, &|st| unsafe {
+                symm_t = measure(&comm, &s, bytes, repeat, &|st| unsafe {
                     n.all_reduce(st, sin, sout, count, dtype)
                 })?;
-                symm_t = timing(&comm, t)?;
             }
         }
         rows.push(Row {

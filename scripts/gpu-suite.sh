@@ -9,7 +9,7 @@
 #
 # Environment for run: SUITE=tests|bench|all (default all); TESTS="gpu allreduce" runs only those
 # test binaries; BENCHES="pingpong allreduce" picks the examples, PINGPONG_ARGS / ALLREDUCE_ARGS
-# pass them arguments; TEST_ARGS are added to every test binary's arguments (e.g. "--skip forced_");
+# pass them arguments (ALLGATHER_ARGS too); TEST_ARGS are added to every test binary's arguments (e.g. "--skip forced_");
 # DOORBELL_TEST_RANKS / DOORBELL_TEST_MAX_RANKS pick rank counts (tests/common); MPS=1 starts the CUDA MPS daemon first (ranks sharing one GPU then run
 # concurrently instead of time-sliced).
 # NVLink multicast stays off everywhere (it can take shared GPUs out of service).
@@ -74,7 +74,7 @@ run() {
     done
   fi
   if [ "$suite" = all ] || [ "$suite" = bench ]; then
-    for ex in ${BENCHES:-pingpong portchannel allreduce}; do
+    for ex in ${BENCHES:-pingpong portchannel allgather allreduce}; do
       [ -x "$bundle/examples/$ex" ] || continue
       local start=$SECONDS var; var="$(echo "$ex" | tr a-z A-Z)_ARGS"
       if "$bundle/examples/$ex" ${!var:-} > "$logs/$ex.txt" 2>&1; then

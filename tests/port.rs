@@ -18,13 +18,14 @@ fn gpu_rank() {
     let Some(case) = spawned_case() else {
         return;
     };
-    let comm = Communicator::from_env().expect("communicator");
+    let comm = Arc::new(Communicator::from_env().expect("communicator"));
     let stream = comm.gpu().new_stream().expect("stream");
     match case.as_str() {
         "ops" => ops(&comm, &stream),
         "huge" => huge(&comm, &stream),
         "stop" => stop(&comm, &stream),
         "storm" => storm(&comm, &stream),
+        "allgather" => allgather(&comm, &stream),
         other => panic!("unknown case {other}"),
     }
     comm.bootstrap().barrier().expect("final barrier");
@@ -35,6 +36,14 @@ fn gpu_rank() {
 fn every_port_channel_operation() {
     for n in rank_counts() {
         run_case("ops", n, &[]);
+    }
+}
+
+#[test]
+#[ignore = "needs GPU"]
+fn copy_engine_allgather_over_port_channels() {
+    for n in rank_counts() {
+        run_case("allgather", n, &[]);
     }
 }
 
@@ -287,4 +296,77 @@ fn stop(comm: &Communicator, s: &Arc<CudaStream>) {
     } else {
         proxy.stop().unwrap();
     }
+}
+
+/// The copy-engine all-gather: sizes of 1 byte, odd sizes, one past a piece boundary (64 KiB
+/// pieces here), the shard passed in place and copied in, then 100 replays of a captured graph
+/// with a new input before each, every rank's shard checked on every rank each time.
+fn allgather(comm: &Arc<Communicator>, s: &Arc<CudaStream>) {
+    use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
+    use doorbell::collectives::allgather::{AllGatherOptions, PortAllGather};
+    let me = comm.rank() as u32;
+    let world = comm.world_size() as u32;
+    let piece = 64u64 << 10;
+    let ag = PortAllGather::new(
+        comm,
+        1 << 20,
+        AllGatherOptions {
+            piece_bytes: piece as usize,
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    let input: CudaSlice<u8> = s.alloc_zeros(1 << 20).unwrap();
+    let in_ptr = input.device_ptr(s).0;
+    let check = |shard: u64, round: u32, what: &str| {
+        for r in 0..world {
+            let at = ag.output() + r as u64 * shard;
+            let wrong = count_wrong(comm, s, at, 0, shard, r, 0, round);
+            assert_eq!(
+                wrong, 0,
+                "rank {me}: shard of rank {r}, {shard} bytes, {what}"
+            );
+        }
+    };
+    let mut round = 0;
+    for &shard in &[1u64, 7, 4097, piece, piece + 1, 3 * piece + 5, 1 << 20] {
+        for in_place in [false, true] {
+            round += 1;
+            let src = if in_place {
+                ag.my_shard(shard as usize)
+            } else {
+                in_ptr
+            };
+            fill(comm, s, src, 0, shard, me, 0, round);
+            // SAFETY: `src` holds `shard` bytes (our input, or our slot of the output).
+            unsafe { ag.run_raw(s, src, shard as usize) }.unwrap();
+            comm.synchronize(s).unwrap();
+            check(
+                shard,
+                round,
+                if in_place { "in place" } else { "copied in" },
+            );
+        }
+    }
+    // Graph replays: the captured call copies whatever `input` holds at replay time.
+    let shard = 3 * piece + 5;
+    comm.synchronize(s).unwrap();
+    s.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)
+        .unwrap();
+    // SAFETY: as above.
+    unsafe { ag.run_raw(s, in_ptr, shard as usize) }.unwrap();
+    let graph = s
+        .end_capture(CUgraphInstantiate_flags(0))
+        .unwrap()
+        .expect("a graph");
+    for replay in 0..100 {
+        round += 1;
+        fill(comm, s, in_ptr, 0, shard, me, 0, round);
+        graph.launch().unwrap();
+        comm.synchronize(s).unwrap();
+        check(shard, round, &format!("graph replay {replay}"));
+    }
+    // Refused loudly, not truncated.
+    // SAFETY: refused before anything is enqueued.
+    assert!(unsafe { ag.run_raw(s, in_ptr, (1 << 20) + 1) }.is_err());
 }

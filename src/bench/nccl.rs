@@ -350,6 +350,37 @@ impl Nccl {
         })
     }
 
+    /// All-gather, enqueued on `stream`: every rank's `count` elements at `send` land in block
+    /// `rank` of every rank's `recv` (`world_size * count` elements). Collective.
+    ///
+    /// # Safety
+    /// `send` holds `count` and `recv` `world_size * count` elements of `dtype` on this
+    /// communicator's GPU (`send` may be block `rank` of `recv`), allocated until `stream` has
+    /// run the operation.
+    pub unsafe fn all_gather(
+        &self,
+        stream: &CudaStream,
+        send: u64,
+        recv: u64,
+        count: usize,
+        dtype: DataType,
+    ) -> Result<()> {
+        self.check_stream(stream)?;
+        let dt = self.data_type(dtype)?;
+        // SAFETY: the buffers are valid per the caller's contract; the communicator is live and
+        // `stream` belongs to its GPU (checked above).
+        check("ncclAllGather", unsafe {
+            sys::ncclAllGather(
+                send as *const c_void,
+                recv as *mut c_void,
+                count,
+                dt,
+                self.comm,
+                nccl_stream(stream),
+            )
+        })
+    }
+
     /// Equal-count all-to-all, enqueued on `stream`: block `r` of `send` (elements
     /// `r*count .. (r+1)*count`) goes to rank `r`, and block `r` of `recv` comes from rank `r`.
     /// Collective: every rank calls it with the same count and type.

@@ -3,6 +3,7 @@
 //! (scratch buffers, semaphores, per-call epochs in device memory) that makes every call
 //! stream-ordered and CUDA-graph safe.
 
+pub mod allgather;
 pub mod allreduce;
 pub mod check;
 

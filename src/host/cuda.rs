@@ -116,6 +116,22 @@ impl Gpu {
         self.ctx.ordinal()
     }
 
+    /// The PCI address as sysfs names it (`0000:1b:00.0`).
+    pub fn pci_bus_id(&self) -> Result<String> {
+        use cudarc::driver::sys::CUdevice_attribute as A;
+        let get = |a| {
+            self.ctx
+                .attribute(a)
+                .map_err(cuda_err("cuDeviceGetAttribute"))
+        };
+        Ok(format!(
+            "{:04x}:{:02x}:{:02x}.0",
+            get(A::CU_DEVICE_ATTRIBUTE_PCI_DOMAIN_ID)?,
+            get(A::CU_DEVICE_ATTRIBUTE_PCI_BUS_ID)?,
+            get(A::CU_DEVICE_ATTRIBUTE_PCI_DEVICE_ID)?
+        ))
+    }
+
     /// Makes this GPU's context current on the calling thread (needed before raw driver calls).
     pub fn bind(&self) -> Result<()> {
         self.ctx

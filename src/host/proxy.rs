@@ -129,6 +129,14 @@ impl ProxyBuilder {
         Ok(MemoryId(id))
     }
 
+    /// A memory whose offsets are device addresses of this process (base 0, no bound): lets a
+    /// collective's kernel name the caller's buffers, which were never registered, as copy
+    /// sources. The proxy cannot check these ranges; the collective vouches for them (a wrong
+    /// address fails the copy, and the proxy stops with the error).
+    pub fn add_address_space(&mut self) -> Result<MemoryId> {
+        self.add_memory(0, u64::MAX)
+    }
+
     /// A connection: its own copy stream and flush word. Returns its id and the flush word's
     /// device address.
     pub fn add_connection(&mut self) -> Result<(ConnectionId, u64)> {
@@ -204,9 +212,13 @@ impl ProxyBuilder {
             tables: self.tables,
         };
         let (stop2, failure2, stopped2) = (stop.clone(), failure.clone(), self.stopped.clone());
+        let cpu = proxy_cpu(&self.gpu)?;
         let thread = std::thread::Builder::new()
             .name(format!("doorbell-proxy-gpu{}", self.gpu.ordinal()))
             .spawn(move || {
+                if let Some(cpu) = cpu {
+                    pin_to(cpu);
+                }
                 if let Err(e) = worker.run(&stop2) {
                     tracing::error!("proxy stopped on error: {e}");
                     *failure2.lock().unwrap_or_else(|p| p.into_inner()) = Some(e);
@@ -223,6 +235,79 @@ impl ProxyBuilder {
             thread: Some(thread),
             _device_words: self.device_words,
         })
+    }
+}
+
+/// Proxies started by this process so far (spreads `auto` placement over cores).
+static PROXIES_STARTED: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+/// The CPU a new proxy of `gpu` should run on (`DOORBELL_PROXY_CPU`): for `auto`, a core of the
+/// GPU's NUMA node, counted from the end of its list (away from core 0, where the OS and the
+/// ranks' main threads tend to run), offset by the GPU's ordinal and this process's proxy count
+/// so proxies of different GPUs and of one GPU do not spin on one core. `None` when unknown.
+fn proxy_cpu(gpu: &Gpu) -> Result<Option<usize>> {
+    use crate::config::{ProxyCpu, Settings};
+    let nth = PROXIES_STARTED.fetch_add(1, Ordering::Relaxed);
+    match Settings::from_env()?.proxy_cpu {
+        ProxyCpu::Off => Ok(None),
+        ProxyCpu::Cpu(c) => Ok(Some(c)),
+        ProxyCpu::Auto => {
+            let cpus = gpu
+                .pci_bus_id()
+                .ok()
+                .and_then(|id| {
+                    std::fs::read_to_string(format!("/sys/bus/pci/devices/{id}/local_cpulist")).ok()
+                })
+                .and_then(|list| parse_cpu_list(&list));
+            Ok(cpus.filter(|c| !c.is_empty()).map(|c| {
+                let k = (gpu.ordinal() * 4 + nth) % c.len();
+                c[c.len() - 1 - k]
+            }))
+        }
+    }
+}
+
+/// Parses a kernel CPU list (`0-63,128-191`).
+pub(crate) fn parse_cpu_list(s: &str) -> Option<Vec<usize>> {
+    let mut v = Vec::new();
+    for part in s.trim().split(',').filter(|p| !p.is_empty()) {
+        match part.split_once('-') {
+            Some((a, b)) => {
+                let (a, b) = (
+                    a.trim().parse::<usize>().ok()?,
+                    b.trim().parse::<usize>().ok()?,
+                );
+                if b < a {
+                    return None;
+                }
+                v.extend(a..=b);
+            }
+            None => v.push(part.trim().parse().ok()?),
+        }
+    }
+    Some(v)
+}
+
+/// Pins the calling thread to `cpu`; a refusal (the CPU is outside the process's cpuset) only
+/// costs placement, so it is logged and ignored.
+fn pin_to(cpu: usize) {
+    // SAFETY: cpu_set_t is plain data; CPU_SET stays inside it for cpu < CPU_SETSIZE (checked);
+    // sched_setaffinity(0, ...) affects only this thread.
+    unsafe {
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        if cpu >= libc::CPU_SETSIZE as usize {
+            tracing::debug!("proxy CPU {cpu} is beyond CPU_SETSIZE; not pinned");
+            return;
+        }
+        libc::CPU_SET(cpu, &mut set);
+        if libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set) != 0 {
+            tracing::debug!(
+                "proxy not pinned to CPU {cpu}: {}",
+                std::io::Error::last_os_error()
+            );
+        } else {
+            tracing::debug!("proxy pinned to CPU {cpu}");
+        }
     }
 }
 
@@ -476,6 +561,14 @@ mod tests {
     use super::*;
     use crate::device_api::TriggerMeta;
     use std::sync::atomic::AtomicU64;
+
+    #[test]
+    fn cpu_lists_parse() {
+        assert_eq!(parse_cpu_list("0-3,8\n"), Some(vec![0, 1, 2, 3, 8]));
+        assert_eq!(parse_cpu_list("5"), Some(vec![5]));
+        assert_eq!(parse_cpu_list("4-2"), None);
+        assert_eq!(parse_cpu_list("x"), None);
+    }
 
     /// The FIFO protocol on plain memory: host threads push exactly as `FifoHandle::push` does
     /// (claim a position, wait for room, write three words, publish the commit word with a
