@@ -127,8 +127,9 @@ fn measure(
             }
         }
         println!(
-            "# doorbell portchannel: rank 0 on GPU {} -> rank 1",
-            gpu.ordinal()
+            "# doorbell portchannel: rank 0 on GPU {} -> rank 1, transport {:?}",
+            gpu.ordinal(),
+            chans.to(1).map(|c| c.transport())
         );
         println!();
         println!("{:>28} {:>10}", "FIFO push -> proxy round trip", "us");
@@ -185,10 +186,9 @@ fn measure(
     }
     comm.bootstrap().barrier()?;
 
-    let peer_buf = remote[1 - rank]
-        .as_ref()
-        .ok_or_else(|| Error::invalid("memory", "peer buffer not mapped"))?
-        .device_ptr();
+    // The host-issued copy-engine copy needs the peer's buffer mapped (CUDA IPC); over the
+    // Ethernet transport there is none to compare with.
+    let peer_buf = remote[1 - rank].as_ref().map(|m| m.device_ptr());
     let mut size = 1 << 20;
     while size <= max_bytes {
         let bytes = size as u64;
@@ -227,7 +227,7 @@ fn measure(
                 comm.synchronize(s)?;
             }
             comm.bootstrap().barrier()?;
-            if rank == 0 {
+            if let (0, Some(peer_buf)) = (rank, peer_buf) {
                 let t = timed(comm, s, &|st| {
                     for _ in 0..reps {
                         // SAFETY: both ranges hold `bytes` (the peer's buffer is mapped here).
@@ -247,15 +247,16 @@ fn measure(
         }
         if rank == 0 {
             let (p, c) = (best_port / reps as f64, best_ce / reps as f64);
+            let ce = |v: String| if peer_buf.is_some() { v } else { "-".into() };
             println!(
-                "{:>12} {:>6} {:>14.2} {:>10.1} {:>16.2} {:>10.1} {:>7.3}",
+                "{:>12} {:>6} {:>14.2} {:>10.1} {:>16} {:>10} {:>7}",
                 size,
                 reps,
                 p * 1e6,
                 size as f64 / p / 1e9,
-                c * 1e6,
-                size as f64 / c / 1e9,
-                c / p
+                ce(format!("{:.2}", c * 1e6)),
+                ce(format!("{:.1}", size as f64 / c / 1e9)),
+                ce(format!("{:.3}", c / p))
             );
         }
         size *= 4;

@@ -1,13 +1,14 @@
-//! PortChannels over CUDA IPC on GPUs (`#[ignore = "needs GPU"]`; run with `--ignored`): every
-//! operation between 2..4 ranks with rank-derived payloads, transfers and offsets past 4 GiB, and
-//! a proxy stopped under a waiting kernel (reported, not hung).
+//! PortChannels on GPUs (`#[ignore = "needs GPU"]`; run with `--ignored`), over CUDA IPC and over
+//! the Ethernet transport (ranks of one host acting as separate nodes): every operation between
+//! 2..4 ranks with rank-derived payloads, transfers and offsets past 4 GiB, a proxy stopped under
+//! a waiting kernel (reported, not hung), and the copy-engine all-gather.
 
 mod common;
 
 use common::{count_wrong, fill, rank_counts, run_case, spawned_case};
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, LaunchConfig, PushKernelArg};
 use doorbell::device_api::PortChannelHandle;
-use doorbell::host::communicator::Communicator;
+use doorbell::host::communicator::{Communicator, Transport};
 use doorbell::{Error, WaitKind};
 use std::sync::Arc;
 use std::time::Duration;
@@ -47,6 +48,44 @@ fn copy_engine_allgather_over_port_channels() {
     }
 }
 
+/// Ranks of one host told to act as separate nodes: PortChannels take the Ethernet transport.
+const SEPARATE: &[(&str, &str)] = &[("DOORBELL_SEPARATE_NODES", "1")];
+
+#[test]
+#[ignore = "needs GPU"]
+fn every_port_channel_operation_over_ethernet() {
+    for n in rank_counts() {
+        run_case("ops", n, SEPARATE);
+    }
+}
+
+#[test]
+#[ignore = "needs GPU"]
+fn copy_engine_allgather_kernel_over_ethernet() {
+    for n in rank_counts() {
+        run_case("allgather", n, SEPARATE);
+    }
+}
+
+#[test]
+#[ignore = "needs GPU"]
+fn transfers_and_offsets_past_4_gib_over_ethernet() {
+    run_case("huge", 2, SEPARATE);
+}
+
+#[test]
+#[ignore = "needs GPU"]
+fn stopping_the_proxy_releases_a_waiting_kernel_over_ethernet() {
+    run_case(
+        "stop",
+        2,
+        &[
+            ("DOORBELL_WAIT_TIMEOUT_MS", "20000"),
+            ("DOORBELL_SEPARATE_NODES", "1"),
+        ],
+    );
+}
+
 #[test]
 #[ignore = "needs GPU"]
 fn many_pushers_many_laps_deliver_every_signal_once() {
@@ -81,6 +120,18 @@ fn ops(comm: &Communicator, s: &Arc<CudaStream>) {
     let reg = comm.register(&buf).unwrap();
     let mut proxy = comm.proxy_builder(0).unwrap();
     let chans = comm.port_channels(&mut proxy, &reg, &reg).unwrap();
+    let want = if std::env::var("DOORBELL_SEPARATE_NODES").as_deref() == Ok("1") {
+        Transport::Ethernet
+    } else {
+        Transport::CudaIpc
+    };
+    for p in (0..world as usize).filter(|&p| p != me as usize) {
+        assert_eq!(
+            chans.to(p).unwrap().transport(),
+            want,
+            "channel to rank {p}"
+        );
+    }
     let proxy = proxy.start().unwrap();
     let dev: CudaSlice<PortChannelHandle> = s.clone_htod(&chans.handles()).unwrap();
     let dev_ptr = dev.device_ptr(s).0;

@@ -12,6 +12,7 @@ use crate::device_api::{MemoryChannelHandle, PortChannelHandle, SemaphoreHandle}
 use crate::error::{Error, Result};
 use crate::host::bootstrap::{Bootstrap, BootstrapConfig};
 use crate::host::cuda::{device_count, Gpu};
+use crate::host::ethernet::{self, Landing, NetReceiver};
 use crate::host::fd_passing::{fetch_fd, FdServer};
 use crate::host::memory::{
     host_id, ipc_handle_for, Buffer, MemoryDescriptor, RemoteMemory, ShareHandle,
@@ -163,9 +164,23 @@ impl MemoryChannels {
 pub struct PortChannel {
     peer: usize,
     handle: PortChannelHandle,
+    transport: Transport,
+    // Dropped first: the receiver writes into the destination and the token pool.
+    _receiver: Option<NetReceiver>,
     _src: Arc<RegisteredMemory>,
-    _dst: Arc<RemoteMemory>,
+    /// The peer's destination mapped here (CUDA IPC), or my own destination (Ethernet: my
+    /// receiver writes what the peer puts into it).
+    _dst: Result<Arc<RemoteMemory>, Arc<RegisteredMemory>>,
     _tokens: Arc<TokenPool>,
+}
+
+/// How a channel's bytes travel.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Transport {
+    /// Copy engines into the peer's memory mapped by CUDA IPC (same host).
+    CudaIpc,
+    /// The proxies over TCP (another host, or `DOORBELL_SEPARATE_NODES=1`).
+    Ethernet,
 }
 
 impl PortChannel {
@@ -176,6 +191,10 @@ impl PortChannel {
     /// The handle kernels take.
     pub fn device_handle(&self) -> PortChannelHandle {
         self.handle
+    }
+    /// How its bytes travel.
+    pub fn transport(&self) -> Transport {
+        self.transport
     }
 }
 
@@ -255,8 +274,14 @@ impl Communicator {
         let world = bootstrap.world_size();
         let fd_server = Arc::new(FdServer::start(bootstrap.secret(), rank)?);
 
+        // With DOORBELL_SEPARATE_NODES every rank reports a host of its own.
+        let my_host = if settings.separate_nodes {
+            host_id() ^ (rank as u64 + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15)
+        } else {
+            host_id()
+        };
         let host_ids: Vec<u64> = bootstrap
-            .all_gather(&host_id().to_le_bytes())?
+            .all_gather(&my_host.to_le_bytes())?
             .iter()
             .enumerate()
             .map(|(r, b)| {
@@ -576,8 +601,10 @@ impl Communicator {
     }
 
     /// Builds one PortChannel to every other rank on `proxy` (collective; start the proxy after).
-    /// For the channel to peer `p`: puts copy from my `src` into `p`'s `dst` by copy engine on a
-    /// stream of this rank's proxy, and signals land in `p`'s inbound token after the data.
+    /// For the channel to peer `p`: puts copy from my `src` into `p`'s `dst`, and signals land in
+    /// `p`'s inbound token after the data. Same-host peers: copy engines on a stream of this
+    /// rank's proxy into `p`'s memory mapped by CUDA IPC. Peers on other hosts (every peer, with
+    /// `DOORBELL_SEPARATE_NODES=1`): the proxies over TCP ([`crate::host::ethernet`]).
     pub fn port_channels(
         &self,
         proxy: &mut ProxyBuilder,
@@ -586,47 +613,108 @@ impl Communicator {
     ) -> Result<PortChannels> {
         let rank = self.rank();
         let world = self.world_size();
-        if let Some(p) = (0..world).find(|&p| !self.same_host(p)) {
-            return Err(Error::TransportUnavailable {
-                transport: "CudaIpc",
-                why: format!(
-                    "rank {p} runs on another host; PortChannels between hosts need the Ethernet \
-                     or InfiniBand transport, which this build does not have yet"
-                ),
-            });
-        }
         let base = self.take_tokens(1)?;
         let channel = self.next_channel.fetch_add(1, Ordering::Relaxed);
         let dsts = self.exchange(dst)?;
+        let lens = self
+            .bootstrap
+            .all_gather(&(dst.len() as u64).to_le_bytes())?;
+        // Every rank takes part in the Ethernet connection set-up when any rank is elsewhere
+        // (the same answer on every rank).
+        let net_peers: Vec<usize> = (0..world)
+            .filter(|&p| p != rank && !self.same_host(p))
+            .collect();
+        let multi_host = self.host_ids.iter().any(|&h| h != self.host_ids[0]);
+        let mut sockets = if multi_host {
+            ethernet::connect_peers(&self.bootstrap, channel, &net_peers)?
+        } else {
+            Vec::new()
+        }
+        .into_iter();
         let src_id = proxy.add_memory(src.device_ptr(), src.len() as u64)?;
         let fifo = proxy.fifo_handle();
         let mut channels = Vec::with_capacity(world.saturating_sub(1));
         for peer in (0..world).filter(|&p| p != rank) {
-            let remote = dsts[peer].clone().ok_or_else(|| Error::Bootstrap {
-                me: rank,
-                rank: Some(peer),
-                why: "its memory could not be mapped".into(),
-            })?;
-            let dst_id = proxy.add_memory(remote.device_ptr(), remote.len() as u64)?;
-            let (conn, flush_done) = proxy.add_connection()?;
-            let sem = self.semaphore(base, peer, channel)?;
-            let sem_id = proxy.add_semaphore(conn, sem.remote_inbound_token)?;
+            let inbound_token = self.tokens.inbound(base + peer);
+            let expected_inbound = self.tokens.private(base + peer);
+            let (transport, dst_id, conn, flush_done, remote_token, receiver, keep) =
+                if self.same_host(peer) {
+                    let remote = dsts[peer].clone().ok_or_else(|| Error::Bootstrap {
+                        me: rank,
+                        rank: Some(peer),
+                        why: "its memory could not be mapped".into(),
+                    })?;
+                    let dst_id = proxy.add_memory(remote.device_ptr(), remote.len() as u64)?;
+                    let (conn, flush_done) = proxy.add_connection()?;
+                    let sem = self.semaphore(base, peer, channel)?;
+                    (
+                        Transport::CudaIpc,
+                        dst_id,
+                        conn,
+                        flush_done,
+                        sem.remote_inbound_token,
+                        None,
+                        Ok(remote),
+                    )
+                } else {
+                    let socket = sockets
+                        .next()
+                        .ok_or_else(|| Error::invalid("ethernet", "a connection is missing"))?;
+                    let peer_len = lens[peer]
+                        .as_slice()
+                        .try_into()
+                        .map(u64::from_le_bytes)
+                        .map_err(|_| Error::Bootstrap {
+                            me: rank,
+                            rank: Some(peer),
+                            why: "sent a malformed buffer length".into(),
+                        })?;
+                    // Offsets into the peer's destination: the peer's receiver checks them again.
+                    let dst_id = proxy.add_memory(0, peer_len)?;
+                    let writer = socket
+                        .try_clone()
+                        .map_err(|e| Error::io("cloning a socket", e))?;
+                    let (conn, flush_done) = proxy.add_net_connection(writer, peer)?;
+                    let receiver = NetReceiver::spawn(
+                        &self.gpu,
+                        socket,
+                        Landing {
+                            dst: dst.device_ptr(),
+                            dst_bytes: dst.len() as u64,
+                            token: inbound_token,
+                        },
+                        proxy.failure_sink(),
+                        peer,
+                    )?;
+                    (
+                        Transport::Ethernet,
+                        dst_id,
+                        conn,
+                        flush_done,
+                        0,
+                        Some(receiver),
+                        Err(dst.clone()),
+                    )
+                };
+            let sem_id = proxy.add_semaphore(conn, remote_token)?;
             let mut f = fifo;
             f.site = self.diagnostics.site(peer as i32, channel);
             channels.push(PortChannel {
                 peer,
                 handle: PortChannelHandle {
                     fifo: f,
-                    inbound_token: sem.inbound_token,
-                    expected_inbound: sem.expected_inbound,
+                    inbound_token,
+                    expected_inbound,
                     flush_done,
                     semaphore: sem_id.0,
                     dst_mem: dst_id.0,
                     src_mem: src_id.0,
                     reserved: 0,
                 },
+                transport,
+                _receiver: receiver,
                 _src: src.clone(),
-                _dst: remote,
+                _dst: keep,
                 _tokens: self.tokens.clone(),
             });
         }

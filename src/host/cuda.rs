@@ -240,6 +240,12 @@ impl<T: Pod> HostArray<T> {
         self.device
     }
 
+    /// The host address of the first element (for bulk copies by the driver or the kernel's
+    /// socket calls; element access goes through [`HostArray::read`] / [`HostArray::write`]).
+    pub(crate) fn host_ptr(&self) -> *mut T {
+        self.host
+    }
+
     /// Number of elements.
     pub fn len(&self) -> usize {
         self.len

@@ -4,6 +4,7 @@ mod auth;
 pub mod bootstrap;
 pub mod communicator;
 pub mod cuda;
+pub mod ethernet;
 pub mod fd_passing;
 pub mod launch;
 pub mod memory;

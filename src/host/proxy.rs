@@ -17,6 +17,7 @@
 use crate::device_api::{trigger, FifoHandle, ProxyTrigger, WaitSite};
 use crate::error::{Error, Result};
 use crate::host::cuda::{check, cuda_err, Gpu, HostArray};
+use crate::host::ethernet::{FailureSink, NetOp, NetSender};
 use cudarc::driver::{sys, CudaEvent, CudaSlice, CudaStream, DevicePtr};
 use std::collections::VecDeque;
 use std::sync::atomic::{fence, AtomicBool, Ordering};
@@ -48,7 +49,9 @@ struct Semaphore {
 
 struct Connection {
     stream: Arc<CudaStream>,
-    flush_done: HostArray<u64>,
+    flush_done: Arc<HostArray<u64>>,
+    /// Set for an Ethernet connection: its operations go to the sender thread instead.
+    net: Option<NetSender>,
     /// Data or signals queued since the last flush request.
     dirty: bool,
     /// Flushes waiting for their event: (position, event).
@@ -74,6 +77,7 @@ pub struct ProxyBuilder {
     size_log2: u32,
     tables: Tables,
     site: WaitSite,
+    failure: Arc<Mutex<Option<Error>>>,
 }
 
 /// Default FIFO depth (triggers in flight).
@@ -110,6 +114,7 @@ impl ProxyBuilder {
                 connections: Vec::new(),
             },
             site,
+            failure: Arc::new(Mutex::new(None)),
         })
     }
 
@@ -141,16 +146,55 @@ impl ProxyBuilder {
     /// device address.
     pub fn add_connection(&mut self) -> Result<(ConnectionId, u64)> {
         let stream = self.gpu.new_stream()?;
-        let flush_done = HostArray::new(&self.gpu, 1)?;
+        let flush_done = Arc::new(HostArray::new(&self.gpu, 1)?);
         let ptr = flush_done.device_ptr();
         self.tables.connections.push(Connection {
             stream,
             flush_done,
+            net: None,
             dirty: false,
             pending: VecDeque::new(),
             spare_events: Vec::new(),
         });
         Ok((ConnectionId(self.tables.connections.len() as u32 - 1), ptr))
+    }
+
+    /// An Ethernet connection to `peer` over `socket` (see [`crate::host::ethernet`]): puts,
+    /// signals and flushes of its semaphores go to a sender thread. Destination memories of such
+    /// a connection are registered with base 0 (offsets into the peer's buffer). Returns its id
+    /// and the flush word's device address.
+    pub(crate) fn add_net_connection(
+        &mut self,
+        socket: std::net::TcpStream,
+        peer: usize,
+    ) -> Result<(ConnectionId, u64)> {
+        let stream = self.gpu.new_stream()?;
+        let flush_done = Arc::new(HostArray::new(&self.gpu, 1)?);
+        let ptr = flush_done.device_ptr();
+        let sender = NetSender::spawn(
+            &self.gpu,
+            socket,
+            flush_done.clone(),
+            self.failure_sink(),
+            peer,
+        )?;
+        self.tables.connections.push(Connection {
+            stream,
+            flush_done,
+            net: Some(sender),
+            dirty: false,
+            pending: VecDeque::new(),
+            spare_events: Vec::new(),
+        });
+        Ok((ConnectionId(self.tables.connections.len() as u32 - 1), ptr))
+    }
+
+    /// Where transport threads report failures: this proxy's failure slot and stop word.
+    pub(crate) fn failure_sink(&self) -> FailureSink {
+        FailureSink {
+            failure: self.failure.clone(),
+            stopped: self.stopped.clone(),
+        }
     }
 
     /// A semaphore this proxy signals: `remote_token` is the peer's inbound token (device
@@ -203,7 +247,7 @@ impl ProxyBuilder {
     /// Starts the proxy thread.
     pub fn start(self) -> Result<ProxyService> {
         let stop = Arc::new(AtomicBool::new(false));
-        let failure = Arc::new(Mutex::new(None));
+        let failure = self.failure.clone();
         let mut worker = Worker {
             gpu: self.gpu.clone(),
             triggers: self.triggers,
@@ -415,6 +459,9 @@ impl Worker {
             return Ok(()); // a no-op trigger (FIFO round-trip probes)
         };
         let conn = self.tables.semaphores[sem].connection;
+        if self.tables.connections[conn].net.is_some() {
+            return self.perform_net(pos, t, conn);
+        }
         if m.kind & trigger::DATA != 0 && t.size > 0 {
             let (src, dst) = (
                 self.range(m.src_mem, t.src_offset, t.size, pos)?,
@@ -463,6 +510,33 @@ impl Worker {
                 c.pending.push_back((pos, ev));
                 c.dirty = false;
             }
+        }
+        Ok(())
+    }
+
+    /// A trigger of an Ethernet connection: queued to its sender thread, in order.
+    fn perform_net(&mut self, pos: u64, t: &ProxyTrigger, conn: usize) -> Result<()> {
+        let m = ProxyTrigger::unpack(t.meta);
+        let data = if m.kind & trigger::DATA != 0 && t.size > 0 {
+            Some(NetOp::Data {
+                src: self.range(m.src_mem, t.src_offset, t.size, pos)?,
+                offset: self.range(m.dst_mem, t.dst_offset, t.size, pos)?,
+                size: t.size,
+            })
+        } else {
+            None
+        };
+        let Some(net) = &self.tables.connections[conn].net else {
+            return Ok(());
+        };
+        if let Some(op) = data {
+            net.push(op)?;
+        }
+        if m.kind & trigger::FLAG != 0 {
+            net.push(NetOp::Signal)?;
+        }
+        if m.kind & trigger::FLUSH != 0 {
+            net.push(NetOp::Flush { pos })?;
         }
         Ok(())
     }

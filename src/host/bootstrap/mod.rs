@@ -348,6 +348,20 @@ impl Bootstrap {
         self.all_gather(&[]).map(drop)
     }
 
+    /// The local IP address of this rank's bootstrap links: where peers reached it, so where they
+    /// can reach other listeners of this process (the Ethernet transport's). `None` for a
+    /// single-rank job.
+    pub fn local_ip(&self) -> Option<std::net::IpAddr> {
+        self.links.iter().flatten().find_map(|l| {
+            l.writer
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .local_addr()
+                .ok()
+                .map(|a| a.ip())
+        })
+    }
+
     /// Sends `data` to `peer` under `tag`. Messages for one `(peer, tag)` arrive in order. Returns
     /// once the bytes are with the kernel; fails naming `peer` when it is gone, or when its socket
     /// stays full for the timeout (at least 1 s), which also closes the link.

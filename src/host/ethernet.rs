@@ -1,0 +1,441 @@
+//! The Ethernet transport of PortChannels: two ranks with no CUDA IPC between them (other hosts,
+//! or ranks told to act as separate nodes with `DOORBELL_SEPARATE_NODES=1`) run the same kernels,
+//! and their proxies carry the bytes over TCP.
+//!
+//! One TCP connection per (channel set, peer), opened while the channels are built:
+//! - the **sender** thread (owned by the proxy's connection) takes the proxy's operations in FIFO
+//!   order: a put is read out of GPU memory in chunks (device-to-host copies into pinned staging)
+//!   and written to the socket; a signal is a header; a flush is reported done when the sender
+//!   reaches it, since every earlier put has then been read out of the source (its memory is
+//!   reusable, which is what flush promises).
+//! - the **receiver** thread (owned by the channel) applies what arrives, in order: data by
+//!   host-to-device copies into the registered destination, checked against its size; a signal by
+//!   writing the running count into this rank's inbound token with a host-to-device copy issued
+//!   after the data copies completed, so a kernel that sees the count sees the data.
+//!
+//! Wire format, little endian: a 24-byte header `[kind u64][offset u64][size u64]`, kind 1 (data,
+//! followed by `size` bytes) or 2 (signal). Offsets and sizes are 64-bit: no truncation at 4 GiB.
+//!
+//! Failures (a peer gone, a bad offset) stop the proxy with the error, which releases every kernel
+//! waiting on it with a report, as everywhere else.
+
+use crate::error::{Error, Result};
+use crate::host::auth::{auth_digest, ct_eq, DIGEST_LEN};
+use crate::host::bootstrap::Bootstrap;
+use crate::host::cuda::{check, cuda_err, Gpu, HostArray};
+use cudarc::driver::{sys, CudaStream};
+use std::io::{Read, Write};
+use std::net::{IpAddr, Ipv4Addr, SocketAddr, TcpListener, TcpStream};
+use std::sync::mpsc;
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+/// Bytes moved per device-host copy on either side.
+const CHUNK: usize = 4 << 20;
+const KIND_DATA: u64 = 1;
+const KIND_SIGNAL: u64 = 2;
+const HELLO_LABEL: &[u8] = b"doorbell-ethernet-hello";
+
+/// How a proxy reports that a transport thread failed: the proxy's failure slot and stop word.
+#[derive(Clone)]
+pub(crate) struct FailureSink {
+    pub(crate) failure: Arc<Mutex<Option<Error>>>,
+    pub(crate) stopped: Arc<HostArray<u32>>,
+}
+
+impl FailureSink {
+    fn fail(&self, e: Error) {
+        tracing::error!("ethernet transport stopped the proxy: {e}");
+        let mut slot = self.failure.lock().unwrap_or_else(|p| p.into_inner());
+        if slot.is_none() {
+            *slot = Some(e);
+        }
+        self.stopped.write(0, 1);
+    }
+}
+
+/// One operation for a sender, in the proxy's FIFO order.
+pub(crate) enum NetOp {
+    /// Copy `size` bytes from local device address `src` to the peer's destination at `offset`.
+    Data { src: u64, offset: u64, size: u64 },
+    /// Add one to the peer's inbound token, after the data before it.
+    Signal,
+    /// Report position `pos` flushed.
+    Flush { pos: u64 },
+}
+
+/// The proxy's side of one Ethernet connection: a queue to its sender thread.
+pub(crate) struct NetSender {
+    tx: Option<mpsc::Sender<NetOp>>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl NetSender {
+    pub(crate) fn spawn(
+        gpu: &Arc<Gpu>,
+        socket: TcpStream,
+        flush_done: Arc<HostArray<u64>>,
+        sink: FailureSink,
+        peer: usize,
+    ) -> Result<NetSender> {
+        let (tx, rx) = mpsc::channel::<NetOp>();
+        let gpu = gpu.clone();
+        let thread = std::thread::Builder::new()
+            .name(format!("doorbell-net-send-{peer}"))
+            .spawn(move || {
+                if let Err(e) = send_loop(&gpu, socket, &flush_done, rx) {
+                    sink.fail(Error::invalid(
+                        "ethernet",
+                        format!("sending to rank {peer}: {e}"),
+                    ));
+                }
+            })
+            .map_err(|e| Error::io("starting an ethernet sender", e))?;
+        Ok(NetSender {
+            tx: Some(tx),
+            thread: Some(thread),
+        })
+    }
+
+    /// Queues `op`; fails if the sender thread has ended (its error was reported already).
+    pub(crate) fn push(&self, op: NetOp) -> Result<()> {
+        self.tx
+            .as_ref()
+            .and_then(|tx| tx.send(op).ok())
+            .ok_or_else(|| Error::invalid("ethernet", "the sender thread has stopped"))
+    }
+}
+
+impl Drop for NetSender {
+    fn drop(&mut self) {
+        // Closing the queue ends the thread once it has sent what was queued.
+        self.tx.take();
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+fn send_loop(
+    gpu: &Arc<Gpu>,
+    mut socket: TcpStream,
+    flush_done: &HostArray<u64>,
+    rx: mpsc::Receiver<NetOp>,
+) -> Result<()> {
+    gpu.bind()?;
+    let stream = gpu.new_stream()?;
+    let staging = HostArray::<u8>::new(gpu, CHUNK)?;
+    let io = |e: std::io::Error| Error::io("writing to the peer", e);
+    while let Ok(op) = rx.recv() {
+        match op {
+            NetOp::Data { src, offset, size } => {
+                socket
+                    .write_all(&header(KIND_DATA, offset, size))
+                    .map_err(io)?;
+                let mut done = 0u64;
+                while done < size {
+                    let n = (size - done).min(CHUNK as u64) as usize;
+                    copy_dtoh(&stream, staging.host_ptr(), src + done, n)?;
+                    // SAFETY: the staging buffer holds CHUNK >= n bytes, just written by the copy
+                    // that completed above.
+                    let bytes = unsafe { std::slice::from_raw_parts(staging.host_ptr(), n) };
+                    socket.write_all(bytes).map_err(io)?;
+                    done += n as u64;
+                }
+            }
+            NetOp::Signal => socket.write_all(&header(KIND_SIGNAL, 0, 0)).map_err(io)?,
+            NetOp::Flush { pos } => flush_done.write(0, pos + 1),
+        }
+    }
+    Ok(())
+}
+
+/// The channel's side of one Ethernet connection: the receiver thread.
+pub(crate) struct NetReceiver {
+    socket: TcpStream,
+    thread: Option<JoinHandle<()>>,
+}
+
+/// Where a receiver puts what arrives.
+pub(crate) struct Landing {
+    /// The registered destination (device address, bytes).
+    pub(crate) dst: u64,
+    pub(crate) dst_bytes: u64,
+    /// This rank's inbound token of the channel (device address).
+    pub(crate) token: u64,
+}
+
+impl NetReceiver {
+    pub(crate) fn spawn(
+        gpu: &Arc<Gpu>,
+        socket: TcpStream,
+        landing: Landing,
+        sink: FailureSink,
+        peer: usize,
+    ) -> Result<NetReceiver> {
+        let reader = socket
+            .try_clone()
+            .map_err(|e| Error::io("cloning a socket", e))?;
+        let gpu = gpu.clone();
+        let thread = std::thread::Builder::new()
+            .name(format!("doorbell-net-recv-{peer}"))
+            .spawn(move || {
+                if let Err(e) = receive_loop(&gpu, reader, &landing) {
+                    sink.fail(Error::invalid(
+                        "ethernet",
+                        format!("receiving from rank {peer}: {e}"),
+                    ));
+                }
+            })
+            .map_err(|e| Error::io("starting an ethernet receiver", e))?;
+        Ok(NetReceiver {
+            socket,
+            thread: Some(thread),
+        })
+    }
+}
+
+impl Drop for NetReceiver {
+    fn drop(&mut self) {
+        let _ = self.socket.shutdown(std::net::Shutdown::Both);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+fn receive_loop(gpu: &Arc<Gpu>, mut socket: TcpStream, at: &Landing) -> Result<()> {
+    gpu.bind()?;
+    let stream = gpu.new_stream()?;
+    let staging = HostArray::<u8>::new(gpu, CHUNK)?;
+    let count = HostArray::<u64>::new(gpu, 1)?;
+    let mut signals = 0u64;
+    let io = |e: std::io::Error| Error::io("reading from the peer", e);
+    loop {
+        let mut h = [0u8; 24];
+        // A clean end of stream between messages is the peer closing the channel.
+        if !read_full(&mut socket, &mut h).map_err(io)? {
+            return Ok(());
+        }
+        let word =
+            |i: usize| u64::from_le_bytes(h[i * 8..i * 8 + 8].try_into().unwrap_or_default());
+        let (kind, offset, size) = (word(0), word(1), word(2));
+        match kind {
+            KIND_DATA => {
+                if offset
+                    .checked_add(size)
+                    .is_none_or(|end| end > at.dst_bytes)
+                {
+                    return Err(Error::invalid(
+                        "ethernet",
+                        format!(
+                            "a put to [{offset}, +{size}) lies outside the {}-byte destination",
+                            at.dst_bytes
+                        ),
+                    ));
+                }
+                let mut done = 0u64;
+                while done < size {
+                    let n = (size - done).min(CHUNK as u64) as usize;
+                    // SAFETY: staging holds CHUNK >= n bytes and nothing else uses it now.
+                    let buf = unsafe { std::slice::from_raw_parts_mut(staging.host_ptr(), n) };
+                    if !read_full(&mut socket, buf).map_err(io)? {
+                        return Err(Error::invalid("ethernet", "the peer closed mid-message"));
+                    }
+                    copy_htod(&stream, at.dst + offset + done, staging.host_ptr(), n)?;
+                    done += n as u64;
+                }
+            }
+            KIND_SIGNAL => {
+                signals += 1;
+                count.write(0, signals);
+                // Issued after every data copy before it completed (they are synchronous).
+                copy_htod(&stream, at.token, count.host_ptr() as *const u8, 8)?;
+            }
+            other => {
+                return Err(Error::invalid(
+                    "ethernet",
+                    format!("unknown message kind {other}"),
+                ))
+            }
+        }
+    }
+}
+
+/// Reads exactly `buf.len()` bytes; `Ok(false)` on end of stream before the first byte.
+fn read_full(socket: &mut TcpStream, buf: &mut [u8]) -> std::io::Result<bool> {
+    let mut got = 0;
+    while got < buf.len() {
+        match socket.read(&mut buf[got..]) {
+            Ok(0) if got == 0 => return Ok(false),
+            Ok(0) => return Err(std::io::ErrorKind::UnexpectedEof.into()),
+            Ok(n) => got += n,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(true)
+}
+
+fn header(kind: u64, offset: u64, size: u64) -> [u8; 24] {
+    let mut h = [0u8; 24];
+    h[..8].copy_from_slice(&kind.to_le_bytes());
+    h[8..16].copy_from_slice(&offset.to_le_bytes());
+    h[16..].copy_from_slice(&size.to_le_bytes());
+    h
+}
+
+fn copy_dtoh(stream: &CudaStream, dst: *mut u8, src: u64, n: usize) -> Result<()> {
+    // SAFETY: `dst` is pinned host memory of at least n bytes; `src` was range-checked by the
+    // proxy against registered memory (or vouched for by the collective that named it).
+    check("cuMemcpyDtoHAsync", unsafe {
+        sys::cuMemcpyDtoHAsync_v2(dst as *mut std::ffi::c_void, src, n, stream.cu_stream())
+    })?;
+    stream
+        .synchronize()
+        .map_err(cuda_err("cuStreamSynchronize"))
+}
+
+fn copy_htod(stream: &CudaStream, dst: u64, src: *const u8, n: usize) -> Result<()> {
+    // SAFETY: `src` is pinned host memory of at least n bytes; `dst` was checked against the
+    // registered destination (or is this rank's own token).
+    check("cuMemcpyHtoDAsync", unsafe {
+        sys::cuMemcpyHtoDAsync_v2(dst, src as *const std::ffi::c_void, n, stream.cu_stream())
+    })?;
+    stream
+        .synchronize()
+        .map_err(cuda_err("cuStreamSynchronize"))
+}
+
+/// Opens one authenticated TCP connection to every peer in `peers` for channel set `channel`:
+/// every rank listens, the lower rank of each pair connects to the higher one's listener, and the
+/// hello proves the job secret. Collective over all ranks (every rank calls it with its own list
+/// of network peers, which is symmetric). Returns the sockets in `peers` order.
+pub(crate) fn connect_peers(
+    bootstrap: &Bootstrap,
+    channel: u32,
+    peers: &[usize],
+) -> Result<Vec<TcpStream>> {
+    let rank = bootstrap.rank();
+    let ip = bootstrap
+        .local_ip()
+        .unwrap_or(IpAddr::V4(Ipv4Addr::LOCALHOST));
+    let listener = TcpListener::bind(SocketAddr::new(ip, 0))
+        .map_err(|e| Error::io("listening for ethernet channels", e))?;
+    let me = listener
+        .local_addr()
+        .map_err(|e| Error::io("listening for ethernet channels", e))?;
+    let addrs = bootstrap.all_gather(me.to_string().as_bytes())?;
+    let hello = |from: usize, to: usize| -> Vec<u8> {
+        let mut nonce = Vec::with_capacity(12);
+        nonce.extend_from_slice(&(from as u32).to_le_bytes());
+        nonce.extend_from_slice(&(to as u32).to_le_bytes());
+        nonce.extend_from_slice(&channel.to_le_bytes());
+        let mut v = nonce.clone();
+        v.extend_from_slice(&auth_digest(bootstrap.secret(), &nonce, HELLO_LABEL));
+        v
+    };
+    let deadline = Instant::now() + bootstrap.timeout();
+    let mut sockets: Vec<Option<TcpStream>> = peers.iter().map(|_| None).collect();
+    // Connect to the higher ranks.
+    for (i, &p) in peers.iter().enumerate().filter(|&(_, &p)| p > rank) {
+        let addr: SocketAddr = std::str::from_utf8(&addrs[p])
+            .ok()
+            .and_then(|s| s.parse().ok())
+            .ok_or_else(|| Error::Bootstrap {
+                me: rank,
+                rank: Some(p),
+                why: "sent a malformed ethernet address".into(),
+            })?;
+        let mut s = TcpStream::connect_timeout(&addr, bootstrap.timeout())
+            .map_err(|e| Error::io(format!("connecting to rank {p} at {addr}"), e))?;
+        s.write_all(&hello(rank, p))
+            .map_err(|e| Error::io(format!("greeting rank {p}"), e))?;
+        sockets[i] = Some(s);
+    }
+    // Accept the lower ranks, each proving the secret; strangers are dropped.
+    let expected = peers.iter().filter(|&&p| p < rank).count();
+    let mut accepted = 0;
+    listener
+        .set_nonblocking(true)
+        .map_err(|e| Error::io("listening for ethernet channels", e))?;
+    while accepted < expected {
+        match listener.accept() {
+            Ok((mut s, from)) => {
+                s.set_nonblocking(false)
+                    .and_then(|()| s.set_read_timeout(Some(Duration::from_secs(5))))
+                    .map_err(|e| Error::io("accepting an ethernet channel", e))?;
+                let mut h = vec![0u8; 12 + DIGEST_LEN];
+                if s.read_exact(&mut h).is_err() {
+                    tracing::warn!("dropped an ethernet connection from {from}: no hello");
+                    continue;
+                }
+                let who = u32::from_le_bytes(h[..4].try_into().unwrap_or_default()) as usize;
+                let slot = peers.iter().position(|&p| p == who && p < rank);
+                match slot {
+                    Some(i) if sockets[i].is_none() && ct_eq(&h, &hello(who, rank)) => {
+                        s.set_read_timeout(None)
+                            .map_err(|e| Error::io("accepting an ethernet channel", e))?;
+                        sockets[i] = Some(s);
+                        accepted += 1;
+                    }
+                    _ => tracing::warn!("dropped an ethernet connection from {from}: bad hello"),
+                }
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                if Instant::now() > deadline {
+                    let missing: Vec<String> = peers
+                        .iter()
+                        .zip(&sockets)
+                        .filter(|(_, s)| s.is_none())
+                        .map(|(p, _)| p.to_string())
+                        .collect();
+                    return Err(Error::Bootstrap {
+                        me: rank,
+                        rank: None,
+                        why: format!(
+                            "ethernet channel {channel}: ranks {} never connected",
+                            missing.join(", ")
+                        ),
+                    });
+                }
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            Err(e) => return Err(Error::io("accepting an ethernet channel", e)),
+        }
+    }
+    sockets
+        .into_iter()
+        .map(|s| {
+            let s = s.ok_or_else(|| Error::invalid("ethernet", "a connection is missing"))?;
+            s.set_nodelay(true)
+                .map_err(|e| Error::io("configuring an ethernet channel", e))?;
+            Ok(s)
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn headers_round_trip_through_a_socket_and_eof_is_told_apart() {
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let mut a = TcpStream::connect(l.local_addr().unwrap()).unwrap();
+        let (mut b, _) = l.accept().unwrap();
+        let big = (5u64 << 32) + 7; // past 4 GiB: nothing is truncated
+        a.write_all(&header(KIND_DATA, big, big + 1)).unwrap();
+        a.write_all(&[1, 2, 3]).unwrap();
+        drop(a);
+        let mut h = [0u8; 24];
+        assert!(read_full(&mut b, &mut h).unwrap());
+        let word = |i: usize| u64::from_le_bytes(h[i * 8..i * 8 + 8].try_into().unwrap());
+        assert_eq!((word(0), word(1), word(2)), (KIND_DATA, big, big + 1));
+        // Three bytes then the end: a short message is an error, not a clean end.
+        let mut four = [0u8; 4];
+        assert!(read_full(&mut b, &mut four).is_err());
+        assert!(!read_full(&mut b, &mut four).unwrap());
+    }
+}
