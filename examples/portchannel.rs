@@ -138,6 +138,33 @@ fn measure(
             format!("({} iterations)", args.iters),
             best * 1e6
         );
+        // Where the round trip goes, timed on the GPU (%globaltimer).
+        let split = gpu.function("port", "port_fifo_roundtrip_split")?;
+        for fenced in [1u32, 0] {
+            let out: cudarc::driver::CudaSlice<u64> =
+                s.alloc_zeros(2).map_err(cuda("cuMemAlloc"))?;
+            {
+                let (op, _g) = cudarc::driver::DevicePtr::device_ptr(&out, s);
+                let mut b = s.launch_builder(&split);
+                b.arg(&ch).arg(&args.iters).arg(&fenced).arg(&op);
+                // SAFETY: matches port_fifo_roundtrip_split; `out` holds two u64.
+                comm.check(unsafe { b.launch(one()) }.map(|_| ()), "cuLaunchKernel")?;
+            }
+            comm.synchronize(s)?;
+            let v = s.clone_dtoh(&out).map_err(cuda("cuMemcpyDtoH"))?;
+            let per = |ns: u64| ns as f64 / 1e3 / args.iters as f64;
+            println!(
+                "{:>28} {:>10.3}   push {:.3} + wait for the proxy {:.3}",
+                if fenced == 1 {
+                    "GPU-timed"
+                } else {
+                    "GPU-timed, push unfenced"
+                },
+                per(v[0]) + per(v[1]),
+                per(v[0]),
+                per(v[1]),
+            );
+        }
     }
     comm.bootstrap().barrier()?;
 

@@ -90,3 +90,34 @@ extern "C" __global__ void port_count_signals(PortChannelHandle ch, uint64_t cou
   ch.wait(count);
   *extra = ch.poll() ? 1u : 0u;
 }
+
+// The FIFO round trip split in two with %globaltimer: the push (claim, fence, two 16-byte stores
+// to pinned host memory) and the wait until the proxy's tail passes it. `fenced` = 0 writes the
+// slot without the system-scope fence (a no-op trigger orders no data), to price the fence.
+// out[0] = total push ns, out[1] = total wait ns.
+extern "C" __global__ void port_fifo_roundtrip_split(PortChannelHandle ch, uint32_t iters, uint32_t fenced,
+                                                     unsigned long long* out) {
+  if (threadIdx.x != 0 || blockIdx.x != 0) return;
+  const FifoHandle& f = ch.fifo;
+  uint64_t push_ns = 0, wait_ns = 0;
+  for (uint32_t i = 0; i < iters; ++i) {
+    const uint64_t t0 = global_timer_ns();
+    uint64_t pos;
+    if (fenced) {
+      pos = f.push(0, 0, 0, 0, 0, 0, 0);
+    } else {
+      pos = fetch_add_relaxed_gpu(f.head, 1);  // never full here: one trigger in flight
+      ProxyTrigger* slot = f.triggers + (pos & ((uint64_t(1) << f.size_log2) - 1));
+      const uint64_t parity = ((pos >> f.size_log2) & 1) ^ 1;
+      store_relaxed_sys_v2(&slot->src_offset, 0, parity << 63);
+      store_relaxed_sys_v2(&slot->size, 0, parity << 63);
+    }
+    const uint64_t t1 = global_timer_ns();
+    ch.wait_consumed(pos);
+    const uint64_t t2 = global_timer_ns();
+    push_ns += t1 - t0;
+    wait_ns += t2 - t1;
+  }
+  out[0] = push_ns;
+  out[1] = wait_ns;
+}
