@@ -120,4 +120,9 @@ extern "C" __global__ void port_fifo_roundtrip_split(PortChannelHandle ch, uint3
   }
   out[0] = push_ns;
   out[1] = wait_ns;
+  // The unfenced pushes above bypassed FifoHandle::push, which keeps tail_cache fresh; refresh it
+  // so later pushers do not wait on a stale cache (FIFO liveness assumes every position was
+  // claimed through push()).
+  atomicMax(reinterpret_cast<unsigned long long*>(f.tail_cache),
+            static_cast<unsigned long long>(load_relaxed_sys(f.tail)));
 }

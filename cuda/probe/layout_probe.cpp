@@ -97,6 +97,20 @@ int main() {
   FIELD(AllReduceArgs, world);
   FIELD(AllReduceArgs, site);
 
+  STRUCT(AllToAllArgs);
+  FIELD(AllToAllArgs, input);
+  FIELD(AllToAllArgs, output);
+  FIELD(AllToAllArgs, counts);
+  FIELD(AllToAllArgs, equal_bytes);
+  FIELD(AllToAllArgs, scratch);
+  FIELD(AllToAllArgs, data);
+  FIELD(AllToAllArgs, credit);
+  FIELD(AllToAllArgs, tile);
+  FIELD(AllToAllArgs, rank);
+  FIELD(AllToAllArgs, world);
+  FIELD(AllToAllArgs, lanes);
+  FIELD(AllToAllArgs, depth);
+
   STRUCT(LamportState);
   FIELD(LamportState, call);
   FIELD(LamportState, reserved);

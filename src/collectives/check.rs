@@ -28,6 +28,8 @@ pub struct Checker {
     count_wrong: [CudaFunction; 3],
     fill_random: [CudaFunction; 3],
     hash: [CudaFunction; 3],
+    route_fill: CudaFunction,
+    route_count_wrong: CudaFunction,
 }
 
 fn suffix(dtype: DataType) -> &'static str {
@@ -61,7 +63,70 @@ impl Checker {
             count_wrong: load("check_count_wrong")?,
             fill_random: load("check_fill_random")?,
             hash: load("check_hash")?,
+            route_fill: gpu.function("selftest", "selftest_fill")?,
+            route_count_wrong: gpu.function("selftest", "selftest_count_wrong")?,
         })
+    }
+
+    /// Writes the bytes of the message `from` sends `to` in `round` (a pattern of the byte index,
+    /// the two ranks and the round, so a block that lands in the wrong place or from the wrong
+    /// rank shows) to `bytes` at `ptr`. For data-movement collectives (all-to-all, all-gather).
+    ///
+    /// # Safety
+    /// `ptr` must be device memory of this GPU holding `bytes`.
+    pub unsafe fn fill_route(
+        &self,
+        s: &Arc<CudaStream>,
+        ptr: u64,
+        bytes: usize,
+        from: u32,
+        to: u32,
+        round: u32,
+    ) -> Result<()> {
+        let (off, n) = (0u64, bytes as u64);
+        let mut b = s.launch_builder(&self.route_fill);
+        b.arg(&ptr)
+            .arg(&off)
+            .arg(&n)
+            .arg(&from)
+            .arg(&to)
+            .arg(&round);
+        // SAFETY: matches selftest_fill; the caller vouches for the range.
+        unsafe { b.launch(grid(bytes)) }.map_err(cuda_err("cuLaunchKernel"))?;
+        Ok(())
+    }
+
+    /// Counts the bytes at `ptr` that differ from [`Checker::fill_route`]'s pattern. Synchronizes
+    /// `s`.
+    ///
+    /// # Safety
+    /// As for [`Checker::fill_route`].
+    pub unsafe fn count_wrong_route(
+        &self,
+        s: &Arc<CudaStream>,
+        ptr: u64,
+        bytes: usize,
+        from: u32,
+        to: u32,
+        round: u32,
+    ) -> Result<u64> {
+        let wrong = s.alloc_zeros::<u64>(1).map_err(cuda_err("cuMemAlloc"))?;
+        {
+            let (w, _g) = wrong.device_ptr(s);
+            let (off, n) = (0u64, bytes as u64);
+            let mut b = s.launch_builder(&self.route_count_wrong);
+            b.arg(&ptr)
+                .arg(&off)
+                .arg(&n)
+                .arg(&from)
+                .arg(&to)
+                .arg(&round)
+                .arg(&w);
+            // SAFETY: matches selftest_count_wrong; `wrong` holds one u64.
+            unsafe { b.launch(grid(bytes)) }.map_err(cuda_err("cuLaunchKernel"))?;
+        }
+        let v = s.clone_dtoh(&wrong).map_err(cuda_err("cuMemcpyDtoH"))?;
+        Ok(v[0])
     }
 
     /// Writes `rank`'s check input (`value(rank, i, seed)`) to `count` elements at `ptr`.

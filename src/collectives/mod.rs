@@ -5,6 +5,7 @@
 
 pub mod allgather;
 pub mod allreduce;
+pub mod alltoall;
 pub mod check;
 
 use crate::error::{Error, Result};

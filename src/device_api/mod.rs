@@ -253,6 +253,37 @@ pub struct AllReduceArgs {
     pub site: WaitSite,
 }
 
+/// Launch arguments of the all-to-all kernel (`collective_args.cuh`).
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Pod, Zeroable)]
+pub struct AllToAllArgs {
+    /// My input.
+    pub input: u64,
+    /// My output.
+    pub output: u64,
+    /// Device array `[4][world]` of bytes (send counts, send offsets, recv counts, recv
+    /// offsets), or 0 for equal blocks.
+    pub counts: u64,
+    /// Bytes of every block when `counts` is 0.
+    pub equal_bytes: u64,
+    /// Every rank's scratch as mapped here (own at `rank`).
+    pub scratch: [u64; MAX_RANKS],
+    /// "A tile arrived" semaphores, `[lane * world + peer]`.
+    pub data: u64,
+    /// "A slot is free again" semaphores, `[lane * world + peer]`.
+    pub credit: u64,
+    /// Bytes per tile.
+    pub tile: u64,
+    /// My rank.
+    pub rank: u32,
+    /// Ranks.
+    pub world: u32,
+    /// Blocks per peer.
+    pub lanes: u32,
+    /// Slots per (source, lane) ring.
+    pub depth: u32,
+}
+
 /// Per-block state of the sentinel two-shot (`collective_args.cuh`).
 #[repr(C)]
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Pod, Zeroable)]
@@ -314,6 +345,8 @@ unsafe impl cudarc::driver::DeviceRepr for MemoryChannelHandle {}
 unsafe impl cudarc::driver::DeviceRepr for SemaphoreHandle {}
 // SAFETY: as above.
 unsafe impl cudarc::driver::DeviceRepr for AllReduceArgs {}
+// SAFETY: as above.
+unsafe impl cudarc::driver::DeviceRepr for AllToAllArgs {}
 // SAFETY: as above.
 unsafe impl cudarc::driver::DeviceRepr for PortChannelHandle {}
 
@@ -399,6 +432,24 @@ mod layout {
                     rank,
                     world,
                     site
+                ]
+            ),
+            layout!(
+                "AllToAllArgs",
+                AllToAllArgs,
+                [
+                    input,
+                    output,
+                    counts,
+                    equal_bytes,
+                    scratch,
+                    data,
+                    credit,
+                    tile,
+                    rank,
+                    world,
+                    lanes,
+                    depth
                 ]
             ),
             layout!("LamportState", LamportState, [call, reserved, prev_count]),

@@ -44,4 +44,21 @@ struct AllReduceArgs {
 };
 DOORBELL_CHECK_SIZE(AllReduceArgs, 240);
 
+// Launch arguments of the all-to-all kernel (cuda/kernels/alltoall.cu).
+struct AllToAllArgs {
+  const char* input;
+  char* output;
+  const uint64_t* counts;  // device [4][world] bytes: send counts, send offsets, recv counts, recv offsets; or null
+  uint64_t equal_bytes;    // with counts == null: block p is [p * equal_bytes, +equal_bytes) on both sides
+  char* scratch[kMaxRanks];       // every rank's scratch, mapped here (own at [rank])
+  const SemaphoreHandle* data;    // [lane][world]: "a tile arrived" (p -> me)
+  const SemaphoreHandle* credit;  // [lane][world]: "a slot is free again" (me -> p)
+  uint64_t tile;                  // bytes per tile (a multiple of 16)
+  uint32_t rank;
+  uint32_t world;
+  uint32_t lanes;   // blocks per peer
+  uint32_t depth;   // slots per (source, lane) ring
+};
+DOORBELL_CHECK_SIZE(AllToAllArgs, 136);
+
 }  // namespace doorbell

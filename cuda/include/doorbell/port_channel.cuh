@@ -42,11 +42,18 @@ struct PortChannelHandle {
   }
   DOORBELL_DEVICE_INLINE void flush() const { wait_flushed(fifo.push(kTriggerFlush, semaphore, 0, 0, 0, 0, 0)); }
 
+  // The proxy's stop word lives in host memory: reading it costs a PCIe round trip, so waits look
+  // at it only every 256th poll instead of paying two round trips per poll.
+  DOORBELL_DEVICE_INLINE bool proxy_stopped(uint32_t& polls) const {
+    return (++polls & 255) == 0 && load_acquire_sys(fifo.stopped) != 0;
+  }
+
   // Waits (bounded) until the proxy reports position `pos` complete.
   DOORBELL_DEVICE_INLINE void wait_flushed(uint64_t pos) const {
+    uint32_t polls = 0;
     spin_until(fifo.site, kWaitFlush, pos + 1, [&](uint64_t& seen) {
       seen = load_acquire_sys(flush_done);
-      return seen > pos || load_acquire_sys(fifo.stopped) != 0;
+      return seen > pos || proxy_stopped(polls);
     });
     if (load_acquire_sys(fifo.stopped) != 0 && load_acquire_sys(flush_done) <= pos) {
       wait_gave_up(fifo.site, kWaitProxyStopped, pos + 1, load_acquire_sys(flush_done), 0);
@@ -57,9 +64,10 @@ struct PortChannelHandle {
   // necessarily performed): the FIFO round trip.
   DOORBELL_DEVICE_INLINE void wait_consumed(uint64_t pos) const {
     // Relaxed: only the count matters here, nothing is read under its protection.
+    uint32_t polls = 0;
     spin_until(fifo.site, kWaitFifoSlot, pos + 1, [&](uint64_t& seen) {
       seen = load_relaxed_sys(fifo.tail);
-      return seen > pos || load_acquire_sys(fifo.stopped) != 0;
+      return seen > pos || proxy_stopped(polls);
     });
   }
 
@@ -72,9 +80,10 @@ struct PortChannelHandle {
 
   DOORBELL_DEVICE_INLINE void wait(uint64_t count = 1) const {
     const uint64_t expected = fetch_add_relaxed_gpu(expected_inbound, count) + count;
+    uint32_t polls = 0;
     spin_until(fifo.site, kWaitSemaphore, expected, [&](uint64_t& seen) {
       seen = load_acquire_sys(inbound_token);
-      return seen >= expected || load_acquire_sys(fifo.stopped) != 0;
+      return seen >= expected || proxy_stopped(polls);
     });
     if (load_acquire_sys(inbound_token) < expected) {
       wait_gave_up(fifo.site, kWaitProxyStopped, expected, load_acquire_sys(inbound_token), 0);

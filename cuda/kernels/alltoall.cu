@@ -1,0 +1,88 @@
+// All-to-all(v) inside a node over NVLink: every rank's block for peer p crosses into p's scratch
+// ring with SM stores, and p's SMs copy it out into the caller's output. Buffers stay the
+// caller's (nothing is registered per call); the scratch is allocated once per communicator.
+//
+// Grid: world x lanes blocks; block (p, lane) owns the traffic between this rank and peer p in
+// both directions for tiles lane, lane + lanes, ... of each block (the block for p == rank copies
+// its own block locally). Scratch layout on every rank: [source rank][lane][depth slots][tile].
+//
+// Protocol for one (p, lane) pair, i-th tile of this lane; half the block's warps send while the
+// other half receive:
+//   send: once i >= depth, wait for a credit from p (p emptied the slot used depth tiles ago);
+//         copy the tile into p's slot i % depth; signal `data` (release: the stores land first).
+//   recv: wait for `data` from p; copy slot i % depth out to the output; signal `credit` to p.
+// At the end the sender waits for the credits it has not consumed yet, so every call consumes
+// exactly what it signals: semaphores are monotonic and live in device memory, and replays of a
+// captured graph need no reset. No deadlock: a send waits only for the peer's receiver, which
+// waits only for our sender's earlier tiles.
+// Counts and offsets come from device memory (alltoallv) or one equal size (alltoall), in bytes.
+#include <doorbell/doorbell.cuh>
+
+using namespace doorbell;
+
+// Synchronizes the `count` threads (a multiple of 32) that use barrier `id` (1..15; 0 is
+// __syncthreads).
+DOORBELL_DEVICE_INLINE void named_barrier(uint32_t id, uint32_t count) {
+  asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(count) : "memory");
+}
+
+DOORBELL_DEVICE_INLINE uint64_t lane_tiles(uint64_t bytes, uint64_t tile, uint32_t lane, uint32_t lanes) {
+  const uint64_t tiles = (bytes + tile - 1) / tile;
+  return tiles > lane ? (tiles - lane + lanes - 1) / lanes : 0;
+}
+
+extern "C" __global__ void __launch_bounds__(512) alltoall_tiles(AllToAllArgs a) {
+  const uint32_t p = blockIdx.x / a.lanes;
+  const uint32_t lane = blockIdx.x % a.lanes;
+  const uint32_t tid = threadIdx.x, nthreads = blockDim.x;
+  const uint32_t w = a.world;
+  const uint64_t send_bytes = a.counts ? a.counts[p] : a.equal_bytes;
+  const uint64_t send_off = a.counts ? a.counts[w + p] : p * a.equal_bytes;
+  const uint64_t recv_bytes = a.counts ? a.counts[2 * w + p] : a.equal_bytes;
+  const uint64_t recv_off = a.counts ? a.counts[3 * w + p] : p * a.equal_bytes;
+  if (p == a.rank) {
+    const uint64_t n = send_bytes < recv_bytes ? send_bytes : recv_bytes;
+    for (uint64_t k = lane; k * a.tile < n; k += a.lanes) {
+      const uint64_t off = k * a.tile;
+      copy(a.output + recv_off + off, a.input + send_off + off, n - off < a.tile ? n - off : a.tile, tid, nthreads);
+    }
+    return;
+  }
+  const SemaphoreHandle& data = a.data[uint64_t(lane) * w + p];
+  const SemaphoreHandle& credit = a.credit[uint64_t(lane) * w + p];
+  char* remote_ring = a.scratch[p] + (uint64_t(a.rank) * a.lanes + lane) * a.depth * a.tile;
+  const char* local_ring = a.scratch[a.rank] + (uint64_t(p) * a.lanes + lane) * a.depth * a.tile;
+  // The two directions run side by side: the first half of the warps sends, the second half
+  // receives, each half synchronizing on its own named barrier, so NVLink stores and the local
+  // copy-out overlap instead of taking turns.
+  const uint32_t half = nthreads / 2;
+  const bool sender = tid < half;
+  const uint32_t t = sender ? tid : tid - half;
+  const uint32_t bar = sender ? 1 : 2;
+  if (sender) {
+    const uint64_t n_send = lane_tiles(send_bytes, a.tile, lane, a.lanes);
+    for (uint64_t i = 0; i < n_send; ++i) {
+      const uint64_t off = (lane + i * a.lanes) * a.tile;
+      if (i >= a.depth) {
+        if (t == 0) credit.wait();
+        named_barrier(bar, half);
+      }
+      const uint64_t bytes = send_bytes - off < a.tile ? send_bytes - off : a.tile;
+      copy(remote_ring + (i % a.depth) * a.tile, a.input + send_off + off, bytes, t, half);
+      named_barrier(bar, half);
+      if (t == 0) data.signal();
+    }
+    if (t == 0 && n_send > 0) credit.wait(n_send < a.depth ? n_send : a.depth);
+  } else {
+    const uint64_t n_recv = lane_tiles(recv_bytes, a.tile, lane, a.lanes);
+    for (uint64_t i = 0; i < n_recv; ++i) {
+      const uint64_t off = (lane + i * a.lanes) * a.tile;
+      if (t == 0) data.wait();
+      named_barrier(bar, half);
+      const uint64_t bytes = recv_bytes - off < a.tile ? recv_bytes - off : a.tile;
+      copy(a.output + recv_off + off, local_ring + (i % a.depth) * a.tile, bytes, t, half);
+      named_barrier(bar, half);
+      if (t == 0) credit.signal();
+    }
+  }
+}

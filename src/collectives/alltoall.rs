@@ -1,0 +1,381 @@
+//! All-to-all with equal blocks (`alltoall`) and with per-peer counts and offsets (`alltoallv`)
+//! over the ranks of one node, on the caller's cudarc stream, CUDA-graph capturable.
+//!
+//! Kernel and protocol: `cuda/kernels/alltoall.cu`. Each peer's block crosses NVLink into the
+//! receiver's scratch ring by SM stores and the receiver copies it out, tile by tile, with credit
+//! flow control; every count lives in device memory, so graph replays need no host work. Sizes
+//! are bytes underneath: any element type works, raw bytes included.
+
+use crate::device_api::{AllToAllArgs, SemaphoreHandle, MAX_RANKS};
+use crate::error::{Error, Result};
+use crate::host::communicator::{Communicator, RegisteredMemory, Semaphores};
+use crate::host::cuda::cuda_err;
+use crate::host::memory::{Buffer, RemoteMemory};
+use cudarc::driver::{
+    CudaFunction, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig,
+    PushKernelArg,
+};
+use std::sync::{Arc, Mutex};
+
+/// Knobs of an [`AllToAll`].
+#[derive(Debug, Clone)]
+pub struct AllToAllOptions {
+    /// Blocks per peer (default: the SMs divided by the rank count, so the whole grid is resident
+    /// at once, which the cross-GPU waits need).
+    pub lanes: Option<u32>,
+    /// Bytes per tile (a multiple of 16).
+    pub tile_bytes: usize,
+    /// Slots per (source, lane) ring.
+    pub depth: u32,
+    /// Threads per block (a multiple of 64: half send, half receive).
+    pub threads: u32,
+}
+
+impl Default for AllToAllOptions {
+    fn default() -> Self {
+        AllToAllOptions {
+            lanes: None,
+            tile_bytes: 128 << 10,
+            depth: 3,
+            threads: 512,
+        }
+    }
+}
+
+/// Per-peer counts and offsets of an `alltoallv`, in elements.
+#[derive(Debug, Clone, Default)]
+pub struct Counts {
+    /// Elements I send to each rank.
+    pub send_counts: Vec<usize>,
+    /// Where each rank's block starts in my input.
+    pub send_offsets: Vec<usize>,
+    /// Elements I receive from each rank.
+    pub recv_counts: Vec<usize>,
+    /// Where each rank's block lands in my output.
+    pub recv_offsets: Vec<usize>,
+}
+
+impl Counts {
+    /// Contiguous blocks: offsets are the running sums of the counts.
+    pub fn packed(send_counts: Vec<usize>, recv_counts: Vec<usize>) -> Counts {
+        let offsets = |c: &[usize]| {
+            c.iter()
+                .scan(0, |acc, &n| {
+                    let o = *acc;
+                    *acc += n;
+                    Some(o)
+                })
+                .collect()
+        };
+        Counts {
+            send_offsets: offsets(&send_counts),
+            recv_offsets: offsets(&recv_counts),
+            send_counts,
+            recv_counts,
+        }
+    }
+}
+
+/// All-to-all state of one communicator: scratch every peer maps, semaphores and the kernel.
+/// Build it once (collective) and call it as often as needed; every rank calls in the same order.
+pub struct AllToAll {
+    comm: Arc<Communicator>,
+    opts: AllToAllOptions,
+    base: AllToAllArgs,
+    kernel: CudaFunction,
+    /// Device `[4][world]` byte counts for [`AllToAll::run_v`].
+    counts: Mutex<CudaSlice<u64>>,
+    _scratch: Arc<Buffer>,
+    _registered: Arc<RegisteredMemory>,
+    _peers: Vec<Option<Arc<RemoteMemory>>>,
+    _data: Semaphores,
+    _credit: Semaphores,
+    _sems: CudaSlice<SemaphoreHandle>,
+}
+
+impl AllToAll {
+    /// Allocates the scratch rings, maps every peer's, builds the semaphores. Collective.
+    pub fn new(comm: &Arc<Communicator>, opts: AllToAllOptions) -> Result<AllToAll> {
+        let world = comm.world_size();
+        let rank = comm.rank();
+        if world > MAX_RANKS {
+            return Err(Error::invalid(
+                "world size",
+                format!("{world} ranks: the single-node all-to-all handles at most {MAX_RANKS}"),
+            ));
+        }
+        if opts.tile_bytes == 0 || opts.tile_bytes % 16 != 0 {
+            return Err(Error::invalid(
+                "tile_bytes",
+                "must be a positive multiple of 16",
+            ));
+        }
+        if opts.depth == 0 {
+            return Err(Error::invalid("depth", "must be at least 1"));
+        }
+        if !(64..=512).contains(&opts.threads) || opts.threads % 64 != 0 {
+            return Err(Error::invalid(
+                "threads",
+                format!(
+                    "{}: must be a multiple of 64 in [64, 512] (half the warps send, half receive)",
+                    opts.threads
+                ),
+            ));
+        }
+        let gpu = comm.gpu().clone();
+        let sms = gpu
+            .context()
+            .attribute(
+                cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
+            )
+            .map_err(cuda_err("cuDeviceGetAttribute"))? as u32;
+        let lanes = opts.lanes.unwrap_or((sms / world as u32).max(1));
+        if lanes == 0 || lanes as usize * world > sms as usize {
+            return Err(Error::invalid(
+                "lanes",
+                format!(
+                    "{lanes} lanes x {world} ranks: the grid must fit the GPU's {sms} SMs at once \
+                     (blocks wait on other GPUs' blocks)"
+                ),
+            ));
+        }
+        let scratch_bytes = world * lanes as usize * opts.depth as usize * opts.tile_bytes;
+        let scratch = comm.alloc(scratch_bytes)?;
+        let registered = comm.register(&scratch)?;
+        let peers = comm.exchange(&registered)?;
+        let lanes_us = lanes as usize;
+        let data = comm.semaphores(lanes_us)?;
+        let credit = comm.semaphores(lanes_us)?;
+        let stream = gpu.new_stream()?;
+        let mut all = data.handles().to_vec();
+        all.extend_from_slice(credit.handles());
+        let sems = stream.clone_htod(&all).map_err(cuda_err("cuMemcpyHtoD"))?;
+        let counts = stream
+            .alloc_zeros::<u64>(4 * world)
+            .map_err(cuda_err("cuMemAlloc"))?;
+        let mut scratch_ptrs = [0u64; MAX_RANKS];
+        for (r, p) in scratch_ptrs.iter_mut().enumerate().take(world) {
+            *p = if r == rank {
+                scratch.device_ptr()
+            } else {
+                peers[r]
+                    .as_ref()
+                    .ok_or_else(|| Error::TransportUnavailable {
+                        transport: "CudaIpc",
+                        why: format!("rank {r} is on another host; the all-to-all is single-node"),
+                    })?
+                    .device_ptr()
+            };
+        }
+        let sems_ptr = sems.device_ptr(&stream).0;
+        let base = AllToAllArgs {
+            scratch: scratch_ptrs,
+            data: sems_ptr,
+            credit: sems_ptr + (lanes_us * world * std::mem::size_of::<SemaphoreHandle>()) as u64,
+            tile: opts.tile_bytes as u64,
+            rank: rank as u32,
+            world: world as u32,
+            lanes,
+            depth: opts.depth,
+            ..Default::default()
+        };
+        stream
+            .synchronize()
+            .map_err(cuda_err("cuStreamSynchronize"))?;
+        let kernel = gpu.function("alltoall", "alltoall_tiles")?;
+        // Every peer has mapped our scratch before anyone writes into it.
+        comm.bootstrap().barrier()?;
+        Ok(AllToAll {
+            comm: comm.clone(),
+            opts,
+            base,
+            kernel,
+            counts: Mutex::new(counts),
+            _scratch: scratch,
+            _registered: registered,
+            _peers: peers,
+            _data: data,
+            _credit: credit,
+            _sems: sems,
+        })
+    }
+
+    /// Blocks per peer.
+    pub fn lanes(&self) -> u32 {
+        self.base.lanes
+    }
+
+    /// SMs a call occupies (one block per SM: world x lanes).
+    pub fn sms(&self) -> u32 {
+        self.base.lanes * self.base.world
+    }
+
+    fn launch(&self, stream: &CudaStream, args: AllToAllArgs) -> Result<()> {
+        let mut b = stream.launch_builder(&self.kernel);
+        b.arg(&args);
+        let cfg = LaunchConfig {
+            grid_dim: (self.base.lanes * self.base.world, 1, 1),
+            block_dim: (self.opts.threads, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: the arguments match alltoall_tiles (AllToAllArgs is layout-tested); scratch and
+        // semaphores live as long as `self`; the caller vouches for the buffers.
+        self.comm
+            .check(unsafe { b.launch(cfg) }.map(|_| ()), "cuLaunchKernel")
+    }
+
+    /// Equal blocks: block `p` of `input` (`[p * bytes_per_peer, +bytes_per_peer)`) goes to rank
+    /// `p`, and block `p` of `output` comes from rank `p`.
+    ///
+    /// # Safety
+    /// `input` and `output` are device memory of this rank's GPU holding `world * bytes_per_peer`
+    /// bytes each, not overlapping, valid until the work on `stream` completes.
+    pub unsafe fn run_raw(
+        &self,
+        stream: &CudaStream,
+        input: u64,
+        output: u64,
+        bytes_per_peer: usize,
+    ) -> Result<()> {
+        if bytes_per_peer == 0 {
+            return Ok(());
+        }
+        self.launch(
+            stream,
+            AllToAllArgs {
+                input,
+                output,
+                counts: 0,
+                equal_bytes: bytes_per_peer as u64,
+                ..self.base
+            },
+        )
+    }
+
+    /// Per-peer counts read by the kernel from device memory: `counts` is a device array of
+    /// `4 * world` u64 byte values (send counts, send offsets, recv counts, recv offsets, each
+    /// indexed by rank). What rank `p` sends me must equal what I expect from `p`. Capture it in a
+    /// graph and change the counts between replays freely.
+    ///
+    /// # Safety
+    /// `counts` is such an array; every range it names lies inside `input` / `output` (device
+    /// memory of this GPU, not overlapping), all valid until the work on `stream` completes.
+    pub unsafe fn run_v_raw(
+        &self,
+        stream: &CudaStream,
+        input: u64,
+        output: u64,
+        counts: u64,
+    ) -> Result<()> {
+        self.launch(
+            stream,
+            AllToAllArgs {
+                input,
+                output,
+                counts,
+                ..self.base
+            },
+        )
+    }
+
+    /// Equal blocks of `input.len() / world` elements.
+    pub fn run<T: DeviceRepr, I: DevicePtr<T>, O: DevicePtrMut<T>>(
+        &self,
+        stream: &CudaStream,
+        input: &I,
+        output: &mut O,
+    ) -> Result<()> {
+        let world = self.comm.world_size();
+        if input.len() != output.len() || input.len() % world != 0 {
+            return Err(Error::invalid(
+                "buffers",
+                format!(
+                    "{} elements in, {} out: both must be the same multiple of {world} ranks",
+                    input.len(),
+                    output.len()
+                ),
+            ));
+        }
+        let bytes = input.num_bytes() / world;
+        let (i, _gi) = input.device_ptr(stream);
+        let (o, _go) = output.device_ptr_mut(stream);
+        // SAFETY: live cudarc allocations of world * bytes each; distinct borrows.
+        unsafe { self.run_raw(stream, i, o, bytes) }
+    }
+
+    /// `alltoallv` with counts and offsets in elements, checked against the buffers here and
+    /// uploaded (stream-ordered) into a device array this object owns. Calls of one `AllToAll`
+    /// must then stay on one stream; for CUDA graphs with changing counts use
+    /// [`AllToAll::run_v_raw`] with your own device array.
+    pub fn run_v<T: DeviceRepr, I: DevicePtr<T>, O: DevicePtrMut<T>>(
+        &self,
+        stream: &CudaStream,
+        input: &I,
+        output: &mut O,
+        counts: &Counts,
+    ) -> Result<()> {
+        let world = self.comm.world_size();
+        let size = std::mem::size_of::<T>();
+        let check = |what: &str, c: &[usize], o: &[usize], len: usize| -> Result<Vec<u64>> {
+            if c.len() != world || o.len() != world {
+                return Err(Error::invalid(
+                    what,
+                    format!(
+                        "need {world} counts and offsets, got {} and {}",
+                        c.len(),
+                        o.len()
+                    ),
+                ));
+            }
+            for (p, (&n, &at)) in c.iter().zip(o).enumerate() {
+                if at.checked_add(n).is_none_or(|end| end > len) {
+                    return Err(Error::invalid(
+                        what,
+                        format!("rank {p}'s block [{at}, +{n}) lies outside {len} elements"),
+                    ));
+                }
+            }
+            Ok(c.iter()
+                .chain(o)
+                .map(|&v| (v * size) as u64)
+                .collect::<Vec<_>>())
+        };
+        let mut all = check(
+            "send",
+            &counts.send_counts,
+            &counts.send_offsets,
+            input.len(),
+        )?;
+        all.extend(check(
+            "recv",
+            &counts.recv_counts,
+            &counts.recv_offsets,
+            output.len(),
+        )?);
+        // Held until the launch: no other call rewrites the counts in between.
+        let dev = self.counts.lock().unwrap_or_else(|p| p.into_inner());
+        let (ptr, _gc) = dev.device_ptr(stream);
+        self.comm.gpu().bind()?;
+        // SAFETY: `ptr` holds 4 * world u64 (allocated in `new`); from pageable memory the copy
+        // is staged before the call returns, so `all` may go away after it.
+        unsafe { cudarc::driver::result::memcpy_htod_async(ptr, &all, stream.cu_stream()) }
+            .map_err(cuda_err("cuMemcpyHtoD"))?;
+        let (i, _gi) = input.device_ptr(stream);
+        let (o, _go) = output.device_ptr_mut(stream);
+        // SAFETY: every range was checked against the buffers above; the counts array is ours
+        // and the upload is ordered before the kernel on `stream`.
+        unsafe { self.run_v_raw(stream, i, o, ptr) }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn packed_offsets_are_running_sums() {
+        let c = Counts::packed(vec![3, 0, 5], vec![1, 2, 0]);
+        assert_eq!(c.send_offsets, vec![0, 3, 3]);
+        assert_eq!(c.recv_offsets, vec![0, 1, 3]);
+    }
+}

@@ -1,0 +1,248 @@
+//! All-to-all on GPUs (`#[ignore = "needs GPU"]`; run with `--ignored`), at every rank count:
+//! equal blocks of awkward sizes (1 byte, odd, one past a tile, several ring wraps with small
+//! tiles and a shallow ring), `alltoallv` with uneven, zero and misaligned blocks (a rank that
+//! sends nothing), and 100 replays of a captured graph whose device counts change between replays.
+//! Every byte names its source, its destination and the round, so a misrouted block shows.
+
+mod common;
+
+use common::{rank_counts, run_case, spawned_case};
+use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
+use cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
+use doorbell::collectives::alltoall::{AllToAll, AllToAllOptions, Counts};
+use doorbell::collectives::check::Checker;
+use doorbell::host::communicator::Communicator;
+use std::sync::Arc;
+
+#[test]
+#[ignore = "needs GPU"]
+fn gpu_rank() {
+    let Some(case) = spawned_case() else {
+        return;
+    };
+    let comm = Arc::new(Communicator::from_env().expect("communicator"));
+    let stream = comm.gpu().new_stream().expect("stream");
+    match case.as_str() {
+        "equal" => equal(&comm, &stream),
+        "uneven" => uneven(&comm, &stream),
+        other => panic!("unknown case {other}"),
+    }
+    comm.bootstrap().barrier().expect("final barrier");
+}
+
+#[test]
+#[ignore = "needs GPU"]
+fn equal_blocks_of_awkward_sizes() {
+    for n in rank_counts() {
+        run_case("equal", n, &[]);
+    }
+}
+
+#[test]
+#[ignore = "needs GPU"]
+fn uneven_zero_and_misaligned_blocks_and_graph_replays() {
+    for n in rank_counts() {
+        run_case("uneven", n, &[]);
+    }
+}
+
+const TILE: usize = 4 << 10;
+
+fn small_rings(comm: &Arc<Communicator>) -> AllToAll {
+    AllToAll::new(
+        comm,
+        AllToAllOptions {
+            lanes: Some(2),
+            tile_bytes: TILE,
+            depth: 2,
+            ..Default::default()
+        },
+    )
+    .expect("all-to-all")
+}
+
+/// Fills my input per `c` (bytes), runs `op`, checks every received block; panics naming the
+/// first wrong one.
+#[allow(clippy::too_many_arguments)]
+fn exchange(
+    comm: &Arc<Communicator>,
+    s: &Arc<CudaStream>,
+    checker: &Checker,
+    input: u64,
+    output: u64,
+    c: &Counts,
+    round: u32,
+    what: &str,
+    op: &mut dyn FnMut(),
+) {
+    let me = comm.rank() as u32;
+    for p in 0..comm.world_size() {
+        // SAFETY: the block lies inside the input (the callers size it so).
+        unsafe {
+            checker
+                .fill_route(
+                    s,
+                    input + c.send_offsets[p] as u64,
+                    c.send_counts[p],
+                    me,
+                    p as u32,
+                    round,
+                )
+                .unwrap()
+        };
+    }
+    op();
+    comm.synchronize(s).unwrap();
+    for p in 0..comm.world_size() {
+        // SAFETY: as above.
+        let wrong = unsafe {
+            checker
+                .count_wrong_route(
+                    s,
+                    output + c.recv_offsets[p] as u64,
+                    c.recv_counts[p],
+                    p as u32,
+                    me,
+                    round,
+                )
+                .unwrap()
+        };
+        assert_eq!(
+            wrong, 0,
+            "rank {me}: block from rank {p}, {what}, round {round}"
+        );
+    }
+}
+
+fn equal(comm: &Arc<Communicator>, s: &Arc<CudaStream>) {
+    let world = comm.world_size();
+    let checker = Checker::new(comm.gpu()).unwrap();
+    let max_blk = 5 * TILE + 3;
+    let input: CudaSlice<u8> = s.alloc_zeros(world * max_blk).unwrap();
+    let output: CudaSlice<u8> = s.alloc_zeros(world * max_blk).unwrap();
+    let (i, o) = (input.device_ptr(s).0, output.device_ptr(s).0);
+    for (a2a, name) in [
+        (small_rings(comm), "4 KiB tiles, 2 lanes, depth 2"),
+        (
+            AllToAll::new(comm, AllToAllOptions::default()).unwrap(),
+            "defaults",
+        ),
+    ] {
+        let mut round = 0;
+        for blk in [1, 7, TILE - 1, TILE + 1, 5 * TILE + 3] {
+            round += 1;
+            let c = Counts::packed(vec![blk; world], vec![blk; world]);
+            exchange(
+                comm,
+                s,
+                &checker,
+                i,
+                o,
+                &c,
+                round,
+                &format!("{blk}-byte blocks, {name}"),
+                &mut || {
+                    // SAFETY: both buffers hold world * blk bytes.
+                    unsafe { a2a.run_raw(s, i, o, blk) }.unwrap()
+                },
+            );
+        }
+    }
+}
+
+/// Rank r sends (r + 2p + 1) * 1000 + p bytes to p, except that rank 1 sends nothing; blocks
+/// start at odd offsets with gaps.
+fn uneven_counts(world: usize, me: usize, round: usize) -> Counts {
+    let bytes = |from: usize, to: usize| {
+        if from == 1 {
+            0
+        } else {
+            (from + 2 * to + 1 + round % 3) * 1000 + to
+        }
+    };
+    let layout = |sizes: Vec<usize>| -> (Vec<usize>, Vec<usize>) {
+        let mut at = 3;
+        let offsets = sizes
+            .iter()
+            .map(|&n| {
+                let o = at;
+                at += n + 5;
+                o
+            })
+            .collect();
+        (sizes, offsets)
+    };
+    let (send_counts, send_offsets) = layout((0..world).map(|p| bytes(me, p)).collect());
+    let (recv_counts, recv_offsets) = layout((0..world).map(|p| bytes(p, me)).collect());
+    Counts {
+        send_counts,
+        send_offsets,
+        recv_counts,
+        recv_offsets,
+    }
+}
+
+fn uneven(comm: &Arc<Communicator>, s: &Arc<CudaStream>) {
+    let (me, world) = (comm.rank(), comm.world_size());
+    let checker = Checker::new(comm.gpu()).unwrap();
+    let cap = 64 * 1000 * world;
+    let input: CudaSlice<u8> = s.alloc_zeros(cap).unwrap();
+    let mut output: CudaSlice<u8> = s.alloc_zeros(cap).unwrap();
+    let (i, o) = (input.device_ptr(s).0, output.device_ptr(s).0);
+    let a2a = small_rings(comm);
+    for round in 0..3 {
+        let c = uneven_counts(world, me, round);
+        exchange(
+            comm,
+            s,
+            &checker,
+            i,
+            o,
+            &c,
+            round as u32 + 1,
+            "alltoallv",
+            &mut || a2a.run_v(s, &input, &mut output, &c).unwrap(),
+        );
+    }
+    // A captured graph reading its counts from device memory; the counts change between replays.
+    let counts_dev: CudaSlice<u64> = s.alloc_zeros(4 * world).unwrap();
+    let cptr = counts_dev.device_ptr(s).0;
+    let upload = |c: &Counts| {
+        let v: Vec<u64> = [
+            &c.send_counts,
+            &c.send_offsets,
+            &c.recv_counts,
+            &c.recv_offsets,
+        ]
+        .iter()
+        .flat_map(|x| x.iter().map(|&n| n as u64))
+        .collect();
+        // SAFETY: `counts_dev` holds 4 * world u64; pageable copies are staged before returning.
+        unsafe { cudarc::driver::result::memcpy_htod_async(cptr, &v, s.cu_stream()) }.unwrap();
+    };
+    comm.synchronize(s).unwrap();
+    s.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)
+        .unwrap();
+    // SAFETY: every range the counts name lies inside the buffers (checked by uneven_counts'
+    // sizes against `cap`).
+    unsafe { a2a.run_v_raw(s, i, o, cptr) }.unwrap();
+    let graph = s
+        .end_capture(CUgraphInstantiate_flags(0))
+        .unwrap()
+        .expect("a graph");
+    for replay in 0..100u32 {
+        let c = uneven_counts(world, me, replay as usize);
+        upload(&c);
+        exchange(
+            comm,
+            s,
+            &checker,
+            i,
+            o,
+            &c,
+            100 + replay,
+            "graph replay",
+            &mut || graph.launch().unwrap(),
+        );
+    }
+}
