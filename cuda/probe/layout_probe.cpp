@@ -111,6 +111,34 @@ int main() {
   FIELD(AllToAllArgs, lanes);
   FIELD(AllToAllArgs, depth);
 
+  STRUCT(MoeArgs);
+  FIELD(MoeArgs, x);
+  FIELD(MoeArgs, topk_idx);
+  FIELD(MoeArgs, topk_weights);
+  FIELD(MoeArgs, y);
+  FIELD(MoeArgs, out);
+  FIELD(MoeArgs, num_tokens);
+  FIELD(MoeArgs, hidden);
+  FIELD(MoeArgs, topk);
+  FIELD(MoeArgs, experts_per_rank);
+  FIELD(MoeArgs, max_tokens);
+  FIELD(MoeArgs, rank);
+  FIELD(MoeArgs, world);
+  FIELD(MoeArgs, blocks);
+  FIELD(MoeArgs, row_bytes);
+  FIELD(MoeArgs, recv_buf);
+  FIELD(MoeArgs, comb_buf);
+  FIELD(MoeArgs, pos);
+  FIELD(MoeArgs, send_counts);
+  FIELD(MoeArgs, recv_x);
+  FIELD(MoeArgs, recv_idx);
+  FIELD(MoeArgs, recv_weights);
+  FIELD(MoeArgs, recv_src);
+  FIELD(MoeArgs, num_recv);
+  FIELD(MoeArgs, expert_counts);
+  FIELD(MoeArgs, calls);
+  FIELD(MoeArgs, sems);
+
   STRUCT(LamportState);
   FIELD(LamportState, call);
   FIELD(LamportState, reserved);

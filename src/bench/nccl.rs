@@ -399,7 +399,7 @@ impl Nccl {
     ) -> Result<()> {
         self.check_stream(stream)?;
         let dt = self.data_type(dtype)?;
-        let block_bytes = count
+        count
             .checked_mul(dtype.size())
             .filter(|b| b.checked_mul(self.world_size).is_some())
             .ok_or_else(|| {
@@ -420,17 +420,55 @@ impl Nccl {
                 )
             });
         }
+        let counts = vec![count; self.world_size];
+        let offsets: Vec<usize> = (0..self.world_size).map(|p| p * count).collect();
+        // SAFETY: block p of each buffer lies inside the ranges the caller vouched for.
+        unsafe {
+            self.all_to_all_v(
+                stream, send, recv, &counts, &offsets, &counts, &offsets, dtype,
+            )
+        }
+    }
+
+    /// All-to-all with per-peer counts and offsets (elements of `dtype`), as grouped
+    /// `ncclSend`/`ncclRecv`. Collective: what rank p sends me must equal what I expect from p.
+    ///
+    /// # Safety
+    /// Every block the counts and offsets name lies inside `send` / `recv` (device memory of this
+    /// GPU, not overlapping), allocated until `stream` has run the operation.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn all_to_all_v(
+        &self,
+        stream: &CudaStream,
+        send: u64,
+        recv: u64,
+        send_counts: &[usize],
+        send_offsets: &[usize],
+        recv_counts: &[usize],
+        recv_offsets: &[usize],
+        dtype: DataType,
+    ) -> Result<()> {
+        self.check_stream(stream)?;
+        let dt = self.data_type(dtype)?;
+        let n = self.world_size;
+        if [send_counts, send_offsets, recv_counts, recv_offsets]
+            .iter()
+            .any(|v| v.len() != n)
+        {
+            return Err(Error::invalid("counts", format!("need {n} of each")));
+        }
+        let size = dtype.size() as u64;
+        let s = nccl_stream(stream);
         // SAFETY: opens a group on this thread; it is closed below on every path.
         check("ncclGroupStart", unsafe { sys::ncclGroupStart() })?;
         let mut posted = Ok(());
-        for peer in 0..self.world_size {
-            let offset = (peer * block_bytes) as u64;
-            // SAFETY: block `peer` of each buffer lies inside the ranges the caller vouched for;
-            // `peer` is below the world size, which fits in an int (checked in `new`).
+        for peer in 0..n {
+            // SAFETY: the blocks lie inside the buffers per the caller's contract; `peer` fits
+            // in an int (checked in `new`).
             posted = check("ncclSend", unsafe {
                 sys::ncclSend(
-                    (send + offset) as *const c_void,
-                    count,
+                    (send + send_offsets[peer] as u64 * size) as *const c_void,
+                    send_counts[peer],
                     dt,
                     peer as c_int,
                     self.comm,
@@ -441,8 +479,8 @@ impl Nccl {
                 // SAFETY: as for the send.
                 check("ncclRecv", unsafe {
                     sys::ncclRecv(
-                        (recv + offset) as *mut c_void,
-                        count,
+                        (recv + recv_offsets[peer] as u64 * size) as *mut c_void,
+                        recv_counts[peer],
                         dt,
                         peer as c_int,
                         self.comm,
@@ -454,7 +492,7 @@ impl Nccl {
                 break;
             }
         }
-        // SAFETY: closes the group opened above, launching what was posted in it.
+        // SAFETY: closes the group opened above.
         let launched = check("ncclGroupEnd", unsafe { sys::ncclGroupEnd() });
         posted.and(launched)
     }

@@ -284,6 +284,40 @@ pub struct AllToAllArgs {
     pub depth: u32,
 }
 
+/// Launch arguments of the MoE dispatch/combine kernels (`collective_args.cuh`; field meanings
+/// there). Device addresses as u64.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Pod, Zeroable)]
+#[allow(missing_docs)]
+pub struct MoeArgs {
+    pub x: u64,
+    pub topk_idx: u64,
+    pub topk_weights: u64,
+    pub y: u64,
+    pub out: u64,
+    pub num_tokens: u32,
+    pub hidden: u32,
+    pub topk: u32,
+    pub experts_per_rank: u32,
+    pub max_tokens: u32,
+    pub rank: u32,
+    pub world: u32,
+    pub blocks: u32,
+    pub row_bytes: u64,
+    pub recv_buf: [u64; MAX_RANKS],
+    pub comb_buf: [u64; MAX_RANKS],
+    pub pos: u64,
+    pub send_counts: u64,
+    pub recv_x: u64,
+    pub recv_idx: u64,
+    pub recv_weights: u64,
+    pub recv_src: u64,
+    pub num_recv: u64,
+    pub expert_counts: u64,
+    pub calls: u64,
+    pub sems: u64,
+}
+
 /// Per-block state of the sentinel two-shot (`collective_args.cuh`).
 #[repr(C)]
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Pod, Zeroable)]
@@ -347,6 +381,8 @@ unsafe impl cudarc::driver::DeviceRepr for SemaphoreHandle {}
 unsafe impl cudarc::driver::DeviceRepr for AllReduceArgs {}
 // SAFETY: as above.
 unsafe impl cudarc::driver::DeviceRepr for AllToAllArgs {}
+// SAFETY: as above.
+unsafe impl cudarc::driver::DeviceRepr for MoeArgs {}
 // SAFETY: as above.
 unsafe impl cudarc::driver::DeviceRepr for PortChannelHandle {}
 
@@ -450,6 +486,38 @@ mod layout {
                     world,
                     lanes,
                     depth
+                ]
+            ),
+            layout!(
+                "MoeArgs",
+                MoeArgs,
+                [
+                    x,
+                    topk_idx,
+                    topk_weights,
+                    y,
+                    out,
+                    num_tokens,
+                    hidden,
+                    topk,
+                    experts_per_rank,
+                    max_tokens,
+                    rank,
+                    world,
+                    blocks,
+                    row_bytes,
+                    recv_buf,
+                    comb_buf,
+                    pos,
+                    send_counts,
+                    recv_x,
+                    recv_idx,
+                    recv_weights,
+                    recv_src,
+                    num_recv,
+                    expert_counts,
+                    calls,
+                    sems
                 ]
             ),
             layout!("LamportState", LamportState, [call, reserved, prev_count]),

@@ -61,4 +61,38 @@ struct AllToAllArgs {
 };
 DOORBELL_CHECK_SIZE(AllToAllArgs, 136);
 
+// Launch arguments of the MoE dispatch/combine kernels (cuda/kernels/moe.cu); one struct for all
+// of them, most fields fixed per dispatcher, the inputs per call.
+struct MoeArgs {
+  // Per call.
+  const uint16_t* x;           // [num_tokens, hidden] bf16
+  const int32_t* topk_idx;     // [num_tokens, topk], -1 = no expert
+  const float* topk_weights;   // [num_tokens, topk]
+  const uint16_t* y;           // combine input: [num_recv, hidden] bf16, aligned with recv_x
+  uint16_t* out;               // combine output: [num_tokens, hidden] bf16
+  uint32_t num_tokens;
+  // Fixed.
+  uint32_t hidden;
+  uint32_t topk;
+  uint32_t experts_per_rank;
+  uint32_t max_tokens;         // per rank
+  uint32_t rank;
+  uint32_t world;
+  uint32_t blocks;             // grid of the send / receive kernels (signals per call per peer)
+  uint64_t row_bytes;          // dispatch row: payload, topk ids, weights, source token, padded to 16
+  char* recv_buf[kMaxRanks];   // every rank's dispatch landing area: [source][max_tokens][row] + [world] u32 counts
+  char* comb_buf[kMaxRanks];   // every rank's combine landing area: [source][max_tokens][hidden] bf16
+  int32_t* pos;                // mine: [max_tokens][world], position of token t among those sent to r, or -1
+  uint32_t* send_counts;       // mine: [world]
+  uint16_t* recv_x;            // mine: [world * max_tokens, hidden]
+  int32_t* recv_idx;           // mine: [world * max_tokens, topk], local expert ids, -1 elsewhere
+  float* recv_weights;         // mine: [world * max_tokens, topk]
+  int32_t* recv_src;           // mine: [world * max_tokens, 2]: source rank, source token
+  uint32_t* num_recv;          // mine: rows received
+  uint32_t* expert_counts;     // mine: [experts_per_rank]
+  uint64_t* calls;             // mine: [2] dispatch and combine calls so far
+  const SemaphoreHandle* sems; // [4][world]: dispatch free, dispatch data, combine free, combine data
+};
+DOORBELL_CHECK_SIZE(MoeArgs, 288);
+
 }  // namespace doorbell

@@ -1,0 +1,264 @@
+//! MoE dispatch/combine benchmark in DeepEP's configurations: prefill (4096 tokens per rank) and
+//! decode (128 tokens per rank), hidden 7168, top-8 of 256 experts, bf16. Reports us per call
+//! (maximum over ranks, eager and CUDA graph) and GB/s by DeepEP's definition for its normal
+//! kernels (rows received by a rank, local ones included, x hidden x 2 bytes, over the time; the
+//! same bytes for combine), the mean over ranks of those bytes. Beside it, in the same processes,
+//! NCCL moving the same rows with grouped ncclSend/ncclRecv: data movement only, no layout, no
+//! packing and no reduction, so a lower bound for a dispatch or combine built on NCCL.
+//!
+//! ```text
+//! cargo run --release --example moe
+//! ```
+
+use clap::Parser;
+use cudarc::driver::{CudaSlice, DevicePtr};
+use doorbell::bench::harness::{measure, Repeat, Timing};
+use doorbell::bench::nccl::Nccl;
+use doorbell::collectives::moe::{reference_layout, MoeConfig, MoeDispatcher};
+use doorbell::collectives::DataType;
+use doorbell::host::communicator::Communicator;
+use doorbell::host::cuda::device_count;
+use doorbell::host::launch::run_job;
+use doorbell::{Error, Result};
+use std::sync::Arc;
+
+#[derive(Parser, Debug)]
+#[command(
+    about = "MoE dispatch/combine (DeepEP's configurations): doorbell vs NCCL moving the same rows"
+)]
+struct Args {
+    /// Ranks to spawn when no launcher started us (default: one per visible GPU).
+    #[arg(long)]
+    nranks: Option<usize>,
+    /// Hidden size.
+    #[arg(long, default_value_t = 7168)]
+    hidden: usize,
+    /// Experts per token.
+    #[arg(long, default_value_t = 8)]
+    topk: usize,
+    /// Experts in the layer.
+    #[arg(long, default_value_t = 256)]
+    experts: usize,
+    /// Token counts per rank to run (comma separated).
+    #[arg(long, default_value = "4096,128")]
+    tokens: String,
+    /// Blocks (SMs) of the send and receive kernels (default: all SMs).
+    #[arg(long)]
+    sms: Option<u32>,
+    /// Timed iterations per eager measurement.
+    #[arg(long, default_value_t = 20)]
+    iters: usize,
+    /// Skip NCCL.
+    #[arg(long)]
+    no_nccl: bool,
+}
+
+fn main() {
+    doorbell::init_logging();
+    let args = Args::parse();
+    run_job("moe", args.nranks, device_count, || run(&args))
+}
+
+fn hash(a: u64) -> u64 {
+    let mut x = a.wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    x ^= x >> 29;
+    x.wrapping_mul(0xBF58_476D_1CE4_E5B9) ^ (x >> 32)
+}
+
+/// Rank `r`'s routing: `topk` distinct experts per token, uniformly spread, weights 1/topk.
+fn routing(r: usize, tokens: usize, topk: usize, experts: usize) -> Vec<i32> {
+    let mut idx = Vec::with_capacity(tokens * topk);
+    for t in 0..tokens {
+        let mut picked: Vec<i32> = Vec::with_capacity(topk);
+        for k in 0..topk {
+            let mut e = hash((r as u64) << 40 | (t * topk + k) as u64) as usize % experts;
+            while picked.contains(&(e as i32)) {
+                e = (e + 1) % experts;
+            }
+            picked.push(e as i32);
+        }
+        idx.extend(picked);
+    }
+    idx
+}
+
+fn run(args: &Args) -> Result<i32> {
+    let token_counts: Vec<usize> = args
+        .tokens
+        .split(',')
+        .map(|t| t.trim().parse::<usize>())
+        .collect::<std::result::Result<_, _>>()
+        .map_err(|_| Error::invalid("--tokens", "expected numbers like 4096,128"))?;
+    let max_tokens = token_counts.iter().copied().max().unwrap_or(0).max(1);
+    let comm = Arc::new(Communicator::from_env()?);
+    let (rank, world) = (comm.rank(), comm.world_size());
+    let lead = rank == 0;
+    let moe = MoeDispatcher::new(
+        &comm,
+        MoeConfig {
+            hidden: args.hidden,
+            topk: args.topk,
+            num_experts: args.experts,
+            max_tokens,
+            blocks: args.sms,
+        },
+    )?;
+    let s = comm.gpu().new_stream()?;
+    let nccl = if args.no_nccl {
+        None
+    } else {
+        Nccl::new(comm.bootstrap(), comm.gpu()).ok()
+    };
+    let h = args.hidden;
+    let x: CudaSlice<u16> = s.alloc_zeros(max_tokens * h).map_err(cuda("cuMemAlloc"))?;
+    let idx: CudaSlice<i32> = s
+        .alloc_zeros(max_tokens * args.topk)
+        .map_err(cuda("cuMemAlloc"))?;
+    let w: CudaSlice<f32> = s
+        .alloc_zeros(max_tokens * args.topk)
+        .map_err(cuda("cuMemAlloc"))?;
+    let rows = world * max_tokens;
+    let y: CudaSlice<u16> = s.alloc_zeros(rows * h).map_err(cuda("cuMemAlloc"))?;
+    let out: CudaSlice<u16> = s.alloc_zeros(max_tokens * h).map_err(cuda("cuMemAlloc"))?;
+    let nccl_send: CudaSlice<u16> = s.alloc_zeros(rows * h).map_err(cuda("cuMemAlloc"))?;
+    let nccl_recv: CudaSlice<u16> = s.alloc_zeros(rows * h).map_err(cuda("cuMemAlloc"))?;
+    let (xp, ip, wp, yp, op) = (
+        x.device_ptr(&s).0,
+        idx.device_ptr(&s).0,
+        w.device_ptr(&s).0,
+        y.device_ptr(&s).0,
+        out.device_ptr(&s).0,
+    );
+    let (nsp, nrp) = (nccl_send.device_ptr(&s).0, nccl_recv.device_ptr(&s).0);
+    if lead {
+        println!(
+            "# doorbell MoE dispatch/combine (high-throughput kernels, bf16): {world} ranks, hidden {h}, top-{} of {} experts, {} SMs",
+            args.topk,
+            args.experts,
+            moe.sms()
+        );
+        println!("# us = max over ranks; GB/s = rows received per rank (mean) x hidden x 2 B / us (DeepEP's normal-kernel definition)");
+        println!(
+            "{:>7} {:>9} | {:>9} {:>9} {:>8} | {:>9} {:>9} {:>8} | {:>13} {:>8} | {:>7} {:>7}",
+            "tokens",
+            "rows/rank",
+            "disp us",
+            "graph us",
+            "GB/s",
+            "comb us",
+            "graph us",
+            "GB/s",
+            "NCCL rows us",
+            "GB/s",
+            "x disp",
+            "x comb"
+        );
+    }
+    for &tokens in &token_counts {
+        let mine = routing(rank, tokens, args.topk, args.experts);
+        let weights = vec![1.0f32 / args.topk as f32; tokens * args.topk];
+        let xs: Vec<u16> = (0..tokens * h).map(|i| 0x3f80 + (i % 64) as u16).collect();
+        // SAFETY: each destination holds max_tokens rows.
+        unsafe {
+            cudarc::driver::result::memcpy_htod_async(xp, &xs, s.cu_stream())
+                .map_err(cuda("cuMemcpyHtoD"))?;
+            cudarc::driver::result::memcpy_htod_async(ip, &mine, s.cu_stream())
+                .map_err(cuda("cuMemcpyHtoD"))?;
+            cudarc::driver::result::memcpy_htod_async(wp, &weights, s.cu_stream())
+                .map_err(cuda("cuMemcpyHtoD"))?;
+        }
+        comm.synchronize(&s)?;
+        // Rows each rank sends every rank (every rank derives every routing), for the byte
+        // counts and NCCL's counts.
+        let per_rank = args.experts / world;
+        let sent: Vec<Vec<usize>> = (0..world)
+            .map(|r| {
+                reference_layout(
+                    &routing(r, tokens, args.topk, args.experts),
+                    args.topk,
+                    per_rank,
+                    world,
+                )
+                .iter()
+                .map(Vec::len)
+                .collect()
+            })
+            .collect();
+        let recv_rows: Vec<usize> = (0..world)
+            .map(|r| (0..world).map(|src| sent[src][r]).sum())
+            .collect();
+        let mean_rows = recv_rows.iter().sum::<usize>() as f64 / world as f64;
+        let bytes = mean_rows * h as f64 * 2.0;
+        let repeat = Repeat {
+            iters: args.iters,
+            warmup: 3,
+            no_eager: false,
+        };
+        // SAFETY (every call below): the inputs hold `tokens` rows, y and out the worst case.
+        let dispatch = measure(&comm, &s, bytes as usize, repeat, &|st| unsafe {
+            moe.dispatch(st, xp, ip, wp, tokens)
+        })?;
+        let combine = measure(&comm, &s, bytes as usize, repeat, &|st| unsafe {
+            moe.combine(st, yp, op)
+        })?;
+        let theirs = match &nccl {
+            Some(n) => {
+                let offsets = |c: &[usize]| -> Vec<usize> {
+                    c.iter()
+                        .scan(0, |a, &v| {
+                            let o = *a;
+                            *a += v * h;
+                            Some(o)
+                        })
+                        .collect()
+                };
+                let sc: Vec<usize> = sent[rank].iter().map(|&r| r * h).collect();
+                let rc: Vec<usize> = (0..world).map(|src| sent[src][rank] * h).collect();
+                let (so, ro) = (
+                    offsets(&sent[rank]),
+                    offsets(&(0..world).map(|src| sent[src][rank]).collect::<Vec<_>>()),
+                );
+                Some(measure(&comm, &s, bytes as usize, repeat, &|st| unsafe {
+                    n.all_to_all_v(st, nsp, nrp, &sc, &so, &rc, &ro, DataType::Bf16)
+                })?)
+            }
+            None => None,
+        };
+        if lead {
+            let gbs = |t: Option<f64>| t.map_or("-".into(), |t| format!("{:.1}", bytes / t / 1e3));
+            let us = |t: Option<f64>| t.map_or("-".into(), |t| format!("{t:.1}"));
+            let best = |t: Timing| match (t.eager, t.graph) {
+                (Some(a), Some(b)) => Some(a.min(b)),
+                (a, b) => a.or(b),
+            };
+            let ratio = |n: Option<Timing>, o: Timing| match (n.and_then(best), best(o)) {
+                (Some(a), Some(b)) => format!("{:.2}", a / b),
+                _ => "-".into(),
+            };
+            println!(
+                "{:>7} {:>9.0} | {:>9} {:>9} {:>8} | {:>9} {:>9} {:>8} | {:>13} {:>8} | {:>7} {:>7}",
+                tokens,
+                mean_rows,
+                us(dispatch.eager),
+                us(dispatch.graph),
+                gbs(best(dispatch)),
+                us(combine.eager),
+                us(combine.graph),
+                gbs(best(combine)),
+                us(theirs.and_then(best)),
+                gbs(theirs.and_then(best)),
+                ratio(theirs, dispatch),
+                ratio(theirs, combine),
+            );
+        }
+    }
+    comm.bootstrap().barrier()?;
+    Ok(0)
+}
+
+fn cuda(call: &'static str) -> impl Fn(cudarc::driver::DriverError) -> Error {
+    move |e| Error::Cuda {
+        call,
+        code: e.to_string(),
+    }
+}

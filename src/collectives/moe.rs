@@ -1,0 +1,394 @@
+//! MoE expert dispatch and combine over NVLink, high-throughput layout: each token goes to every
+//! destination rank once, however many of that rank's experts it selected (DeepEP's "normal"
+//! semantics). Kernels and protocol: `cuda/kernels/moe.cu`.
+//!
+//! - [`MoeDispatcher::dispatch`] takes `x [T, H]` bf16, `topk_idx [T, K]` i32 (-1: no expert)
+//!   and `topk_weights [T, K]` f32, and leaves in device memory this rank's received rows in
+//!   source-rank order: `recv_x [N, H]`, `recv_idx [N, K]` (the expert ids rebased to this rank's
+//!   local ids, -1 for experts elsewhere), `recv_weights [N, K]`, `recv_src [N, 2]` (source rank,
+//!   source token), `num_recv` (N) and `expert_counts [E_local]`: the counts never leave the
+//!   device, so the whole exchange is CUDA-graph capturable. Buffers are sized for the worst case
+//!   (`max_tokens` per rank from every rank) once, in [`MoeDispatcher::new`].
+//! - [`MoeDispatcher::combine`] takes `y [N, H]` bf16, row `i` being what this rank's experts made
+//!   of received row `i`, already weighted and summed over this rank's experts of that token (an
+//!   expert GEMM's epilogue multiplies by `recv_weights`), and returns `out [T, H]`: for each
+//!   token, the sum over the ranks it went to, so `out[t] = sum_k w[t,k] expert_k(x[t])`. Sums run
+//!   in f32 in rank order (deterministic).
+//!
+//! Not yet: the low-latency (decode) layout with per-expert buffers and separate send/receive
+//! halves, FP8 dispatch, device-side entry points for fused kernels.
+
+use crate::device_api::{MoeArgs, MAX_RANKS};
+use crate::error::{Error, Result};
+use crate::host::communicator::{Communicator, RegisteredMemory, Semaphores};
+use crate::host::cuda::cuda_err;
+use crate::host::memory::{Buffer, RemoteMemory};
+use cudarc::driver::{CudaFunction, CudaSlice, CudaStream, DevicePtr, LaunchConfig, PushKernelArg};
+use std::sync::Arc;
+
+/// Shape of one MoE layer's exchange; the same on every rank.
+#[derive(Debug, Clone)]
+pub struct MoeConfig {
+    /// Hidden size (a multiple of 8: rows move in 16-byte words).
+    pub hidden: usize,
+    /// Experts each token selects.
+    pub topk: usize,
+    /// Experts in the layer (a multiple of the rank count; expert `e` lives on rank
+    /// `e / (num_experts / world)`).
+    pub num_experts: usize,
+    /// Most tokens a rank dispatches per call (buffers are sized for all of them reaching one
+    /// rank from every rank).
+    pub max_tokens: usize,
+    /// Blocks of the send and receive kernels (the SMs they occupy); default: all SMs.
+    pub blocks: Option<u32>,
+}
+
+/// Dispatch/combine state of one communicator. Build it once (collective); call dispatch then
+/// combine, in the same order on every rank.
+pub struct MoeDispatcher {
+    comm: Arc<Communicator>,
+    cfg: MoeConfig,
+    base: MoeArgs,
+    blocks: u32,
+    last_tokens: std::sync::atomic::AtomicU32,
+    kernels: [CudaFunction; 6],
+    _recv: (
+        Arc<Buffer>,
+        Arc<RegisteredMemory>,
+        Vec<Option<Arc<RemoteMemory>>>,
+    ),
+    _comb: (
+        Arc<Buffer>,
+        Arc<RegisteredMemory>,
+        Vec<Option<Arc<RemoteMemory>>>,
+    ),
+    _semaphores: Semaphores,
+    _device: Vec<CudaSlice<u8>>,
+}
+
+/// A landing area every peer maps: the buffer, its registration, the peers' mappings.
+type Landing = (
+    Arc<Buffer>,
+    Arc<RegisteredMemory>,
+    Vec<Option<Arc<RemoteMemory>>>,
+);
+
+fn row_bytes(hidden: usize, topk: usize) -> usize {
+    (hidden * 2 + topk * 8 + 4).next_multiple_of(16)
+}
+
+impl MoeDispatcher {
+    /// Allocates the landing areas (mapped by every peer), outputs and semaphores. Collective.
+    pub fn new(comm: &Arc<Communicator>, cfg: MoeConfig) -> Result<MoeDispatcher> {
+        let world = comm.world_size();
+        let rank = comm.rank();
+        if world > MAX_RANKS {
+            return Err(Error::invalid(
+                "world size",
+                format!("{world} ranks: at most {MAX_RANKS} on one node"),
+            ));
+        }
+        if cfg.hidden == 0 || cfg.hidden % 8 != 0 {
+            return Err(Error::invalid("hidden", "must be a positive multiple of 8"));
+        }
+        if cfg.topk == 0 || cfg.topk > 32 {
+            return Err(Error::invalid("topk", "must be in 1..=32"));
+        }
+        if cfg.num_experts == 0 || cfg.num_experts % world != 0 {
+            return Err(Error::invalid(
+                "num_experts",
+                format!(
+                    "{}: must be a positive multiple of {world} ranks",
+                    cfg.num_experts
+                ),
+            ));
+        }
+        if cfg.max_tokens == 0 || cfg.max_tokens > i32::MAX as usize / world {
+            return Err(Error::invalid(
+                "max_tokens",
+                "must be positive and fit in i32 x world",
+            ));
+        }
+        let gpu = comm.gpu().clone();
+        let sms = gpu
+            .context()
+            .attribute(
+                cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
+            )
+            .map_err(cuda_err("cuDeviceGetAttribute"))? as u32;
+        let blocks = cfg.blocks.unwrap_or(sms);
+        if blocks == 0 || blocks > sms {
+            return Err(Error::invalid(
+                "blocks",
+                format!("{blocks}: must be in 1..={sms} (every block must be resident at once)"),
+            ));
+        }
+        let row = row_bytes(cfg.hidden, cfg.topk);
+        let rows = world * cfg.max_tokens;
+        let map = |bytes: usize| -> Result<(Landing, [u64; MAX_RANKS])> {
+            let buf = comm.alloc(bytes)?;
+            let reg = comm.register(&buf)?;
+            let peers = comm.exchange(&reg)?;
+            let mut ptrs = [0u64; MAX_RANKS];
+            for (r, p) in ptrs.iter_mut().enumerate().take(world) {
+                *p = if r == rank {
+                    buf.device_ptr()
+                } else {
+                    peers[r]
+                        .as_ref()
+                        .ok_or_else(|| Error::TransportUnavailable {
+                            transport: "CudaIpc",
+                            why: format!(
+                                "rank {r} is on another host; dispatch/combine here is single-node"
+                            ),
+                        })?
+                        .device_ptr()
+                };
+            }
+            Ok(((buf, reg, peers), ptrs))
+        };
+        let (recv, recv_ptrs) = map(rows * row + world * 4)?;
+        let (comb, comb_ptrs) = map(rows * cfg.hidden * 2)?;
+        let semaphores = comm.semaphores(4)?;
+        let stream = gpu.new_stream()?;
+        let alloc = |bytes: usize| -> Result<CudaSlice<u8>> {
+            stream
+                .alloc_zeros::<u8>(bytes.max(16))
+                .map_err(cuda_err("cuMemAlloc"))
+        };
+        let sems_bytes: &[u8] = bytemuck::cast_slice(semaphores.handles());
+        let sems = stream
+            .clone_htod(sems_bytes)
+            .map_err(cuda_err("cuMemcpyHtoD"))?;
+        let device = vec![
+            alloc(cfg.max_tokens * world * 4)?,  // pos
+            alloc(world * 4)?,                   // send_counts
+            alloc(rows * cfg.hidden * 2)?,       // recv_x
+            alloc(rows * cfg.topk * 4)?,         // recv_idx
+            alloc(rows * cfg.topk * 4)?,         // recv_weights
+            alloc(rows * 8)?,                    // recv_src
+            alloc(4)?,                           // num_recv
+            alloc(cfg.num_experts / world * 4)?, // expert_counts
+            alloc(16)?,                          // calls
+            sems,
+        ];
+        let p = |i: usize| device[i].device_ptr(&stream).0;
+        let base = MoeArgs {
+            hidden: cfg.hidden as u32,
+            topk: cfg.topk as u32,
+            experts_per_rank: (cfg.num_experts / world) as u32,
+            max_tokens: cfg.max_tokens as u32,
+            rank: rank as u32,
+            world: world as u32,
+            blocks,
+            row_bytes: row as u64,
+            recv_buf: recv_ptrs,
+            comb_buf: comb_ptrs,
+            pos: p(0),
+            send_counts: p(1),
+            recv_x: p(2),
+            recv_idx: p(3),
+            recv_weights: p(4),
+            recv_src: p(5),
+            num_recv: p(6),
+            expert_counts: p(7),
+            calls: p(8),
+            sems: p(9),
+            ..Default::default()
+        };
+        stream
+            .synchronize()
+            .map_err(cuda_err("cuStreamSynchronize"))?;
+        let k = |name: &str| gpu.function("moe", name);
+        let kernels = [
+            k("moe_dispatch_prepare")?,
+            k("moe_dispatch_send")?,
+            k("moe_dispatch_recv")?,
+            k("moe_combine_prepare")?,
+            k("moe_combine_send")?,
+            k("moe_combine_reduce")?,
+        ];
+        comm.bootstrap().barrier()?;
+        Ok(MoeDispatcher {
+            comm: comm.clone(),
+            cfg,
+            base,
+            blocks,
+            last_tokens: std::sync::atomic::AtomicU32::new(0),
+            kernels,
+            _recv: recv,
+            _comb: comb,
+            _semaphores: semaphores,
+            _device: device,
+        })
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &MoeConfig {
+        &self.cfg
+    }
+
+    /// SMs the send and receive kernels occupy.
+    pub fn sms(&self) -> u32 {
+        self.blocks
+    }
+
+    fn launch(
+        &self,
+        stream: &CudaStream,
+        k: usize,
+        grid: u32,
+        threads: u32,
+        args: &MoeArgs,
+    ) -> Result<()> {
+        let mut b = stream.launch_builder(&self.kernels[k]);
+        b.arg(args);
+        let cfg = LaunchConfig {
+            grid_dim: (grid, 1, 1),
+            block_dim: (threads, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: MoeArgs matches the kernels' (layout-tested); every buffer it names lives as
+        // long as `self`; the caller vouches for the per-call inputs.
+        self.comm
+            .check(unsafe { b.launch(cfg) }.map(|_| ()), "cuLaunchKernel")
+    }
+
+    /// Dispatches `num_tokens` tokens (see the module documentation).
+    ///
+    /// # Safety
+    /// `x` holds `num_tokens * hidden` bf16 (16-byte aligned), `topk_idx` and `topk_weights`
+    /// `num_tokens * topk` i32 / f32, device memory of this GPU valid until the work on `stream`
+    /// completes; every id is -1 or below `num_experts`.
+    pub unsafe fn dispatch(
+        &self,
+        stream: &CudaStream,
+        x: u64,
+        topk_idx: u64,
+        topk_weights: u64,
+        num_tokens: usize,
+    ) -> Result<()> {
+        if num_tokens > self.cfg.max_tokens {
+            return Err(Error::invalid(
+                "num_tokens",
+                format!("{num_tokens} exceeds max_tokens {}", self.cfg.max_tokens),
+            ));
+        }
+        if x % 16 != 0 || topk_idx % 4 != 0 || topk_weights % 4 != 0 {
+            return Err(Error::invalid(
+                "buffers",
+                "x must be 16-byte aligned, the top-k arrays 4-byte",
+            ));
+        }
+        self.last_tokens
+            .store(num_tokens as u32, std::sync::atomic::Ordering::Relaxed);
+        let args = MoeArgs {
+            x,
+            topk_idx,
+            topk_weights,
+            num_tokens: num_tokens as u32,
+            ..self.base
+        };
+        let world = self.comm.world_size() as u32;
+        self.launch(stream, 0, world, 1024, &args)?;
+        self.launch(stream, 1, self.blocks, 512, &args)?;
+        self.launch(stream, 2, self.blocks, 512, &args)
+    }
+
+    /// Combines `y` (one row per received row of the last dispatch) into `out [num_tokens, H]`
+    /// (see the module documentation).
+    ///
+    /// # Safety
+    /// `y` holds at least `num_recv * hidden` bf16 and `out` `num_tokens * hidden` bf16 of the
+    /// last dispatch (both 16-byte aligned), device memory of this GPU valid until the work on
+    /// `stream` completes.
+    pub unsafe fn combine(&self, stream: &CudaStream, y: u64, out: u64) -> Result<()> {
+        if y % 16 != 0 || out % 16 != 0 {
+            return Err(Error::invalid(
+                "buffers",
+                "y and out must be 16-byte aligned",
+            ));
+        }
+        let args = MoeArgs {
+            y,
+            out,
+            num_tokens: self.last_tokens.load(std::sync::atomic::Ordering::Relaxed),
+            ..self.base
+        };
+        let world = self.comm.world_size() as u32;
+        self.launch(stream, 3, 1, world.next_multiple_of(32), &args)?;
+        self.launch(stream, 4, self.blocks, 512, &args)?;
+        self.launch(stream, 5, self.blocks, 512, &args)
+    }
+
+    /// Device addresses of the last dispatch's results: recv_x, recv_idx, recv_weights, recv_src,
+    /// num_recv, expert_counts (read them after the stream's work finished).
+    pub fn results(&self) -> DispatchResults {
+        DispatchResults {
+            recv_x: self.base.recv_x,
+            recv_idx: self.base.recv_idx,
+            recv_weights: self.base.recv_weights,
+            recv_src: self.base.recv_src,
+            num_recv: self.base.num_recv,
+            expert_counts: self.base.expert_counts,
+            max_rows: self.comm.world_size() * self.cfg.max_tokens,
+        }
+    }
+}
+
+/// Where a dispatch leaves its results (device addresses owned by the [`MoeDispatcher`], valid
+/// until its next dispatch).
+#[derive(Debug, Clone, Copy)]
+pub struct DispatchResults {
+    /// `[N, hidden]` bf16 rows, in source-rank order.
+    pub recv_x: u64,
+    /// `[N, topk]` i32: local expert ids, -1 for experts on other ranks.
+    pub recv_idx: u64,
+    /// `[N, topk]` f32 router weights.
+    pub recv_weights: u64,
+    /// `[N, 2]` i32: source rank and source token of each row.
+    pub recv_src: u64,
+    /// One u32: N.
+    pub num_recv: u64,
+    /// `[experts per rank]` u32: rows per local expert.
+    pub expert_counts: u64,
+    /// Room for rows (world x max_tokens).
+    pub max_rows: usize,
+}
+
+/// The expected dispatch layout, computed on the CPU (for tests): for each destination rank, the
+/// tokens it receives from this rank in order, and this rank's count per destination.
+pub fn reference_layout(
+    topk_idx: &[i32],
+    topk: usize,
+    experts_per_rank: usize,
+    world: usize,
+) -> Vec<Vec<usize>> {
+    let mut per_rank = vec![Vec::new(); world];
+    for (t, ids) in topk_idx.chunks(topk).enumerate() {
+        for (r, dest) in per_rank.iter_mut().enumerate() {
+            if ids
+                .iter()
+                .any(|&e| e >= 0 && e as usize / experts_per_rank == r)
+            {
+                dest.push(t);
+            }
+        }
+    }
+    per_rank
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reference_layout_dedups_per_rank_and_skips_minus_one() {
+        // 2 ranks x 2 experts; token 0 picks experts 0 and 1 (both rank 0), token 1 picks 3 and
+        // -1, token 2 nothing.
+        let idx = [0, 1, 3, -1, -1, -1];
+        let l = reference_layout(&idx, 2, 2, 2);
+        assert_eq!(l, vec![vec![0], vec![1]]);
+        assert_eq!(row_bytes(7168, 8) % 16, 0);
+    }
+}

@@ -1,0 +1,307 @@
+//! MoE dispatch/combine on GPUs (`#[ignore = "needs GPU"]`; run with `--ignored`), in the style of
+//! DeepEP's tests: every rank derives every rank's routing from (rank, round), so the expected
+//! layout is computed on the CPU and compared exactly; payloads are derived from (source rank,
+//! token) so every received row names its origin; the combined output is compared bit for bit
+//! with the CPU's (same bf16 roundings, same f32 summation order). Rounds cover uneven token
+//! counts, a rank with no tokens, -1 entries, every token to one expert, then 100 replays of a
+//! captured graph with new routing each time.
+
+mod common;
+
+use common::{rank_counts, run_case, spawned_case};
+use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
+use cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
+use doorbell::collectives::moe::{reference_layout, MoeConfig, MoeDispatcher};
+use doorbell::host::communicator::Communicator;
+use half::bf16;
+use std::sync::Arc;
+
+#[test]
+#[ignore = "needs GPU"]
+fn gpu_rank() {
+    let Some(case) = spawned_case() else {
+        return;
+    };
+    let comm = Arc::new(Communicator::from_env().expect("communicator"));
+    let stream = comm.gpu().new_stream().expect("stream");
+    match case.as_str() {
+        "exchange" => exchange(&comm, &stream),
+        other => panic!("unknown case {other}"),
+    }
+    comm.bootstrap().barrier().expect("final barrier");
+}
+
+#[test]
+#[ignore = "needs GPU"]
+fn dispatch_layout_payloads_and_combine_match_the_cpu() {
+    for n in rank_counts() {
+        run_case("exchange", n, &[]);
+    }
+}
+
+const HIDDEN: usize = 256;
+const TOPK: usize = 4;
+const MAX_TOKENS: usize = 300;
+
+struct Routing {
+    tokens: usize,
+    idx: Vec<i32>,
+    weights: Vec<f32>,
+}
+
+fn hash(a: u64) -> u64 {
+    let mut x = a.wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    x ^= x >> 29;
+    x.wrapping_mul(0xBF58_476D_1CE4_E5B9) ^ (x >> 32)
+}
+
+/// Rank `r`'s routing in `round`: uneven token counts, rank 1 with none in round 1, -1 entries,
+/// every token to expert 3 in round 2, distinct random experts otherwise.
+fn routing(r: usize, round: u64, experts: usize) -> Routing {
+    let tokens = if round == 1 && r == 1 {
+        0
+    } else {
+        (100 + 37 * r + 11 * round as usize) % (MAX_TOKENS + 1)
+    };
+    let mut idx = Vec::with_capacity(tokens * TOPK);
+    let mut weights = Vec::with_capacity(tokens * TOPK);
+    for t in 0..tokens {
+        let mut picked: Vec<i32> = Vec::new();
+        for k in 0..TOPK {
+            let h = hash((r as u64) << 40 | round << 20 | (t * TOPK + k) as u64);
+            let e = if round == 2 {
+                if k == 0 {
+                    3
+                } else {
+                    -1
+                }
+            } else if h % 5 == 0 {
+                -1
+            } else {
+                let mut e = (h >> 8) as usize % experts;
+                while picked.contains(&(e as i32)) {
+                    e = (e + 1) % experts;
+                }
+                e as i32
+            };
+            if e >= 0 {
+                picked.push(e);
+            }
+            idx.push(e);
+            weights.push([0.5f32, 0.25, 0.125, 1.0][(h >> 3) as usize % 4]);
+        }
+    }
+    Routing {
+        tokens,
+        idx,
+        weights,
+    }
+}
+
+/// Decodes little-endian values of `N` bytes.
+fn words<T, const N: usize>(bytes: &[u8], f: impl Fn(&[u8; N]) -> T) -> Vec<T> {
+    bytes
+        .chunks_exact(N)
+        .map(|c| f(c.try_into().expect("N bytes")))
+        .collect()
+}
+
+fn x_value(r: usize, t: usize, h: usize) -> bf16 {
+    bf16::from_f32(((r * 31 + t * 7 + h) % 64) as f32 - 32.0)
+}
+
+/// What rank `r`'s experts make of token `t`'s row: x times the sum of w_k (local id + 1) over
+/// the token's experts on `r`, rounded to bf16.
+fn expert_factor(ids: &[i32], w: &[f32], r: usize, per_rank: usize) -> f32 {
+    ids.iter()
+        .zip(w)
+        .filter(|(&e, _)| e >= 0 && e as usize / per_rank == r)
+        .map(|(&e, &w)| w * ((e as usize % per_rank) as f32 + 1.0))
+        .sum()
+}
+
+fn exchange(comm: &Arc<Communicator>, s: &Arc<CudaStream>) {
+    let (me, world) = (comm.rank(), comm.world_size());
+    let experts = 8 * world;
+    let per_rank = experts / world;
+    let moe = MoeDispatcher::new(
+        comm,
+        MoeConfig {
+            hidden: HIDDEN,
+            topk: TOPK,
+            num_experts: experts,
+            max_tokens: MAX_TOKENS,
+            blocks: Some(16),
+        },
+    )
+    .unwrap();
+    let res = moe.results();
+    let x: CudaSlice<bf16> = s.alloc_zeros(MAX_TOKENS * HIDDEN).unwrap();
+    let idx: CudaSlice<i32> = s.alloc_zeros(MAX_TOKENS * TOPK).unwrap();
+    let w: CudaSlice<f32> = s.alloc_zeros(MAX_TOKENS * TOPK).unwrap();
+    let y: CudaSlice<bf16> = s.alloc_zeros(world * MAX_TOKENS * HIDDEN).unwrap();
+    let out: CudaSlice<bf16> = s.alloc_zeros(MAX_TOKENS * HIDDEN).unwrap();
+    let (xp, ip, wp, yp, op) = (
+        x.device_ptr(s).0,
+        idx.device_ptr(s).0,
+        w.device_ptr(s).0,
+        y.device_ptr(s).0,
+        out.device_ptr(s).0,
+    );
+    let htod = |ptr: u64, v: &[u8]| {
+        if !v.is_empty() {
+            // SAFETY: every destination was sized for the largest upload.
+            unsafe { cudarc::driver::result::memcpy_htod_async(ptr, v, s.cu_stream()) }.unwrap();
+        }
+    };
+    let dtoh = |ptr: u64, n: usize| -> Vec<u8> {
+        let mut v = vec![0u8; n];
+        if n > 0 {
+            // SAFETY: `ptr` holds at least n bytes (results sized for the worst case).
+            unsafe { cudarc::driver::result::memcpy_dtoh_async(&mut v, ptr, s.cu_stream()) }
+                .unwrap();
+        }
+        comm.synchronize(s).unwrap();
+        v
+    };
+    let upload = |round: u64| -> Routing {
+        let mine = routing(me, round, experts);
+        let xs: Vec<u16> = (0..mine.tokens * HIDDEN)
+            .map(|i| x_value(me, i / HIDDEN, i % HIDDEN).to_bits())
+            .collect();
+        htod(xp, bytemuck::cast_slice(&xs));
+        htod(ip, bytemuck::cast_slice(&mine.idx));
+        htod(wp, bytemuck::cast_slice(&mine.weights));
+        mine
+    };
+    // Checks the dispatch results of `round`, then computes y on the host and uploads it.
+    let check_dispatch = |round: u64, what: &str| {
+        let all: Vec<Routing> = (0..world).map(|r| routing(r, round, experts)).collect();
+        let n = u32::from_le_bytes(dtoh(res.num_recv, 4).try_into().unwrap()) as usize;
+        let expected: Vec<(usize, usize)> = (0..world)
+            .flat_map(|src| {
+                reference_layout(&all[src].idx, TOPK, per_rank, world)[me]
+                    .iter()
+                    .map(move |&t| (src, t))
+                    .collect::<Vec<_>>()
+            })
+            .collect();
+        assert_eq!(n, expected.len(), "rank {me}, {what}: rows received");
+        let i32s = |b: &[u8; 4]| i32::from_le_bytes(*b);
+        let rx: Vec<bf16> = words(&dtoh(res.recv_x, n * HIDDEN * 2), |b: &[u8; 2]| {
+            bf16::from_bits(u16::from_le_bytes(*b))
+        });
+        let ri: Vec<i32> = words(&dtoh(res.recv_idx, n * TOPK * 4), i32s);
+        let rw: Vec<f32> = words(&dtoh(res.recv_weights, n * TOPK * 4), |b: &[u8; 4]| {
+            f32::from_le_bytes(*b)
+        });
+        let rs: Vec<i32> = words(&dtoh(res.recv_src, n * 8), i32s);
+        let counts: Vec<u32> = words(&dtoh(res.expert_counts, per_rank * 4), |b: &[u8; 4]| {
+            u32::from_le_bytes(*b)
+        });
+        let mut want_counts = vec![0u32; per_rank];
+        let mut ys = vec![0u16; n * HIDDEN];
+        for (j, &(src, t)) in expected.iter().enumerate() {
+            assert_eq!(
+                (rs[2 * j] as usize, rs[2 * j + 1] as usize),
+                (src, t),
+                "rank {me}, {what}: row {j} origin"
+            );
+            for h in 0..HIDDEN {
+                assert_eq!(
+                    rx[j * HIDDEN + h],
+                    x_value(src, t, h),
+                    "rank {me}, {what}: row {j} ({src}, {t}) value {h}"
+                );
+            }
+            let ids = &all[src].idx[t * TOPK..(t + 1) * TOPK];
+            let ws = &all[src].weights[t * TOPK..(t + 1) * TOPK];
+            for k in 0..TOPK {
+                let e = ids[k];
+                let local = if e >= 0 && e as usize / per_rank == me {
+                    e % per_rank as i32
+                } else {
+                    -1
+                };
+                assert_eq!(
+                    ri[j * TOPK + k],
+                    local,
+                    "rank {me}, {what}: row {j} expert {k}"
+                );
+                assert_eq!(
+                    rw[j * TOPK + k],
+                    ws[k],
+                    "rank {me}, {what}: row {j} weight {k}"
+                );
+                if local >= 0 {
+                    want_counts[local as usize] += 1;
+                }
+            }
+            let f = expert_factor(ids, ws, me, per_rank);
+            for h in 0..HIDDEN {
+                ys[j * HIDDEN + h] = bf16::from_f32(rx[j * HIDDEN + h].to_f32() * f).to_bits();
+            }
+        }
+        assert_eq!(
+            counts, want_counts,
+            "rank {me}, {what}: rows per local expert"
+        );
+        htod(yp, bytemuck::cast_slice(&ys));
+    };
+    let check_combine = |round: u64, what: &str| {
+        let mine = routing(me, round, experts);
+        let got: Vec<bf16> = words(&dtoh(op, mine.tokens * HIDDEN * 2), |b: &[u8; 2]| {
+            bf16::from_bits(u16::from_le_bytes([b[0], b[1]]))
+        });
+        for t in 0..mine.tokens {
+            let ids = &mine.idx[t * TOPK..(t + 1) * TOPK];
+            let ws = &mine.weights[t * TOPK..(t + 1) * TOPK];
+            for h in 0..HIDDEN {
+                let mut acc = 0f32;
+                for r in 0..world {
+                    if ids.iter().any(|&e| e >= 0 && e as usize / per_rank == r) {
+                        acc += bf16::from_f32(
+                            x_value(me, t, h).to_f32() * expert_factor(ids, ws, r, per_rank),
+                        )
+                        .to_f32();
+                    }
+                }
+                assert_eq!(
+                    got[t * HIDDEN + h],
+                    bf16::from_f32(acc),
+                    "rank {me}, {what}: token {t} value {h}"
+                );
+            }
+        }
+    };
+    for round in 0..4u64 {
+        let mine = upload(round);
+        // SAFETY: the inputs hold `tokens` rows; y and out are sized for the worst case.
+        unsafe { moe.dispatch(s, xp, ip, wp, mine.tokens) }.unwrap();
+        check_dispatch(round, &format!("round {round}"));
+        unsafe { moe.combine(s, yp, op) }.unwrap();
+        check_combine(round, &format!("round {round}"));
+    }
+    // Graph: dispatch captured once (fixed token count), replayed with new routing each time;
+    // combine eagerly after each replay.
+    comm.synchronize(s).unwrap();
+    s.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)
+        .unwrap();
+    // SAFETY: as above.
+    unsafe { moe.dispatch(s, xp, ip, wp, routing(me, 10, experts).tokens) }.unwrap();
+    let graph = s
+        .end_capture(CUgraphInstantiate_flags(0))
+        .unwrap()
+        .expect("a graph");
+    for replay in 0..100u64 {
+        // Same token count as captured (round 10's), new routing: rounds 10 + 301 k keep it.
+        let round = 10 + (replay + 1) * (MAX_TOKENS as u64 + 1);
+        let mine = upload(round);
+        assert_eq!(mine.tokens, routing(me, 10, experts).tokens);
+        graph.launch().unwrap();
+        check_dispatch(round, &format!("graph replay {replay}"));
+        // SAFETY: as above.
+        unsafe { moe.combine(s, yp, op) }.unwrap();
+        check_combine(round, &format!("graph replay {replay}"));
+    }
+}
