@@ -1,19 +1,21 @@
 // MoE expert dispatch and combine inside a node over NVLink (high-throughput layout: a token goes
 // to each destination rank once, however many of that rank's experts it selected).
 //
-// Dispatch, three kernels on the caller's stream:
-//   moe_dispatch_prepare (one block per destination rank r): positions of the tokens bound for r
-//     (a block-wide scan), their count; then the "free" handshake with r: my landing area may be
-//     written again (every earlier kernel on my stream, the previous compaction included, is done)
-//     and r's may be written by me.
-//   moe_dispatch_send (B blocks): a warp per token writes its row (hidden bf16 values, the top-k
-//     expert ids rebased to r's local ids or -1, the weights, the source token) straight into r's
-//     landing area at [me][position]; block 0 also writes my per-destination counts there; every
-//     block then signals every peer once (release: its rows land first).
-//   moe_dispatch_recv (B blocks): each block waits until every peer's B signals of this call have
-//     arrived (the monotonic token reaches calls x B; waiting does not consume, so all blocks may
-//     wait), then a warp per received row copies it out, in source-rank order, into recv_x /
-//     recv_idx / recv_weights / recv_src and counts rows per local expert.
+// Dispatch, four kernels on the caller's stream:
+//   moe_dispatch_layout (one block per destination rank r): positions of the tokens bound for r
+//     (a block-wide scan) and their count.
+//   moe_dispatch_counts (one thread per peer): my counts for every rank go into row `me` of every
+//     rank's count matrix, then a signal each way with every peer. Receiving a peer's signal also
+//     means its landing area is free again (the peer's stream has finished everything before this
+//     call, the readers of its previous results included).
+//   moe_dispatch_send (B blocks): with the whole count matrix known, each sender knows where its
+//     rows start in each receiver's results (after the rows of lower ranks); a warp per token
+//     loads the row once and stores it, with the top-k ids rebased to the receiver's local ids
+//     (-1 elsewhere), the weights and (source rank, token), straight into the final place of every
+//     rank it goes to; every block then signals every peer once (release: its rows land first).
+//   moe_dispatch_finish (B blocks): waits until every peer's B signals of this call arrived (the
+//     monotonic token reaches calls x B; waiting does not consume, so all blocks may wait), then
+//     counts rows per local expert. Nothing is copied twice.
 // Combine, three kernels: moe_combine_prepare (the same handshake for the combine landing areas),
 // moe_combine_send (a warp per received row writes y[row] to its source rank's area at
 // [me][source token]; blocks signal), moe_combine_reduce (waits like dispatch_recv, then each
@@ -30,12 +32,8 @@ namespace {
 
 constexpr uint32_t kWarp = 32;
 
-DOORBELL_DEVICE_INLINE char* dispatch_row(const MoeArgs& a, uint32_t owner, uint32_t source, uint32_t index) {
-  return a.recv_buf[owner] + (uint64_t(source) * a.max_tokens + index) * a.row_bytes;
-}
-
-DOORBELL_DEVICE_INLINE uint32_t* dispatch_counts(const MoeArgs& a, uint32_t owner) {
-  return reinterpret_cast<uint32_t*>(a.recv_buf[owner] + uint64_t(a.world) * a.max_tokens * a.row_bytes);
+DOORBELL_DEVICE_INLINE uint32_t* count_matrix(const MoeArgs& a, uint32_t owner) {
+  return reinterpret_cast<uint32_t*>(a.land[owner] + a.off_matrix);
 }
 
 DOORBELL_DEVICE_INLINE uint16_t* combine_row(const MoeArgs& a, uint32_t owner, uint32_t source, uint32_t token) {
@@ -82,7 +80,7 @@ DOORBELL_DEVICE_INLINE void free_handshake(const MoeArgs& a, uint32_t free_set, 
 
 }  // namespace
 
-extern "C" __global__ void __launch_bounds__(1024) moe_dispatch_prepare(MoeArgs a) {
+extern "C" __global__ void __launch_bounds__(1024) moe_dispatch_layout(MoeArgs a) {
   const uint32_t r = blockIdx.x;
   const uint32_t tid = threadIdx.x;
   __shared__ uint32_t warp_sums[32];
@@ -119,68 +117,97 @@ extern "C" __global__ void __launch_bounds__(1024) moe_dispatch_prepare(MoeArgs 
     __syncthreads();
   }
   if (tid == 0) a.send_counts[r] = base;
-  if (tid == 0) free_handshake(a, 0, r);
+}
+
+extern "C" __global__ void moe_dispatch_counts(MoeArgs a) {
+  const uint32_t r = threadIdx.x;
+  if (r >= a.world) return;
+  uint32_t* row = count_matrix(a, r) + uint64_t(a.rank) * a.world;
+  for (uint32_t q = 0; q < a.world; ++q) row[q] = a.send_counts[q];
+  if (r == a.rank) return;
+  const SemaphoreHandle& h = a.sems[0 * a.world + r];
+  h.signal();
+  h.wait();
 }
 
 extern "C" __global__ void __launch_bounds__(512) moe_dispatch_send(MoeArgs a) {
+  __shared__ uint32_t first[kMaxRanks];  // where my rows start in each rank's results
+  if (threadIdx.x < a.world) {
+    const uint32_t* m = count_matrix(a, a.rank);
+    uint32_t before = 0;
+    for (uint32_t s = 0; s < a.rank; ++s) before += m[uint64_t(s) * a.world + threadIdx.x];
+    first[threadIdx.x] = before;
+  }
+  __syncthreads();
   const uint32_t lane = threadIdx.x % kWarp;
   const uint32_t warps = gridDim.x * (blockDim.x / kWarp);
-  const uint64_t payload = uint64_t(a.hidden) * 2;
+  const uint64_t chunks = uint64_t(a.hidden) / 8;
   for (uint32_t t = blockIdx.x * (blockDim.x / kWarp) + threadIdx.x / kWarp; t < a.num_tokens; t += warps) {
+    int4* dst[kMaxRanks];
+    uint64_t row[kMaxRanks];
+    uint32_t n = 0;
     for (uint32_t r = 0; r < a.world; ++r) {
       const int32_t p = a.pos[uint64_t(t) * a.world + r];
       if (p < 0) continue;
-      char* row = dispatch_row(a, r, a.rank, uint32_t(p));
-      warp_copy16(row, a.x + uint64_t(t) * a.hidden, payload, lane);
-      int32_t* ids = reinterpret_cast<int32_t*>(row + payload);
-      float* weights = reinterpret_cast<float*>(ids + a.topk);
+      row[n] = (uint64_t(r) << 40) | (first[r] + uint32_t(p));
+      dst[n] = reinterpret_cast<int4*>(a.land[r]) + (first[r] + uint64_t(p)) * chunks;
+      ++n;
+    }
+    if (n == 0) continue;
+    // The row is read once and stored to every rank it goes to.
+    const int4* src = reinterpret_cast<const int4*>(a.x) + uint64_t(t) * chunks;
+    uint64_t c = lane;
+    for (; c + 3 * kWarp < chunks; c += 4 * kWarp) {  // four loads in flight before the stores
+      int4 v[4];
+#pragma unroll
+      for (int u = 0; u < 4; ++u) v[u] = src[c + u * kWarp];
+      for (uint32_t d = 0; d < n; ++d) {
+#pragma unroll
+        for (int u = 0; u < 4; ++u) dst[d][c + u * kWarp] = v[u];
+      }
+    }
+    for (; c < chunks; c += kWarp) {
+      const int4 v = src[c];
+      for (uint32_t d = 0; d < n; ++d) dst[d][c] = v;
+    }
+    for (uint32_t d = 0; d < n; ++d) {
+      const uint32_t r = uint32_t(row[d] >> 40);
+      const uint64_t j = row[d] & ((uint64_t(1) << 40) - 1);
+      int32_t* ids = reinterpret_cast<int32_t*>(a.land[r] + a.off_idx) + j * a.topk;
+      float* weights = reinterpret_cast<float*>(a.land[r] + a.off_weights) + j * a.topk;
       for (uint32_t k = lane; k < a.topk; k += kWarp) {
         const int32_t e = a.topk_idx[uint64_t(t) * a.topk + k];
         const bool here = e >= 0 && uint32_t(e) / a.experts_per_rank == r;
         ids[k] = here ? int32_t(uint32_t(e) % a.experts_per_rank) : -1;
         weights[k] = a.topk_weights[uint64_t(t) * a.topk + k];
       }
-      if (lane == 0) reinterpret_cast<int32_t*>(weights + a.topk)[0] = int32_t(t);
+      if (lane == 0) {
+        int32_t* src_info = reinterpret_cast<int32_t*>(a.land[r] + a.off_src) + 2 * j;
+        src_info[0] = int32_t(a.rank);
+        src_info[1] = int32_t(t);
+      }
     }
-  }
-  if (blockIdx.x == 0 && threadIdx.x < a.world) {
-    dispatch_counts(a, threadIdx.x)[a.rank] = a.send_counts[threadIdx.x];
   }
   __syncthreads();
   if (threadIdx.x < a.world && threadIdx.x != a.rank) a.sems[1 * a.world + threadIdx.x].signal();
 }
 
-extern "C" __global__ void __launch_bounds__(512) moe_dispatch_recv(MoeArgs a) {
-  __shared__ uint32_t base[kMaxRanks + 1];
+extern "C" __global__ void __launch_bounds__(512) moe_dispatch_finish(MoeArgs a) {
+  __shared__ uint32_t total;
   if (threadIdx.x == 0) {
     wait_all_peers(a, 1, a.calls[0]);
-    const uint32_t* counts = dispatch_counts(a, a.rank);
-    base[0] = 0;
-    for (uint32_t s = 0; s < a.world; ++s) base[s + 1] = base[s] + load_acquire_sys(&counts[s]);
-    if (blockIdx.x == 0) *a.num_recv = base[a.world];
+    const uint32_t* m = count_matrix(a, a.rank);
+    uint32_t n = 0;
+    for (uint32_t s = 0; s < a.world; ++s) n += m[uint64_t(s) * a.world + a.rank];
+    total = n;
+    if (blockIdx.x == 0) *a.num_recv = n;
   }
   __syncthreads();
-  const uint32_t lane = threadIdx.x % kWarp;
-  const uint32_t warps = gridDim.x * (blockDim.x / kWarp);
-  const uint64_t payload = uint64_t(a.hidden) * 2;
-  const uint32_t total = base[a.world];
-  for (uint32_t j = blockIdx.x * (blockDim.x / kWarp) + threadIdx.x / kWarp; j < total; j += warps) {
-    uint32_t s = 0;
-    while (j >= base[s + 1]) ++s;
-    const char* row = dispatch_row(a, a.rank, s, j - base[s]);
-    warp_copy16(a.recv_x + uint64_t(j) * a.hidden, row, payload, lane);
-    const int32_t* ids = reinterpret_cast<const int32_t*>(row + payload);
-    const float* weights = reinterpret_cast<const float*>(ids + a.topk);
-    for (uint32_t k = lane; k < a.topk; k += kWarp) {
-      const int32_t e = ids[k];
-      a.recv_idx[uint64_t(j) * a.topk + k] = e;
-      a.recv_weights[uint64_t(j) * a.topk + k] = weights[k];
-      if (e >= 0) atomicAdd(&a.expert_counts[e], 1u);
-    }
-    if (lane == 0) {
-      a.recv_src[2 * uint64_t(j)] = int32_t(s);
-      a.recv_src[2 * uint64_t(j) + 1] = reinterpret_cast<const int32_t*>(weights + a.topk)[0];
-    }
+  const int32_t* ids = reinterpret_cast<const int32_t*>(a.land[a.rank] + a.off_idx);
+  const uint64_t n = uint64_t(total) * a.topk;
+  for (uint64_t i = blockIdx.x * uint64_t(blockDim.x) + threadIdx.x; i < n; i += uint64_t(gridDim.x) * blockDim.x) {
+    const int32_t e = ids[i];
+    if (e >= 0) atomicAdd(&a.expert_counts[e], 1u);
   }
 }
 
@@ -193,9 +220,10 @@ extern "C" __global__ void __launch_bounds__(512) moe_combine_send(MoeArgs a) {
   const uint32_t lane = threadIdx.x % kWarp;
   const uint32_t warps = gridDim.x * (blockDim.x / kWarp);
   const uint32_t total = *a.num_recv;
+  const int32_t* recv_src = reinterpret_cast<const int32_t*>(a.land[a.rank] + a.off_src);
   for (uint32_t j = blockIdx.x * (blockDim.x / kWarp) + threadIdx.x / kWarp; j < total; j += warps) {
-    const uint32_t s = uint32_t(a.recv_src[2 * uint64_t(j)]);
-    const uint32_t t = uint32_t(a.recv_src[2 * uint64_t(j) + 1]);
+    const uint32_t s = uint32_t(recv_src[2 * uint64_t(j)]);
+    const uint32_t t = uint32_t(recv_src[2 * uint64_t(j) + 1]);
     warp_copy16(combine_row(a, s, a.rank, t), a.y + uint64_t(j) * a.hidden, uint64_t(a.hidden) * 2, lane);
   }
   __syncthreads();

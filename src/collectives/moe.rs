@@ -51,7 +51,7 @@ pub struct MoeDispatcher {
     base: MoeArgs,
     blocks: u32,
     last_tokens: std::sync::atomic::AtomicU32,
-    kernels: [CudaFunction; 6],
+    kernels: [CudaFunction; 7],
     _recv: (
         Arc<Buffer>,
         Arc<RegisteredMemory>,
@@ -72,10 +72,6 @@ type Landing = (
     Arc<RegisteredMemory>,
     Vec<Option<Arc<RemoteMemory>>>,
 );
-
-fn row_bytes(hidden: usize, topk: usize) -> usize {
-    (hidden * 2 + topk * 8 + 4).next_multiple_of(16)
-}
 
 impl MoeDispatcher {
     /// Allocates the landing areas (mapped by every peer), outputs and semaphores. Collective.
@@ -123,8 +119,13 @@ impl MoeDispatcher {
                 format!("{blocks}: must be in 1..={sms} (every block must be resident at once)"),
             ));
         }
-        let row = row_bytes(cfg.hidden, cfg.topk);
         let rows = world * cfg.max_tokens;
+        let section = |bytes: usize| bytes.next_multiple_of(256);
+        let off_idx = section(rows * cfg.hidden * 2);
+        let off_weights = off_idx + section(rows * cfg.topk * 4);
+        let off_src = off_weights + section(rows * cfg.topk * 4);
+        let off_matrix = off_src + section(rows * 8);
+        let land_bytes = off_matrix + section(world * world * 4);
         let map = |bytes: usize| -> Result<(Landing, [u64; MAX_RANKS])> {
             let buf = comm.alloc(bytes)?;
             let reg = comm.register(&buf)?;
@@ -147,7 +148,7 @@ impl MoeDispatcher {
             }
             Ok(((buf, reg, peers), ptrs))
         };
-        let (recv, recv_ptrs) = map(rows * row + world * 4)?;
+        let (recv, land_ptrs) = map(land_bytes)?;
         let (comb, comb_ptrs) = map(rows * cfg.hidden * 2)?;
         let semaphores = comm.semaphores(4)?;
         let stream = gpu.new_stream()?;
@@ -163,10 +164,6 @@ impl MoeDispatcher {
         let device = vec![
             alloc(cfg.max_tokens * world * 4)?,  // pos
             alloc(world * 4)?,                   // send_counts
-            alloc(rows * cfg.hidden * 2)?,       // recv_x
-            alloc(rows * cfg.topk * 4)?,         // recv_idx
-            alloc(rows * cfg.topk * 4)?,         // recv_weights
-            alloc(rows * 8)?,                    // recv_src
             alloc(4)?,                           // num_recv
             alloc(cfg.num_experts / world * 4)?, // expert_counts
             alloc(16)?,                          // calls
@@ -181,19 +178,18 @@ impl MoeDispatcher {
             rank: rank as u32,
             world: world as u32,
             blocks,
-            row_bytes: row as u64,
-            recv_buf: recv_ptrs,
+            land: land_ptrs,
             comb_buf: comb_ptrs,
+            off_idx: off_idx as u64,
+            off_weights: off_weights as u64,
+            off_src: off_src as u64,
+            off_matrix: off_matrix as u64,
             pos: p(0),
             send_counts: p(1),
-            recv_x: p(2),
-            recv_idx: p(3),
-            recv_weights: p(4),
-            recv_src: p(5),
-            num_recv: p(6),
-            expert_counts: p(7),
-            calls: p(8),
-            sems: p(9),
+            num_recv: p(2),
+            expert_counts: p(3),
+            calls: p(4),
+            sems: p(5),
             ..Default::default()
         };
         stream
@@ -201,9 +197,10 @@ impl MoeDispatcher {
             .map_err(cuda_err("cuStreamSynchronize"))?;
         let k = |name: &str| gpu.function("moe", name);
         let kernels = [
-            k("moe_dispatch_prepare")?,
+            k("moe_dispatch_layout")?,
+            k("moe_dispatch_counts")?,
             k("moe_dispatch_send")?,
-            k("moe_dispatch_recv")?,
+            k("moe_dispatch_finish")?,
             k("moe_combine_prepare")?,
             k("moe_combine_send")?,
             k("moe_combine_reduce")?,
@@ -291,8 +288,9 @@ impl MoeDispatcher {
         };
         let world = self.comm.world_size() as u32;
         self.launch(stream, 0, world, 1024, &args)?;
-        self.launch(stream, 1, self.blocks, 512, &args)?;
-        self.launch(stream, 2, self.blocks, 512, &args)
+        self.launch(stream, 1, 1, world.next_multiple_of(32), &args)?;
+        self.launch(stream, 2, self.blocks, 512, &args)?;
+        self.launch(stream, 3, self.blocks, 512, &args)
     }
 
     /// Combines `y` (one row per received row of the last dispatch) into `out [num_tokens, H]`
@@ -316,19 +314,20 @@ impl MoeDispatcher {
             ..self.base
         };
         let world = self.comm.world_size() as u32;
-        self.launch(stream, 3, 1, world.next_multiple_of(32), &args)?;
-        self.launch(stream, 4, self.blocks, 512, &args)?;
-        self.launch(stream, 5, self.blocks, 512, &args)
+        self.launch(stream, 4, 1, world.next_multiple_of(32), &args)?;
+        self.launch(stream, 5, self.blocks, 512, &args)?;
+        self.launch(stream, 6, self.blocks, 512, &args)
     }
 
     /// Device addresses of the last dispatch's results: recv_x, recv_idx, recv_weights, recv_src,
     /// num_recv, expert_counts (read them after the stream's work finished).
     pub fn results(&self) -> DispatchResults {
+        let land = self.base.land[self.comm.rank()];
         DispatchResults {
-            recv_x: self.base.recv_x,
-            recv_idx: self.base.recv_idx,
-            recv_weights: self.base.recv_weights,
-            recv_src: self.base.recv_src,
+            recv_x: land,
+            recv_idx: land + self.base.off_idx,
+            recv_weights: land + self.base.off_weights,
+            recv_src: land + self.base.off_src,
             num_recv: self.base.num_recv,
             expert_counts: self.base.expert_counts,
             max_rows: self.comm.world_size() * self.cfg.max_tokens,
@@ -389,6 +388,5 @@ mod tests {
         let idx = [0, 1, 3, -1, -1, -1];
         let l = reference_layout(&idx, 2, 2, 2);
         assert_eq!(l, vec![vec![0], vec![1]]);
-        assert_eq!(row_bytes(7168, 8) % 16, 0);
     }
 }

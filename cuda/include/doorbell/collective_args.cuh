@@ -78,21 +78,24 @@ struct MoeArgs {
   uint32_t max_tokens;         // per rank
   uint32_t rank;
   uint32_t world;
-  uint32_t blocks;             // grid of the send / receive kernels (signals per call per peer)
-  uint64_t row_bytes;          // dispatch row: payload, topk ids, weights, source token, padded to 16
-  char* recv_buf[kMaxRanks];   // every rank's dispatch landing area: [source][max_tokens][row] + [world] u32 counts
+  uint32_t blocks;             // grid of the send / finish kernels (signals per call per peer)
+  // Every rank's dispatch results, mapped here; senders write rows straight into them:
+  // recv_x [world * max_tokens, hidden] bf16 at 0, recv_idx [.., topk] i32 at off_idx,
+  // recv_weights [.., topk] f32 at off_weights, recv_src [.., 2] i32 at off_src, and the count
+  // matrix [world][world] u32 at off_matrix (row s: what rank s sends to each rank).
+  char* land[kMaxRanks];
   char* comb_buf[kMaxRanks];   // every rank's combine landing area: [source][max_tokens][hidden] bf16
+  uint64_t off_idx;
+  uint64_t off_weights;
+  uint64_t off_src;
+  uint64_t off_matrix;
   int32_t* pos;                // mine: [max_tokens][world], position of token t among those sent to r, or -1
   uint32_t* send_counts;       // mine: [world]
-  uint16_t* recv_x;            // mine: [world * max_tokens, hidden]
-  int32_t* recv_idx;           // mine: [world * max_tokens, topk], local expert ids, -1 elsewhere
-  float* recv_weights;         // mine: [world * max_tokens, topk]
-  int32_t* recv_src;           // mine: [world * max_tokens, 2]: source rank, source token
   uint32_t* num_recv;          // mine: rows received
   uint32_t* expert_counts;     // mine: [experts_per_rank]
   uint64_t* calls;             // mine: [2] dispatch and combine calls so far
-  const SemaphoreHandle* sems; // [4][world]: dispatch free, dispatch data, combine free, combine data
+  const SemaphoreHandle* sems; // [4][world]: dispatch counts, dispatch data, combine free, combine data
 };
-DOORBELL_CHECK_SIZE(MoeArgs, 288);
+DOORBELL_CHECK_SIZE(MoeArgs, 280);
 
 }  // namespace doorbell

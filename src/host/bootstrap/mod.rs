@@ -328,7 +328,9 @@ impl Bootstrap {
         let deadline = Instant::now() + timeout;
         for peer in self.peers() {
             if let Err(failure) = self.send_frame(peer, Kind::Gather, seq, data) {
-                self.abort_job(failure.blamed, &failure.why);
+                if failure.propagate {
+                    self.abort_job(failure.blamed, &failure.why);
+                }
                 return Err(failure.into_error(self.rank));
             }
         }
@@ -407,7 +409,12 @@ impl Bootstrap {
         data: &[u8],
     ) -> std::result::Result<(), Failure> {
         if let Some(why) = self.shared.gone_reason(peer) {
-            return Err(Failure::peer(peer, why));
+            // A peer that left after the job was aborted left because of the abort: report the
+            // abort's culprit, not the peer.
+            return Err(self
+                .shared
+                .recorded_abort()
+                .unwrap_or_else(|| Failure::peer(peer, why)));
         }
         let Some(link) = self.links.get(peer).and_then(Option::as_ref) else {
             return Err(Failure::peer(peer, "no link to this rank".into()));
@@ -451,12 +458,22 @@ impl Bootstrap {
 
 impl Drop for Bootstrap {
     fn drop(&mut self) {
+        // A rank that leaves a job that was aborted passes the abort on instead of a goodbye, so
+        // a peer that notices this rank's departure before the original abort still blames the
+        // rank the job failed on, not this one.
+        let relay = self
+            .shared
+            .abort_note()
+            .map(|(blamed, why)| encode_abort(blamed, &why));
         for (peer, link) in self.links.iter().enumerate() {
             let Some(link) = link else { continue };
             let stream = lock(&link.writer);
             if self.shared.gone_reason(peer).is_none() {
                 let _ = stream.set_write_timeout(Some(FAREWELL_WRITE_TIMEOUT));
-                let _ = write_frame(&mut &*stream, Kind::Goodbye, 0, &[]);
+                let _ = match &relay {
+                    Some(payload) => write_frame(&mut &*stream, Kind::Abort, 0, payload),
+                    None => write_frame(&mut &*stream, Kind::Goodbye, 0, &[]),
+                };
             }
             // Wakes this link's reader thread, which is blocked in read.
             let _ = stream.shutdown(Shutdown::Both);

@@ -111,6 +111,24 @@ impl Shared {
             .and_then(|g| g.as_ref().map(|g| g.why.clone()))
     }
 
+    /// The abort recorded so far, if any: (blamed rank, reason as the aborting rank gave it,
+    /// prefixed with who aborted).
+    pub(super) fn abort_note(&self) -> Option<(Option<usize>, String)> {
+        let st = lock(&self.state);
+        st.aborted.as_ref().map(|a| {
+            (
+                a.blamed,
+                format!("rank {} aborted the job: {}", a.from, a.why),
+            )
+        })
+    }
+
+    /// The failure to report when the job was aborted, if it was.
+    pub(super) fn recorded_abort(&self) -> Option<Failure> {
+        let st = lock(&self.state);
+        st.aborted.as_ref().map(|a| self.abort_failure(a))
+    }
+
     pub(super) fn set_aborted(&self, abort: Abort) {
         let mut st = lock(&self.state);
         if st.aborted.is_none() {
