@@ -48,6 +48,10 @@ struct Args {
     /// Timed iterations per eager measurement.
     #[arg(long, default_value_t = 20)]
     iters: usize,
+    /// Combine from the dispatcher's combine buffer (as expert kernels writing there would),
+    /// skipping the copy of the expert outputs into it.
+    #[arg(long)]
+    zero_copy: bool,
     /// Skip NCCL.
     #[arg(long)]
     no_nccl: bool,
@@ -132,10 +136,11 @@ fn run(args: &Args) -> Result<i32> {
     let (nsp, nrp) = (nccl_send.device_ptr(&s).0, nccl_recv.device_ptr(&s).0);
     if lead {
         println!(
-            "# doorbell MoE dispatch/combine (high-throughput kernels, bf16): {world} ranks, hidden {h}, top-{} of {} experts, {} SMs",
+            "# doorbell MoE dispatch/combine (high-throughput kernels, bf16): {world} ranks, hidden {h}, top-{} of {} experts, {} SMs, combine {}",
             args.topk,
             args.experts,
-            moe.sms()
+            moe.sms(),
+            if args.zero_copy { "from the combine buffer (zero copy)" } else { "copies y in" }
         );
         println!("# us = max over ranks; GB/s = rows received per rank (mean) x hidden x 2 B / us (DeepEP's normal-kernel definition)");
         println!(
@@ -198,8 +203,13 @@ fn run(args: &Args) -> Result<i32> {
         let dispatch = measure(&comm, &s, bytes as usize, repeat, &|st| unsafe {
             moe.dispatch(st, xp, ip, wp, tokens)
         })?;
+        let y_at = if args.zero_copy {
+            moe.combine_buffer()
+        } else {
+            yp
+        };
         let combine = measure(&comm, &s, bytes as usize, repeat, &|st| unsafe {
-            moe.combine(st, yp, op)
+            moe.combine(st, y_at, op)
         })?;
         let theirs = match &nccl {
             Some(n) => {

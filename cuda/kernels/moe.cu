@@ -2,24 +2,31 @@
 // to each destination rank once, however many of that rank's experts it selected).
 //
 // Dispatch, four kernels on the caller's stream:
-//   moe_dispatch_layout (one block per destination rank r): positions of the tokens bound for r
-//     (a block-wide scan) and their count.
-//   moe_dispatch_counts (one thread per peer): my counts for every rank go into row `me` of every
-//     rank's count matrix, then a signal each way with every peer. Receiving a peer's signal also
-//     means its landing area is free again (the peer's stream has finished everything before this
-//     call, the readers of its previous results included).
+//   moe_dispatch_layout (one block per destination rank r): the positions of the tokens bound for
+//     r (a block-wide scan) and their count.
+//   moe_dispatch_counts (one thread per peer): my counts go into row `me` of every rank's count
+//     matrix, and a signal each way with every peer. Receiving a peer's signal also means its
+//     results area is free again (the peer's stream has finished everything before this call,
+//     the readers of its previous results included).
 //   moe_dispatch_send (B blocks): with the whole count matrix known, each sender knows where its
-//     rows start in each receiver's results (after the rows of lower ranks); a warp per token
-//     loads the row once and stores it, with the top-k ids rebased to the receiver's local ids
-//     (-1 elsewhere), the weights and (source rank, token), straight into the final place of every
-//     rank it goes to; every block then signals every peer once (release: its rows land first).
+//     rows start in each receiver's results (after the rows of lower ranks); a warp per (token,
+//     segment of its row) loads the row once and stores it, with the top-k ids rebased to the
+//     receiver's local ids (-1 elsewhere), the weights and (source rank, token), straight into
+//     the final place of every rank it goes to; every block then signals every peer once
+//     (release: its rows land first). Nothing is copied twice.
 //   moe_dispatch_finish (B blocks): waits until every peer's B signals of this call arrived (the
-//     monotonic token reaches calls x B; waiting does not consume, so all blocks may wait), then
-//     counts rows per local expert. Nothing is copied twice.
-// Combine, three kernels: moe_combine_prepare (the same handshake for the combine landing areas),
-// moe_combine_send (a warp per received row writes y[row] to its source rank's area at
-// [me][source token]; blocks signal), moe_combine_reduce (waits like dispatch_recv, then each
-// token's rows from the ranks it went to are summed in f32, in rank order, into out).
+//     monotonic token reaches calls x B; waiting consumes nothing, so every block may wait), then
+//     counts rows per local expert.
+// Combine pulls: every rank's expert outputs sit in its combine buffer (registered, mapped by every
+// peer; the caller's rows are copied in first unless it wrote them there itself), and each source
+// rank reads the rows of its own tokens straight from the ranks they went to:
+//   moe_combine_free (one thread per peer): a signal each way: the peer has finished reading my
+//     combine buffer in its previous combine (its stream reached this one), so I may refill it.
+//   moe_combine_copy_in (B blocks, skipped when the caller wrote the buffer): num_recv rows of y.
+//   moe_combine_ready (one thread per peer): a signal each way: every buffer is filled.
+//   moe_combine_reduce (B blocks): for each token, the rows of the ranks it went to, at (rows of
+//     lower source ranks on that rank, from the count matrix) + the token's position there, summed
+//     in f32 in rank order into out. No intermediate copy; loads over NVLink.
 // Every count lives in device memory and every call consumes what it signals: CUDA-graph
 // capturable, replays need no reset.
 #include <doorbell/doorbell.cuh>
@@ -31,13 +38,10 @@ using namespace doorbell;
 namespace {
 
 constexpr uint32_t kWarp = 32;
+constexpr uint32_t kMaxLocalExperts = 2048;  // MoeDispatcher::new checks experts_per_rank
 
 DOORBELL_DEVICE_INLINE uint32_t* count_matrix(const MoeArgs& a, uint32_t owner) {
   return reinterpret_cast<uint32_t*>(a.land[owner] + a.off_matrix);
-}
-
-DOORBELL_DEVICE_INLINE uint16_t* combine_row(const MoeArgs& a, uint32_t owner, uint32_t source, uint32_t token) {
-  return reinterpret_cast<uint16_t*>(a.comb_buf[owner]) + (uint64_t(source) * a.max_tokens + token) * a.hidden;
 }
 
 // Copies `bytes` (a multiple of 16, both ends 16-byte aligned) with one warp.
@@ -141,8 +145,15 @@ extern "C" __global__ void __launch_bounds__(512) moe_dispatch_send(MoeArgs a) {
   __syncthreads();
   const uint32_t lane = threadIdx.x % kWarp;
   const uint32_t warps = gridDim.x * (blockDim.x / kWarp);
-  const uint64_t chunks = uint64_t(a.hidden) / 8;
-  for (uint32_t t = blockIdx.x * (blockDim.x / kWarp) + threadIdx.x / kWarp; t < a.num_tokens; t += warps) {
+  const uint32_t chunks = a.hidden / 8;
+  // Work items are (token, segment of its row): with few tokens (decode) the rows are split so
+  // every warp has work; with many, one segment per token.
+  uint32_t segs = a.num_tokens ? (warps + a.num_tokens - 1) / a.num_tokens : 1;
+  const uint32_t max_segs = chunks / kWarp > 0 ? chunks / kWarp : 1;
+  segs = segs < 1 ? 1 : (segs > max_segs ? max_segs : segs);
+  const uint32_t items = a.num_tokens * segs;
+  for (uint32_t item = blockIdx.x * (blockDim.x / kWarp) + threadIdx.x / kWarp; item < items; item += warps) {
+    const uint32_t t = item / segs, seg = item % segs;
     int4* dst[kMaxRanks];
     uint64_t row[kMaxRanks];
     uint32_t n = 0;
@@ -156,8 +167,9 @@ extern "C" __global__ void __launch_bounds__(512) moe_dispatch_send(MoeArgs a) {
     if (n == 0) continue;
     // The row is read once and stored to every rank it goes to.
     const int4* src = reinterpret_cast<const int4*>(a.x) + uint64_t(t) * chunks;
-    uint64_t c = lane;
-    for (; c + 3 * kWarp < chunks; c += 4 * kWarp) {  // four loads in flight before the stores
+    const uint32_t end = uint32_t(uint64_t(chunks) * (seg + 1) / segs);
+    uint32_t c = uint32_t(uint64_t(chunks) * seg / segs) + lane;
+    for (; c + 3 * kWarp < end; c += 4 * kWarp) {  // four loads in flight before the stores
       int4 v[4];
 #pragma unroll
       for (int u = 0; u < 4; ++u) v[u] = src[c + u * kWarp];
@@ -166,10 +178,11 @@ extern "C" __global__ void __launch_bounds__(512) moe_dispatch_send(MoeArgs a) {
         for (int u = 0; u < 4; ++u) dst[d][c + u * kWarp] = v[u];
       }
     }
-    for (; c < chunks; c += kWarp) {
+    for (; c < end; c += kWarp) {
       const int4 v = src[c];
       for (uint32_t d = 0; d < n; ++d) dst[d][c] = v;
     }
+    if (seg != 0) continue;
     for (uint32_t d = 0; d < n; ++d) {
       const uint32_t r = uint32_t(row[d] >> 40);
       const uint64_t j = row[d] & ((uint64_t(1) << 40) - 1);
@@ -202,49 +215,65 @@ extern "C" __global__ void __launch_bounds__(512) moe_dispatch_finish(MoeArgs a)
     total = n;
     if (blockIdx.x == 0) *a.num_recv = n;
   }
+  // Per-block histograms in shared memory, then one global add per expert and block: the same
+  // few counters hit by every thread would serialize on global atomics.
+  __shared__ uint32_t hist[kMaxLocalExperts];
+  for (uint32_t e = threadIdx.x; e < a.experts_per_rank; e += blockDim.x) hist[e] = 0;
   __syncthreads();
   const int32_t* ids = reinterpret_cast<const int32_t*>(a.land[a.rank] + a.off_idx);
   const uint64_t n = uint64_t(total) * a.topk;
   for (uint64_t i = blockIdx.x * uint64_t(blockDim.x) + threadIdx.x; i < n; i += uint64_t(gridDim.x) * blockDim.x) {
     const int32_t e = ids[i];
-    if (e >= 0) atomicAdd(&a.expert_counts[e], 1u);
+    if (e >= 0) atomicAdd(&hist[e], 1u);
+  }
+  __syncthreads();
+  for (uint32_t e = threadIdx.x; e < a.experts_per_rank; e += blockDim.x) {
+    if (hist[e]) atomicAdd(&a.expert_counts[e], hist[e]);
   }
 }
 
-extern "C" __global__ void moe_combine_prepare(MoeArgs a) {
+extern "C" __global__ void moe_combine_free(MoeArgs a) {
   if (threadIdx.x == 0) a.calls[1] += 1;
   free_handshake(a, 2, threadIdx.x);
 }
 
-extern "C" __global__ void __launch_bounds__(512) moe_combine_send(MoeArgs a) {
+extern "C" __global__ void __launch_bounds__(512) moe_combine_copy_in(MoeArgs a) {
   const uint32_t lane = threadIdx.x % kWarp;
   const uint32_t warps = gridDim.x * (blockDim.x / kWarp);
   const uint32_t total = *a.num_recv;
-  const int32_t* recv_src = reinterpret_cast<const int32_t*>(a.land[a.rank] + a.off_src);
+  uint16_t* mine = reinterpret_cast<uint16_t*>(a.comb_buf[a.rank]);
   for (uint32_t j = blockIdx.x * (blockDim.x / kWarp) + threadIdx.x / kWarp; j < total; j += warps) {
-    const uint32_t s = uint32_t(recv_src[2 * uint64_t(j)]);
-    const uint32_t t = uint32_t(recv_src[2 * uint64_t(j) + 1]);
-    warp_copy16(combine_row(a, s, a.rank, t), a.y + uint64_t(j) * a.hidden, uint64_t(a.hidden) * 2, lane);
+    warp_copy16(mine + uint64_t(j) * a.hidden, a.y + uint64_t(j) * a.hidden, uint64_t(a.hidden) * 2, lane);
   }
-  __syncthreads();
-  if (threadIdx.x < a.world && threadIdx.x != a.rank) a.sems[3 * a.world + threadIdx.x].signal();
 }
 
+extern "C" __global__ void moe_combine_ready(MoeArgs a) { free_handshake(a, 3, threadIdx.x); }
+
 extern "C" __global__ void __launch_bounds__(512) moe_combine_reduce(MoeArgs a) {
-  if (threadIdx.x == 0) wait_all_peers(a, 3, a.calls[1]);
+  __shared__ uint32_t first[kMaxRanks];  // where my tokens' rows start on each rank
+  if (threadIdx.x < a.world) {
+    const uint32_t* m = count_matrix(a, a.rank);
+    uint32_t before = 0;
+    for (uint32_t s = 0; s < a.rank; ++s) before += m[uint64_t(s) * a.world + threadIdx.x];
+    first[threadIdx.x] = before;
+  }
   __syncthreads();
-  // Eight bf16 values (16 bytes) per step; every rank the token went to adds its row, in rank
-  // order, in f32.
-  const uint64_t chunks = uint64_t(a.hidden) / 8;
-  const uint64_t n = uint64_t(a.num_tokens) * chunks;
-  for (uint64_t i = blockIdx.x * uint64_t(blockDim.x) + threadIdx.x; i < n; i += uint64_t(gridDim.x) * blockDim.x) {
-    const uint32_t t = uint32_t(i / chunks);
-    const uint64_t c = i % chunks;
-    float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  // A thread per (token, 16 bytes of its row): every rank the token went to adds its eight bf16
+  // values, in rank order, in f32; all of a thread's loads are in flight before the sums, and
+  // there are enough threads for a decode batch's few tokens as for prefill's many.
+  const uint32_t chunks = a.hidden / 8;
+  const uint32_t n_items = a.num_tokens * chunks;  // < 2^32, checked by the host
+  for (uint32_t i = blockIdx.x * blockDim.x + threadIdx.x; i < n_items; i += gridDim.x * blockDim.x) {
+    const uint32_t t = i / chunks, c = i % chunks;
+    int4 v[kMaxRanks];
+    uint32_t n = 0;
     for (uint32_t r = 0; r < a.world; ++r) {
-      if (a.pos[uint64_t(t) * a.world + r] < 0) continue;
-      const int4 v = reinterpret_cast<const int4*>(combine_row(a, a.rank, r, t))[c];
-      const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);
+      const int32_t p = a.pos[uint64_t(t) * a.world + r];
+      if (p >= 0) v[n++] = reinterpret_cast<const int4*>(a.comb_buf[r])[(first[r] + uint64_t(p)) * chunks + c];
+    }
+    float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    for (uint32_t d = 0; d < n; ++d) {
+      const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v[d]);
 #pragma unroll
       for (int q = 0; q < 4; ++q) {
         const float2 f = __bfloat1622float2(h[q]);
@@ -256,6 +285,6 @@ extern "C" __global__ void __launch_bounds__(512) moe_combine_reduce(MoeArgs a) 
     __nv_bfloat162* h = reinterpret_cast<__nv_bfloat162*>(&o);
 #pragma unroll
     for (int q = 0; q < 4; ++q) h[q] = __floats2bfloat162_rn(acc[2 * q], acc[2 * q + 1]);
-    reinterpret_cast<int4*>(a.out + uint64_t(t) * a.hidden)[c] = o;
+    reinterpret_cast<int4*>(a.out)[uint64_t(t) * chunks + c] = o;
   }
 }

@@ -51,7 +51,7 @@ pub struct MoeDispatcher {
     base: MoeArgs,
     blocks: u32,
     last_tokens: std::sync::atomic::AtomicU32,
-    kernels: [CudaFunction; 7],
+    kernels: [CudaFunction; 8],
     _recv: (
         Arc<Buffer>,
         Arc<RegisteredMemory>,
@@ -90,19 +90,23 @@ impl MoeDispatcher {
         if cfg.topk == 0 || cfg.topk > 32 {
             return Err(Error::invalid("topk", "must be in 1..=32"));
         }
-        if cfg.num_experts == 0 || cfg.num_experts % world != 0 {
+        if cfg.num_experts == 0 || cfg.num_experts % world != 0 || cfg.num_experts / world > 2048 {
             return Err(Error::invalid(
                 "num_experts",
                 format!(
-                    "{}: must be a positive multiple of {world} ranks",
+                    "{}: must be a positive multiple of {world} ranks, at most 2048 per rank",
                     cfg.num_experts
                 ),
             ));
         }
-        if cfg.max_tokens == 0 || cfg.max_tokens > i32::MAX as usize / world {
+        if cfg.max_tokens == 0
+            || cfg.max_tokens > i32::MAX as usize / world
+            || (cfg.max_tokens as u64) * (cfg.hidden as u64 / 8) >= 1 << 32
+        {
             return Err(Error::invalid(
                 "max_tokens",
-                "must be positive and fit in i32 x world",
+                "must be positive, with max_tokens x world below 2^31 and max_tokens x hidden / 8 \
+                 below 2^32",
             ));
         }
         let gpu = comm.gpu().clone();
@@ -201,8 +205,9 @@ impl MoeDispatcher {
             k("moe_dispatch_counts")?,
             k("moe_dispatch_send")?,
             k("moe_dispatch_finish")?,
-            k("moe_combine_prepare")?,
-            k("moe_combine_send")?,
+            k("moe_combine_free")?,
+            k("moe_combine_copy_in")?,
+            k("moe_combine_ready")?,
             k("moe_combine_reduce")?,
         ];
         comm.bootstrap().barrier()?;
@@ -299,7 +304,7 @@ impl MoeDispatcher {
     /// # Safety
     /// `y` holds at least `num_recv * hidden` bf16 and `out` `num_tokens * hidden` bf16 of the
     /// last dispatch (both 16-byte aligned), device memory of this GPU valid until the work on
-    /// `stream` completes.
+    /// `stream` completes (or `y` is [`MoeDispatcher::combine_buffer`]).
     pub unsafe fn combine(&self, stream: &CudaStream, y: u64, out: u64) -> Result<()> {
         if y % 16 != 0 || out % 16 != 0 {
             return Err(Error::invalid(
@@ -315,8 +320,19 @@ impl MoeDispatcher {
         };
         let world = self.comm.world_size() as u32;
         self.launch(stream, 4, 1, world.next_multiple_of(32), &args)?;
-        self.launch(stream, 5, self.blocks, 512, &args)?;
-        self.launch(stream, 6, self.blocks, 512, &args)
+        if y != self.combine_buffer() {
+            self.launch(stream, 5, self.blocks, 512, &args)?;
+        }
+        self.launch(stream, 6, 1, world.next_multiple_of(32), &args)?;
+        self.launch(stream, 7, self.blocks, 512, &args)
+    }
+
+    /// This rank's combine buffer (`[world * max_tokens, hidden]` bf16, rows aligned with
+    /// `recv_x`), mapped by every peer. Expert kernels may write their outputs here directly and
+    /// pass it as `y` to [`MoeDispatcher::combine`], which then skips copying them in; write it
+    /// only after a dispatch (a peer may still be reading it until then).
+    pub fn combine_buffer(&self) -> u64 {
+        self.base.comb_buf[self.comm.rank()]
     }
 
     /// Device addresses of the last dispatch's results: recv_x, recv_idx, recv_weights, recv_src,

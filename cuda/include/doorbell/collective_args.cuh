@@ -84,7 +84,7 @@ struct MoeArgs {
   // recv_weights [.., topk] f32 at off_weights, recv_src [.., 2] i32 at off_src, and the count
   // matrix [world][world] u32 at off_matrix (row s: what rank s sends to each rank).
   char* land[kMaxRanks];
-  char* comb_buf[kMaxRanks];   // every rank's combine landing area: [source][max_tokens][hidden] bf16
+  char* comb_buf[kMaxRanks];   // every rank's combine buffer: [world * max_tokens, hidden] bf16, rows as recv_x
   uint64_t off_idx;
   uint64_t off_weights;
   uint64_t off_src;
@@ -94,7 +94,7 @@ struct MoeArgs {
   uint32_t* num_recv;          // mine: rows received
   uint32_t* expert_counts;     // mine: [experts_per_rank]
   uint64_t* calls;             // mine: [2] dispatch and combine calls so far
-  const SemaphoreHandle* sems; // [4][world]: dispatch counts, dispatch data, combine free, combine data
+  const SemaphoreHandle* sems; // [4][world]: dispatch counts, dispatch data, combine free, combine ready
 };
 DOORBELL_CHECK_SIZE(MoeArgs, 280);
 
