@@ -26,6 +26,16 @@ DOORBELL_DEVICE_INLINE void named_barrier(uint32_t id, uint32_t count) {
   asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(count) : "memory");
 }
 
+// The tile for a block of `bytes` between two ranks: small blocks are cut finer so every lane has
+// a share (at least 4 KiB each), large ones use the full tile. Sender and receiver compute it from
+// the same byte count, so they agree.
+DOORBELL_DEVICE_INLINE uint64_t pair_tile(uint64_t bytes, uint64_t max_tile, uint32_t lanes) {
+  uint64_t t = (bytes + lanes - 1) / lanes;
+  t = (t + 15) / 16 * 16;
+  if (t < 4096) t = 4096;
+  return t < max_tile ? t : max_tile;
+}
+
 DOORBELL_DEVICE_INLINE uint64_t lane_tiles(uint64_t bytes, uint64_t tile, uint32_t lane, uint32_t lanes) {
   const uint64_t tiles = (bytes + tile - 1) / tile;
   return tiles > lane ? (tiles - lane + lanes - 1) / lanes : 0;
@@ -42,9 +52,10 @@ extern "C" __global__ void __launch_bounds__(512) alltoall_tiles(AllToAllArgs a)
   const uint64_t recv_off = a.counts ? a.counts[3 * w + p] : p * a.equal_bytes;
   if (p == a.rank) {
     const uint64_t n = send_bytes < recv_bytes ? send_bytes : recv_bytes;
-    for (uint64_t k = lane; k * a.tile < n; k += a.lanes) {
-      const uint64_t off = k * a.tile;
-      copy(a.output + recv_off + off, a.input + send_off + off, n - off < a.tile ? n - off : a.tile, tid, nthreads);
+    const uint64_t tile = pair_tile(n, a.tile, a.lanes);
+    for (uint64_t k = lane; k * tile < n; k += a.lanes) {
+      const uint64_t off = k * tile;
+      copy(a.output + recv_off + off, a.input + send_off + off, n - off < tile ? n - off : tile, tid, nthreads);
     }
     return;
   }
@@ -60,26 +71,28 @@ extern "C" __global__ void __launch_bounds__(512) alltoall_tiles(AllToAllArgs a)
   const uint32_t t = sender ? tid : tid - half;
   const uint32_t bar = sender ? 1 : 2;
   if (sender) {
-    const uint64_t n_send = lane_tiles(send_bytes, a.tile, lane, a.lanes);
+    const uint64_t tile = pair_tile(send_bytes, a.tile, a.lanes);
+    const uint64_t n_send = lane_tiles(send_bytes, tile, lane, a.lanes);
     for (uint64_t i = 0; i < n_send; ++i) {
-      const uint64_t off = (lane + i * a.lanes) * a.tile;
+      const uint64_t off = (lane + i * a.lanes) * tile;
       if (i >= a.depth) {
         if (t == 0) credit.wait();
         named_barrier(bar, half);
       }
-      const uint64_t bytes = send_bytes - off < a.tile ? send_bytes - off : a.tile;
+      const uint64_t bytes = send_bytes - off < tile ? send_bytes - off : tile;
       copy(remote_ring + (i % a.depth) * a.tile, a.input + send_off + off, bytes, t, half);
       named_barrier(bar, half);
       if (t == 0) data.signal();
     }
     if (t == 0 && n_send > 0) credit.wait(n_send < a.depth ? n_send : a.depth);
   } else {
-    const uint64_t n_recv = lane_tiles(recv_bytes, a.tile, lane, a.lanes);
+    const uint64_t tile = pair_tile(recv_bytes, a.tile, a.lanes);
+    const uint64_t n_recv = lane_tiles(recv_bytes, tile, lane, a.lanes);
     for (uint64_t i = 0; i < n_recv; ++i) {
-      const uint64_t off = (lane + i * a.lanes) * a.tile;
+      const uint64_t off = (lane + i * a.lanes) * tile;
       if (t == 0) data.wait();
       named_barrier(bar, half);
-      const uint64_t bytes = recv_bytes - off < a.tile ? recv_bytes - off : a.tile;
+      const uint64_t bytes = recv_bytes - off < tile ? recv_bytes - off : tile;
       copy(a.output + recv_off + off, local_ring + (i % a.depth) * a.tile, bytes, t, half);
       named_barrier(bar, half);
       if (t == 0) credit.signal();
