@@ -56,6 +56,10 @@ struct Args {
     /// Slots per ring (default: the library's).
     #[arg(long)]
     depth: Option<u32>,
+    /// Largest block per peer (bytes; K suffix) sent as LL16 packets (default: the library's;
+    /// 0 turns them off).
+    #[arg(long)]
+    ll_max: Option<String>,
     /// Skip NCCL.
     #[arg(long)]
     no_nccl: bool,
@@ -93,6 +97,11 @@ fn run(args: &Args) -> Result<i32> {
                 None => d.tile_bytes,
             },
             depth: args.depth.unwrap_or(d.depth),
+            ll_max_bytes: match &args.ll_max {
+                Some(t) if t.trim() == "0" => 0,
+                Some(t) => parse_size(t)?,
+                None => d.ll_max_bytes,
+            },
             ..d
         },
     )?;

@@ -1,6 +1,6 @@
 //! All-to-all on GPUs (`#[ignore = "needs GPU"]`; run with `--ignored`), at every rank count:
 //! equal blocks of awkward sizes (1 byte, odd, one past a tile, several ring wraps with small
-//! tiles and a shallow ring), `alltoallv` with uneven, zero and misaligned blocks (a rank that
+//! tiles and a shallow ring; the tiny ones through the LL16 kernel, also as 100 graph replays), `alltoallv` with uneven, zero and misaligned blocks (a rank that
 //! sends nothing), and 100 replays of a captured graph whose device counts change between replays.
 //! Every byte names its source, its destination and the round, so a misrouted block shows.
 
@@ -147,6 +147,32 @@ fn equal(comm: &Arc<Communicator>, s: &Arc<CudaStream>) {
                 },
             );
         }
+    }
+    // Tiny blocks take the LL16 kernel; 100 replays of a captured call, new data each time.
+    let a2a = AllToAll::new(comm, AllToAllOptions::default()).unwrap();
+    let blk = 7;
+    comm.synchronize(s).unwrap();
+    s.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)
+        .unwrap();
+    // SAFETY: both buffers hold world * blk bytes.
+    unsafe { a2a.run_raw(s, i, o, blk) }.unwrap();
+    let graph = s
+        .end_capture(CUgraphInstantiate_flags(0))
+        .unwrap()
+        .expect("a graph");
+    for replay in 0..100u32 {
+        let c = Counts::packed(vec![blk; world], vec![blk; world]);
+        exchange(
+            comm,
+            s,
+            &checker,
+            i,
+            o,
+            &c,
+            1000 + replay,
+            "LL graph replay",
+            &mut || graph.launch().unwrap(),
+        );
     }
 }
 

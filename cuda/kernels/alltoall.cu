@@ -99,3 +99,51 @@ extern "C" __global__ void __launch_bounds__(512) alltoall_tiles(AllToAllArgs a)
     }
   }
 }
+
+// Tiny blocks: one LL16 packet per 8 bytes, written straight into the receiver's packet area and
+// read there once its flag shows this call's epoch: no semaphores, one NVLink crossing. The grid
+// is fixed (the caller always launches the same number of blocks) and packet i always belongs to
+// the same block, whose epoch, kept in device memory and bumped every call, is the flag; the two
+// halves of the area alternate by epoch, so a call never overwrites packets a slow peer has not
+// read yet (to start call N+2 a rank needs the peer's packets of N+1, sent after the peer had
+// read everything of N).
+extern "C" __global__ void __launch_bounds__(512) alltoall_ll16(AllToAllArgs a) {
+  const uint32_t w = a.world;
+  const uint32_t epoch = a.epochs[blockIdx.x] + 1;
+  const uint64_t half = uint64_t(epoch & 1) * w * a.ll_slot_bytes;
+  const uint64_t stride = uint64_t(gridDim.x) * blockDim.x;
+  const uint64_t first = uint64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  for (uint32_t p = 0; p < w; ++p) {
+    const uint64_t bytes = a.counts ? a.counts[p] : a.equal_bytes;
+    const char* src = a.input + (a.counts ? a.counts[w + p] : p * a.equal_bytes);
+    if (p == a.rank) {
+      char* dst = a.output + (a.counts ? a.counts[3 * w + p] : p * a.equal_bytes);
+      for (uint64_t i = first; i < bytes; i += stride) dst[i] = src[i];
+      continue;
+    }
+    LL16Packet* slot =
+        reinterpret_cast<LL16Packet*>(a.scratch[p] + a.ll_offset + half + uint64_t(a.rank) * a.ll_slot_bytes);
+    for (uint64_t i = first; i * 8 < bytes; i += stride) {
+      uint32_t lo, hi;
+      const uint64_t n = bytes - i * 8;
+      load_payload(src + i * 8, n < 8 ? uint32_t(n) : 8, lo, hi);
+      slot[i].write(lo, hi, epoch);
+    }
+  }
+  for (uint32_t p = 0; p < w; ++p) {
+    if (p == a.rank) continue;
+    const uint64_t bytes = a.counts ? a.counts[2 * w + p] : a.equal_bytes;
+    char* dst = a.output + (a.counts ? a.counts[3 * w + p] : p * a.equal_bytes);
+    const LL16Packet* slot =
+        reinterpret_cast<const LL16Packet*>(a.scratch[a.rank] + a.ll_offset + half + uint64_t(p) * a.ll_slot_bytes);
+    const WaitSite& site = a.data[p].site;
+    for (uint64_t i = first; i * 8 < bytes; i += stride) {
+      uint32_t lo = 0, hi = 0;
+      spin_until(site, kWaitPacket, epoch, [&](uint64_t& seen) { return slot[i].try_read(lo, hi, epoch, seen); });
+      const uint64_t n = bytes - i * 8;
+      store_payload(dst + i * 8, n < 8 ? uint32_t(n) : 8, lo, hi);
+    }
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) a.epochs[blockIdx.x] = epoch;
+}

@@ -110,6 +110,9 @@ int main() {
   FIELD(AllToAllArgs, world);
   FIELD(AllToAllArgs, lanes);
   FIELD(AllToAllArgs, depth);
+  FIELD(AllToAllArgs, ll_offset);
+  FIELD(AllToAllArgs, ll_slot_bytes);
+  FIELD(AllToAllArgs, epochs);
 
   STRUCT(MoeArgs);
   FIELD(MoeArgs, x);

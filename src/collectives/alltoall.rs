@@ -3,7 +3,9 @@
 //!
 //! Kernel and protocol: `cuda/kernels/alltoall.cu`. Each peer's block crosses NVLink into the
 //! receiver's scratch ring by SM stores and the receiver copies it out, tile by tile, with credit
-//! flow control; every count lives in device memory, so graph replays need no host work. Sizes
+//! flow control; every count lives in device memory, so graph replays need no host work. Blocks of
+//! at most [`AllToAllOptions::ll_max_bytes`] go as LL16 packets instead (a flag in every 16
+//! bytes: one NVLink crossing, no semaphores). Sizes
 //! are bytes underneath: any element type works, raw bytes included.
 
 use crate::device_api::{AllToAllArgs, SemaphoreHandle, MAX_RANKS};
@@ -29,6 +31,12 @@ pub struct AllToAllOptions {
     pub depth: u32,
     /// Threads per block (a multiple of 64: half send, half receive).
     pub threads: u32,
+    /// Blocks of at most this many bytes per peer take the LL16-packet kernel (one NVLink
+    /// crossing, no semaphores); 0 turns it off.
+    pub ll_max_bytes: usize,
+    /// Blocks of the LL kernel (fixed per communicator: each packet index always belongs to the
+    /// same block, which keeps its own epoch).
+    pub ll_blocks: u32,
 }
 
 impl Default for AllToAllOptions {
@@ -38,6 +46,8 @@ impl Default for AllToAllOptions {
             tile_bytes: 128 << 10,
             depth: 3,
             threads: 512,
+            ll_max_bytes: 64 << 10,
+            ll_blocks: 64,
         }
     }
 }
@@ -83,6 +93,8 @@ pub struct AllToAll {
     opts: AllToAllOptions,
     base: AllToAllArgs,
     kernel: CudaFunction,
+    ll_kernel: CudaFunction,
+    _epochs: CudaSlice<u32>,
     /// Device `[4][world]` byte counts for [`AllToAll::run_v`].
     counts: Mutex<CudaSlice<u64>>,
     _scratch: Arc<Buffer>,
@@ -139,8 +151,16 @@ impl AllToAll {
                 ),
             ));
         }
-        let scratch_bytes = world * lanes as usize * opts.depth as usize * opts.tile_bytes;
-        let scratch = comm.alloc(scratch_bytes)?;
+        if opts.ll_blocks == 0 || opts.ll_blocks > sms {
+            return Err(Error::invalid(
+                "ll_blocks",
+                format!("{}: must be in 1..={sms}", opts.ll_blocks),
+            ));
+        }
+        let ring_bytes = world * lanes as usize * opts.depth as usize * opts.tile_bytes;
+        // LL16 packets carry 8 bytes in 16.
+        let ll_slot_bytes = (opts.ll_max_bytes.div_ceil(8) * 16).max(16);
+        let scratch = comm.alloc(ring_bytes + 2 * world * ll_slot_bytes)?;
         let registered = comm.register(&scratch)?;
         let peers = comm.exchange(&registered)?;
         let lanes_us = lanes as usize;
@@ -152,6 +172,9 @@ impl AllToAll {
         let sems = stream.clone_htod(&all).map_err(cuda_err("cuMemcpyHtoD"))?;
         let counts = stream
             .alloc_zeros::<u64>(4 * world)
+            .map_err(cuda_err("cuMemAlloc"))?;
+        let epochs = stream
+            .alloc_zeros::<u32>(opts.ll_blocks as usize)
             .map_err(cuda_err("cuMemAlloc"))?;
         let mut scratch_ptrs = [0u64; MAX_RANKS];
         for (r, p) in scratch_ptrs.iter_mut().enumerate().take(world) {
@@ -177,12 +200,16 @@ impl AllToAll {
             world: world as u32,
             lanes,
             depth: opts.depth,
+            ll_offset: ring_bytes as u64,
+            ll_slot_bytes: ll_slot_bytes as u64,
+            epochs: epochs.device_ptr(&stream).0,
             ..Default::default()
         };
         stream
             .synchronize()
             .map_err(cuda_err("cuStreamSynchronize"))?;
         let kernel = gpu.function("alltoall", "alltoall_tiles")?;
+        let ll_kernel = gpu.function("alltoall", "alltoall_ll16")?;
         // Every peer has mapped our scratch before anyone writes into it.
         comm.bootstrap().barrier()?;
         Ok(AllToAll {
@@ -190,6 +217,8 @@ impl AllToAll {
             opts,
             base,
             kernel,
+            ll_kernel,
+            _epochs: epochs,
             counts: Mutex::new(counts),
             _scratch: scratch,
             _registered: registered,
@@ -210,12 +239,28 @@ impl AllToAll {
         self.base.lanes * self.base.world
     }
 
-    fn launch(&self, stream: &CudaStream, args: AllToAllArgs) -> Result<()> {
-        let mut b = stream.launch_builder(&self.kernel);
+    /// Launches the tile kernel, or the LL kernel when every block is at most `ll_max_bytes`
+    /// (`largest`, when the host knows it).
+    fn launch(
+        &self,
+        stream: &CudaStream,
+        args: AllToAllArgs,
+        largest: Option<usize>,
+    ) -> Result<()> {
+        let ll = largest.is_some_and(|b| b <= self.opts.ll_max_bytes);
+        let mut b = stream.launch_builder(if ll { &self.ll_kernel } else { &self.kernel });
         b.arg(&args);
         let cfg = LaunchConfig {
-            grid_dim: (self.base.lanes * self.base.world, 1, 1),
-            block_dim: (self.opts.threads, 1, 1),
+            grid_dim: (
+                if ll {
+                    self.opts.ll_blocks
+                } else {
+                    self.base.lanes * self.base.world
+                },
+                1,
+                1,
+            ),
+            block_dim: (if ll { 512 } else { self.opts.threads }, 1, 1),
             shared_mem_bytes: 0,
         };
         // SAFETY: the arguments match alltoall_tiles (AllToAllArgs is layout-tested); scratch and
@@ -249,10 +294,12 @@ impl AllToAll {
                 equal_bytes: bytes_per_peer as u64,
                 ..self.base
             },
+            Some(bytes_per_peer),
         )
     }
 
-    /// Per-peer counts read by the kernel from device memory: `counts` is a device array of
+    /// Per-peer counts read by the kernel from device memory (always the tile kernel, since the
+    /// host does not know the sizes): `counts` is a device array of
     /// `4 * world` u64 byte values (send counts, send offsets, recv counts, recv offsets, each
     /// indexed by rank). What rank `p` sends me must equal what I expect from `p`. Capture it in a
     /// graph and change the counts between replays freely.
@@ -275,6 +322,7 @@ impl AllToAll {
                 counts,
                 ..self.base
             },
+            None,
         )
     }
 
@@ -362,9 +410,25 @@ impl AllToAll {
             .map_err(cuda_err("cuMemcpyHtoD"))?;
         let (i, _gi) = input.device_ptr(stream);
         let (o, _go) = output.device_ptr_mut(stream);
+        let largest = counts
+            .send_counts
+            .iter()
+            .chain(&counts.recv_counts)
+            .map(|&n| n * size)
+            .max()
+            .unwrap_or(0);
         // SAFETY: every range was checked against the buffers above; the counts array is ours
         // and the upload is ordered before the kernel on `stream`.
-        unsafe { self.run_v_raw(stream, i, o, ptr) }
+        self.launch(
+            stream,
+            AllToAllArgs {
+                input: i,
+                output: o,
+                counts: ptr,
+                ..self.base
+            },
+            Some(largest),
+        )
     }
 }
 

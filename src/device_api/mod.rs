@@ -282,6 +282,12 @@ pub struct AllToAllArgs {
     pub lanes: u32,
     /// Slots per (source, lane) ring.
     pub depth: u32,
+    /// Offset of the LL16 area (`[2 halves][source][ll_slot_bytes]`) in every scratch.
+    pub ll_offset: u64,
+    /// Bytes of packets per source and half.
+    pub ll_slot_bytes: u64,
+    /// Per-block epochs of the LL grid (device).
+    pub epochs: u64,
 }
 
 /// Launch arguments of the MoE dispatch/combine kernels (`collective_args.cuh`; field meanings
@@ -484,7 +490,10 @@ mod layout {
                     rank,
                     world,
                     lanes,
-                    depth
+                    depth,
+                    ll_offset,
+                    ll_slot_bytes,
+                    epochs
                 ]
             ),
             layout!(
