@@ -48,6 +48,10 @@ struct Args {
     /// Timed iterations per eager measurement.
     #[arg(long, default_value_t = 20)]
     iters: usize,
+    /// Dispatch FP8 (e4m3 + one f32 scale per 128 values) instead of bf16; GB/s then counts
+    /// hidden + hidden / 32 bytes per row, as DeepEP does.
+    #[arg(long)]
+    fp8: bool,
     /// Combine from the dispatcher's combine buffer (as expert kernels writing there would),
     /// skipping the copy of the expert outputs into it.
     #[arg(long)]
@@ -121,6 +125,10 @@ fn run(args: &Args) -> Result<i32> {
     let w: CudaSlice<f32> = s
         .alloc_zeros(max_tokens * args.topk)
         .map_err(cuda("cuMemAlloc"))?;
+    let scales: CudaSlice<f32> = s
+        .alloc_zeros(max_tokens * h.div_ceil(128))
+        .map_err(cuda("cuMemAlloc"))?;
+    let scp = scales.device_ptr(&s).0;
     let rows = world * max_tokens;
     let y: CudaSlice<u16> = s.alloc_zeros(rows * h).map_err(cuda("cuMemAlloc"))?;
     let out: CudaSlice<u16> = s.alloc_zeros(max_tokens * h).map_err(cuda("cuMemAlloc"))?;
@@ -136,13 +144,14 @@ fn run(args: &Args) -> Result<i32> {
     let (nsp, nrp) = (nccl_send.device_ptr(&s).0, nccl_recv.device_ptr(&s).0);
     if lead {
         println!(
-            "# doorbell MoE dispatch/combine (high-throughput kernels, bf16): {world} ranks, hidden {h}, top-{} of {} experts, {} SMs, combine {}",
+            "# doorbell MoE dispatch/combine (high-throughput kernels, {} dispatch, bf16 combine): {world} ranks, hidden {h}, top-{} of {} experts, {} SMs, combine {}",
+            if args.fp8 { "FP8" } else { "bf16" },
             args.topk,
             args.experts,
             moe.sms(),
             if args.zero_copy { "from the combine buffer (zero copy)" } else { "copies y in" }
         );
-        println!("# us = max over ranks; GB/s = rows received per rank (mean) x hidden x 2 B / us (DeepEP's normal-kernel definition)");
+        println!("# us = max over ranks; GB/s = rows received per rank (mean) x bytes per row / us (DeepEP's normal-kernel definition; the combine column counts bf16 rows whatever the dispatch type)");
         println!(
             "{:>7} {:>9} | {:>9} {:>9} {:>8} | {:>9} {:>9} {:>8} | {:>13} {:>8} | {:>7} {:>7}",
             "tokens",
@@ -193,7 +202,12 @@ fn run(args: &Args) -> Result<i32> {
             .map(|r| (0..world).map(|src| sent[src][r]).sum())
             .collect();
         let mean_rows = recv_rows.iter().sum::<usize>() as f64 / world as f64;
-        let bytes = mean_rows * h as f64 * 2.0;
+        let row_bytes = if args.fp8 {
+            h as f64 + (h / 128) as f64 * 4.0
+        } else {
+            h as f64 * 2.0
+        };
+        let bytes = mean_rows * row_bytes;
         let repeat = Repeat {
             iters: args.iters,
             warmup: 3,
@@ -201,7 +215,11 @@ fn run(args: &Args) -> Result<i32> {
         };
         // SAFETY (every call below): the inputs hold `tokens` rows, y and out the worst case.
         let dispatch = measure(&comm, &s, bytes as usize, repeat, &|st| unsafe {
-            moe.dispatch(st, xp, ip, wp, tokens)
+            if args.fp8 {
+                moe.dispatch_fp8(st, xp, scp, ip, wp, tokens)
+            } else {
+                moe.dispatch(st, xp, ip, wp, tokens)
+            }
         })?;
         let y_at = if args.zero_copy {
             moe.combine_buffer()
@@ -235,7 +253,10 @@ fn run(args: &Args) -> Result<i32> {
             None => None,
         };
         if lead {
-            let gbs = |t: Option<f64>| t.map_or("-".into(), |t| format!("{:.1}", bytes / t / 1e3));
+            let gbs_of =
+                |b: f64, t: Option<f64>| t.map_or("-".into(), |t| format!("{:.1}", b / t / 1e3));
+            let gbs = |t: Option<f64>| gbs_of(bytes, t);
+            let comb_bytes = mean_rows * h as f64 * 2.0;
             let us = |t: Option<f64>| t.map_or("-".into(), |t| format!("{t:.1}"));
             let best = |t: Timing| match (t.eager, t.graph) {
                 (Some(a), Some(b)) => Some(a.min(b)),
@@ -254,7 +275,7 @@ fn run(args: &Args) -> Result<i32> {
                 gbs(best(dispatch)),
                 us(combine.eager),
                 us(combine.graph),
-                gbs(best(combine)),
+                gbs_of(comb_bytes, best(combine)),
                 us(theirs.and_then(best)),
                 gbs(theirs.and_then(best)),
                 ratio(theirs, dispatch),

@@ -4,8 +4,8 @@
 //! token) so every received row names its origin; the combined output is compared bit for bit
 //! with the CPU's (same bf16 roundings, same f32 summation order). Rounds cover uneven token
 //! counts, a rank with no tokens, -1 entries, every token to one expert, expert outputs written
-//! straight into the combine buffer, then 100 replays of a captured graph with new routing each
-//! time.
+//! straight into the combine buffer, FP8 rows with their scales, then 100 replays of a captured
+//! graph with new routing each time.
 
 mod common;
 
@@ -284,6 +284,57 @@ fn exchange(comm: &Arc<Communicator>, s: &Arc<CudaStream>) {
         check_dispatch(round, &format!("round {round}"), y_at);
         unsafe { moe.combine(s, y_at, op) }.unwrap();
         check_combine(round, &format!("round {round}"));
+    }
+    // FP8 dispatch: e4m3 bytes and one scale per 128 values, derived from (source, token), must
+    // arrive byte for byte in the same layout; then a bf16 combine on top of it.
+    let scales_dev: CudaSlice<f32> = s.alloc_zeros(MAX_TOKENS * HIDDEN / 128).unwrap();
+    let scp = scales_dev.device_ptr(s).0;
+    let per_row = HIDDEN / 128;
+    let fp8_byte = |r: usize, t: usize, h: usize| ((r * 31 + t * 7 + h * 3) & 0xff) as u8;
+    let scale = |r: usize, t: usize, q: usize| (r * 1000 + t * 2 + q) as f32;
+    for round in [5u64, 6] {
+        let mine = upload(round);
+        let xb: Vec<u8> = (0..mine.tokens * HIDDEN)
+            .map(|i| fp8_byte(me, i / HIDDEN, i % HIDDEN))
+            .collect();
+        let sc: Vec<f32> = (0..mine.tokens * per_row)
+            .map(|i| scale(me, i / per_row, i % per_row))
+            .collect();
+        htod(xp, &xb);
+        htod(scp, bytemuck::cast_slice(&sc));
+        // SAFETY: the inputs hold `tokens` rows.
+        unsafe { moe.dispatch_fp8(s, xp, scp, ip, wp, mine.tokens) }.unwrap();
+        let all: Vec<Routing> = (0..world).map(|r| routing(r, round, experts)).collect();
+        let expected: Vec<(usize, usize)> = (0..world)
+            .flat_map(|src| {
+                reference_layout(&all[src].idx, TOPK, per_rank, world)[me]
+                    .iter()
+                    .map(move |&t| (src, t))
+                    .collect::<Vec<_>>()
+            })
+            .collect();
+        let n = u32::from_le_bytes(dtoh(res.num_recv, 4).try_into().unwrap()) as usize;
+        assert_eq!(n, expected.len(), "rank {me}, FP8 round {round}: rows");
+        let rx = dtoh(res.recv_x, n * HIDDEN);
+        let rsc: Vec<f32> = words(&dtoh(res.recv_scales, n * per_row * 4), |b: &[u8; 4]| {
+            f32::from_le_bytes(*b)
+        });
+        for (j, &(src, t)) in expected.iter().enumerate() {
+            for h in 0..HIDDEN {
+                assert_eq!(
+                    rx[j * HIDDEN + h],
+                    fp8_byte(src, t, h),
+                    "rank {me}, FP8 row {j} byte {h}"
+                );
+            }
+            for q in 0..per_row {
+                assert_eq!(
+                    rsc[j * per_row + q],
+                    scale(src, t, q),
+                    "rank {me}, FP8 row {j} scale {q}"
+                );
+            }
+        }
     }
     // Graph: dispatch captured once (fixed token count), replayed with new routing each time;
     // combine eagerly after each replay.

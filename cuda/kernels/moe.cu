@@ -145,7 +145,10 @@ extern "C" __global__ void __launch_bounds__(512) moe_dispatch_send(MoeArgs a) {
   __syncthreads();
   const uint32_t lane = threadIdx.x % kWarp;
   const uint32_t warps = gridDim.x * (blockDim.x / kWarp);
-  const uint32_t chunks = a.hidden / 8;
+  // bf16 rows are 2 x hidden bytes; FP8 rows hidden bytes plus hidden / 128 scales.
+  const bool fp8 = a.scales != nullptr;
+  const uint32_t chunks = fp8 ? a.hidden / 16 : a.hidden / 8;
+  const uint32_t n_scales = a.hidden / 128;
   // Work items are (token, segment of its row): with few tokens (decode) the rows are split so
   // every warp has work; with many, one segment per token.
   uint32_t segs = a.num_tokens ? (warps + a.num_tokens - 1) / a.num_tokens : 1;
@@ -186,6 +189,10 @@ extern "C" __global__ void __launch_bounds__(512) moe_dispatch_send(MoeArgs a) {
     for (uint32_t d = 0; d < n; ++d) {
       const uint32_t r = uint32_t(row[d] >> 40);
       const uint64_t j = row[d] & ((uint64_t(1) << 40) - 1);
+      if (fp8) {
+        float* scales = reinterpret_cast<float*>(a.land[r] + a.off_scales) + j * n_scales;
+        for (uint32_t q = lane; q < n_scales; q += kWarp) scales[q] = a.scales[uint64_t(t) * n_scales + q];
+      }
       int32_t* ids = reinterpret_cast<int32_t*>(a.land[r] + a.off_idx) + j * a.topk;
       float* weights = reinterpret_cast<float*>(a.land[r] + a.off_weights) + j * a.topk;
       for (uint32_t k = lane; k < a.topk; k += kWarp) {

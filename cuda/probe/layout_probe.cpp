@@ -116,6 +116,7 @@ int main() {
 
   STRUCT(MoeArgs);
   FIELD(MoeArgs, x);
+  FIELD(MoeArgs, scales);
   FIELD(MoeArgs, topk_idx);
   FIELD(MoeArgs, topk_weights);
   FIELD(MoeArgs, y);
@@ -134,6 +135,7 @@ int main() {
   FIELD(MoeArgs, off_weights);
   FIELD(MoeArgs, off_src);
   FIELD(MoeArgs, off_matrix);
+  FIELD(MoeArgs, off_scales);
   FIELD(MoeArgs, pos);
   FIELD(MoeArgs, send_counts);
   FIELD(MoeArgs, num_recv);

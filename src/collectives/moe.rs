@@ -15,8 +15,11 @@
 //!   token, the sum over the ranks it went to, so `out[t] = sum_k w[t,k] expert_k(x[t])`. Sums run
 //!   in f32 in rank order (deterministic).
 //!
+//! - [`MoeDispatcher::dispatch_fp8`] moves e4m3 rows with one f32 scale per 128 values instead
+//!   (the caller casts, as with DeepEP's normal kernels); combine stays bf16.
+//!
 //! Not yet: the low-latency (decode) layout with per-expert buffers and separate send/receive
-//! halves, FP8 dispatch, device-side entry points for fused kernels.
+//! halves, device-side entry points for fused kernels.
 
 use crate::device_api::{MoeArgs, MAX_RANKS};
 use crate::error::{Error, Result};
@@ -129,7 +132,8 @@ impl MoeDispatcher {
         let off_weights = off_idx + section(rows * cfg.topk * 4);
         let off_src = off_weights + section(rows * cfg.topk * 4);
         let off_matrix = off_src + section(rows * 8);
-        let land_bytes = off_matrix + section(world * world * 4);
+        let off_scales = off_matrix + section(world * world * 4);
+        let land_bytes = off_scales + section(rows * (cfg.hidden / 128) * 4);
         let map = |bytes: usize| -> Result<(Landing, [u64; MAX_RANKS])> {
             let buf = comm.alloc(bytes)?;
             let reg = comm.register(&buf)?;
@@ -188,6 +192,7 @@ impl MoeDispatcher {
             off_weights: off_weights as u64,
             off_src: off_src as u64,
             off_matrix: off_matrix as u64,
+            off_scales: off_scales as u64,
             pos: p(0),
             send_counts: p(1),
             num_recv: p(2),
@@ -270,6 +275,19 @@ impl MoeDispatcher {
         topk_weights: u64,
         num_tokens: usize,
     ) -> Result<()> {
+        // SAFETY: as documented; the caller vouches for the buffers.
+        unsafe { self.dispatch_with(stream, x, 0, topk_idx, topk_weights, num_tokens) }
+    }
+
+    unsafe fn dispatch_with(
+        &self,
+        stream: &CudaStream,
+        x: u64,
+        scales: u64,
+        topk_idx: u64,
+        topk_weights: u64,
+        num_tokens: usize,
+    ) -> Result<()> {
         if num_tokens > self.cfg.max_tokens {
             return Err(Error::invalid(
                 "num_tokens",
@@ -286,6 +304,7 @@ impl MoeDispatcher {
             .store(num_tokens as u32, std::sync::atomic::Ordering::Relaxed);
         let args = MoeArgs {
             x,
+            scales,
             topk_idx,
             topk_weights,
             num_tokens: num_tokens as u32,
@@ -296,6 +315,44 @@ impl MoeDispatcher {
         self.launch(stream, 1, 1, world.next_multiple_of(32), &args)?;
         self.launch(stream, 2, self.blocks, 512, &args)?;
         self.launch(stream, 3, self.blocks, 512, &args)
+    }
+
+    /// Dispatches FP8 tokens: `x` holds e4m3 bytes `[num_tokens, hidden]` and `scales` one f32
+    /// per 128 values (`[num_tokens, hidden / 128]`), cast by the caller (DeepEP's normal-mode
+    /// convention). The rows arrive as bytes in `recv_x` (`[N, hidden]` e4m3) and the scales in
+    /// [`DispatchResults::recv_scales`]; everything else as for [`MoeDispatcher::dispatch`]. Half
+    /// the bytes of bf16 cross NVLink. Combine stays bf16.
+    ///
+    /// # Safety
+    /// `x` holds `num_tokens * hidden` bytes (16-byte aligned), `scales` `num_tokens * hidden /
+    /// 128` f32, the top-k arrays as for [`MoeDispatcher::dispatch`]; all valid until the work on
+    /// `stream` completes.
+    pub unsafe fn dispatch_fp8(
+        &self,
+        stream: &CudaStream,
+        x: u64,
+        scales: u64,
+        topk_idx: u64,
+        topk_weights: u64,
+        num_tokens: usize,
+    ) -> Result<()> {
+        if self.cfg.hidden % 128 != 0 {
+            return Err(Error::invalid(
+                "hidden",
+                format!(
+                    "{}: FP8 dispatch needs a multiple of 128 (one scale per 128 values)",
+                    self.cfg.hidden
+                ),
+            ));
+        }
+        if scales == 0 || scales % 4 != 0 {
+            return Err(Error::invalid(
+                "scales",
+                "must be a 4-byte aligned device address",
+            ));
+        }
+        // SAFETY: as documented; the caller vouches for the buffers.
+        unsafe { self.dispatch_with(stream, x, scales, topk_idx, topk_weights, num_tokens) }
     }
 
     /// Combines `y` (one row per received row of the last dispatch) into `out [num_tokens, H]`
@@ -344,6 +401,7 @@ impl MoeDispatcher {
             recv_idx: land + self.base.off_idx,
             recv_weights: land + self.base.off_weights,
             recv_src: land + self.base.off_src,
+            recv_scales: land + self.base.off_scales,
             num_recv: self.base.num_recv,
             expert_counts: self.base.expert_counts,
             max_rows: self.comm.world_size() * self.cfg.max_tokens,
@@ -355,7 +413,7 @@ impl MoeDispatcher {
 /// until its next dispatch).
 #[derive(Debug, Clone, Copy)]
 pub struct DispatchResults {
-    /// `[N, hidden]` bf16 rows, in source-rank order.
+    /// `[N, hidden]` bf16 rows (e4m3 bytes after an FP8 dispatch), in source-rank order.
     pub recv_x: u64,
     /// `[N, topk]` i32: local expert ids, -1 for experts on other ranks.
     pub recv_idx: u64,
@@ -363,6 +421,8 @@ pub struct DispatchResults {
     pub recv_weights: u64,
     /// `[N, 2]` i32: source rank and source token of each row.
     pub recv_src: u64,
+    /// After [`MoeDispatcher::dispatch_fp8`]: `[N, hidden / 128]` f32 scales.
+    pub recv_scales: u64,
     /// One u32: N.
     pub num_recv: u64,
     /// `[experts per rank]` u32: rows per local expert.

@@ -297,6 +297,7 @@ pub struct AllToAllArgs {
 #[allow(missing_docs)]
 pub struct MoeArgs {
     pub x: u64,
+    pub scales: u64,
     pub topk_idx: u64,
     pub topk_weights: u64,
     pub y: u64,
@@ -315,6 +316,7 @@ pub struct MoeArgs {
     pub off_weights: u64,
     pub off_src: u64,
     pub off_matrix: u64,
+    pub off_scales: u64,
     pub pos: u64,
     pub send_counts: u64,
     pub num_recv: u64,
@@ -501,6 +503,7 @@ mod layout {
                 MoeArgs,
                 [
                     x,
+                    scales,
                     topk_idx,
                     topk_weights,
                     y,
@@ -519,6 +522,7 @@ mod layout {
                     off_weights,
                     off_src,
                     off_matrix,
+                    off_scales,
                     pos,
                     send_counts,
                     num_recv,

@@ -70,7 +70,8 @@ DOORBELL_CHECK_SIZE(AllToAllArgs, 160);
 // of them, most fields fixed per dispatcher, the inputs per call.
 struct MoeArgs {
   // Per call.
-  const uint16_t* x;           // [num_tokens, hidden] bf16
+  const uint16_t* x;           // [num_tokens, hidden] bf16, or e4m3 bytes [num_tokens, hidden] with scales
+  const float* scales;         // FP8 dispatch: [num_tokens, hidden / 128] f32; null for bf16
   const int32_t* topk_idx;     // [num_tokens, topk], -1 = no expert
   const float* topk_weights;   // [num_tokens, topk]
   const uint16_t* y;           // combine input: [num_recv, hidden] bf16, aligned with recv_x
@@ -85,15 +86,17 @@ struct MoeArgs {
   uint32_t world;
   uint32_t blocks;             // grid of the send / finish kernels (signals per call per peer)
   // Every rank's dispatch results, mapped here; senders write rows straight into them:
-  // recv_x [world * max_tokens, hidden] bf16 at 0, recv_idx [.., topk] i32 at off_idx,
-  // recv_weights [.., topk] f32 at off_weights, recv_src [.., 2] i32 at off_src, and the count
-  // matrix [world][world] u32 at off_matrix (row s: what rank s sends to each rank).
+  // recv_x [world * max_tokens, hidden] bf16 (or e4m3 bytes) at 0, recv_idx [.., topk] i32 at
+  // off_idx, recv_weights [.., topk] f32 at off_weights, recv_src [.., 2] i32 at off_src, the
+  // count matrix [world][world] u32 at off_matrix (row s: what rank s sends to each rank), and
+  // the FP8 scales [.., hidden / 128] f32 at off_scales.
   char* land[kMaxRanks];
   char* comb_buf[kMaxRanks];   // every rank's combine buffer: [world * max_tokens, hidden] bf16, rows as recv_x
   uint64_t off_idx;
   uint64_t off_weights;
   uint64_t off_src;
   uint64_t off_matrix;
+  uint64_t off_scales;
   int32_t* pos;                // mine: [max_tokens][world], position of token t among those sent to r, or -1
   uint32_t* send_counts;       // mine: [world]
   uint32_t* num_recv;          // mine: rows received
@@ -101,6 +104,6 @@ struct MoeArgs {
   uint64_t* calls;             // mine: [2] dispatch and combine calls so far
   const SemaphoreHandle* sems; // [4][world]: dispatch counts, dispatch data, combine free, combine ready
 };
-DOORBELL_CHECK_SIZE(MoeArgs, 280);
+DOORBELL_CHECK_SIZE(MoeArgs, 296);
 
 }  // namespace doorbell
