@@ -14,7 +14,7 @@ use clap::Parser;
 use cudarc::driver::{CudaSlice, DevicePtr};
 use doorbell::bench::harness::{measure, Repeat, Timing};
 use doorbell::bench::nccl::Nccl;
-use doorbell::collectives::moe::{reference_layout, MoeConfig, MoeDispatcher};
+use doorbell::collectives::moe::{reference_layout, MoeConfig, MoeDispatcher, MoeLowLatency};
 use doorbell::collectives::DataType;
 use doorbell::host::communicator::Communicator;
 use doorbell::host::cuda::device_count;
@@ -56,6 +56,10 @@ struct Args {
     /// skipping the copy of the expert outputs into it.
     #[arg(long)]
     zero_copy: bool,
+    /// Also run the low-latency kernels (per-expert layout) with this many tokens per rank
+    /// (0: skip).
+    #[arg(long, default_value_t = 128)]
+    low_latency_tokens: usize,
     /// Skip NCCL.
     #[arg(long)]
     no_nccl: bool,
@@ -97,7 +101,13 @@ fn run(args: &Args) -> Result<i32> {
         .map(|t| t.trim().parse::<usize>())
         .collect::<std::result::Result<_, _>>()
         .map_err(|_| Error::invalid("--tokens", "expected numbers like 4096,128"))?;
-    let max_tokens = token_counts.iter().copied().max().unwrap_or(0).max(1);
+    let max_tokens = token_counts
+        .iter()
+        .copied()
+        .chain([args.low_latency_tokens])
+        .max()
+        .unwrap_or(0)
+        .max(1);
     let comm = Arc::new(Communicator::from_env()?);
     let (rank, world) = (comm.rank(), comm.world_size());
     let lead = rank == 0;
@@ -283,8 +293,136 @@ fn run(args: &Args) -> Result<i32> {
             );
         }
     }
+    if args.low_latency_tokens > 0 {
+        low_latency(args, &comm, &s, nccl.as_ref(), (xp, ip, wp, op), (nsp, nrp))?;
+    }
     comm.bootstrap().barrier()?;
     Ok(0)
+}
+
+/// The low-latency kernels at a decode batch: us per call (max over ranks) and GB/s by DeepEP's
+/// low-latency definition (valid selections x hidden x 2 bytes, bf16 both ways), beside NCCL
+/// moving the same rows.
+fn low_latency(
+    args: &Args,
+    comm: &Arc<Communicator>,
+    s: &Arc<cudarc::driver::CudaStream>,
+    nccl: Option<&Nccl>,
+    (xp, ip, wp, op): (u64, u64, u64, u64),
+    (nsp, nrp): (u64, u64),
+) -> Result<()> {
+    let (rank, world) = (comm.rank(), comm.world_size());
+    let (tokens, h, k) = (args.low_latency_tokens, args.hidden, args.topk);
+    let ll = MoeLowLatency::new(
+        comm,
+        MoeConfig {
+            hidden: h,
+            topk: k,
+            num_experts: args.experts,
+            max_tokens: tokens,
+            blocks: args.sms,
+        },
+    )?;
+    let mine = routing(rank, tokens, k, args.experts);
+    let weights = vec![1.0f32 / k as f32; tokens * k];
+    let xs: Vec<u16> = (0..tokens * h).map(|i| 0x3f80 + (i % 64) as u16).collect();
+    // SAFETY: the main sweep sized these for at least `tokens` rows (max_tokens covers the
+    // low-latency batch, see run()).
+    unsafe {
+        cudarc::driver::result::memcpy_htod_async(xp, &xs, s.cu_stream())
+            .map_err(cuda("cuMemcpyHtoD"))?;
+        cudarc::driver::result::memcpy_htod_async(ip, &mine, s.cu_stream())
+            .map_err(cuda("cuMemcpyHtoD"))?;
+        cudarc::driver::result::memcpy_htod_async(wp, &weights, s.cu_stream())
+            .map_err(cuda("cuMemcpyHtoD"))?;
+    }
+    comm.synchronize(s)?;
+    let per_rank = args.experts / world;
+    // Selections each rank sends each rank.
+    let sel: Vec<Vec<usize>> = (0..world)
+        .map(|r| {
+            let mut v = vec![0usize; world];
+            for &e in &routing(r, tokens, k, args.experts) {
+                if e >= 0 {
+                    v[e as usize / per_rank] += 1;
+                }
+            }
+            v
+        })
+        .collect();
+    let mean_sel = sel.iter().flatten().sum::<usize>() as f64 / world as f64;
+    let bytes = mean_sel * h as f64 * 2.0;
+    let repeat = Repeat {
+        iters: args.iters.max(50),
+        warmup: 5,
+        no_eager: false,
+    };
+    // SAFETY (all calls): inputs hold `tokens` rows; out holds `tokens` rows.
+    let dispatch = measure(comm, s, bytes as usize, repeat, &|st| unsafe {
+        ll.dispatch(st, xp, ip, tokens)
+    })?;
+    let combine = measure(comm, s, bytes as usize, repeat, &|st| unsafe {
+        ll.combine(st, wp, op)
+    })?;
+    let theirs = match nccl {
+        Some(n) => {
+            let offsets = |c: &[usize]| -> Vec<usize> {
+                c.iter()
+                    .scan(0, |a, &v| {
+                        let o = *a;
+                        *a += v * h;
+                        Some(o)
+                    })
+                    .collect()
+            };
+            let recv: Vec<usize> = (0..world).map(|src| sel[src][rank]).collect();
+            let (sc, rc) = (
+                sel[rank].iter().map(|&r| r * h).collect::<Vec<_>>(),
+                recv.iter().map(|&r| r * h).collect::<Vec<_>>(),
+            );
+            let (so, ro) = (offsets(&sel[rank]), offsets(&recv));
+            Some(measure(comm, s, bytes as usize, repeat, &|st| unsafe {
+                n.all_to_all_v(st, nsp, nrp, &sc, &so, &rc, &ro, DataType::Bf16)
+            })?)
+        }
+        None => None,
+    };
+    if rank == 0 {
+        let best = |t: Timing| match (t.eager, t.graph) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        };
+        let us = |t: Option<f64>| t.map_or("-".into(), |t| format!("{t:.1}"));
+        let gbs = |t: Option<f64>| t.map_or("-".into(), |t| format!("{:.1}", bytes / t / 1e3));
+        println!(
+            "# low-latency kernels (per-expert layout, bf16): {tokens} tokens per rank, {mean_sel:.0} selections per rank; GB/s = selections x hidden x 2 B / us (DeepEP's low-latency definition)"
+        );
+        println!(
+            "{:>7} | {:>9} {:>9} {:>8} | {:>9} {:>9} {:>8} | {:>13} {:>8}",
+            "tokens",
+            "disp us",
+            "graph us",
+            "GB/s",
+            "comb us",
+            "graph us",
+            "GB/s",
+            "NCCL rows us",
+            "GB/s"
+        );
+        println!(
+            "{:>7} | {:>9} {:>9} {:>8} | {:>9} {:>9} {:>8} | {:>13} {:>8}",
+            tokens,
+            us(dispatch.eager),
+            us(dispatch.graph),
+            gbs(best(dispatch)),
+            us(combine.eager),
+            us(combine.graph),
+            gbs(best(combine)),
+            us(theirs.and_then(best)),
+            gbs(theirs.and_then(best)),
+        );
+    }
+    Ok(())
 }
 
 fn cuda(call: &'static str) -> impl Fn(cudarc::driver::DriverError) -> Error {

@@ -27,6 +27,7 @@ fn gpu_rank() {
     let stream = comm.gpu().new_stream().expect("stream");
     match case.as_str() {
         "exchange" => exchange(&comm, &stream),
+        "low_latency" => low_latency(&comm, &stream),
         other => panic!("unknown case {other}"),
     }
     comm.bootstrap().barrier().expect("final barrier");
@@ -64,6 +65,11 @@ fn routing(r: usize, round: u64, experts: usize) -> Routing {
     } else {
         (100 + 37 * r + 11 * round as usize) % (MAX_TOKENS + 1)
     };
+    routing_of(r, round, experts, tokens)
+}
+
+/// `tokens` tokens of rank `r`'s routing in `round` (see [`routing`]).
+fn routing_of(r: usize, round: u64, experts: usize, tokens: usize) -> Routing {
     let mut idx = Vec::with_capacity(tokens * TOPK);
     let mut weights = Vec::with_capacity(tokens * TOPK);
     for t in 0..tokens {
@@ -356,6 +362,201 @@ fn exchange(comm: &Arc<Communicator>, s: &Arc<CudaStream>) {
         check_dispatch(round, &format!("graph replay {replay}"), yp);
         // SAFETY: as above.
         unsafe { moe.combine(s, yp, op) }.unwrap();
+        check_combine(round, &format!("graph replay {replay}"));
+    }
+}
+
+#[test]
+#[ignore = "needs GPU"]
+fn low_latency_layout_payloads_combine_and_graph_replays() {
+    for n in rank_counts() {
+        run_case("low_latency", n, &[]);
+    }
+}
+
+const LL_MAX: usize = 64;
+
+/// Rank `r`'s decode batch in `round`: uneven sizes, none for rank 1 in round 1.
+fn ll_routing(r: usize, round: u64, experts: usize) -> Routing {
+    let tokens = if round == 1 && r == 1 {
+        0
+    } else {
+        (20 + 7 * r + round as usize) % (LL_MAX + 1)
+    };
+    routing_of(r, round + 50, experts, tokens)
+}
+
+fn low_latency(comm: &Arc<Communicator>, s: &Arc<CudaStream>) {
+    use doorbell::collectives::moe::MoeLowLatency;
+    let (me, world) = (comm.rank(), comm.world_size());
+    let experts = 8 * world;
+    let local = experts / world;
+    let ll = MoeLowLatency::new(
+        comm,
+        MoeConfig {
+            hidden: HIDDEN,
+            topk: TOPK,
+            num_experts: experts,
+            max_tokens: LL_MAX,
+            blocks: Some(16),
+        },
+    )
+    .unwrap();
+    let x: CudaSlice<u16> = s.alloc_zeros(LL_MAX * HIDDEN).unwrap();
+    let idx: CudaSlice<i32> = s.alloc_zeros(LL_MAX * TOPK).unwrap();
+    let w: CudaSlice<f32> = s.alloc_zeros(LL_MAX * TOPK).unwrap();
+    let out: CudaSlice<u16> = s.alloc_zeros(LL_MAX * HIDDEN).unwrap();
+    let (xp, ip, wp, op) = (
+        x.device_ptr(s).0,
+        idx.device_ptr(s).0,
+        w.device_ptr(s).0,
+        out.device_ptr(s).0,
+    );
+    let htod = |ptr: u64, v: &[u8]| {
+        if !v.is_empty() {
+            // SAFETY: every destination was sized for the largest upload.
+            unsafe { cudarc::driver::result::memcpy_htod_async(ptr, v, s.cu_stream()) }.unwrap();
+        }
+    };
+    let dtoh = |ptr: u64, n: usize| -> Vec<u8> {
+        let mut v = vec![0u8; n];
+        if n > 0 {
+            // SAFETY: `ptr` holds at least n bytes.
+            unsafe { cudarc::driver::result::memcpy_dtoh_async(&mut v, ptr, s.cu_stream()) }
+                .unwrap();
+        }
+        comm.synchronize(s).unwrap();
+        v
+    };
+    let upload = |round: u64| -> Routing {
+        let mine = ll_routing(me, round, experts);
+        let xs: Vec<u16> = (0..mine.tokens * HIDDEN)
+            .map(|i| x_value(me, i / HIDDEN, i % HIDDEN).to_bits())
+            .collect();
+        htod(xp, bytemuck::cast_slice(&xs));
+        htod(ip, bytemuck::cast_slice(&mine.idx));
+        htod(wp, bytemuck::cast_slice(&mine.weights));
+        mine
+    };
+    let u32s = |b: &[u8; 4]| u32::from_le_bytes(*b);
+    // Checks a dispatch's results, fills the combine buffer with each row times (local id + 1).
+    let check = |round: u64, n: u64, what: &str| {
+        let res = ll.results_of(n);
+        let all: Vec<Routing> = (0..world).map(|r| ll_routing(r, round, experts)).collect();
+        let layout: Vec<u32> = words(&dtoh(res.layout, local * world * 4), u32s);
+        let counts: Vec<u32> = words(&dtoh(res.recv_count, local * 4), u32s);
+        let slots = local * world * LL_MAX;
+        let rx: Vec<bf16> = words(&dtoh(res.recv_x, slots * HIDDEN * 2), |b: &[u8; 2]| {
+            bf16::from_bits(u16::from_le_bytes(*b))
+        });
+        let rs: Vec<i32> = words(&dtoh(res.recv_src, slots * 4), |b: &[u8; 4]| {
+            i32::from_le_bytes(*b)
+        });
+        let mut ys = vec![0u16; slots * HIDDEN];
+        for le in 0..local {
+            let e = (me * local + le) as i32;
+            let mut total = 0;
+            for src in 0..world {
+                let mut want: Vec<i32> = (0..all[src].tokens)
+                    .flat_map(|t| {
+                        let ids = &all[src].idx[t * TOPK..(t + 1) * TOPK];
+                        ids.iter().filter(move |&&x| x == e).map(move |_| t as i32)
+                    })
+                    .collect();
+                let n = layout[le * world + src] as usize;
+                assert_eq!(
+                    n,
+                    want.len(),
+                    "rank {me}, {what}: rows of expert {le} from {src}"
+                );
+                total += n as u32;
+                let base = (le * world + src) * LL_MAX;
+                let mut got: Vec<i32> = rs[base..base + n].to_vec();
+                for i in 0..n {
+                    let t = rs[base + i] as usize;
+                    for h in 0..HIDDEN {
+                        let v = rx[(base + i) * HIDDEN + h];
+                        assert_eq!(
+                            v,
+                            x_value(src, t, h),
+                            "rank {me}, {what}: expert {le} source {src} row {i}"
+                        );
+                        ys[(base + i) * HIDDEN + h] =
+                            bf16::from_f32(v.to_f32() * (le as f32 + 1.0)).to_bits();
+                    }
+                }
+                got.sort_unstable();
+                want.sort_unstable();
+                assert_eq!(
+                    got, want,
+                    "rank {me}, {what}: tokens of expert {le} from {src}"
+                );
+            }
+            assert_eq!(counts[le], total, "rank {me}, {what}: rows of expert {le}");
+        }
+        htod(ll.combine_buffer(), bytemuck::cast_slice(&ys));
+    };
+    let check_combine = |round: u64, what: &str| {
+        let mine = ll_routing(me, round, experts);
+        let got: Vec<bf16> = words(&dtoh(op, mine.tokens * HIDDEN * 2), |b: &[u8; 2]| {
+            bf16::from_bits(u16::from_le_bytes(*b))
+        });
+        for t in 0..mine.tokens {
+            for h in 0..HIDDEN {
+                let mut acc = 0f32;
+                for k in 0..TOPK {
+                    let e = mine.idx[t * TOPK + k];
+                    if e < 0 {
+                        continue;
+                    }
+                    let y = bf16::from_f32(
+                        x_value(me, t, h).to_f32() * ((e as usize % local) as f32 + 1.0),
+                    );
+                    acc = mine.weights[t * TOPK + k].mul_add(y.to_f32(), acc);
+                }
+                assert_eq!(
+                    got[t * HIDDEN + h],
+                    bf16::from_f32(acc),
+                    "rank {me}, {what}: token {t} value {h}"
+                );
+            }
+        }
+    };
+    let mut n = 0u64;
+    for round in 0..4u64 {
+        let mine = upload(round);
+        // The halves apart, with other work between them.
+        // SAFETY: the inputs hold `tokens` rows.
+        unsafe { ll.dispatch_send(s, xp, ip, mine.tokens) }.unwrap();
+        htod(op, &[0u8; 16]);
+        ll.dispatch_recv(s).unwrap();
+        n += 1;
+        check(round, n, &format!("round {round}"));
+        // SAFETY: weights and out hold `tokens` rows.
+        unsafe { ll.combine(s, wp, op) }.unwrap();
+        check_combine(round, &format!("round {round}"));
+    }
+    // Graph replays of a captured dispatch (fixed token count), new routing each time; the
+    // results alternate halves.
+    let round0 = 10u64;
+    comm.synchronize(s).unwrap();
+    s.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)
+        .unwrap();
+    // SAFETY: as above.
+    unsafe { ll.dispatch(s, xp, ip, ll_routing(me, round0, experts).tokens) }.unwrap();
+    let graph = s
+        .end_capture(CUgraphInstantiate_flags(0))
+        .unwrap()
+        .expect("a graph");
+    for replay in 0..20u64 {
+        // Rounds 10 + 65 k keep every rank's token count.
+        let round = round0 + replay * (LL_MAX as u64 + 1);
+        upload(round);
+        graph.launch().unwrap();
+        n += 1;
+        check(round, n, &format!("graph replay {replay}"));
+        // SAFETY: as above.
+        unsafe { ll.combine(s, wp, op) }.unwrap();
         check_combine(round, &format!("graph replay {replay}"));
     }
 }

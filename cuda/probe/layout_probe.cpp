@@ -143,6 +143,31 @@ int main() {
   FIELD(MoeArgs, calls);
   FIELD(MoeArgs, sems);
 
+  STRUCT(MoeLlArgs);
+  FIELD(MoeLlArgs, x);
+  FIELD(MoeLlArgs, topk_idx);
+  FIELD(MoeLlArgs, topk_weights);
+  FIELD(MoeLlArgs, out);
+  FIELD(MoeLlArgs, num_tokens);
+  FIELD(MoeLlArgs, hidden);
+  FIELD(MoeLlArgs, topk);
+  FIELD(MoeLlArgs, experts_per_rank);
+  FIELD(MoeLlArgs, max_tokens);
+  FIELD(MoeLlArgs, rank);
+  FIELD(MoeLlArgs, world);
+  FIELD(MoeLlArgs, blocks);
+  FIELD(MoeLlArgs, area);
+  FIELD(MoeLlArgs, comb);
+  FIELD(MoeLlArgs, off_src);
+  FIELD(MoeLlArgs, off_counts);
+  FIELD(MoeLlArgs, fill);
+  FIELD(MoeLlArgs, slots);
+  FIELD(MoeLlArgs, done);
+  FIELD(MoeLlArgs, epochs);
+  FIELD(MoeLlArgs, layout);
+  FIELD(MoeLlArgs, recv_count);
+  FIELD(MoeLlArgs, ready);
+
   STRUCT(LamportState);
   FIELD(LamportState, call);
   FIELD(LamportState, reserved);

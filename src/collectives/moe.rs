@@ -466,3 +466,334 @@ mod tests {
         assert_eq!(l, vec![vec![0], vec![1]]);
     }
 }
+
+/// MoE dispatch and combine for decode (low latency), DeepEP's low-latency semantics: fixed
+/// worst-case buffers sized from `max_tokens` per rank, a per-expert layout with one row per
+/// selected (token, expert), counts only on the device, no count exchange before rows move,
+/// CUDA-graph capturable, and send and receive halves callable separately so other work overlaps
+/// the transfer. Kernels and protocol: `cuda/kernels/moe_ll.cu`.
+///
+/// After a dispatch, rows sit at `[local expert][source rank][i]` for `i < layout[expert][source]`
+/// (see [`LowLatencyResults`]), in the half of the receive area the dispatch's epoch picks: two
+/// results may be alive at once. Expert kernels write their outputs for those rows at the same
+/// places of [`MoeLowLatency::combine_buffer`]; [`MoeLowLatency::combine`] then returns, for each
+/// token, the sum over its experts of weight x output (f32, in top-k order).
+pub struct MoeLowLatency {
+    comm: Arc<Communicator>,
+    cfg: MoeConfig,
+    base: crate::device_api::MoeLlArgs,
+    kernels: [CudaFunction; 5],
+    dispatches: std::sync::atomic::AtomicU64,
+    last: std::sync::Mutex<(u64, u32)>,
+    _area: Landing,
+    _comb: Landing,
+    _semaphores: Semaphores,
+    _device: Vec<CudaSlice<u8>>,
+}
+
+/// Where a low-latency dispatch leaves its results (device addresses; valid until the dispatch
+/// after next).
+#[derive(Debug, Clone, Copy)]
+pub struct LowLatencyResults {
+    /// `[local expert][source rank][max_tokens][hidden]` bf16 rows.
+    pub recv_x: u64,
+    /// `[local expert][source rank][max_tokens]` i32: the source token of each row.
+    pub recv_src: u64,
+    /// `[local expert][source rank]` u32: rows from each source.
+    pub layout: u64,
+    /// `[local expert]` u32: rows per local expert.
+    pub recv_count: u64,
+}
+
+impl MoeLowLatency {
+    /// Allocates the receive areas and combine buffers (mapped by every peer). Collective.
+    /// `cfg.max_tokens` is the decode batch per rank (DeepEP recommends under 256).
+    pub fn new(comm: &Arc<Communicator>, cfg: MoeConfig) -> Result<MoeLowLatency> {
+        let world = comm.world_size();
+        let rank = comm.rank();
+        if world > MAX_RANKS || cfg.hidden == 0 || cfg.hidden % 8 != 0 {
+            return Err(Error::invalid(
+                "config",
+                format!(
+                    "at most {MAX_RANKS} ranks and a hidden size that is a positive multiple of 8"
+                ),
+            ));
+        }
+        if cfg.num_experts == 0
+            || cfg.num_experts % world != 0
+            || cfg.num_experts / world > 1024
+            || cfg.topk == 0
+            || cfg.max_tokens == 0
+            || (cfg.max_tokens * cfg.topk) as u64 >= 1 << 31
+            || (cfg.max_tokens as u64) * (cfg.hidden as u64 / 8) >= 1 << 32
+        {
+            return Err(Error::invalid(
+                "config",
+                "num_experts a multiple of the ranks with at most 1024 per rank; topk and \
+                 max_tokens positive and small enough for 32-bit row indices",
+            ));
+        }
+        let gpu = comm.gpu().clone();
+        let sms = gpu
+            .context()
+            .attribute(
+                cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
+            )
+            .map_err(cuda_err("cuDeviceGetAttribute"))? as u32;
+        let blocks = cfg.blocks.unwrap_or(sms).clamp(1, sms);
+        let local = cfg.num_experts / world;
+        let rows = local * world * cfg.max_tokens;
+        let section = |bytes: usize| bytes.next_multiple_of(256);
+        let off_src = section(2 * rows * cfg.hidden * 2);
+        let off_counts = off_src + section(2 * rows * 4);
+        let area_bytes = off_counts + section(2 * local * world * 8);
+        let map = |bytes: usize| -> Result<(Landing, [u64; MAX_RANKS])> {
+            let buf = comm.alloc(bytes)?;
+            let reg = comm.register(&buf)?;
+            let peers = comm.exchange(&reg)?;
+            let mut ptrs = [0u64; MAX_RANKS];
+            for (r, p) in ptrs.iter_mut().enumerate().take(world) {
+                *p = if r == rank {
+                    buf.device_ptr()
+                } else {
+                    peers[r]
+                        .as_ref()
+                        .ok_or_else(|| Error::TransportUnavailable {
+                            transport: "CudaIpc",
+                            why: format!(
+                                "rank {r} is on another host; this MoE path is single-node"
+                            ),
+                        })?
+                        .device_ptr()
+                };
+            }
+            Ok(((buf, reg, peers), ptrs))
+        };
+        let (area, area_ptrs) = map(area_bytes)?;
+        let (comb, comb_ptrs) = map(rows * cfg.hidden * 2)?;
+        let semaphores = comm.semaphores(1)?;
+        let stream = gpu.new_stream()?;
+        let alloc = |bytes: usize| -> Result<CudaSlice<u8>> {
+            stream
+                .alloc_zeros::<u8>(bytes.max(16))
+                .map_err(cuda_err("cuMemAlloc"))
+        };
+        let sems_bytes: &[u8] = bytemuck::cast_slice(semaphores.handles());
+        let sems = stream
+            .clone_htod(sems_bytes)
+            .map_err(cuda_err("cuMemcpyHtoD"))?;
+        let device = vec![
+            alloc(cfg.num_experts * 4)?,           // fill
+            alloc(cfg.max_tokens * cfg.topk * 4)?, // slots
+            alloc(4)?,                             // done
+            alloc(16)?,                            // epochs
+            alloc(local * world * 4)?,             // layout
+            alloc(local * 4)?,                     // recv_count
+            sems,
+        ];
+        let p = |i: usize| device[i].device_ptr(&stream).0;
+        let base = crate::device_api::MoeLlArgs {
+            hidden: cfg.hidden as u32,
+            topk: cfg.topk as u32,
+            experts_per_rank: local as u32,
+            max_tokens: cfg.max_tokens as u32,
+            rank: rank as u32,
+            world: world as u32,
+            blocks,
+            area: area_ptrs,
+            comb: comb_ptrs,
+            off_src: off_src as u64,
+            off_counts: off_counts as u64,
+            fill: p(0),
+            slots: p(1),
+            done: p(2),
+            epochs: p(3),
+            layout: p(4),
+            recv_count: p(5),
+            ready: p(6),
+            ..Default::default()
+        };
+        stream
+            .synchronize()
+            .map_err(cuda_err("cuStreamSynchronize"))?;
+        let k = |name: &str| gpu.function("moe_ll", name);
+        let kernels = [
+            k("moe_ll_begin")?,
+            k("moe_ll_send")?,
+            k("moe_ll_recv")?,
+            k("moe_ll_ready")?,
+            k("moe_ll_combine")?,
+        ];
+        comm.bootstrap().barrier()?;
+        Ok(MoeLowLatency {
+            comm: comm.clone(),
+            cfg,
+            base,
+            kernels,
+            dispatches: std::sync::atomic::AtomicU64::new(0),
+            last: std::sync::Mutex::new((0, 0)),
+            _area: area,
+            _comb: comb,
+            _semaphores: semaphores,
+            _device: device,
+        })
+    }
+
+    fn launch(
+        &self,
+        stream: &CudaStream,
+        k: usize,
+        grid: u32,
+        threads: u32,
+        args: &crate::device_api::MoeLlArgs,
+    ) -> Result<()> {
+        let mut b = stream.launch_builder(&self.kernels[k]);
+        b.arg(args);
+        let cfg = LaunchConfig {
+            grid_dim: (grid, 1, 1),
+            block_dim: (threads, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: MoeLlArgs matches the kernels' (layout-tested); every buffer it names lives as
+        // long as `self`; the caller vouches for the per-call inputs.
+        self.comm
+            .check(unsafe { b.launch(cfg) }.map(|_| ()), "cuLaunchKernel")
+    }
+
+    /// The send half of a dispatch: rows leave for their experts' ranks; returns once queued.
+    /// Call [`MoeLowLatency::dispatch_recv`] (on this or another stream ordered after it) before
+    /// reading the results.
+    ///
+    /// # Safety
+    /// `x` holds `num_tokens * hidden` bf16 (16-byte aligned) and `topk_idx` `num_tokens * topk`
+    /// i32 (-1 or below `num_experts`), device memory of this GPU valid until the work on
+    /// `stream` completes; `topk_idx` also until the matching combine has run.
+    pub unsafe fn dispatch_send(
+        &self,
+        stream: &CudaStream,
+        x: u64,
+        topk_idx: u64,
+        num_tokens: usize,
+    ) -> Result<()> {
+        if num_tokens > self.cfg.max_tokens || x % 16 != 0 || topk_idx % 4 != 0 {
+            return Err(Error::invalid(
+                "dispatch",
+                format!(
+                    "{num_tokens} tokens (at most {}), x 16-byte and topk_idx 4-byte aligned",
+                    self.cfg.max_tokens
+                ),
+            ));
+        }
+        *self.last.lock().unwrap_or_else(|p| p.into_inner()) = (topk_idx, num_tokens as u32);
+        self.dispatches
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let args = crate::device_api::MoeLlArgs {
+            x,
+            topk_idx,
+            num_tokens: num_tokens as u32,
+            ..self.base
+        };
+        self.launch(stream, 0, 1, 256, &args)?;
+        self.launch(stream, 1, self.base.blocks, 512, &args)
+    }
+
+    /// The receive half: waits until every rank's rows of this dispatch have arrived and writes
+    /// the per-(expert, source) and per-expert counts.
+    pub fn dispatch_recv(&self, stream: &CudaStream) -> Result<()> {
+        let pairs = self.base.experts_per_rank * self.base.world;
+        self.launch(
+            stream,
+            2,
+            1,
+            pairs.clamp(32, 1024).next_multiple_of(32),
+            &self.base,
+        )
+    }
+
+    /// Both halves.
+    ///
+    /// # Safety
+    /// As for [`MoeLowLatency::dispatch_send`].
+    pub unsafe fn dispatch(
+        &self,
+        stream: &CudaStream,
+        x: u64,
+        topk_idx: u64,
+        num_tokens: usize,
+    ) -> Result<()> {
+        // SAFETY: as documented.
+        unsafe { self.dispatch_send(stream, x, topk_idx, num_tokens) }?;
+        self.dispatch_recv(stream)
+    }
+
+    /// Where the last dispatch issued from the host left its results (the half its epoch
+    /// picked). Replays of a captured dispatch alternate halves too: use
+    /// [`MoeLowLatency::results_of`] with the number of dispatches executed so far.
+    pub fn results(&self) -> LowLatencyResults {
+        self.results_of(self.dispatches.load(std::sync::atomic::Ordering::Relaxed))
+    }
+
+    /// Where the `n`-th dispatch (counting from 1, replays included) left its results.
+    pub fn results_of(&self, n: u64) -> LowLatencyResults {
+        let half = n & 1;
+        let rows = (self.base.experts_per_rank * self.base.world * self.base.max_tokens) as u64;
+        let area = self.base.area[self.comm.rank()];
+        LowLatencyResults {
+            recv_x: area + half * rows * self.base.hidden as u64 * 2,
+            recv_src: area + self.base.off_src + half * rows * 4,
+            layout: self.base.layout,
+            recv_count: self.base.recv_count,
+        }
+    }
+
+    /// This rank's combine buffer: `[local expert][source rank][max_tokens][hidden]` bf16, the
+    /// receive layout; expert kernels write each row's output at its row's place.
+    pub fn combine_buffer(&self) -> u64 {
+        self.base.comb[self.comm.rank()]
+    }
+
+    /// The send half of a combine: tells every peer this rank's combine buffer is filled.
+    pub fn combine_send(&self, stream: &CudaStream) -> Result<()> {
+        let threads = self.base.world.next_multiple_of(32);
+        self.launch(stream, 3, 1, threads, &self.base)
+    }
+
+    /// The receive half: waits for every peer's combine buffer, then writes `out [num_tokens,
+    /// hidden]`: for each token of the last dispatch, the sum over its experts of weight x output.
+    ///
+    /// # Safety
+    /// `topk_weights` holds `num_tokens * topk` f32 and `out` `num_tokens * hidden` bf16 (16-byte
+    /// aligned) of the last dispatch, device memory of this GPU valid until `stream` has run it.
+    pub unsafe fn combine_recv(
+        &self,
+        stream: &CudaStream,
+        topk_weights: u64,
+        out: u64,
+    ) -> Result<()> {
+        if out % 16 != 0 || topk_weights % 4 != 0 {
+            return Err(Error::invalid(
+                "combine",
+                "out 16-byte and weights 4-byte aligned",
+            ));
+        }
+        let (topk_idx, num_tokens) = *self.last.lock().unwrap_or_else(|p| p.into_inner());
+        let args = crate::device_api::MoeLlArgs {
+            topk_idx,
+            topk_weights,
+            out,
+            num_tokens,
+            ..self.base
+        };
+        self.launch(stream, 4, self.base.blocks, 512, &args)
+    }
+
+    /// Both halves.
+    ///
+    /// # Safety
+    /// As for [`MoeLowLatency::combine_recv`].
+    pub unsafe fn combine(&self, stream: &CudaStream, topk_weights: u64, out: u64) -> Result<()> {
+        self.combine_send(stream)?;
+        // SAFETY: as documented.
+        unsafe { self.combine_recv(stream, topk_weights, out) }
+    }
+}

@@ -325,6 +325,36 @@ pub struct MoeArgs {
     pub sems: u64,
 }
 
+/// Launch arguments of the low-latency MoE kernels (`collective_args.cuh`; field meanings there).
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Pod, Zeroable)]
+#[allow(missing_docs)]
+pub struct MoeLlArgs {
+    pub x: u64,
+    pub topk_idx: u64,
+    pub topk_weights: u64,
+    pub out: u64,
+    pub num_tokens: u32,
+    pub hidden: u32,
+    pub topk: u32,
+    pub experts_per_rank: u32,
+    pub max_tokens: u32,
+    pub rank: u32,
+    pub world: u32,
+    pub blocks: u32,
+    pub area: [u64; MAX_RANKS],
+    pub comb: [u64; MAX_RANKS],
+    pub off_src: u64,
+    pub off_counts: u64,
+    pub fill: u64,
+    pub slots: u64,
+    pub done: u64,
+    pub epochs: u64,
+    pub layout: u64,
+    pub recv_count: u64,
+    pub ready: u64,
+}
+
 /// Per-block state of the sentinel two-shot (`collective_args.cuh`).
 #[repr(C)]
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Pod, Zeroable)]
@@ -390,6 +420,8 @@ unsafe impl cudarc::driver::DeviceRepr for AllReduceArgs {}
 unsafe impl cudarc::driver::DeviceRepr for AllToAllArgs {}
 // SAFETY: as above.
 unsafe impl cudarc::driver::DeviceRepr for MoeArgs {}
+// SAFETY: as above.
+unsafe impl cudarc::driver::DeviceRepr for MoeLlArgs {}
 // SAFETY: as above.
 unsafe impl cudarc::driver::DeviceRepr for PortChannelHandle {}
 
@@ -529,6 +561,35 @@ mod layout {
                     expert_counts,
                     calls,
                     sems
+                ]
+            ),
+            layout!(
+                "MoeLlArgs",
+                MoeLlArgs,
+                [
+                    x,
+                    topk_idx,
+                    topk_weights,
+                    out,
+                    num_tokens,
+                    hidden,
+                    topk,
+                    experts_per_rank,
+                    max_tokens,
+                    rank,
+                    world,
+                    blocks,
+                    area,
+                    comb,
+                    off_src,
+                    off_counts,
+                    fill,
+                    slots,
+                    done,
+                    epochs,
+                    layout,
+                    recv_count,
+                    ready
                 ]
             ),
             layout!("LamportState", LamportState, [call, reserved, prev_count]),

@@ -106,4 +106,38 @@ struct MoeArgs {
 };
 DOORBELL_CHECK_SIZE(MoeArgs, 296);
 
+// Launch arguments of the low-latency MoE kernels (cuda/kernels/moe_ll.cu).
+struct MoeLlArgs {
+  // Per call.
+  const uint16_t* x;            // [num_tokens, hidden] bf16
+  const int32_t* topk_idx;      // [num_tokens, topk], -1 = no expert
+  const float* topk_weights;    // [num_tokens, topk] (combine)
+  uint16_t* out;                // combine output [num_tokens, hidden] bf16
+  uint32_t num_tokens;
+  // Fixed.
+  uint32_t hidden;
+  uint32_t topk;
+  uint32_t experts_per_rank;
+  uint32_t max_tokens;          // per rank
+  uint32_t rank;
+  uint32_t world;
+  uint32_t blocks;              // grid of the send and combine kernels
+  // Every rank's receive area, mapped here: [2 halves][local expert][source][max_tokens] rows of
+  // hidden bf16 at 0, the source tokens (i32, same shape) at off_src, and the per-(expert, source)
+  // counts [2][local expert][source] u64 (epoch << 32 | count) at off_counts.
+  char* area[kMaxRanks];
+  // Every rank's combine buffer, mapped here: [local expert][source][max_tokens][hidden] bf16.
+  char* comb[kMaxRanks];
+  uint64_t off_src;
+  uint64_t off_counts;
+  uint32_t* fill;               // mine: [num experts] rows sent per expert this call
+  int32_t* slots;               // mine: [max_tokens][topk] row of (t, k) at its expert, or -1
+  uint32_t* done;               // mine: send blocks finished this call
+  uint64_t* epochs;             // mine: [2] dispatch epoch, combine calls
+  uint32_t* layout;             // mine: [local expert][source] rows received
+  uint32_t* recv_count;         // mine: [local expert] rows received
+  const SemaphoreHandle* ready; // [world]: "my combine buffer is filled"
+};
+DOORBELL_CHECK_SIZE(MoeLlArgs, 264);
+
 }  // namespace doorbell
