@@ -142,8 +142,11 @@ fn run(args: &Args) -> Result<i32> {
     let rows = world * max_tokens;
     let y: CudaSlice<u16> = s.alloc_zeros(rows * h).map_err(cuda("cuMemAlloc"))?;
     let out: CudaSlice<u16> = s.alloc_zeros(max_tokens * h).map_err(cuda("cuMemAlloc"))?;
-    let nccl_send: CudaSlice<u16> = s.alloc_zeros(rows * h).map_err(cuda("cuMemAlloc"))?;
-    let nccl_recv: CudaSlice<u16> = s.alloc_zeros(rows * h).map_err(cuda("cuMemAlloc"))?;
+    // NCCL's rows: at most every token to every rank (high-throughput), or every selection of
+    // every rank's low-latency batch to one rank.
+    let nccl_rows = rows.max(world * args.low_latency_tokens * args.topk);
+    let nccl_send: CudaSlice<u16> = s.alloc_zeros(nccl_rows * h).map_err(cuda("cuMemAlloc"))?;
+    let nccl_recv: CudaSlice<u16> = s.alloc_zeros(nccl_rows * h).map_err(cuda("cuMemAlloc"))?;
     let (xp, ip, wp, yp, op) = (
         x.device_ptr(&s).0,
         idx.device_ptr(&s).0,

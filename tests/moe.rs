@@ -11,7 +11,7 @@ mod common;
 
 use common::{rank_counts, run_case, spawned_case};
 use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
-use cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
+use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, PushKernelArg};
 use doorbell::collectives::moe::{reference_layout, MoeConfig, MoeDispatcher};
 use doorbell::host::communicator::Communicator;
 use half::bf16;
@@ -535,6 +535,32 @@ fn low_latency(comm: &Arc<Communicator>, s: &Arc<CudaStream>) {
         // SAFETY: weights and out hold `tokens` rows.
         unsafe { ll.combine(s, wp, op) }.unwrap();
         check_combine(round, &format!("round {round}"));
+    }
+    // Fused dispatch: a kernel of the test's own makes each row in shared memory and sends it
+    // with the device API (moe_ll::put / finish_send).
+    let fused = comm
+        .gpu()
+        .function("moe_ll", "moe_ll_test_fused_send")
+        .unwrap();
+    for round in 4..6u64 {
+        let mine = upload(round);
+        // SAFETY: topk_idx holds `tokens` rows.
+        let args = unsafe { ll.begin_fused_send(s, ip, mine.tokens) }.unwrap();
+        let mut b = s.launch_builder(&fused);
+        b.arg(&args);
+        let cfg = cudarc::driver::LaunchConfig {
+            grid_dim: (8, 1, 1),
+            block_dim: (512, 1, 1),
+            shared_mem_bytes: 16 * HIDDEN as u32 * 2,
+        };
+        // SAFETY: matches moe_ll_test_fused_send; 16 warps x one row of shared memory each.
+        unsafe { b.launch(cfg) }.unwrap();
+        ll.dispatch_recv(s).unwrap();
+        n += 1;
+        check(round, n, &format!("fused round {round}"));
+        // SAFETY: weights and out hold `tokens` rows.
+        unsafe { ll.combine(s, wp, op) }.unwrap();
+        check_combine(round, &format!("fused round {round}"));
     }
     // Graph replays of a captured dispatch (fixed token count), new routing each time; the
     // results alternate halves.

@@ -20,6 +20,8 @@
 // the receive layout, written there by the expert kernels) is filled.
 // combine receive (moe_ll_combine): waits for every peer's signal of this call, then for each
 // token sums w[t, k] x y[expert k][me][its row] over k in f32, reading the rows where they are.
+// The per-row and per-chunk work is the device API of cuda/include/doorbell/moe.cuh (moe_ll::put,
+// finish_send, combine_chunk), which users call from their own kernels to fuse the exchange.
 #include <doorbell/doorbell.cuh>
 
 #include <cuda_bf16.h>
@@ -30,16 +32,6 @@ namespace {
 
 constexpr uint32_t kWarp = 32;
 
-DOORBELL_DEVICE_INLINE uint64_t ll_row(const MoeLlArgs& a, uint32_t half, uint32_t le, uint32_t src, uint32_t i) {
-  return ((uint64_t(half) * a.experts_per_rank + le) * a.world + src) * a.max_tokens + i;
-}
-
-DOORBELL_DEVICE_INLINE uint64_t* ll_count(const MoeLlArgs& a, uint32_t owner, uint32_t half, uint32_t le,
-                                          uint32_t src) {
-  return reinterpret_cast<uint64_t*>(a.area[owner] + a.off_counts) +
-         (uint64_t(half) * a.experts_per_rank + le) * a.world + src;
-}
-
 }  // namespace
 
 extern "C" __global__ void moe_ll_begin(MoeLlArgs a) {
@@ -49,50 +41,35 @@ extern "C" __global__ void moe_ll_begin(MoeLlArgs a) {
 }
 
 extern "C" __global__ void __launch_bounds__(512) moe_ll_send(MoeLlArgs a) {
-  const uint64_t epoch = a.epochs[0];
-  const uint32_t half = uint32_t(epoch & 1);
   const uint32_t lane = threadIdx.x % kWarp;
   const uint32_t warps = gridDim.x * (blockDim.x / kWarp);
-  const uint64_t bytes = uint64_t(a.hidden) * 2;
   const uint32_t items = a.num_tokens * a.topk;
   for (uint32_t item = blockIdx.x * (blockDim.x / kWarp) + threadIdx.x / kWarp; item < items; item += warps) {
     const uint32_t t = item / a.topk;
-    const int32_t e = a.topk_idx[item];
-    if (e < 0) {
-      if (lane == 0) a.slots[item] = -1;
-      continue;
+    moe_ll::put(a, t, item % a.topk, a.x + uint64_t(t) * a.hidden, lane);
+  }
+  moe_ll::finish_send(a);
+}
+
+// The fused-dispatch path of the tests: the row is made in shared memory by the kernel itself
+// (as an expert or attention kernel would have it) and sent with moe_ll::put. Row values follow
+// the tests' rule ((rank * 31 + t * 7 + h) % 64 - 32, exact in bf16).
+extern "C" __global__ void moe_ll_test_fused_send(MoeLlArgs a) {
+  extern __shared__ int4 rows[];
+  const uint32_t lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
+  __nv_bfloat16* row = reinterpret_cast<__nv_bfloat16*>(rows + uint64_t(warp) * (a.hidden / 8));
+  const uint32_t warps = gridDim.x * (blockDim.x / kWarp);
+  const uint32_t items = a.num_tokens * a.topk;
+  for (uint32_t item = blockIdx.x * (blockDim.x / kWarp) + warp; item < items; item += warps) {
+    const uint32_t t = item / a.topk;
+    for (uint32_t h = lane; h < a.hidden; h += kWarp) {
+      row[h] = __float2bfloat16(float(int((a.rank * 31 + t * 7 + h) % 64) - 32));
     }
-    const uint32_t r = uint32_t(e) / a.experts_per_rank, le = uint32_t(e) % a.experts_per_rank;
-    uint32_t i = 0;
-    if (lane == 0) i = atomicAdd(&a.fill[e], 1u);
-    i = __shfl_sync(0xffffffffu, i, 0);
-    const uint64_t row = ll_row(a, half, le, a.rank, i);
-    uint16_t* dst = reinterpret_cast<uint16_t*>(a.area[r]) + row * a.hidden;
-    const int4* s = reinterpret_cast<const int4*>(a.x + uint64_t(t) * a.hidden);
-    int4* d = reinterpret_cast<int4*>(dst);
-    for (uint64_t c = lane; c < bytes / 16; c += kWarp) d[c] = s[c];
-    if (lane == 0) {
-      reinterpret_cast<int32_t*>(a.area[r] + a.off_src)[row] = int32_t(t);
-      a.slots[item] = int32_t(i);
-    }
+    __syncwarp();
+    moe_ll::put(a, t, item % a.topk, row, lane);
+    __syncwarp();
   }
-  // The last block to finish publishes every expert's count (all rows of all blocks land first).
-  __shared__ bool last;
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    __threadfence_system();
-    last = atomicAdd(a.done, 1u) == gridDim.x - 1;
-  }
-  __syncthreads();
-  if (!last) return;
-  __threadfence_system();
-  const uint32_t experts = a.experts_per_rank * a.world;
-  for (uint32_t e = threadIdx.x; e < experts; e += blockDim.x) {
-    const uint32_t r = e / a.experts_per_rank, le = e % a.experts_per_rank;
-    const uint32_t n = *reinterpret_cast<volatile uint32_t*>(&a.fill[e]);
-    store_release_sys(ll_count(a, r, half, le, a.rank), (epoch << 32) | n);
-  }
-  if (threadIdx.x == 0) *a.done = 0;
+  moe_ll::finish_send(a);
 }
 
 extern "C" __global__ void moe_ll_recv(MoeLlArgs a) {
@@ -104,7 +81,7 @@ extern "C" __global__ void moe_ll_recv(MoeLlArgs a) {
   __syncthreads();
   for (uint32_t q = threadIdx.x; q < pairs; q += blockDim.x) {
     const uint32_t le = q / a.world, src = q % a.world;
-    const uint64_t* word = ll_count(a, a.rank, half, le, src);
+    const uint64_t* word = moe_ll::count_word(a, a.rank, half, le, src);
     const SemaphoreHandle& h = a.ready[src == a.rank ? (a.rank + 1) % a.world : src];
     uint64_t got = 0;
     spin_until(h.site, kWaitPacket, epoch, [&](uint64_t& seen) {
@@ -135,32 +112,10 @@ extern "C" __global__ void __launch_bounds__(512) moe_ll_combine(MoeLlArgs a) {
     });
   }
   __syncthreads();
-  // A thread per (token, 16 bytes of the row): sum over k of w x y[row of (t, k)], in f32.
+  // A thread per (token, 16 bytes of the row).
   const uint32_t chunks = a.hidden / 8;
   const uint32_t n_items = a.num_tokens * chunks;
   for (uint32_t i = blockIdx.x * blockDim.x + threadIdx.x; i < n_items; i += gridDim.x * blockDim.x) {
-    const uint32_t t = i / chunks, c = i % chunks;
-    float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-    for (uint32_t k = 0; k < a.topk; ++k) {
-      const int32_t e = a.topk_idx[uint64_t(t) * a.topk + k];
-      const int32_t slot = a.slots[uint64_t(t) * a.topk + k];
-      if (e < 0 || slot < 0) continue;
-      const uint32_t r = uint32_t(e) / a.experts_per_rank, le = uint32_t(e) % a.experts_per_rank;
-      const uint64_t row = (uint64_t(le) * a.world + a.rank) * a.max_tokens + uint32_t(slot);
-      const int4 v = reinterpret_cast<const int4*>(a.comb[r])[row * chunks + c];
-      const float w = a.topk_weights[uint64_t(t) * a.topk + k];
-      const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);
-#pragma unroll
-      for (int q = 0; q < 4; ++q) {
-        const float2 f = __bfloat1622float2(h[q]);
-        acc[2 * q] += w * f.x;
-        acc[2 * q + 1] += w * f.y;
-      }
-    }
-    int4 o;
-    __nv_bfloat162* h = reinterpret_cast<__nv_bfloat162*>(&o);
-#pragma unroll
-    for (int q = 0; q < 4; ++q) h[q] = __floats2bfloat162_rn(acc[2 * q], acc[2 * q + 1]);
-    reinterpret_cast<int4*>(a.out)[uint64_t(t) * chunks + c] = o;
+    moe_ll::combine_chunk(a, i / chunks, i % chunks);
   }
 }

@@ -697,6 +697,41 @@ impl MoeLowLatency {
         self.launch(stream, 1, self.base.blocks, 512, &args)
     }
 
+    /// Prepares a dispatch whose send half runs in the caller's own kernel (fused dispatch):
+    /// bumps the epoch and zeroes the per-expert counters on `stream`, and returns the arguments
+    /// that kernel passes to `doorbell::moe_ll::put` (one warp per selection) and
+    /// `doorbell::moe_ll::finish_send` (every block once), from `cuda/include/doorbell/moe.cuh`.
+    /// Then call [`MoeLowLatency::dispatch_recv`].
+    ///
+    /// # Safety
+    /// `topk_idx` as for [`MoeLowLatency::dispatch_send`].
+    pub unsafe fn begin_fused_send(
+        &self,
+        stream: &CudaStream,
+        topk_idx: u64,
+        num_tokens: usize,
+    ) -> Result<crate::device_api::MoeLlArgs> {
+        if num_tokens > self.cfg.max_tokens || topk_idx % 4 != 0 {
+            return Err(Error::invalid(
+                "dispatch",
+                format!(
+                    "{num_tokens} tokens (at most {}), topk_idx 4-byte aligned",
+                    self.cfg.max_tokens
+                ),
+            ));
+        }
+        *self.last.lock().unwrap_or_else(|p| p.into_inner()) = (topk_idx, num_tokens as u32);
+        self.dispatches
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let args = crate::device_api::MoeLlArgs {
+            topk_idx,
+            num_tokens: num_tokens as u32,
+            ..self.base
+        };
+        self.launch(stream, 0, 1, 256, &args)?;
+        Ok(args)
+    }
+
     /// The receive half: waits until every rank's rows of this dispatch have arrived and writes
     /// the per-(expert, source) and per-expert counts.
     pub fn dispatch_recv(&self, stream: &CudaStream) -> Result<()> {

@@ -6,6 +6,7 @@
 #include "copy.cuh"
 #include "fifo.cuh"
 #include "memory_channel.cuh"
+#include "moe.cuh"
 #include "packet.cuh"
 #include "port_channel.cuh"
 #include "semaphore.cuh"
