@@ -300,12 +300,7 @@ impl AllReduce {
         };
         let check_args = opts.check_args.unwrap_or(settings.check_args);
         let gpu = comm.gpu().clone();
-        let sms = gpu
-            .context()
-            .attribute(
-                cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
-            )
-            .map_err(cuda_err("cuDeviceGetAttribute"))? as u32;
+        let sms = gpu.sm_count()?;
         let lanes = opts.max_lanes.clamp(1, sms) as usize;
         let ll_blocks = opts.ll_blocks.clamp(1, sms);
         // A lane holds PIPE_DEPTH slots of [RS | AG] x world shards.

@@ -135,12 +135,7 @@ impl AllToAll {
             ));
         }
         let gpu = comm.gpu().clone();
-        let sms = gpu
-            .context()
-            .attribute(
-                cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
-            )
-            .map_err(cuda_err("cuDeviceGetAttribute"))? as u32;
+        let sms = gpu.sm_count()?;
         let lanes = opts.lanes.unwrap_or((sms / world as u32).max(1));
         if lanes == 0 || lanes as usize * world > sms as usize {
             return Err(Error::invalid(

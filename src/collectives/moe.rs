@@ -76,6 +76,29 @@ type Landing = (
     Vec<Option<Arc<RemoteMemory>>>,
 );
 
+/// Allocates `bytes` that every rank maps (collective) and returns them with every rank's copy as
+/// mapped here (own at `rank`). Fails for ranks of other hosts: the MoE paths are single-node.
+fn landing(comm: &Communicator, bytes: usize) -> Result<(Landing, [u64; MAX_RANKS])> {
+    let buf = comm.alloc(bytes)?;
+    let reg = comm.register(&buf)?;
+    let peers = comm.exchange(&reg)?;
+    let mut ptrs = [0u64; MAX_RANKS];
+    for (r, p) in ptrs.iter_mut().enumerate().take(comm.world_size()) {
+        *p = if r == comm.rank() {
+            buf.device_ptr()
+        } else {
+            peers[r]
+                .as_ref()
+                .ok_or_else(|| Error::TransportUnavailable {
+                    transport: "CudaIpc",
+                    why: format!("rank {r} is on another host; the MoE exchange is single-node"),
+                })?
+                .device_ptr()
+        };
+    }
+    Ok(((buf, reg, peers), ptrs))
+}
+
 impl MoeDispatcher {
     /// Allocates the landing areas (mapped by every peer), outputs and semaphores. Collective.
     pub fn new(comm: &Arc<Communicator>, cfg: MoeConfig) -> Result<MoeDispatcher> {
@@ -113,12 +136,7 @@ impl MoeDispatcher {
             ));
         }
         let gpu = comm.gpu().clone();
-        let sms = gpu
-            .context()
-            .attribute(
-                cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
-            )
-            .map_err(cuda_err("cuDeviceGetAttribute"))? as u32;
+        let sms = gpu.sm_count()?;
         let blocks = cfg.blocks.unwrap_or(sms);
         if blocks == 0 || blocks > sms {
             return Err(Error::invalid(
@@ -134,30 +152,8 @@ impl MoeDispatcher {
         let off_matrix = off_src + section(rows * 8);
         let off_scales = off_matrix + section(world * world * 4);
         let land_bytes = off_scales + section(rows * (cfg.hidden / 128) * 4);
-        let map = |bytes: usize| -> Result<(Landing, [u64; MAX_RANKS])> {
-            let buf = comm.alloc(bytes)?;
-            let reg = comm.register(&buf)?;
-            let peers = comm.exchange(&reg)?;
-            let mut ptrs = [0u64; MAX_RANKS];
-            for (r, p) in ptrs.iter_mut().enumerate().take(world) {
-                *p = if r == rank {
-                    buf.device_ptr()
-                } else {
-                    peers[r]
-                        .as_ref()
-                        .ok_or_else(|| Error::TransportUnavailable {
-                            transport: "CudaIpc",
-                            why: format!(
-                                "rank {r} is on another host; dispatch/combine here is single-node"
-                            ),
-                        })?
-                        .device_ptr()
-                };
-            }
-            Ok(((buf, reg, peers), ptrs))
-        };
-        let (recv, land_ptrs) = map(land_bytes)?;
-        let (comb, comb_ptrs) = map(rows * cfg.hidden * 2)?;
+        let (recv, land_ptrs) = landing(comm, land_bytes)?;
+        let (comb, comb_ptrs) = landing(comm, rows * cfg.hidden * 2)?;
         let semaphores = comm.semaphores(4)?;
         let stream = gpu.new_stream()?;
         let alloc = |bytes: usize| -> Result<CudaSlice<u8>> {
@@ -534,12 +530,7 @@ impl MoeLowLatency {
             ));
         }
         let gpu = comm.gpu().clone();
-        let sms = gpu
-            .context()
-            .attribute(
-                cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
-            )
-            .map_err(cuda_err("cuDeviceGetAttribute"))? as u32;
+        let sms = gpu.sm_count()?;
         let blocks = cfg.blocks.unwrap_or(sms).clamp(1, sms);
         let local = cfg.num_experts / world;
         let rows = local * world * cfg.max_tokens;
@@ -547,30 +538,8 @@ impl MoeLowLatency {
         let off_src = section(2 * rows * cfg.hidden * 2);
         let off_counts = off_src + section(2 * rows * 4);
         let area_bytes = off_counts + section(2 * local * world * 8);
-        let map = |bytes: usize| -> Result<(Landing, [u64; MAX_RANKS])> {
-            let buf = comm.alloc(bytes)?;
-            let reg = comm.register(&buf)?;
-            let peers = comm.exchange(&reg)?;
-            let mut ptrs = [0u64; MAX_RANKS];
-            for (r, p) in ptrs.iter_mut().enumerate().take(world) {
-                *p = if r == rank {
-                    buf.device_ptr()
-                } else {
-                    peers[r]
-                        .as_ref()
-                        .ok_or_else(|| Error::TransportUnavailable {
-                            transport: "CudaIpc",
-                            why: format!(
-                                "rank {r} is on another host; this MoE path is single-node"
-                            ),
-                        })?
-                        .device_ptr()
-                };
-            }
-            Ok(((buf, reg, peers), ptrs))
-        };
-        let (area, area_ptrs) = map(area_bytes)?;
-        let (comb, comb_ptrs) = map(rows * cfg.hidden * 2)?;
+        let (area, area_ptrs) = landing(comm, area_bytes)?;
+        let (comb, comb_ptrs) = landing(comm, rows * cfg.hidden * 2)?;
         let semaphores = comm.semaphores(1)?;
         let stream = gpu.new_stream()?;
         let alloc = |bytes: usize| -> Result<CudaSlice<u8>> {

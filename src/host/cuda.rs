@@ -116,6 +116,16 @@ impl Gpu {
         self.ctx.ordinal()
     }
 
+    /// Number of SMs (streaming multiprocessors).
+    pub fn sm_count(&self) -> Result<u32> {
+        Ok(self
+            .ctx
+            .attribute(
+                cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
+            )
+            .map_err(cuda_err("cuDeviceGetAttribute"))? as u32)
+    }
+
     /// The PCI address as sysfs names it (`0000:1b:00.0`).
     pub fn pci_bus_id(&self) -> Result<String> {
         use cudarc::driver::sys::CUdevice_attribute as A;
