@@ -12,6 +12,7 @@ pub mod config;
 pub mod device_api;
 pub mod error;
 pub mod host;
+pub mod rdma;
 
 pub use error::{Error, Result, WaitKind};
 
