@@ -105,6 +105,26 @@ fn routing_of(r: usize, round: u64, experts: usize, tokens: usize) -> Routing {
     }
 }
 
+/// Copies `v` to device address `ptr` on `s` (every destination in these tests is sized for the
+/// largest upload).
+fn upload_bytes(s: &CudaStream, ptr: u64, v: &[u8]) {
+    if !v.is_empty() {
+        // SAFETY: the destination holds at least `v.len()` bytes (see above).
+        unsafe { cudarc::driver::result::memcpy_htod_async(ptr, v, s.cu_stream()) }.unwrap();
+    }
+}
+
+/// Copies `n` bytes at device address `ptr` back, after the stream's earlier work.
+fn download_bytes(comm: &Communicator, s: &CudaStream, ptr: u64, n: usize) -> Vec<u8> {
+    let mut v = vec![0u8; n];
+    if n > 0 {
+        // SAFETY: `ptr` holds at least n bytes (results are sized for the worst case).
+        unsafe { cudarc::driver::result::memcpy_dtoh_async(&mut v, ptr, s.cu_stream()) }.unwrap();
+    }
+    comm.synchronize(s).unwrap();
+    v
+}
+
 /// Decodes little-endian values of `N` bytes.
 fn words<T, const N: usize>(bytes: &[u8], f: impl Fn(&[u8; N]) -> T) -> Vec<T> {
     bytes
@@ -155,22 +175,8 @@ fn exchange(comm: &Arc<Communicator>, s: &Arc<CudaStream>) {
         y.device_ptr(s).0,
         out.device_ptr(s).0,
     );
-    let htod = |ptr: u64, v: &[u8]| {
-        if !v.is_empty() {
-            // SAFETY: every destination was sized for the largest upload.
-            unsafe { cudarc::driver::result::memcpy_htod_async(ptr, v, s.cu_stream()) }.unwrap();
-        }
-    };
-    let dtoh = |ptr: u64, n: usize| -> Vec<u8> {
-        let mut v = vec![0u8; n];
-        if n > 0 {
-            // SAFETY: `ptr` holds at least n bytes (results sized for the worst case).
-            unsafe { cudarc::driver::result::memcpy_dtoh_async(&mut v, ptr, s.cu_stream()) }
-                .unwrap();
-        }
-        comm.synchronize(s).unwrap();
-        v
-    };
+    let htod = |ptr: u64, v: &[u8]| upload_bytes(s, ptr, v);
+    let dtoh = |ptr: u64, n: usize| download_bytes(comm, s, ptr, n);
     let upload = |round: u64| -> Routing {
         let mine = routing(me, round, experts);
         let xs: Vec<u16> = (0..mine.tokens * HIDDEN)
@@ -412,22 +418,8 @@ fn low_latency(comm: &Arc<Communicator>, s: &Arc<CudaStream>) {
         w.device_ptr(s).0,
         out.device_ptr(s).0,
     );
-    let htod = |ptr: u64, v: &[u8]| {
-        if !v.is_empty() {
-            // SAFETY: every destination was sized for the largest upload.
-            unsafe { cudarc::driver::result::memcpy_htod_async(ptr, v, s.cu_stream()) }.unwrap();
-        }
-    };
-    let dtoh = |ptr: u64, n: usize| -> Vec<u8> {
-        let mut v = vec![0u8; n];
-        if n > 0 {
-            // SAFETY: `ptr` holds at least n bytes.
-            unsafe { cudarc::driver::result::memcpy_dtoh_async(&mut v, ptr, s.cu_stream()) }
-                .unwrap();
-        }
-        comm.synchronize(s).unwrap();
-        v
-    };
+    let htod = |ptr: u64, v: &[u8]| upload_bytes(s, ptr, v);
+    let dtoh = |ptr: u64, n: usize| download_bytes(comm, s, ptr, n);
     let upload = |round: u64| -> Routing {
         let mine = ll_routing(me, round, experts);
         let xs: Vec<u16> = (0..mine.tokens * HIDDEN)

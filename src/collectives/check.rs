@@ -48,6 +48,21 @@ fn grid(count: usize) -> LaunchConfig {
     }
 }
 
+/// Runs `launch` with the device address of one zeroed u64 and returns what the kernel left
+/// there (synchronizes `s`).
+fn one_u64(
+    s: &Arc<CudaStream>,
+    launch: impl FnOnce(u64) -> std::result::Result<(), cudarc::driver::DriverError>,
+) -> Result<u64> {
+    let out = s.alloc_zeros::<u64>(1).map_err(cuda_err("cuMemAlloc"))?;
+    {
+        let (p, _g) = out.device_ptr(s);
+        launch(p).map_err(cuda_err("cuLaunchKernel"))?;
+    }
+    let v = s.clone_dtoh(&out).map_err(cuda_err("cuMemcpyDtoH"))?;
+    Ok(v[0])
+}
+
 impl Checker {
     /// Loads the kernels.
     pub fn new(gpu: &Arc<Gpu>) -> Result<Checker> {
@@ -110,9 +125,7 @@ impl Checker {
         to: u32,
         round: u32,
     ) -> Result<u64> {
-        let wrong = s.alloc_zeros::<u64>(1).map_err(cuda_err("cuMemAlloc"))?;
-        {
-            let (w, _g) = wrong.device_ptr(s);
+        one_u64(s, |w| {
             let (off, n) = (0u64, bytes as u64);
             let mut b = s.launch_builder(&self.route_count_wrong);
             b.arg(&ptr)
@@ -122,11 +135,9 @@ impl Checker {
                 .arg(&to)
                 .arg(&round)
                 .arg(&w);
-            // SAFETY: matches selftest_count_wrong; `wrong` holds one u64.
-            unsafe { b.launch(grid(bytes)) }.map_err(cuda_err("cuLaunchKernel"))?;
-        }
-        let v = s.clone_dtoh(&wrong).map_err(cuda_err("cuMemcpyDtoH"))?;
-        Ok(v[0])
+            // SAFETY: matches selftest_count_wrong; `w` holds one u64.
+            unsafe { b.launch(grid(bytes)) }.map(drop)
+        })
     }
 
     /// Writes `rank`'s check input (`value(rank, i, seed)`) to `count` elements at `ptr`.
@@ -187,18 +198,13 @@ impl Checker {
         world: u32,
         seed: u32,
     ) -> Result<u64> {
-        let wrong = s.alloc_zeros::<u64>(1).map_err(cuda_err("cuMemAlloc"))?;
-        {
-            let (w, _g) = wrong.device_ptr(s);
-            let f = &self.count_wrong[dtype.code() as usize];
+        one_u64(s, |w| {
             let n = count as u64;
-            let mut b = s.launch_builder(f);
+            let mut b = s.launch_builder(&self.count_wrong[dtype.code() as usize]);
             b.arg(&ptr).arg(&n).arg(&world).arg(&seed).arg(&w);
-            // SAFETY: matches check_count_wrong_*; `wrong` holds one u64.
-            unsafe { b.launch(grid(count)) }.map_err(cuda_err("cuLaunchKernel"))?;
-        }
-        let v = s.clone_dtoh(&wrong).map_err(cuda_err("cuMemcpyDtoH"))?;
-        Ok(v[0])
+            // SAFETY: matches check_count_wrong_*; `w` holds one u64.
+            unsafe { b.launch(grid(count)) }.map(drop)
+        })
     }
 
     /// An order-independent hash of the `count` elements at `ptr`. Synchronizes `s`.
@@ -212,18 +218,13 @@ impl Checker {
         count: usize,
         dtype: DataType,
     ) -> Result<u64> {
-        let out = s.alloc_zeros::<u64>(1).map_err(cuda_err("cuMemAlloc"))?;
-        {
-            let (o, _g) = out.device_ptr(s);
-            let f = &self.hash[dtype.code() as usize];
+        one_u64(s, |o| {
             let n = count as u64;
-            let mut b = s.launch_builder(f);
+            let mut b = s.launch_builder(&self.hash[dtype.code() as usize]);
             b.arg(&ptr).arg(&n).arg(&o);
-            // SAFETY: matches check_hash_*; `out` holds one u64.
-            unsafe { b.launch(grid(count)) }.map_err(cuda_err("cuLaunchKernel"))?;
-        }
-        let v = s.clone_dtoh(&out).map_err(cuda_err("cuMemcpyDtoH"))?;
-        Ok(v[0])
+            // SAFETY: matches check_hash_*; `o` holds one u64.
+            unsafe { b.launch(grid(count)) }.map(drop)
+        })
     }
 }
 

@@ -26,7 +26,9 @@ use crate::error::{Error, Result};
 use crate::host::communicator::{Communicator, RegisteredMemory, Semaphores};
 use crate::host::cuda::cuda_err;
 use crate::host::memory::{Buffer, RemoteMemory};
-use cudarc::driver::{CudaFunction, CudaSlice, CudaStream, DevicePtr, LaunchConfig, PushKernelArg};
+use cudarc::driver::{
+    CudaFunction, CudaSlice, CudaStream, DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg,
+};
 use std::sync::Arc;
 
 /// Shape of one MoE layer's exchange; the same on every rank.
@@ -78,6 +80,28 @@ type Landing = (
 
 /// Allocates `bytes` that every rank maps (collective) and returns them with every rank's copy as
 /// mapped here (own at `rank`). Fails for ranks of other hosts: the MoE paths are single-node.
+/// Launches one of the MoE kernels with its argument struct (MoeArgs or MoeLlArgs, both
+/// layout-tested against the kernels') and reports a trapped wait as the timeout it was.
+fn launch<A: DeviceRepr>(
+    comm: &Communicator,
+    f: &CudaFunction,
+    stream: &CudaStream,
+    grid: u32,
+    threads: u32,
+    args: &A,
+) -> Result<()> {
+    let mut b = stream.launch_builder(f);
+    b.arg(args);
+    let cfg = LaunchConfig {
+        grid_dim: (grid, 1, 1),
+        block_dim: (threads, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    // SAFETY: the argument struct matches the kernel's (layout-tested); every buffer it names
+    // lives as long as the dispatcher that calls this; its caller vouches for per-call inputs.
+    comm.check(unsafe { b.launch(cfg) }.map(|_| ()), "cuLaunchKernel")
+}
+
 fn landing(comm: &Communicator, bytes: usize) -> Result<(Landing, [u64; MAX_RANKS])> {
     let buf = comm.alloc(bytes)?;
     let reg = comm.register(&buf)?;
@@ -244,17 +268,7 @@ impl MoeDispatcher {
         threads: u32,
         args: &MoeArgs,
     ) -> Result<()> {
-        let mut b = stream.launch_builder(&self.kernels[k]);
-        b.arg(args);
-        let cfg = LaunchConfig {
-            grid_dim: (grid, 1, 1),
-            block_dim: (threads, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        // SAFETY: MoeArgs matches the kernels' (layout-tested); every buffer it names lives as
-        // long as `self`; the caller vouches for the per-call inputs.
-        self.comm
-            .check(unsafe { b.launch(cfg) }.map(|_| ()), "cuLaunchKernel")
+        launch(&self.comm, &self.kernels[k], stream, grid, threads, args)
     }
 
     /// Dispatches `num_tokens` tokens (see the module documentation).
@@ -616,17 +630,7 @@ impl MoeLowLatency {
         threads: u32,
         args: &crate::device_api::MoeLlArgs,
     ) -> Result<()> {
-        let mut b = stream.launch_builder(&self.kernels[k]);
-        b.arg(args);
-        let cfg = LaunchConfig {
-            grid_dim: (grid, 1, 1),
-            block_dim: (threads, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        // SAFETY: MoeLlArgs matches the kernels' (layout-tested); every buffer it names lives as
-        // long as `self`; the caller vouches for the per-call inputs.
-        self.comm
-            .check(unsafe { b.launch(cfg) }.map(|_| ()), "cuLaunchKernel")
+        launch(&self.comm, &self.kernels[k], stream, grid, threads, args)
     }
 
     /// The send half of a dispatch: rows leave for their experts' ranks; returns once queued.
