@@ -362,10 +362,10 @@ fn low_latency(
     };
     // SAFETY (all calls): inputs hold `tokens` rows; out holds `tokens` rows.
     let dispatch = measure(comm, s, bytes as usize, repeat, &|st| unsafe {
-        ll.dispatch(st, xp, ip, tokens)
+        ll.dispatch(st, xp, ip, wp, tokens)
     })?;
     let combine = measure(comm, s, bytes as usize, repeat, &|st| unsafe {
-        ll.combine(st, wp, op)
+        ll.combine(st, op)
     })?;
     let theirs = match nccl {
         Some(n) => {

@@ -22,6 +22,9 @@ pub enum WaitKind {
     ProxyStopped,
     /// A trigger field out of range (reported like a wait).
     BadTrigger,
+    /// A kernel input out of range, such as more rows for one expert from one rank than its
+    /// receive area holds (reported like a wait).
+    BadInput,
     /// A kind this build does not know (a newer header wrote it).
     Other(u32),
 }
@@ -36,6 +39,7 @@ impl WaitKind {
             4 => WaitKind::Flush,
             5 => WaitKind::ProxyStopped,
             6 => WaitKind::BadTrigger,
+            7 => WaitKind::BadInput,
             c => WaitKind::Other(c),
         }
     }
@@ -52,6 +56,10 @@ impl fmt::Display for WaitKind {
             WaitKind::BadTrigger => {
                 write!(f, "a valid trigger (memory or semaphore id out of range)")
             }
+            WaitKind::BadInput => write!(
+                f,
+                "valid kernel input (a count or index out of range: 'expected' is the limit, 'seen' the value)"
+            ),
             WaitKind::Other(c) => write!(f, "wait kind {c}"),
         }
     }

@@ -444,6 +444,9 @@ fn low_latency(comm: &Arc<Communicator>, s: &Arc<CudaStream>) {
         let rs: Vec<i32> = words(&dtoh(res.recv_src, slots * 4), |b: &[u8; 4]| {
             i32::from_le_bytes(*b)
         });
+        let rw: Vec<f32> = words(&dtoh(res.recv_weights, slots * 4), |b: &[u8; 4]| {
+            f32::from_le_bytes(*b)
+        });
         let mut ys = vec![0u16; slots * HIDDEN];
         for le in 0..local {
             let e = (me * local + le) as i32;
@@ -466,6 +469,14 @@ fn low_latency(comm: &Arc<Communicator>, s: &Arc<CudaStream>) {
                 let mut got: Vec<i32> = rs[base..base + n].to_vec();
                 for i in 0..n {
                     let t = rs[base + i] as usize;
+                    let k = (0..TOPK)
+                        .find(|&k| all[src].idx[t * TOPK + k] == e)
+                        .expect("a row of a token that selected this expert");
+                    assert_eq!(
+                        rw[base + i],
+                        all[src].weights[t * TOPK + k],
+                        "rank {me}, {what}: weight of expert {le} source {src} row {i}"
+                    );
                     for h in 0..HIDDEN {
                         let v = rx[(base + i) * HIDDEN + h];
                         assert_eq!(
@@ -493,18 +504,28 @@ fn low_latency(comm: &Arc<Communicator>, s: &Arc<CudaStream>) {
         let got: Vec<bf16> = words(&dtoh(op, mine.tokens * HIDDEN * 2), |b: &[u8; 2]| {
             bf16::from_bits(u16::from_le_bytes(*b))
         });
+        // Each rank sums its selections of a token (f32, top-k order) and rounds to bf16; the
+        // token's rank adds those partial sums in rank order.
         for t in 0..mine.tokens {
             for h in 0..HIDDEN {
                 let mut acc = 0f32;
-                for k in 0..TOPK {
-                    let e = mine.idx[t * TOPK + k];
-                    if e < 0 {
-                        continue;
+                for r in 0..world {
+                    let mut partial = None;
+                    for k in 0..TOPK {
+                        let e = mine.idx[t * TOPK + k];
+                        if e < 0 || e as usize / local != r {
+                            continue;
+                        }
+                        let y = bf16::from_f32(
+                            x_value(me, t, h).to_f32() * ((e as usize % local) as f32 + 1.0),
+                        );
+                        partial = Some(
+                            mine.weights[t * TOPK + k].mul_add(y.to_f32(), partial.unwrap_or(0.0)),
+                        );
                     }
-                    let y = bf16::from_f32(
-                        x_value(me, t, h).to_f32() * ((e as usize % local) as f32 + 1.0),
-                    );
-                    acc = mine.weights[t * TOPK + k].mul_add(y.to_f32(), acc);
+                    if let Some(p) = partial {
+                        acc += bf16::from_f32(p).to_f32();
+                    }
                 }
                 assert_eq!(
                     got[t * HIDDEN + h],
@@ -517,19 +538,32 @@ fn low_latency(comm: &Arc<Communicator>, s: &Arc<CudaStream>) {
     let mut n = 0u64;
     for round in 0..4u64 {
         let mine = upload(round);
-        // The halves apart, with other work between them.
-        // SAFETY: the inputs hold `tokens` rows.
-        unsafe { ll.dispatch_send(s, xp, ip, mine.tokens) }.unwrap();
-        htod(op, &[0u8; 16]);
-        ll.dispatch_recv(s).unwrap();
+        // Even rounds: the halves apart, with other work between them; odd rounds: the kernels
+        // that do both.
+        if round % 2 == 0 {
+            // SAFETY: the inputs hold `tokens` rows.
+            unsafe { ll.dispatch_send(s, xp, ip, wp, mine.tokens) }.unwrap();
+            htod(op, &[0u8; 16]);
+            ll.dispatch_recv(s).unwrap();
+        } else {
+            // SAFETY: as above.
+            unsafe { ll.dispatch(s, xp, ip, wp, mine.tokens) }.unwrap();
+        }
         n += 1;
         check(round, n, &format!("round {round}"));
-        // SAFETY: weights and out hold `tokens` rows.
-        unsafe { ll.combine(s, wp, op) }.unwrap();
+        if round % 2 == 0 {
+            ll.combine_send(s).unwrap();
+            htod(op, &[0u8; 16]);
+            // SAFETY: out holds `tokens` rows.
+            unsafe { ll.combine_recv(s, op) }.unwrap();
+        } else {
+            // SAFETY: out holds `tokens` rows.
+            unsafe { ll.combine(s, op) }.unwrap();
+        }
         check_combine(round, &format!("round {round}"));
     }
     // Fused dispatch: a kernel of the test's own makes each row in shared memory and sends it
-    // with the device API (moe_ll::put / finish_send).
+    // with the device API (moe_ll::put_token / finish_send).
     let fused = comm
         .gpu()
         .function("moe_ll", "moe_ll_test_fused_send")
@@ -537,7 +571,7 @@ fn low_latency(comm: &Arc<Communicator>, s: &Arc<CudaStream>) {
     for round in 4..6u64 {
         let mine = upload(round);
         // SAFETY: topk_idx holds `tokens` rows.
-        let args = unsafe { ll.begin_fused_send(s, ip, mine.tokens) }.unwrap();
+        let args = unsafe { ll.begin_fused_send(ip, wp, mine.tokens) }.unwrap();
         let mut b = s.launch_builder(&fused);
         b.arg(&args);
         let cfg = cudarc::driver::LaunchConfig {
@@ -550,8 +584,8 @@ fn low_latency(comm: &Arc<Communicator>, s: &Arc<CudaStream>) {
         ll.dispatch_recv(s).unwrap();
         n += 1;
         check(round, n, &format!("fused round {round}"));
-        // SAFETY: weights and out hold `tokens` rows.
-        unsafe { ll.combine(s, wp, op) }.unwrap();
+        // SAFETY: out holds `tokens` rows.
+        unsafe { ll.combine(s, op) }.unwrap();
         check_combine(round, &format!("fused round {round}"));
     }
     // Graph replays of a captured dispatch (fixed token count), new routing each time; the
@@ -561,7 +595,7 @@ fn low_latency(comm: &Arc<Communicator>, s: &Arc<CudaStream>) {
     s.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)
         .unwrap();
     // SAFETY: as above.
-    unsafe { ll.dispatch(s, xp, ip, ll_routing(me, round0, experts).tokens) }.unwrap();
+    unsafe { ll.dispatch(s, xp, ip, wp, ll_routing(me, round0, experts).tokens) }.unwrap();
     let graph = s
         .end_capture(CUgraphInstantiate_flags(0))
         .unwrap()
@@ -574,7 +608,7 @@ fn low_latency(comm: &Arc<Communicator>, s: &Arc<CudaStream>) {
         n += 1;
         check(round, n, &format!("graph replay {replay}"));
         // SAFETY: as above.
-        unsafe { ll.combine(s, wp, op) }.unwrap();
+        unsafe { ll.combine(s, op) }.unwrap();
         check_combine(round, &format!("graph replay {replay}"));
     }
 }

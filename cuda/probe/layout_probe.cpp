@@ -157,11 +157,14 @@ int main() {
   FIELD(MoeLlArgs, world);
   FIELD(MoeLlArgs, blocks);
   FIELD(MoeLlArgs, area);
-  FIELD(MoeLlArgs, comb);
   FIELD(MoeLlArgs, off_src);
   FIELD(MoeLlArgs, off_counts);
+  FIELD(MoeLlArgs, off_from);
+  FIELD(MoeLlArgs, off_weight);
+  FIELD(MoeLlArgs, off_rec);
+  FIELD(MoeLlArgs, off_part);
+  FIELD(MoeLlArgs, y);
   FIELD(MoeLlArgs, fill);
-  FIELD(MoeLlArgs, slots);
   FIELD(MoeLlArgs, done);
   FIELD(MoeLlArgs, epochs);
   FIELD(MoeLlArgs, layout);

@@ -481,22 +481,29 @@ mod tests {
 /// worst-case buffers sized from `max_tokens` per rank, a per-expert layout with one row per
 /// selected (token, expert), counts only on the device, no count exchange before rows move,
 /// CUDA-graph capturable, and send and receive halves callable separately so other work overlaps
-/// the transfer. Kernels and protocol: `cuda/kernels/moe_ll.cu`.
+/// the transfer. Kernels and protocol: `cuda/kernels/moe_ll.cu` and `doorbell/moe.cuh`.
+///
+/// Over NVLink a token's row crosses once per destination rank, however many of that rank's
+/// experts it selected, and the receive half copies it into the other selections' slots; the
+/// combine sums each rank's selections of a token there (weight x output, f32 in top-k order,
+/// rounded to bf16) and sends that one partial sum back, where the token's rank adds the partial
+/// sums in rank order (f32, rounded to bf16).
 ///
 /// After a dispatch, rows sit at `[local expert][source rank][i]` for `i < layout[expert][source]`
 /// (see [`LowLatencyResults`]), in the half of the receive area the dispatch's epoch picks: two
 /// results may be alive at once. Expert kernels write their outputs for those rows at the same
 /// places of [`MoeLowLatency::combine_buffer`]; [`MoeLowLatency::combine`] then returns, for each
-/// token, the sum over its experts of weight x output (f32, in top-k order).
+/// token, the sum over its experts of weight x output, with the weights given to the dispatch.
+/// A token's experts must be distinct (a kernel reports an expert given more rows from one rank
+/// than `max_tokens`).
 pub struct MoeLowLatency {
     comm: Arc<Communicator>,
     cfg: MoeConfig,
     base: crate::device_api::MoeLlArgs,
-    kernels: [CudaFunction; 5],
+    kernels: [CudaFunction; 6],
     dispatches: std::sync::atomic::AtomicU64,
     last: std::sync::Mutex<(u64, u32)>,
     _area: Landing,
-    _comb: Landing,
     _semaphores: Semaphores,
     _device: Vec<CudaSlice<u8>>,
 }
@@ -509,6 +516,8 @@ pub struct LowLatencyResults {
     pub recv_x: u64,
     /// `[local expert][source rank][max_tokens]` i32: the source token of each row.
     pub recv_src: u64,
+    /// `[local expert][source rank][max_tokens]` f32: the weight of each row's selection.
+    pub recv_weights: u64,
     /// `[local expert][source rank]` u32: rows from each source.
     pub layout: u64,
     /// `[local expert]` u32: rows per local expert.
@@ -533,13 +542,15 @@ impl MoeLowLatency {
             || cfg.num_experts % world != 0
             || cfg.num_experts / world > 1024
             || cfg.topk == 0
+            || cfg.topk > 32
             || cfg.max_tokens == 0
             || (cfg.max_tokens * cfg.topk) as u64 >= 1 << 31
+            || 2 * (cfg.num_experts as u64) * (cfg.max_tokens as u64) >= 1 << 31
             || (cfg.max_tokens as u64) * (cfg.hidden as u64 / 8) >= 1 << 32
         {
             return Err(Error::invalid(
                 "config",
-                "num_experts a multiple of the ranks with at most 1024 per rank; topk and \
+                "num_experts a multiple of the ranks with at most 1024 per rank; topk in 1..=32; \
                  max_tokens positive and small enough for 32-bit row indices",
             ));
         }
@@ -551,9 +562,12 @@ impl MoeLowLatency {
         let section = |bytes: usize| bytes.next_multiple_of(256);
         let off_src = section(2 * rows * cfg.hidden * 2);
         let off_counts = off_src + section(2 * rows * 4);
-        let area_bytes = off_counts + section(2 * local * world * 8);
+        let off_from = off_counts + section(2 * local * world * 8);
+        let off_weight = off_from + section(2 * rows * 4);
+        let off_rec = off_weight + section(2 * rows * 4);
+        let off_part = off_rec + section(2 * rows * cfg.topk * 4);
+        let area_bytes = off_part + section(2 * world * cfg.max_tokens * cfg.hidden * 2);
         let (area, area_ptrs) = landing(comm, area_bytes)?;
-        let (comb, comb_ptrs) = landing(comm, rows * cfg.hidden * 2)?;
         let semaphores = comm.semaphores(1)?;
         let stream = gpu.new_stream()?;
         let alloc = |bytes: usize| -> Result<CudaSlice<u8>> {
@@ -566,12 +580,12 @@ impl MoeLowLatency {
             .clone_htod(sems_bytes)
             .map_err(cuda_err("cuMemcpyHtoD"))?;
         let device = vec![
-            alloc(cfg.num_experts * 4)?,           // fill
-            alloc(cfg.max_tokens * cfg.topk * 4)?, // slots
-            alloc(4)?,                             // done
-            alloc(16)?,                            // epochs
-            alloc(local * world * 4)?,             // layout
-            alloc(local * 4)?,                     // recv_count
+            alloc(cfg.num_experts * 4)?,     // fill
+            alloc(rows * cfg.hidden * 2)?,   // y: the combine buffer
+            alloc(8)?,                       // done
+            alloc(16)?,                      // epochs
+            alloc(local * world * 4)?,       // layout
+            alloc(local * 4)?,               // recv_count
             sems,
         ];
         let p = |i: usize| device[i].device_ptr(&stream).0;
@@ -584,11 +598,14 @@ impl MoeLowLatency {
             world: world as u32,
             blocks,
             area: area_ptrs,
-            comb: comb_ptrs,
             off_src: off_src as u64,
             off_counts: off_counts as u64,
+            off_from: off_from as u64,
+            off_weight: off_weight as u64,
+            off_rec: off_rec as u64,
+            off_part: off_part as u64,
             fill: p(0),
-            slots: p(1),
+            y: p(1),
             done: p(2),
             epochs: p(3),
             layout: p(4),
@@ -601,10 +618,11 @@ impl MoeLowLatency {
             .map_err(cuda_err("cuStreamSynchronize"))?;
         let k = |name: &str| gpu.function("moe_ll", name);
         let kernels = [
-            k("moe_ll_begin")?,
             k("moe_ll_send")?,
             k("moe_ll_recv")?,
-            k("moe_ll_ready")?,
+            k("moe_ll_dispatch")?,
+            k("moe_ll_combine_send")?,
+            k("moe_ll_combine_recv")?,
             k("moe_ll_combine")?,
         ];
         comm.bootstrap().barrier()?;
@@ -616,7 +634,6 @@ impl MoeLowLatency {
             dispatches: std::sync::atomic::AtomicU64::new(0),
             last: std::sync::Mutex::new((0, 0)),
             _area: area,
-            _comb: comb,
             _semaphores: semaphores,
             _device: device,
         })
@@ -638,21 +655,42 @@ impl MoeLowLatency {
     /// reading the results.
     ///
     /// # Safety
-    /// `x` holds `num_tokens * hidden` bf16 (16-byte aligned) and `topk_idx` `num_tokens * topk`
-    /// i32 (-1 or below `num_experts`), device memory of this GPU valid until the work on
+    /// `x` holds `num_tokens * hidden` bf16 (16-byte aligned), `topk_idx` `num_tokens * topk`
+    /// i32 (-1 or below `num_experts`, a token's experts distinct) and `topk_weights` as many
+    /// f32 (the weights the combine applies), device memory of this GPU valid until the work on
     /// `stream` completes; `topk_idx` also until the matching combine has run.
     pub unsafe fn dispatch_send(
         &self,
         stream: &CudaStream,
         x: u64,
         topk_idx: u64,
+        topk_weights: u64,
         num_tokens: usize,
     ) -> Result<()> {
-        if num_tokens > self.cfg.max_tokens || x % 16 != 0 || topk_idx % 4 != 0 {
+        let (args, grid) = self.prepare_send(x, topk_idx, topk_weights, num_tokens)?;
+        self.launch(stream, 0, grid, 512, &args)
+    }
+
+    /// Checks a dispatch's inputs, counts it, and returns its send arguments and grid: a warp
+    /// per (token, rank), eight of them per block (fewer blocks to fence and count at the end
+    /// than one per SM).
+    fn prepare_send(
+        &self,
+        x: u64,
+        topk_idx: u64,
+        topk_weights: u64,
+        num_tokens: usize,
+    ) -> Result<(crate::device_api::MoeLlArgs, u32)> {
+        if num_tokens > self.cfg.max_tokens
+            || x % 16 != 0
+            || topk_idx % 4 != 0
+            || topk_weights % 4 != 0
+        {
             return Err(Error::invalid(
                 "dispatch",
                 format!(
-                    "{num_tokens} tokens (at most {}), x 16-byte and topk_idx 4-byte aligned",
+                    "{num_tokens} tokens (at most {}), x 16-byte, topk_idx and topk_weights \
+                     4-byte aligned",
                     self.cfg.max_tokens
                 ),
             ));
@@ -663,32 +701,34 @@ impl MoeLowLatency {
         let args = crate::device_api::MoeLlArgs {
             x,
             topk_idx,
+            topk_weights,
             num_tokens: num_tokens as u32,
             ..self.base
         };
-        self.launch(stream, 0, 1, 256, &args)?;
-        self.launch(stream, 1, self.base.blocks, 512, &args)
+        let items = (num_tokens * self.comm.world_size()) as u32;
+        Ok((args, items.div_ceil(8).clamp(1, self.base.blocks)))
     }
 
     /// Prepares a dispatch whose send half runs in the caller's own kernel (fused dispatch):
-    /// bumps the epoch and zeroes the per-expert counters on `stream`, and returns the arguments
-    /// that kernel passes to `doorbell::moe_ll::put` (one warp per selection) and
-    /// `doorbell::moe_ll::finish_send` (every block once), from `cuda/include/doorbell/moe.cuh`.
-    /// Then call [`MoeLowLatency::dispatch_recv`].
+    /// launches nothing, and returns the arguments
+    /// that kernel passes to `doorbell::moe_ll::put_token` (one warp per token) or
+    /// `doorbell::moe_ll::put` (one warp per (token, rank)) and `doorbell::moe_ll::finish_send`
+    /// (every block once), from `cuda/include/doorbell/moe.cuh`. Then call
+    /// [`MoeLowLatency::dispatch_recv`].
     ///
     /// # Safety
-    /// `topk_idx` as for [`MoeLowLatency::dispatch_send`].
+    /// `topk_idx` and `topk_weights` as for [`MoeLowLatency::dispatch_send`].
     pub unsafe fn begin_fused_send(
         &self,
-        stream: &CudaStream,
         topk_idx: u64,
+        topk_weights: u64,
         num_tokens: usize,
     ) -> Result<crate::device_api::MoeLlArgs> {
-        if num_tokens > self.cfg.max_tokens || topk_idx % 4 != 0 {
+        if num_tokens > self.cfg.max_tokens || topk_idx % 4 != 0 || topk_weights % 4 != 0 {
             return Err(Error::invalid(
                 "dispatch",
                 format!(
-                    "{num_tokens} tokens (at most {}), topk_idx 4-byte aligned",
+                    "{num_tokens} tokens (at most {}), topk_idx and topk_weights 4-byte aligned",
                     self.cfg.max_tokens
                 ),
             ));
@@ -698,27 +738,21 @@ impl MoeLowLatency {
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let args = crate::device_api::MoeLlArgs {
             topk_idx,
+            topk_weights,
             num_tokens: num_tokens as u32,
             ..self.base
         };
-        self.launch(stream, 0, 1, 256, &args)?;
         Ok(args)
     }
 
-    /// The receive half: waits until every rank's rows of this dispatch have arrived and writes
-    /// the per-(expert, source) and per-expert counts.
+    /// The receive half: waits until every rank's rows of this dispatch have arrived, copies
+    /// each row that crossed once into the slots of its token's other selections here, and
+    /// writes the per-(expert, source) and per-expert counts.
     pub fn dispatch_recv(&self, stream: &CudaStream) -> Result<()> {
-        let pairs = self.base.experts_per_rank * self.base.world;
-        self.launch(
-            stream,
-            2,
-            1,
-            pairs.clamp(32, 1024).next_multiple_of(32),
-            &self.base,
-        )
+        self.launch(stream, 1, self.base.blocks, 512, &self.base)
     }
 
-    /// Both halves.
+    /// Both halves, in one kernel.
     ///
     /// # Safety
     /// As for [`MoeLowLatency::dispatch_send`].
@@ -727,11 +761,11 @@ impl MoeLowLatency {
         stream: &CudaStream,
         x: u64,
         topk_idx: u64,
+        topk_weights: u64,
         num_tokens: usize,
     ) -> Result<()> {
-        // SAFETY: as documented.
-        unsafe { self.dispatch_send(stream, x, topk_idx, num_tokens) }?;
-        self.dispatch_recv(stream)
+        let (args, grid) = self.prepare_send(x, topk_idx, topk_weights, num_tokens)?;
+        self.launch(stream, 2, grid, 512, &args)
     }
 
     /// Where the last dispatch issued from the host left its results (the half its epoch
@@ -749,6 +783,7 @@ impl MoeLowLatency {
         LowLatencyResults {
             recv_x: area + half * rows * self.base.hidden as u64 * 2,
             recv_src: area + self.base.off_src + half * rows * 4,
+            recv_weights: area + self.base.off_weight + half * rows * 4,
             layout: self.base.layout,
             recv_count: self.base.recv_count,
         }
@@ -757,51 +792,48 @@ impl MoeLowLatency {
     /// This rank's combine buffer: `[local expert][source rank][max_tokens][hidden]` bf16, the
     /// receive layout; expert kernels write each row's output at its row's place.
     pub fn combine_buffer(&self) -> u64 {
-        self.base.comb[self.comm.rank()]
+        self.base.y
     }
 
-    /// The send half of a combine: tells every peer this rank's combine buffer is filled.
+    /// The send half of a combine (after the expert kernels filled the combine buffer, on the
+    /// same stream or one ordered after them): for each token that sent rows here, the sum of
+    /// its selections' weight x output goes back to its rank; then every peer is signalled.
     pub fn combine_send(&self, stream: &CudaStream) -> Result<()> {
-        let threads = self.base.world.next_multiple_of(32);
-        self.launch(stream, 3, 1, threads, &self.base)
+        self.launch(stream, 3, self.base.blocks, 512, &self.base)
     }
 
-    /// The receive half: waits for every peer's combine buffer, then writes `out [num_tokens,
-    /// hidden]`: for each token of the last dispatch, the sum over its experts of weight x output.
+    /// The receive half (on the stream of the send half, or one ordered after it): waits for
+    /// every peer's partial sums, then writes `out [num_tokens, hidden]`: for each token of the
+    /// last dispatch, the sum over its experts of weight x output.
     ///
     /// # Safety
-    /// `topk_weights` holds `num_tokens * topk` f32 and `out` `num_tokens * hidden` bf16 (16-byte
-    /// aligned) of the last dispatch, device memory of this GPU valid until `stream` has run it.
-    pub unsafe fn combine_recv(
-        &self,
-        stream: &CudaStream,
-        topk_weights: u64,
-        out: u64,
-    ) -> Result<()> {
-        if out % 16 != 0 || topk_weights % 4 != 0 {
-            return Err(Error::invalid(
-                "combine",
-                "out 16-byte and weights 4-byte aligned",
-            ));
-        }
-        let (topk_idx, num_tokens) = *self.last.lock().unwrap_or_else(|p| p.into_inner());
-        let args = crate::device_api::MoeLlArgs {
-            topk_idx,
-            topk_weights,
-            out,
-            num_tokens,
-            ..self.base
-        };
+    /// `out` holds `num_tokens * hidden` bf16 (16-byte aligned) of the last dispatch, device
+    /// memory of this GPU valid until `stream` has run it.
+    pub unsafe fn combine_recv(&self, stream: &CudaStream, out: u64) -> Result<()> {
+        let args = self.combine_args(out)?;
         self.launch(stream, 4, self.base.blocks, 512, &args)
     }
 
-    /// Both halves.
+    /// The combine's arguments for the last dispatch, writing `out`.
+    fn combine_args(&self, out: u64) -> Result<crate::device_api::MoeLlArgs> {
+        if out % 16 != 0 {
+            return Err(Error::invalid("combine", "out 16-byte aligned"));
+        }
+        let (topk_idx, num_tokens) = *self.last.lock().unwrap_or_else(|p| p.into_inner());
+        Ok(crate::device_api::MoeLlArgs {
+            topk_idx,
+            out,
+            num_tokens,
+            ..self.base
+        })
+    }
+
+    /// Both halves, in one kernel.
     ///
     /// # Safety
     /// As for [`MoeLowLatency::combine_recv`].
-    pub unsafe fn combine(&self, stream: &CudaStream, topk_weights: u64, out: u64) -> Result<()> {
-        self.combine_send(stream)?;
-        // SAFETY: as documented.
-        unsafe { self.combine_recv(stream, topk_weights, out) }
+    pub unsafe fn combine(&self, stream: &CudaStream, out: u64) -> Result<()> {
+        let args = self.combine_args(out)?;
+        self.launch(stream, 5, self.base.blocks, 512, &args)
     }
 }

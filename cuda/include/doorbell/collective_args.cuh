@@ -109,9 +109,9 @@ DOORBELL_CHECK_SIZE(MoeArgs, 296);
 // Launch arguments of the low-latency MoE kernels (cuda/kernels/moe_ll.cu).
 struct MoeLlArgs {
   // Per call.
-  const uint16_t* x;            // [num_tokens, hidden] bf16
+  const uint16_t* x;            // [num_tokens, hidden] bf16 (dispatch)
   const int32_t* topk_idx;      // [num_tokens, topk], -1 = no expert
-  const float* topk_weights;    // [num_tokens, topk] (combine)
+  const float* topk_weights;    // [num_tokens, topk] (dispatch: carried to the experts' ranks)
   uint16_t* out;                // combine output [num_tokens, hidden] bf16
   uint32_t num_tokens;
   // Fixed.
@@ -122,22 +122,31 @@ struct MoeLlArgs {
   uint32_t rank;
   uint32_t world;
   uint32_t blocks;              // grid of the send and combine kernels
-  // Every rank's receive area, mapped here: [2 halves][local expert][source][max_tokens] rows of
-  // hidden bf16 at 0, the source tokens (i32, same shape) at off_src, and the per-(expert, source)
-  // counts [2][local expert][source] u64 (epoch << 32 | count) at off_counts.
+  // Every rank's receive area, mapped here. Rows are numbered over both halves:
+  // row = ((half * local experts + le) * world + source) * max_tokens + i. Sections:
+  //   0           [rows][hidden] bf16 the received rows
+  //   off_src     [rows] i32 the source token of each row
+  //   off_counts  [2][local expert][source] u64 (epoch << 32 | rows)
+  //   off_from    [rows] i32: -n on the row that carries the data of a (source, token) pair with
+  //               n selections on this rank, else the row to copy the data from
+  //   off_weight  [rows] f32 the selection's weight
+  //   off_rec     [rows][topk] i32 on a carrying row: the rows of its pair's selections, top-k order
+  //   off_part    [2][source][max_tokens][hidden] bf16: the partial sums the combine sends back
   char* area[kMaxRanks];
-  // Every rank's combine buffer, mapped here: [local expert][source][max_tokens][hidden] bf16.
-  char* comb[kMaxRanks];
   uint64_t off_src;
   uint64_t off_counts;
+  uint64_t off_from;
+  uint64_t off_weight;
+  uint64_t off_rec;
+  uint64_t off_part;
+  const uint16_t* y;            // mine: combine buffer [local expert][source][max_tokens][hidden]
   uint32_t* fill;               // mine: [num experts] rows sent per expert this call
-  int32_t* slots;               // mine: [max_tokens][topk] row of (t, k) at its expert, or -1
-  uint32_t* done;               // mine: send blocks finished this call
+  uint32_t* done;               // mine: [2] blocks finished: dispatch send, combine send
   uint64_t* epochs;             // mine: [2] dispatch epoch, combine calls
   uint32_t* layout;             // mine: [local expert][source] rows received
   uint32_t* recv_count;         // mine: [local expert] rows received
-  const SemaphoreHandle* ready; // [world]: "my combine buffer is filled"
+  const SemaphoreHandle* ready; // [world]: "my partial sums for you are written"
 };
-DOORBELL_CHECK_SIZE(MoeLlArgs, 264);
+DOORBELL_CHECK_SIZE(MoeLlArgs, 232);
 
 }  // namespace doorbell

@@ -12,11 +12,10 @@
 #if DOORBELL_CUDA
 namespace doorbell {
 
-template <typename Word>
+// kUnroll independent loads in flight per thread before their stores: NVLink stores are posted,
+// so throughput is set by how many loads each thread keeps outstanding.
+template <typename Word, uint32_t kUnroll = 4>
 DOORBELL_DEVICE_INLINE void copy_words(Word* dst, const Word* src, uint64_t n, uint32_t tid, uint32_t nthreads) {
-  // Four independent loads in flight per thread before their stores: NVLink stores are posted, so
-  // throughput is set by how many loads each thread keeps outstanding.
-  constexpr uint32_t kUnroll = 4;
   uint64_t i = tid;
   const uint64_t stride = nthreads;
   for (; i + (kUnroll - 1) * stride < n; i += kUnroll * stride) {

@@ -3,17 +3,28 @@
 // combine inside its epilogue. The host side (`MoeLowLatency` in Rust) prepares each call and
 // hands out the `MoeLlArgs` these take; `cuda/kernels/moe_ll.cu` is built from the same calls.
 //
+// Transport: a token's row crosses NVLink once per destination rank, however many of that rank's
+// experts it selected (top-8 of 256 on 4 ranks reaches 3.6 ranks on average, so about half the
+// bytes of one row per selection). The row lands in the slot of the first such selection (the
+// carrier); the receive half copies it into the other selections' slots, so the layout a caller
+// sees is still one row per (token, expert). On the way back, each rank sums its selections of a
+// token (weight x expert output, f32, top-k order), rounds that partial sum to bf16 and writes it
+// into the token's rank, which adds the partial sums of the ranks in rank order.
+//
 // Fused dispatch, per call:
-//   host: args = begin_fused_send(stream, topk_idx, num_tokens)   (epoch + 1, counters zeroed)
-//   your kernel, any grid: for each selection (t, k) you own, one warp calls
-//       moe_ll::put(args, t, k, row, lane)     // row: hidden bf16, 16-byte aligned, any memory
-//     and every block calls moe_ll::finish_send(args) once after its puts (all its threads).
+//   host: args = begin_fused_send(topk_idx, topk_weights, num_tokens)   (launches nothing)
+//   your kernel, any grid: for each token t (or each (t, rank) pair) you own, one warp calls
+//       moe_ll::put_token(args, t, row, lane)   // or moe_ll::put(args, t, rank, row, lane)
+//     (row: hidden bf16, 16-byte aligned, any memory) and every block calls
+//     moe_ll::finish_send(args) once after its puts (all its threads).
 //   host: dispatch_recv(stream)
-// Fused combine: after combine_send and once every peer's buffer is ready (the receive half
-// waits for that), moe_ll::combine_chunk(args, t, c) writes 16 bytes of token t's output.
+// Fused combine: `combine_send` sends the partial sums (moe_ll::send_partial, one warp per
+// carrier row); once every peer's have arrived (the receive half waits for that),
+// moe_ll::combine_chunk(args, t, c) writes 16 bytes of token t's output.
 #pragma once
 
 #include "collective_args.cuh"
+#include "copy.cuh"
 
 #if DOORBELL_CUDA
 #include <cuda_bf16.h>
@@ -26,90 +37,187 @@ DOORBELL_DEVICE_INLINE uint64_t row_index(const MoeLlArgs& a, uint32_t half, uin
   return ((uint64_t(half) * a.experts_per_rank + le) * a.world + src) * a.max_tokens + i;
 }
 
+// Rows in one half of a receive area.
+DOORBELL_DEVICE_INLINE uint64_t half_rows(const MoeLlArgs& a) {
+  return uint64_t(a.experts_per_rank) * a.world * a.max_tokens;
+}
+
+// Section `off` of `owner`'s receive area as an array of T.
+template <typename T>
+DOORBELL_DEVICE_INLINE T* section(const MoeLlArgs& a, uint32_t owner, uint64_t off) {
+  return reinterpret_cast<T*>(a.area[owner] + off);
+}
+
 // The count word `owner` holds for (half, local expert, source).
 DOORBELL_DEVICE_INLINE uint64_t* count_word(const MoeLlArgs& a, uint32_t owner, uint32_t half, uint32_t le,
                                             uint32_t src) {
-  return reinterpret_cast<uint64_t*>(a.area[owner] + a.off_counts) +
-         (uint64_t(half) * a.experts_per_rank + le) * a.world + src;
+  return section<uint64_t>(a, owner, a.off_counts) + (uint64_t(half) * a.experts_per_rank + le) * a.world + src;
 }
 
-// Sends selection k of token t, whose row (hidden bf16, 16-byte aligned) is at `row`: one warp,
-// every lane calling with its lane id. Reserves the next row of that expert from this rank,
-// writes the row and the source token into the owner's receive area, remembers the row for the
-// combine. A -1 selection only records that.
-DOORBELL_DEVICE_INLINE void put(const MoeLlArgs& a, uint32_t t, uint32_t k, const void* row, uint32_t lane) {
-  const uint64_t epoch = a.epochs[0];
-  const uint32_t item = t * a.topk + k;
-  const int32_t e = a.topk_idx[item];
-  if (e < 0) {
-    if (lane == 0) a.slots[item] = -1;
-    return;
+// The epoch of the dispatch being sent: one past the last one finished (finish_send stores it).
+DOORBELL_DEVICE_INLINE uint64_t send_epoch(const MoeLlArgs& a) { return a.epochs[0] + 1; }
+
+// Where waits and input errors about `peer` are reported.
+DOORBELL_DEVICE_INLINE const WaitSite& site(const MoeLlArgs& a, uint32_t peer) {
+  return a.ready[peer == a.rank ? (a.rank + 1) % a.world : peer].site;
+}
+
+// Sends token t's row (hidden bf16, 16-byte aligned, at `row` in any memory) to rank r if any
+// of its selections is there: one warp, every lane calling with its lane id. Reserves a slot of
+// each selected expert of r, writes the row once (into the first selection's slot), and for
+// every selection its source token, its weight and where its row is; the first slot also lists
+// the pair's slots for the combine. A pair with no selection on r sends nothing.
+DOORBELL_DEVICE_INLINE void put(const MoeLlArgs& a, uint32_t t, uint32_t r, const void* row, uint32_t lane) {
+  const uint32_t half = uint32_t(send_epoch(a) & 1);
+  const uint64_t sel = uint64_t(t) * a.topk + lane;
+  int32_t e = -1;
+  if (lane < a.topk) e = a.topk_idx[sel];
+  const bool here = e >= 0 && uint32_t(e) / a.experts_per_rank == r;
+  const uint32_t mask = __ballot_sync(0xffffffffu, here);
+  if (mask == 0) return;
+  const uint32_t first = __ffs(mask) - 1;
+  uint64_t at = 0;
+  if (here) {
+    const uint32_t i = atomicAdd(&a.fill[e], 1u);
+    // More rows for one expert than tokens per rank: the token listed that expert twice.
+    if (i >= a.max_tokens) wait_gave_up(site(a, r), kWaitBadInput, a.max_tokens, i, 0);
+    at = row_index(a, half, uint32_t(e) % a.experts_per_rank, a.rank, i);
   }
-  const uint32_t r = uint32_t(e) / a.experts_per_rank, le = uint32_t(e) % a.experts_per_rank;
-  uint32_t i = 0;
-  if (lane == 0) i = atomicAdd(&a.fill[e], 1u);
-  i = __shfl_sync(0xffffffffu, i, 0);
-  const uint64_t at = row_index(a, uint32_t(epoch & 1), le, a.rank, i);
-  int4* d = reinterpret_cast<int4*>(a.area[r]) + at * (a.hidden / 8);
-  const int4* s = static_cast<const int4*>(row);
-  for (uint32_t c = lane; c < a.hidden / 8; c += 32) d[c] = s[c];
-  if (lane == 0) {
-    reinterpret_cast<int32_t*>(a.area[r] + a.off_src)[at] = int32_t(t);
-    a.slots[item] = int32_t(i);
+  const uint64_t carrier = __shfl_sync(0xffffffffu, at, first);
+  if (here) {
+    section<int32_t>(a, r, a.off_src)[at] = int32_t(t);
+    section<float>(a, r, a.off_weight)[at] = a.topk_weights[sel];
+    section<int32_t>(a, r, a.off_from)[at] = lane == first ? -int32_t(__popc(mask)) : int32_t(carrier);
+    section<int32_t>(a, r, a.off_rec)[carrier * a.topk + __popc(mask & ((1u << lane) - 1))] = int32_t(at);
   }
+  const uint32_t words = a.hidden / 8;
+  // Eight loads in flight per lane: a 7168-wide row is four rounds of load-then-store.
+  copy_words<int4, 8>(reinterpret_cast<int4*>(a.area[r]) + carrier * words, static_cast<const int4*>(row), words, lane,
+                      32);
+}
+
+// put() to every rank.
+DOORBELL_DEVICE_INLINE void put_token(const MoeLlArgs& a, uint32_t t, const void* row, uint32_t lane) {
+  for (uint32_t r = 0; r < a.world; ++r) put(a, t, r, row, lane);
 }
 
 // Every block of the sending grid calls this once, with all its threads, after its puts. The
 // last block to arrive publishes every expert's count (`epoch << 32 | rows`) with a release
 // store into its owner's count word, after a system fence in every block: a receiver that sees
-// the count sees the rows.
+// the count sees the rows. It also zeroes the counters and stores the epoch for the next call,
+// so a dispatch needs no kernel before its send.
 DOORBELL_DEVICE_INLINE void finish_send(const MoeLlArgs& a) {
   __shared__ bool last;
   __syncthreads();
   if (threadIdx.x == 0) {
     __threadfence_system();
-    last = atomicAdd(a.done, 1u) == gridDim.x * gridDim.y * gridDim.z - 1;
+    last = atomicAdd(&a.done[0], 1u) == gridDim.x * gridDim.y * gridDim.z - 1;
   }
   __syncthreads();
   if (!last) return;
   __threadfence_system();
-  const uint64_t epoch = a.epochs[0];
+  const uint64_t epoch = send_epoch(a);
   const uint32_t experts = a.experts_per_rank * a.world;
   for (uint32_t e = threadIdx.x; e < experts; e += blockDim.x) {
     const uint32_t r = e / a.experts_per_rank, le = e % a.experts_per_rank;
     const uint32_t n = *reinterpret_cast<volatile uint32_t*>(&a.fill[e]);
+    a.fill[e] = 0;
     store_release_sys(count_word(a, r, uint32_t(epoch & 1), le, a.rank), (epoch << 32) | n);
   }
-  if (threadIdx.x == 0) *a.done = 0;
+  __syncthreads();  // every thread has read the old epoch
+  if (threadIdx.x == 0) {
+    a.epochs[0] = epoch;
+    a.done[0] = 0;
+  }
 }
 
-// Combine: 16 bytes (eight values, chunk c) of token t's output: the sum over its selections of
-// weight x the expert's output row, in f32, in top-k order. Every peer's combine buffer must be
-// ready (see the receive half).
+// Combine send for the carrier row `at` (a row of this rank's receive area, in the last
+// dispatch's half, with off_from < 0): the sum over its pair's selections of weight x expert
+// output (the combine buffer's row at the same place), f32 in top-k order, rounded to bf16 and
+// written into the token's rank. One warp, every lane with its lane id.
+DOORBELL_DEVICE_INLINE void send_partial(const MoeLlArgs& a, uint64_t at, uint32_t lane) {
+  const uint64_t rows = half_rows(a);
+  const uint32_t half = uint32_t(at / rows);
+  const uint32_t n = uint32_t(-section<int32_t>(a, a.rank, a.off_from)[at]);
+  const uint32_t src = uint32_t((at % rows) / a.max_tokens) % a.world;
+  const uint32_t t = uint32_t(section<int32_t>(a, a.rank, a.off_src)[at]);
+  // Lane j holds selection j's row and weight, so the loop below only waits for expert outputs.
+  int32_t my_row = 0;
+  float my_weight = 0;
+  if (lane < n) {
+    my_row = section<int32_t>(a, a.rank, a.off_rec)[at * a.topk + lane];
+    my_weight = section<float>(a, a.rank, a.off_weight)[my_row];
+  }
+  const uint32_t words = a.hidden / 8;
+  const int4* y = reinterpret_cast<const int4*>(a.y);
+  int4* dst = reinterpret_cast<int4*>(a.area[src] + a.off_part) +
+              ((uint64_t(half) * a.world + a.rank) * a.max_tokens + t) * words;
+  // Eight 16-byte words per lane at a time (a 7168-wide row in one pass), each needing n loads
+  // before its one store, all in flight together.
+  constexpr uint32_t kUnroll = 8;
+  for (uint32_t base = 0; base < words; base += 32 * kUnroll) {  // uniform: the shuffles need every lane
+    float acc[kUnroll][8] = {};
+    for (uint32_t j = 0; j < n; ++j) {
+      const float w = __shfl_sync(0xffffffffu, my_weight, j);
+      const uint64_t yrow = uint64_t(__shfl_sync(0xffffffffu, my_row, j)) % rows;
+#pragma unroll
+      for (uint32_t u = 0; u < kUnroll; ++u) {
+        const uint32_t c = base + lane + u * 32;
+        if (c < words) {
+          const int4 v = y[yrow * words + c];
+          const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);
+#pragma unroll
+          for (int q = 0; q < 4; ++q) {
+            const float2 f = __bfloat1622float2(h[q]);
+            acc[u][2 * q] = fmaf(w, f.x, acc[u][2 * q]);
+            acc[u][2 * q + 1] = fmaf(w, f.y, acc[u][2 * q + 1]);
+          }
+        }
+      }
+    }
+#pragma unroll
+    for (uint32_t u = 0; u < kUnroll; ++u) {
+      const uint32_t c = base + lane + u * 32;
+      if (c < words) {
+        int4 o;
+        __nv_bfloat162* h = reinterpret_cast<__nv_bfloat162*>(&o);
+#pragma unroll
+        for (int q = 0; q < 4; ++q) h[q] = __floats2bfloat162_rn(acc[u][2 * q], acc[u][2 * q + 1]);
+        dst[c] = o;
+      }
+    }
+  }
+}
+
+// Combine: 16 bytes (eight values, chunk c) of token t's output: the partial sums of the ranks
+// its selections went to, added in f32 in rank order. Every peer's partial sums must have
+// arrived (see the receive half).
 DOORBELL_DEVICE_INLINE void combine_chunk(const MoeLlArgs& a, uint32_t t, uint32_t c) {
-  const uint32_t chunks = a.hidden / 8;
-  float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  const uint32_t words = a.hidden / 8;
+  const uint32_t half = uint32_t(a.epochs[0] & 1);
+  uint32_t ranks = 0;
   for (uint32_t k = 0; k < a.topk; ++k) {
     const int32_t e = a.topk_idx[uint64_t(t) * a.topk + k];
-    const int32_t slot = a.slots[uint64_t(t) * a.topk + k];
-    if (e < 0 || slot < 0) continue;
-    const uint32_t r = uint32_t(e) / a.experts_per_rank, le = uint32_t(e) % a.experts_per_rank;
-    const uint64_t row = (uint64_t(le) * a.world + a.rank) * a.max_tokens + uint32_t(slot);
-    const int4 v = reinterpret_cast<const int4*>(a.comb[r])[row * chunks + c];
-    const float w = a.topk_weights[uint64_t(t) * a.topk + k];
+    if (e >= 0) ranks |= 1u << (uint32_t(e) / a.experts_per_rank);
+  }
+  const int4* part = reinterpret_cast<const int4*>(a.area[a.rank] + a.off_part);
+  float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  for (uint32_t r = 0; r < a.world; ++r) {
+    if (!(ranks >> r & 1)) continue;
+    const int4 v = part[((uint64_t(half) * a.world + r) * a.max_tokens + t) * words + c];
     const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);
 #pragma unroll
     for (int q = 0; q < 4; ++q) {
       const float2 f = __bfloat1622float2(h[q]);
-      acc[2 * q] += w * f.x;
-      acc[2 * q + 1] += w * f.y;
+      acc[2 * q] += f.x;
+      acc[2 * q + 1] += f.y;
     }
   }
   int4 o;
   __nv_bfloat162* h = reinterpret_cast<__nv_bfloat162*>(&o);
 #pragma unroll
   for (int q = 0; q < 4; ++q) h[q] = __floats2bfloat162_rn(acc[2 * q], acc[2 * q + 1]);
-  reinterpret_cast<int4*>(a.out)[uint64_t(t) * chunks + c] = o;
+  reinterpret_cast<int4*>(a.out)[uint64_t(t) * words + c] = o;
 }
 
 }  // namespace moe_ll

@@ -27,6 +27,7 @@ enum WaitKindCode : uint32_t {
   kWaitFlush = 4,
   kWaitProxyStopped = 5,  // the proxy service stopped while a kernel depended on it
   kWaitBadTrigger = 6,    // a trigger field out of range (not a wait: reported the same way)
+  kWaitBadInput = 7,      // a kernel input out of range: expected = the limit, seen = the value
 };
 
 // Written once, by the first waiter of the process that gives up. Lives in host-mapped pinned memory.
