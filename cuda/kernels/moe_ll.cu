@@ -11,8 +11,8 @@
 // dispatch send (moe_ll_send, one kernel): a warp per (token, destination rank) reserves a slot
 // of each selected expert there (an atomic on my own counter), writes the row once and the
 // selections' metadata (moe_ll::put). The last block to finish (a counter after a system fence in
-// every block) publishes, for every expert, `epoch << 32 | rows` into the owner's count word with
-// a release store (no semaphores; the epoch tells a fresh count from last call's), zeroes the
+// every block) publishes, for every expert, `epoch << 32 | rows` into the owner's count word after
+// a system fence (no semaphores; the epoch tells a fresh count from last call's), zeroes the
 // counters and stores the epoch.
 // dispatch receive (moe_ll_recv): every block waits (bounded) for every count word of this epoch,
 // then copies each carried row into the slots of the pair's other selections; block 0 writes the

@@ -102,9 +102,9 @@ DOORBELL_DEVICE_INLINE void put_token(const MoeLlArgs& a, uint32_t t, const void
 }
 
 // Every block of the sending grid calls this once, with all its threads, after its puts. The
-// last block to arrive publishes every expert's count (`epoch << 32 | rows`) with a release
-// store into its owner's count word, after a system fence in every block: a receiver that sees
-// the count sees the rows. It also zeroes the counters and stores the epoch for the next call,
+// last block to arrive publishes every expert's count (`epoch << 32 | rows`) into its owner's
+// count word, after a system fence in every block and in each of its threads: a receiver that
+// sees the count (acquire) sees the rows. It also zeroes the counters and stores the epoch for the next call,
 // so a dispatch needs no kernel before its send.
 DOORBELL_DEVICE_INLINE void finish_send(const MoeLlArgs& a) {
   __shared__ bool last;
@@ -122,7 +122,9 @@ DOORBELL_DEVICE_INLINE void finish_send(const MoeLlArgs& a) {
     const uint32_t r = e / a.experts_per_rank, le = e % a.experts_per_rank;
     const uint32_t n = *reinterpret_cast<volatile uint32_t*>(&a.fill[e]);
     a.fill[e] = 0;
-    store_release_sys(count_word(a, r, uint32_t(epoch & 1), le, a.rank), (epoch << 32) | n);
+    // Relaxed: this thread's system fence above makes the pair a release (one fence per
+    // thread instead of one per store).
+    store_relaxed_sys(count_word(a, r, uint32_t(epoch & 1), le, a.rank), (epoch << 32) | n);
   }
   __syncthreads();  // every thread has read the old epoch
   if (threadIdx.x == 0) {
