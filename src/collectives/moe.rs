@@ -580,12 +580,12 @@ impl MoeLowLatency {
             .clone_htod(sems_bytes)
             .map_err(cuda_err("cuMemcpyHtoD"))?;
         let device = vec![
-            alloc(cfg.num_experts * 4)?,     // fill
-            alloc(rows * cfg.hidden * 2)?,   // y: the combine buffer
-            alloc(8)?,                       // done
-            alloc(16)?,                      // epochs
-            alloc(local * world * 4)?,       // layout
-            alloc(local * 4)?,               // recv_count
+            alloc(cfg.num_experts * 4)?,   // fill
+            alloc(rows * cfg.hidden * 2)?, // y: the combine buffer
+            alloc(8)?,                     // done
+            alloc(16)?,                    // epochs
+            alloc(local * world * 4)?,     // layout
+            alloc(local * 4)?,             // recv_count
             sems,
         ];
         let p = |i: usize| device[i].device_ptr(&stream).0;

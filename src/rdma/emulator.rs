@@ -1,0 +1,674 @@
+//! An emulated mlx5 NIC: a host thread that owns, for each queue pair, the send queue, doorbell
+//! record, doorbell register and completion queue exactly where a ConnectX would read and write
+//! them, executes the work requests it finds there (RDMA write, write with immediate, inline
+//! write, read, fetch-add, compare-and-swap, NOP) between registered memory regions, and writes
+//! real mlx5 CQEs, error CQEs included. Whoever posts (a GPU kernel, the CPU-assisted doorbell
+//! thread, a verbs-style proxy) cannot tell it from a NIC by the bytes it exchanges with it.
+//!
+//! What it checks, as a NIC would: the doorbell's QPN and index, the doorbell record being at or
+//! past the doorbell (a fault is recorded otherwise), each WQE's index, QPN, opcode and size; keys
+//! and ranges against the registered regions (local: LOCAL_PROTECTION, remote: REMOTE_ACCESS),
+//! 8-byte alignment of atomics (REMOTE_INVALID_REQUEST). After an error the QP is in the error
+//! state and every later WQE completes with WR_FLUSH. A write with immediate consumes a receive
+//! credit at the responder and writes a RESP_WR_IMM CQE on the responder's receive CQ; with no
+//! credit the QP stalls (a real RC QP retries on RNR, forever with `rnr_retry = 7`).
+//!
+//! Ordering: with [`Delivery::Relaxed`] a write into a region registered as relaxed (data, as
+//! opposed to signal words) may become visible after later operations of the QP and after its
+//! CQE, in any order among such writes, as PCIe relaxed ordering allows; a READ on the QP first
+//! delivers every write the QP had pending (the loopback-READ flush NCCL issues), and a QP idle
+//! for a millisecond delivers them too. So a missing flush fails a test instead of passing by
+//! luck. Atomics and writes into strictly ordered regions take effect at once.
+//!
+//! 8-byte atomics operate on host-endian values (ConnectX `atomic_req_8B_endianness_mode` 1); the
+//! fetched value lands host-endian.
+//!
+//! What it cannot show: that a real ConnectX accepts these WQEs (PRM limits beyond the checks
+//! above), UAR/BlueFlame write-combining, real PCIe ordering, transport retries, performance.
+
+use super::cq::{self, Cqe, CQE_BYTES};
+use super::wqe::{opcode, CQ_UPDATE, DS, INLINE_SEG, WQEBB};
+use crate::error::{Error, Result};
+use std::sync::atomic::{fence, AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+/// How the emulated NIC reads and writes memory, at addresses as this process sees them.
+pub trait Dma: Send + Sync {
+    /// Reads `out.len()` bytes at `src`.
+    fn read(&self, src: u64, out: &mut [u8]) -> Result<()>;
+    /// Writes `data` at `dst`.
+    fn write(&self, dst: u64, data: &[u8]) -> Result<()>;
+}
+
+/// Host memory: addresses are pointers of this process.
+pub struct HostDma(());
+
+impl HostDma {
+    /// # Safety
+    /// Every region registered with a NIC using this must be valid host memory of this process,
+    /// readable and writable for the NIC's lifetime.
+    pub unsafe fn new() -> HostDma {
+        HostDma(())
+    }
+}
+
+impl Dma for HostDma {
+    fn read(&self, src: u64, out: &mut [u8]) -> Result<()> {
+        // SAFETY: `src..src + len` lies in a registered region (checked by the caller), valid
+        // host memory by the contract of `HostDma::new`.
+        unsafe { std::ptr::copy(src as *const u8, out.as_mut_ptr(), out.len()) };
+        Ok(())
+    }
+    fn write(&self, dst: u64, data: &[u8]) -> Result<()> {
+        // SAFETY: as for read.
+        unsafe { std::ptr::copy(data.as_ptr(), dst as *mut u8, data.len()) };
+        Ok(())
+    }
+}
+
+/// When writes into relaxed regions become visible.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Delivery {
+    /// Every operation takes effect before the next one and before its CQE.
+    Strict,
+    /// A write into a relaxed region takes effect after up to `max_delay` later operations of
+    /// its QP (drawn from `seed`), at the QP's next READ, or once the QP has been idle 1 ms.
+    Relaxed {
+        /// The most later operations a write may wait for.
+        max_delay: u32,
+        /// Seed of the delays.
+        seed: u64,
+    },
+}
+
+/// A registered memory region.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Region {
+    /// Its key (lkey and rkey alike).
+    pub key: u32,
+    /// First byte, as this process addresses it.
+    pub addr: u64,
+    /// Bytes.
+    pub len: u64,
+    /// Strictly ordered (signal words) rather than relaxed (data).
+    pub strict: bool,
+}
+
+/// The memory of one queue pair the poster and the NIC share (host memory here; a ConnectX
+/// reads the same layout from wherever the driver put it).
+#[derive(Debug, Clone, Copy)]
+pub struct QpRings {
+    /// Send queue: `sq_wqebbs` blocks of 64 bytes (a power of two).
+    pub sq: *mut u8,
+    /// WQEBBs in the send queue.
+    pub sq_wqebbs: u64,
+    /// The send doorbell record: big-endian 16-bit producer counter in a 32-bit word.
+    pub dbr: *const u32,
+    /// The doorbell register's 8 bytes: big-endian `next_index << 8`, then big-endian `qpn << 8`.
+    pub doorbell: *const u64,
+    /// Completion queue: `cq_entries` CQEs of 64 bytes (a power of two), `op_own` starting at
+    /// [`cq::EMPTY_OP_OWN`].
+    pub cq: *mut u8,
+    /// CQEs in the completion queue.
+    pub cq_entries: u64,
+    /// The CQ's consumer index record (big-endian 24-bit), or null for a CQ that may be
+    /// overrun (pollers that only look at the newest CQE).
+    pub cq_ci: *const u32,
+}
+
+/// Where a QP's writes with immediate complete.
+#[derive(Debug, Clone)]
+pub struct Responder {
+    /// The responder's receive CQ (layout as [`QpRings::cq`]).
+    pub recv_cq: *mut u8,
+    /// Its CQEs (a power of two).
+    pub recv_cq_entries: u64,
+    /// Receive WQEs posted and not yet consumed.
+    pub credits: Arc<AtomicU64>,
+    /// CQEs written to the receive CQ (shared by every QP that completes there).
+    pub completions: Arc<AtomicU64>,
+}
+
+// SAFETY: the raw pointers name shared memory the poster and the NIC thread both access with
+// volatile loads and stores ordered by fences; `EmulatedNic::add_qp` documents the contract.
+unsafe impl Send for QpRings {}
+// SAFETY: as above.
+unsafe impl Send for Responder {}
+
+struct Pending {
+    due: u64,
+    dst: u64,
+    data: Vec<u8>,
+}
+
+struct Qp {
+    qpn: u32,
+    rings: QpRings,
+    responder: Option<Responder>,
+    /// WQEBBs consumed (64-bit).
+    ci: u64,
+    /// CQEs written.
+    cq_pi: u64,
+    /// Operations executed (for relaxed delivery).
+    ops: u64,
+    error: bool,
+    stalled: bool,
+    pending: Vec<Pending>,
+    last_work: Instant,
+    rng: u64,
+    /// WQEs executed, and CQEs written.
+    wqes: u64,
+}
+
+struct Shared {
+    stop: AtomicBool,
+    regions: Mutex<Vec<Region>>,
+    qps: Mutex<Vec<Qp>>,
+    faults: Mutex<Vec<String>>,
+    dma: Box<dyn Dma>,
+    delivery: Delivery,
+}
+
+/// The emulated NIC: one thread serving every queue pair added to it.
+pub struct EmulatedNic {
+    shared: Arc<Shared>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+impl EmulatedNic {
+    /// Starts the NIC's thread.
+    pub fn start(dma: Box<dyn Dma>, delivery: Delivery) -> Result<EmulatedNic> {
+        let shared = Arc::new(Shared {
+            stop: AtomicBool::new(false),
+            regions: Mutex::new(Vec::new()),
+            qps: Mutex::new(Vec::new()),
+            faults: Mutex::new(Vec::new()),
+            dma,
+            delivery,
+        });
+        let s = shared.clone();
+        let thread = std::thread::Builder::new()
+            .name("doorbell-emulated-nic".into())
+            .spawn(move || serve(&s))
+            .map_err(|e| Error::invalid("emulated NIC", format!("cannot start its thread: {e}")))?;
+        Ok(EmulatedNic {
+            shared,
+            thread: Some(thread),
+        })
+    }
+
+    /// Registers `len` bytes at `addr`; returns its key.
+    pub fn register(&self, addr: u64, len: u64, strict: bool) -> Result<u32> {
+        if len == 0 || addr.checked_add(len).is_none() {
+            return Err(Error::invalid(
+                "memory region",
+                format!("{len} bytes at {addr:#x}"),
+            ));
+        }
+        let mut regions = lock(&self.shared.regions);
+        let key = 0x100 + regions.len() as u32 * 0x100 + 0x5a;
+        regions.push(Region {
+            key,
+            addr,
+            len,
+            strict,
+        });
+        Ok(key)
+    }
+
+    /// Serves a queue pair from now on.
+    ///
+    /// # Safety
+    /// Every pointer in `rings` (and `responder`) must stay valid, aligned and shared (readable
+    /// and writable by this thread while the poster writes it) until the QP is removed or the
+    /// NIC is dropped.
+    pub unsafe fn add_qp(
+        &self,
+        qpn: u32,
+        rings: QpRings,
+        responder: Option<Responder>,
+    ) -> Result<()> {
+        let pow2 = |n: u64| n > 0 && n.is_power_of_two();
+        if !pow2(rings.sq_wqebbs) || !pow2(rings.cq_entries) || qpn >> 24 != 0 {
+            return Err(Error::invalid(
+                "queue pair",
+                "send queue and CQ sizes powers of two, QPN below 2^24",
+            ));
+        }
+        if let Some(r) = &responder {
+            if !pow2(r.recv_cq_entries) {
+                return Err(Error::invalid(
+                    "responder",
+                    "receive CQ size a power of two",
+                ));
+            }
+        }
+        lock(&self.shared.qps).push(Qp {
+            qpn,
+            rings,
+            responder,
+            ci: 0,
+            cq_pi: 0,
+            ops: 0,
+            error: false,
+            stalled: false,
+            pending: Vec::new(),
+            last_work: Instant::now(),
+            rng: match self.shared.delivery {
+                Delivery::Relaxed { seed, .. } => seed,
+                Delivery::Strict => 0,
+            } ^ (0x9e37_79b9_7f4a_7c15 ^ u64::from(qpn)).wrapping_mul(0xbf58_476d_1ce4_e5b9)
+                | 1,
+            wqes: 0,
+        });
+        Ok(())
+    }
+
+    /// Stops serving QP `qpn` (its memory may be freed once this returns). Returns whether it
+    /// was served.
+    pub fn remove_qp(&self, qpn: u32) -> bool {
+        let mut qps = lock(&self.shared.qps);
+        let before = qps.len();
+        qps.retain(|q| q.qpn != qpn);
+        qps.len() != before
+    }
+
+    /// Protocol faults seen so far (a doorbell ahead of its record, a malformed doorbell, a CQ
+    /// overrun), each naming the QP.
+    pub fn faults(&self) -> Vec<String> {
+        lock(&self.shared.faults).clone()
+    }
+
+    /// WQEs executed on QP `qpn`.
+    pub fn executed(&self, qpn: u32) -> u64 {
+        lock(&self.shared.qps)
+            .iter()
+            .find(|q| q.qpn == qpn)
+            .map_or(0, |q| q.wqes)
+    }
+
+    /// Whether QP `qpn` waits for a receive credit (RNR).
+    pub fn stalled(&self, qpn: u32) -> bool {
+        lock(&self.shared.qps)
+            .iter()
+            .any(|q| q.qpn == qpn && q.stalled)
+    }
+}
+
+impl Drop for EmulatedNic {
+    fn drop(&mut self) {
+        self.shared.stop.store(true, Ordering::Relaxed);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+fn serve(s: &Shared) {
+    let mut idle = 0u32;
+    while !s.stop.load(Ordering::Relaxed) {
+        let mut worked = false;
+        {
+            let regions = lock(&s.regions).clone();
+            let mut qps = lock(&s.qps);
+            for qp in qps.iter_mut() {
+                worked |= step(s, &regions, qp);
+            }
+        }
+        if worked {
+            idle = 0;
+        } else {
+            idle = idle.saturating_add(1);
+            if idle > 1000 {
+                std::thread::sleep(Duration::from_micros(20));
+            } else {
+                std::hint::spin_loop();
+            }
+        }
+    }
+}
+
+fn be32_at(b: &[u8], o: usize) -> u32 {
+    u32::from_be_bytes([b[o], b[o + 1], b[o + 2], b[o + 3]])
+}
+
+fn be64_at(b: &[u8], o: usize) -> u64 {
+    u64::from_be_bytes(b[o..o + 8].try_into().expect("8 bytes"))
+}
+
+/// Serves what QP `qp` has rung for; returns whether anything happened.
+fn step(s: &Shared, regions: &[Region], qp: &mut Qp) -> bool {
+    // SAFETY (every raw access below): `add_qp`'s contract; loads are volatile because the
+    // poster writes these words concurrently.
+    let db = unsafe { std::ptr::read_volatile(qp.rings.doorbell) }.to_ne_bytes();
+    let db_idx = ((be32_at(&db, 0) >> 8) & 0xffff) as u16;
+    let mut worked = false;
+    if db_idx != qp.ci as u16 {
+        fence(Ordering::Acquire);
+        let db_qpn = be32_at(&db, 4) >> 8;
+        if db_qpn != qp.qpn {
+            fault(s, qp, format!("doorbell names QPN {db_qpn:#x}"));
+            return false;
+        }
+        let dbr = (u32::from_be(unsafe { std::ptr::read_volatile(qp.rings.dbr) }) & 0xffff) as u16;
+        let rung = db_idx.wrapping_sub(qp.ci as u16);
+        if dbr.wrapping_sub(qp.ci as u16) < rung {
+            fault(
+                s,
+                qp,
+                format!("doorbell at index {db_idx} is ahead of its record {dbr}"),
+            );
+            return false;
+        }
+        while db_idx != qp.ci as u16 {
+            match execute(s, regions, qp) {
+                Some(n) => {
+                    qp.ci += n;
+                    worked = true;
+                }
+                None => break, // stalled (RNR) or faulted
+            }
+        }
+    }
+    if worked {
+        qp.last_work = Instant::now();
+    } else if !qp.pending.is_empty() && qp.last_work.elapsed() > Duration::from_millis(1) {
+        deliver(s, qp, u64::MAX);
+        worked = true;
+    }
+    worked
+}
+
+fn fault(s: &Shared, qp: &mut Qp, what: String) {
+    let msg = format!("QP {:#x}: {what}", qp.qpn);
+    let mut f = lock(&s.faults);
+    if f.last() != Some(&msg) {
+        tracing::warn!("emulated NIC: {msg}");
+        f.push(msg);
+    }
+}
+
+/// Applies pending writes due by operation count `upto` (all with `u64::MAX`), in a shuffled
+/// order.
+fn deliver(s: &Shared, qp: &mut Qp, upto: u64) {
+    let mut due: Vec<Pending> = Vec::new();
+    let mut i = 0;
+    while i < qp.pending.len() {
+        if qp.pending[i].due <= upto {
+            due.push(qp.pending.swap_remove(i));
+        } else {
+            i += 1;
+        }
+    }
+    while !due.is_empty() {
+        let k = (next_rand(&mut qp.rng) % due.len() as u64) as usize;
+        let p = due.swap_remove(k);
+        if let Err(e) = s.dma.write(p.dst, &p.data) {
+            fault(s, qp, format!("delayed write to {:#x} failed: {e}", p.dst));
+        }
+    }
+}
+
+fn next_rand(x: &mut u64) -> u64 {
+    *x ^= *x << 13;
+    *x ^= *x >> 7;
+    *x ^= *x << 17;
+    *x
+}
+
+/// Finds `[addr, addr + len)` in the region of `key`.
+fn check(regions: &[Region], key: u32, addr: u64, len: u64) -> Option<Region> {
+    regions
+        .iter()
+        .find(|r| r.key == key)
+        .filter(|r| addr >= r.addr && addr.checked_add(len).is_some_and(|e| e <= r.addr + r.len))
+        .copied()
+}
+
+/// Executes the WQE at the QP's consumer index; returns the WQEBBs it took, or None when the QP
+/// cannot go on now (stalled on RNR, or a malformed WQE was reported).
+fn execute(s: &Shared, regions: &[Region], qp: &mut Qp) -> Option<u64> {
+    let depth = qp.rings.sq_wqebbs;
+    let block = |i: u64| -> [u8; WQEBB] {
+        let mut b = [0u8; WQEBB];
+        let at = ((qp.ci + i) & (depth - 1)) as usize * WQEBB;
+        // SAFETY: the slot lies in the send queue (add_qp's contract).
+        unsafe { std::ptr::copy(qp.rings.sq.add(at), b.as_mut_ptr(), WQEBB) };
+        b
+    };
+    let first = block(0);
+    let ds = usize::from(first[7] & 0x3f);
+    let blocks = (ds * DS).div_ceil(WQEBB).max(1) as u64;
+    let mut w = first.to_vec();
+    for i in 1..blocks.min(depth) {
+        w.extend_from_slice(&block(i));
+    }
+    let op = first[3];
+    let idx = u16::from_be_bytes([first[1], first[2]]);
+    let qpn = be32_at(&first, 4) >> 8;
+    let signaled = first[11] & CQ_UPDATE != 0;
+    if qp.error {
+        complete(s, qp, op, cq::opcode::REQ_ERR, cq::syndrome::WR_FLUSH, 0);
+        return Some(blocks);
+    }
+    let malformed = if idx != qp.ci as u16 {
+        Some(format!("WQE at {} carries index {idx}", qp.ci))
+    } else if qpn != qp.qpn {
+        Some(format!("WQE at {} names QPN {qpn:#x}", qp.ci))
+    } else if ds == 0 || blocks > depth {
+        Some(format!("WQE at {} has {ds} DS units", qp.ci))
+    } else {
+        None
+    };
+    if let Some(m) = malformed {
+        fault(s, qp, m);
+        qp.error = true;
+        complete(s, qp, op, cq::opcode::REQ_ERR, cq::syndrome::LOCAL_QP_OP, 0);
+        return Some(blocks);
+    }
+    let result = perform(s, regions, qp, op, &w[..ds * DS]);
+    let moved = match result {
+        Ok(Some(bytes)) => bytes,
+        Ok(None) => return None, // RNR: try again later
+        Err(syndrome) => {
+            qp.error = true;
+            complete(s, qp, op, cq::opcode::REQ_ERR, syndrome, 0);
+            return Some(blocks);
+        }
+    };
+    qp.ops += 1;
+    qp.wqes += 1;
+    if let Delivery::Relaxed { .. } = s.delivery {
+        let ops = qp.ops;
+        deliver(s, qp, ops);
+    }
+    if signaled {
+        complete(s, qp, op, cq::opcode::REQ, 0, moved);
+    }
+    Some(blocks)
+}
+
+/// Performs one WQE's operation; Ok(Some(bytes)) when done, Ok(None) on RNR, Err(syndrome).
+fn perform(
+    s: &Shared,
+    regions: &[Region],
+    qp: &mut Qp,
+    op: u8,
+    w: &[u8],
+) -> std::result::Result<Option<u32>, u8> {
+    use cq::syndrome::*;
+    let need = |n: usize| {
+        if w.len() < n {
+            Err(LOCAL_QP_OP)
+        } else {
+            Ok(())
+        }
+    };
+    let io = |r: Result<()>| r.map_err(|_| LOCAL_PROTECTION);
+    match op {
+        opcode::NOP => Ok(Some(0)),
+        opcode::RDMA_WRITE | opcode::RDMA_WRITE_IMM | opcode::RDMA_READ => {
+            need(3 * DS)?;
+            let (raddr, rkey) = (be64_at(w, 16), be32_at(w, 24));
+            let bc = be32_at(w, 32);
+            let data: Vec<u8>;
+            let len: u64;
+            if bc & INLINE_SEG != 0 {
+                if op != opcode::RDMA_WRITE {
+                    return Err(LOCAL_QP_OP);
+                }
+                len = u64::from(bc & !INLINE_SEG);
+                if 36 + len as usize > w.len() {
+                    return Err(LOCAL_LENGTH);
+                }
+                data = w[36..36 + len as usize].to_vec();
+            } else {
+                let (lkey, laddr) = (be32_at(w, 36), be64_at(w, 40));
+                len = u64::from(bc);
+                check(regions, lkey, laddr, len).ok_or(LOCAL_PROTECTION)?;
+                check(regions, rkey, raddr, len).ok_or(REMOTE_ACCESS)?;
+                if op == opcode::RDMA_READ {
+                    // A READ follows the QP's earlier writes: deliver them first (the flush).
+                    deliver(s, qp, u64::MAX);
+                    let mut buf = vec![0u8; len as usize];
+                    io(s.dma.read(raddr, &mut buf))?;
+                    io(s.dma.write(laddr, &buf))?;
+                    return Ok(Some(len as u32));
+                }
+                let mut buf = vec![0u8; len as usize];
+                io(s.dma.read(laddr, &mut buf))?;
+                data = buf;
+            }
+            let remote = check(regions, rkey, raddr, len).ok_or(REMOTE_ACCESS)?;
+            if op == opcode::RDMA_WRITE_IMM {
+                let Some(resp) = &qp.responder else {
+                    return Err(REMOTE_INVALID_REQUEST);
+                };
+                if resp
+                    .credits
+                    .fetch_update(Ordering::AcqRel, Ordering::Acquire, |c| c.checked_sub(1))
+                    .is_err()
+                {
+                    qp.stalled = true;
+                    return Ok(None);
+                }
+                qp.stalled = false;
+            }
+            match s.delivery {
+                Delivery::Relaxed { max_delay, .. } if !remote.strict => {
+                    let delay = next_rand(&mut qp.rng) % (u64::from(max_delay) + 1);
+                    qp.pending.push(Pending {
+                        due: qp.ops + 1 + delay,
+                        dst: raddr,
+                        data,
+                    });
+                }
+                _ => io(s.dma.write(raddr, &data))?,
+            }
+            if op == opcode::RDMA_WRITE_IMM {
+                let imm = u32::from_ne_bytes([w[12], w[13], w[14], w[15]]);
+                respond(s, qp, len as u32, imm);
+            }
+            Ok(Some(len as u32))
+        }
+        opcode::ATOMIC_FA | opcode::ATOMIC_CS => {
+            need(4 * DS)?;
+            let (raddr, rkey) = (be64_at(w, 16), be32_at(w, 24));
+            let (swap_add, compare) = (be64_at(w, 32), be64_at(w, 40));
+            let (lkey, laddr) = (be32_at(w, 52), be64_at(w, 56));
+            if be32_at(w, 48) != 8 {
+                return Err(LOCAL_LENGTH);
+            }
+            check(regions, lkey, laddr, 8).ok_or(LOCAL_PROTECTION)?;
+            if raddr % 8 != 0 {
+                return Err(REMOTE_INVALID_REQUEST);
+            }
+            check(regions, rkey, raddr, 8).ok_or(REMOTE_ACCESS)?;
+            let mut old = [0u8; 8];
+            io(s.dma.read(raddr, &mut old))?;
+            let old_v = u64::from_ne_bytes(old);
+            let new_v = if op == opcode::ATOMIC_FA {
+                Some(old_v.wrapping_add(swap_add))
+            } else if old_v == compare {
+                Some(swap_add)
+            } else {
+                None
+            };
+            if let Some(v) = new_v {
+                io(s.dma.write(raddr, &v.to_ne_bytes()))?;
+            }
+            io(s.dma.write(laddr, &old))?;
+            Ok(Some(8))
+        }
+        _ => Err(LOCAL_QP_OP),
+    }
+}
+
+/// Writes a CQE on the QP's send CQ: bytes 0..56 first, then the word holding `op_own`.
+fn complete(s: &Shared, qp: &mut Qp, wqe_opcode: u8, opcode: u8, syndrome: u8, bytes: u32) {
+    let (cq, entries) = (qp.rings.cq, qp.rings.cq_entries);
+    if !qp.rings.cq_ci.is_null() {
+        // SAFETY: add_qp's contract.
+        let ci =
+            u64::from(u32::from_be(unsafe { std::ptr::read_volatile(qp.rings.cq_ci) }) & 0xff_ffff);
+        if (qp.cq_pi & 0xff_ffff).wrapping_sub(ci) & 0xff_ffff >= entries {
+            fault(
+                s,
+                qp,
+                format!("CQ overrun: {} CQEs written, consumer at {ci}", qp.cq_pi),
+            );
+        }
+    }
+    let c = Cqe {
+        opcode,
+        owner: cq::owner_of(qp.cq_pi, entries),
+        wqe_counter: qp.ci as u16,
+        qpn: qp.qpn,
+        wqe_opcode,
+        byte_cnt: bytes,
+        imm: 0,
+        syndrome,
+        vendor_syndrome: if syndrome != 0 { 0x80 | syndrome } else { 0 },
+    };
+    write_cqe(cq, entries, qp.cq_pi, &c);
+    qp.cq_pi += 1;
+}
+
+/// A RESP_WR_IMM CQE on the responder's receive CQ.
+fn respond(_s: &Shared, qp: &mut Qp, bytes: u32, imm: u32) {
+    let Some(r) = qp.responder.as_ref() else {
+        return;
+    };
+    let k = r.completions.fetch_add(1, Ordering::AcqRel);
+    let c = Cqe {
+        opcode: cq::opcode::RESP_WR_IMM,
+        owner: cq::owner_of(k, r.recv_cq_entries),
+        wqe_counter: k as u16,
+        qpn: qp.qpn,
+        wqe_opcode: 0,
+        byte_cnt: bytes,
+        imm,
+        syndrome: 0,
+        vendor_syndrome: 0,
+    };
+    write_cqe(r.recv_cq, r.recv_cq_entries, k, &c);
+}
+
+fn write_cqe(cq_base: *mut u8, entries: u64, k: u64, c: &Cqe) {
+    let b = c.encode();
+    let at = (k & (entries - 1)) as usize * CQE_BYTES;
+    // SAFETY: the entry lies in the CQ (add_qp's contract); the last 8 bytes go as one aligned
+    // store after a release fence so a poller that sees op_own sees the rest.
+    unsafe {
+        let p = cq_base.add(at);
+        std::ptr::copy(b.as_ptr(), p, 56);
+        fence(Ordering::Release);
+        let tail = u64::from_ne_bytes(b[56..64].try_into().expect("8 bytes"));
+        std::ptr::write_volatile(p.add(56) as *mut u64, tail);
+    }
+}
