@@ -1,0 +1,53 @@
+// InfiniBand kernels: the GPU side of tests/ib.rs for now (WQE bytes built by the device API of
+// doorbell/ibgda.cuh, compared there with the CPU builder's).
+#include <doorbell/doorbell.cuh>
+#include <doorbell/ibgda.cuh>
+
+using namespace doorbell;
+
+// One WQE to build (mirrored by WqeCase in tests/ib.rs).
+struct WqeCase {
+  uint32_t opcode;
+  uint32_t fm_ce_se;
+  uint64_t idx;
+  uint32_t qpn;
+  uint32_t rkey;
+  uint64_t raddr;
+  uint64_t laddr;
+  uint32_t lkey;
+  uint32_t len;
+  uint64_t swap_add;
+  uint64_t compare;
+  uint32_t imm;
+  uint32_t inline_len;  // nonzero or inline_off != ~0: an inline write of these bytes
+  uint64_t inline_off;  // offset in `payloads`, ~0 when not inline
+};
+DOORBELL_CHECK_SIZE(WqeCase, 80);
+
+// Thread i builds case i into ring i (2^depth_log2 WQEBBs each).
+extern "C" __global__ void ib_test_build_wqes(const WqeCase* cases, uint32_t n, uint8_t* rings, uint32_t depth_log2,
+                                              const uint8_t* payloads) {
+  const uint32_t i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= n) return;
+  const WqeCase c = cases[i];
+  void* sq = rings + (uint64_t(i) << depth_log2) * ib::kWqebb;
+  const uint8_t fm = uint8_t(c.fm_ce_se);
+  if (c.inline_off != ~uint64_t(0)) {
+    ib::inline_write_wqe(sq, depth_log2, c.idx, c.qpn, fm, c.raddr, c.rkey, payloads + c.inline_off, c.inline_len);
+    return;
+  }
+  switch (c.opcode) {
+    case ib::kOpWrite:
+    case ib::kOpWriteImm:
+    case ib::kOpRead:
+      ib::rdma_wqe(sq, depth_log2, c.idx, c.qpn, uint8_t(c.opcode), fm, c.raddr, c.rkey, c.laddr, c.lkey, c.len, c.imm);
+      break;
+    case ib::kOpFetchAdd:
+    case ib::kOpCompareSwap:
+      ib::atomic_wqe(sq, depth_log2, c.idx, c.qpn, uint8_t(c.opcode), fm, c.raddr, c.rkey, c.swap_add, c.compare, c.laddr,
+                     c.lkey);
+      break;
+    default:
+      ib::nop_wqe(sq, depth_log2, c.idx, c.qpn, fm);
+  }
+}
