@@ -25,6 +25,11 @@ pub enum WaitKind {
     /// A kernel input out of range, such as more rows for one expert from one rank than its
     /// receive area holds (reported like a wait).
     BadInput,
+    /// A queue pair's progress: send-queue room, in-order publishing, completions from the NIC.
+    IbProgress,
+    /// An error completion from the NIC (reported like a wait): 'expected' is the WQE's index,
+    /// 'seen' the mlx5 syndrome.
+    IbError,
     /// A kind this build does not know (a newer header wrote it).
     Other(u32),
 }
@@ -40,6 +45,8 @@ impl WaitKind {
             5 => WaitKind::ProxyStopped,
             6 => WaitKind::BadTrigger,
             7 => WaitKind::BadInput,
+            8 => WaitKind::IbProgress,
+            9 => WaitKind::IbError,
             c => WaitKind::Other(c),
         }
     }
@@ -59,6 +66,11 @@ impl fmt::Display for WaitKind {
             WaitKind::BadInput => write!(
                 f,
                 "valid kernel input (a count or index out of range: 'expected' is the limit, 'seen' the value)"
+            ),
+            WaitKind::IbProgress => write!(f, "queue pair progress (send-queue room or completions)"),
+            WaitKind::IbError => write!(
+                f,
+                "a successful completion (the NIC reported an error: 'expected' is the WQE index, 'seen' the mlx5 syndrome)"
             ),
             WaitKind::Other(c) => write!(f, "wait kind {c}"),
         }

@@ -51,3 +51,18 @@ extern "C" __global__ void ib_test_build_wqes(const WqeCase* cases, uint32_t n, 
       ib::nop_wqe(sq, depth_log2, c.idx, c.qpn, fm);
   }
 }
+
+// Every thread puts `per_thread` chunks of `chunk` bytes (chunk thread * per_thread + j) from src
+// to dst, adds 1 to the signal word (its old value lands at result[thread]), then waits for all
+// its QP's completions.
+extern "C" __global__ void ib_test_puts(IbQpHandle qp, uint64_t src, uint32_t src_key, uint64_t dst, uint32_t dst_key,
+                                        uint32_t chunk, uint32_t per_thread, uint64_t signal, uint32_t signal_key,
+                                        uint64_t result, uint32_t result_key) {
+  const uint64_t tid = blockIdx.x * blockDim.x + threadIdx.x;
+  for (uint32_t j = 0; j < per_thread; ++j) {
+    const uint64_t off = (tid * per_thread + j) * chunk;
+    qp.put(dst + off, dst_key, src + off, src_key, chunk);
+  }
+  qp.atomic_add(signal, signal_key, 1, result + tid * 8, result_key);
+  qp.quiet();
+}

@@ -55,6 +55,21 @@ int main() {
   FIELD(ProxyTrigger, size);
   FIELD(ProxyTrigger, meta);
 
+  STRUCT(IbQpHandle);
+  FIELD(IbQpHandle, sq);
+  FIELD(IbQpHandle, dbr);
+  FIELD(IbQpHandle, doorbell);
+  FIELD(IbQpHandle, cq);
+  FIELD(IbQpHandle, cq_ci);
+  FIELD(IbQpHandle, state);
+  FIELD(IbQpHandle, sizes);
+  FIELD(IbQpHandle, host_ready);
+  FIELD(IbQpHandle, qpn);
+  FIELD(IbQpHandle, sq_log2);
+  FIELD(IbQpHandle, cq_log2);
+  FIELD(IbQpHandle, reserved);
+  FIELD(IbQpHandle, site);
+
   STRUCT(FifoHandle);
   FIELD(FifoHandle, triggers);
   FIELD(FifoHandle, head);

@@ -160,6 +160,38 @@ impl ProxyTrigger {
     }
 }
 
+/// A queue pair the GPU posts to (`ibgda.cuh`).
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Pod, Zeroable)]
+pub struct IbQpHandle {
+    /// Send queue ring (device address).
+    pub sq: u64,
+    /// Send doorbell record (device address).
+    pub dbr: u64,
+    /// Doorbell register, or the emulated NIC's doorbell word (device address).
+    pub doorbell: u64,
+    /// Completion queue (device address).
+    pub cq: u64,
+    /// The CQ's consumer index record (device address).
+    pub cq_ci: u64,
+    /// Posting state, 8 words of device memory.
+    pub state: u64,
+    /// WQEBBs of the WQE starting at each send-queue slot (device memory).
+    pub sizes: u64,
+    /// CPU-assisted posting: where the GPU publishes the ready index (host-pinned); 0 for IBGDA.
+    pub host_ready: u64,
+    /// Queue pair number.
+    pub qpn: u32,
+    /// log2 of the send queue's WQEBBs.
+    pub sq_log2: u32,
+    /// log2 of the CQ's entries.
+    pub cq_log2: u32,
+    /// Zero.
+    pub reserved: u32,
+    /// Who waits (posters on a full queue, quiet).
+    pub site: WaitSite,
+}
+
 /// The device side of a proxy's FIFO (`fifo.cuh`).
 #[repr(C)]
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Pod, Zeroable)]
@@ -427,6 +459,8 @@ unsafe impl cudarc::driver::DeviceRepr for MoeArgs {}
 unsafe impl cudarc::driver::DeviceRepr for MoeLlArgs {}
 // SAFETY: as above.
 unsafe impl cudarc::driver::DeviceRepr for PortChannelHandle {}
+// SAFETY: as above.
+unsafe impl cudarc::driver::DeviceRepr for IbQpHandle {}
 
 #[cfg(test)]
 mod layout {
@@ -603,6 +637,14 @@ mod layout {
                 "ProxyTrigger",
                 ProxyTrigger,
                 [src_offset, dst_offset, size, meta]
+            ),
+            layout!(
+                "IbQpHandle",
+                IbQpHandle,
+                [
+                    sq, dbr, doorbell, cq, cq_ci, state, sizes, host_ready, qpn, sq_log2, cq_log2,
+                    reserved, site
+                ]
             ),
             layout!(
                 "FifoHandle",

@@ -7,4 +7,5 @@
 
 pub mod cq;
 pub mod emulator;
+pub mod gpu_qp;
 pub mod wqe;

@@ -5,6 +5,7 @@
 #include "collective_args.cuh"
 #include "copy.cuh"
 #include "fifo.cuh"
+#include "ibgda.cuh"
 #include "memory_channel.cuh"
 #include "moe.cuh"
 #include "packet.cuh"

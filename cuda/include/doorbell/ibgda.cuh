@@ -11,7 +11,9 @@
 // Bytes of a WQE's last WQEBB past its DS units are not written (the NIC reads DS units only).
 #pragma once
 
+#include "atomics.cuh"
 #include "common.cuh"
+#include "wait.cuh"
 
 namespace doorbell {
 namespace ib {
@@ -136,4 +138,150 @@ DOORBELL_DEVICE_INLINE uint32_t nop_wqe(void* sq, uint32_t depth_log2, uint64_t 
 #endif  // DOORBELL_CUDA
 
 }  // namespace ib
+
+// A queue pair the GPU posts to. Many threads may post at once: each reserves WQEBBs (an atomic
+// on `state[kReserved]`), writes its WQE, then publishes in reservation order (`state[kReady]`
+// moves from its base to its end by compare-and-swap), and rings: under a lock, if the ready
+// index passed what was rung, either (IBGDA) the doorbell record gets the new index and, after a
+// system fence, the doorbell register gets `{index << 8, qpn << 8}` big-endian, or (CPU-assisted,
+// `host_ready` set) the index is published to a host thread that does both. Completions: every
+// WQE posted through `put`/`atomic_add` asks for a CQE; one thread at a time consumes CQEs in
+// order (owner bit by lap parity) and advances `state[kCompleted]` past each completed WQE
+// (`sizes` remembers how many WQEBBs each took), publishing the CQ's consumer index. An error
+// CQE is reported like a failed wait (kWaitIbError) and traps.
+struct IbQpHandle {
+  uint8_t* sq;           // send queue ring, 2^sq_log2 WQEBBs
+  uint32_t* dbr;         // send doorbell record (big-endian 16-bit index)
+  uint64_t* doorbell;    // the doorbell register (a UAR page, or the emulated NIC's word)
+  uint8_t* cq;           // completion queue, 2^cq_log2 CQEs of 64 bytes
+  uint32_t* cq_ci;       // the CQ's consumer index record (big-endian 24-bit)
+  uint64_t* state;       // device memory [8], see below
+  uint8_t* sizes;        // device memory [2^sq_log2]: WQEBBs of the WQE starting at each slot
+  uint64_t* host_ready;  // CPU-assisted posting: the ready index for the host to ring; else null
+  uint32_t qpn;
+  uint32_t sq_log2;
+  uint32_t cq_log2;
+  uint32_t reserved;
+  WaitSite site;
+
+  static constexpr uint32_t kReserved = 0, kReady = 1, kRung = 2, kCompleted = 3, kRingLock = 4, kPollLock = 5,
+                            kCqConsumed = 6;
+
+#if DOORBELL_CUDA
+  DOORBELL_DEVICE_INLINE uint64_t depth() const { return uint64_t(1) << sq_log2; }
+  // State words are shared by every SM: read and written volatile (never from a stale L1 line).
+  DOORBELL_DEVICE_INLINE volatile uint64_t& word(uint32_t i) const { return reinterpret_cast<volatile uint64_t*>(state)[i]; }
+  DOORBELL_DEVICE_INLINE uint64_t completed() const { return word(kCompleted); }
+
+  // Consumes the CQEs that have arrived, if no other thread is doing it; returns how many WQEBBs
+  // are known complete.
+  DOORBELL_DEVICE_INLINE uint64_t poll() const {
+    if (atomicCAS(reinterpret_cast<unsigned long long*>(&state[kPollLock]), 0ull, 1ull) != 0) return completed();
+    uint64_t k = word(kCqConsumed);
+    uint64_t done = word(kCompleted);
+    const uint64_t consumed = k;
+    for (;;) {
+      const uint64_t* e = reinterpret_cast<const uint64_t*>(cq + ((k & ((uint64_t(1) << cq_log2) - 1)) << 6));
+      const uint64_t tail = load_relaxed_sys(e + 7);  // sop_drop_qpn, wqe_counter, signature, op_own
+      const uint32_t op_own = uint32_t(tail >> 56);
+      if ((op_own >> 4) == 15 || (op_own & 1) != ((k >> cq_log2) & 1)) break;
+      fence_acq_rel_sys();
+      const uint32_t counter = uint32_t((tail >> 32) & 0xff) << 8 | uint32_t((tail >> 40) & 0xff);
+      if ((op_own >> 4) == 13 || (op_own >> 4) == 14) {
+        const uint64_t word = load_relaxed_sys(e + 6);  // bytes 48..55: syndrome is byte 55
+        wait_gave_up(site, kWaitIbError, done + ((counter - uint32_t(done)) & 0xffff), word >> 56, 0);
+      }
+      // The completed WQE starts at the oldest outstanding index with these low 16 bits.
+      const uint64_t start = done + ((counter - uint32_t(done)) & 0xffff);
+      done = start + reinterpret_cast<volatile uint8_t*>(sizes)[start & (depth() - 1)];
+      ++k;
+    }
+    if (k != consumed) {
+      word(kCqConsumed) = k;
+      store_release_sys(cq_ci, ib::bswap32(uint32_t(k & 0xffffff)));
+      __threadfence();
+      word(kCompleted) = done;
+    }
+    __threadfence();
+    atomicExch(reinterpret_cast<unsigned long long*>(&state[kPollLock]), 0ull);
+    return done;
+  }
+
+  // Reserves `n` WQEBBs (waiting, bounded, for room); returns the first.
+  DOORBELL_DEVICE_INLINE uint64_t reserve(uint32_t n) const {
+    const uint64_t base = fetch_add_relaxed_gpu(&state[kReserved], n);
+    if (base + n > completed() + depth()) {
+      spin_until(site, kWaitIbProgress, base + n - depth(), [&](uint64_t& seen) {
+        seen = poll();
+        return base + n <= seen + depth();
+      });
+    }
+    reinterpret_cast<volatile uint8_t*>(sizes)[base & (depth() - 1)] = uint8_t(n);
+    return base;
+  }
+
+  // Publishes WQEBBs [base, base + n) once every earlier reservation is published, then rings.
+  DOORBELL_DEVICE_INLINE void submit(uint64_t base, uint32_t n) const {
+    fence_acq_rel_sys();  // the WQE's bytes before anything that lets the NIC read them
+    spin_until(site, kWaitIbProgress, base, [&](uint64_t& seen) {
+      seen = atomicCAS(reinterpret_cast<unsigned long long*>(&state[kReady]), static_cast<unsigned long long>(base),
+                       static_cast<unsigned long long>(base + n));
+      return seen == base;
+    });
+    ring();
+  }
+
+  // Rings for everything published (doorbells coalesce: one ring may cover other threads' WQEs).
+  DOORBELL_DEVICE_INLINE void ring() const {
+    spin_until(site, kWaitIbProgress, 0, [&](uint64_t& seen) {
+      seen = atomicCAS(reinterpret_cast<unsigned long long*>(&state[kRingLock]), 0ull, 1ull);
+      return seen == 0;
+    });
+    __threadfence();
+    const uint64_t ready = word(kReady);
+    if (ready > word(kRung)) {
+      word(kRung) = ready;
+      if (host_ready != nullptr) {
+        store_release_sys(host_ready, ready);
+      } else {
+        store_release_sys(dbr, ib::bswap32(uint32_t(ready & 0xffff)));
+        fence_acq_rel_sys();
+        const uint64_t word = uint64_t(ib::bswap32(uint32_t(ready & 0xffff) << 8)) |
+                              (uint64_t(ib::bswap32((qpn & 0xffffff) << 8)) << 32);
+        store_relaxed_sys(doorbell, word);
+      }
+    }
+    __threadfence();
+    atomicExch(reinterpret_cast<unsigned long long*>(&state[kRingLock]), 0ull);
+  }
+
+  // RDMA WRITE of `len` bytes from local `laddr` to remote `raddr`, with a CQE; returns its index.
+  DOORBELL_DEVICE_INLINE uint64_t put(uint64_t raddr, uint32_t rkey, uint64_t laddr, uint32_t lkey, uint32_t len) const {
+    const uint64_t at = reserve(1);
+    ib::rdma_wqe(sq, sq_log2, at, qpn, ib::kOpWrite, ib::kCqUpdate, raddr, rkey, laddr, lkey, len);
+    submit(at, 1);
+    return at;
+  }
+
+  // Atomic fetch-add of `add` to the 8 bytes at remote `raddr`; the old value lands at `result`.
+  DOORBELL_DEVICE_INLINE uint64_t atomic_add(uint64_t raddr, uint32_t rkey, uint64_t add, uint64_t result,
+                                             uint32_t lkey) const {
+    const uint64_t at = reserve(1);
+    ib::atomic_wqe(sq, sq_log2, at, qpn, ib::kOpFetchAdd, ib::kCqUpdate, raddr, rkey, add, 0, result, lkey);
+    submit(at, 1);
+    return at;
+  }
+
+  // Waits (bounded) until every WQE rung so far has completed.
+  DOORBELL_DEVICE_INLINE void quiet() const {
+    const uint64_t target = word(kRung);
+    spin_until(site, kWaitIbProgress, target, [&](uint64_t& seen) {
+      seen = poll();
+      return seen >= target;
+    });
+  }
+#endif
+};
+DOORBELL_CHECK_SIZE(IbQpHandle, 120);
+
 }  // namespace doorbell

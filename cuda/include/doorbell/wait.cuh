@@ -28,6 +28,8 @@ enum WaitKindCode : uint32_t {
   kWaitProxyStopped = 5,  // the proxy service stopped while a kernel depended on it
   kWaitBadTrigger = 6,    // a trigger field out of range (not a wait: reported the same way)
   kWaitBadInput = 7,      // a kernel input out of range: expected = the limit, seen = the value
+  kWaitIbProgress = 8,    // a queue pair's progress: room in its send queue, in-order publishing, CQEs
+  kWaitIbError = 9,       // an error CQE (not a wait): expected = the WQE's index, seen = the syndrome
 };
 
 // Written once, by the first waiter of the process that gives up. Lives in host-mapped pinned memory.

@@ -1,0 +1,229 @@
+//! Queue pairs the GPU posts to, served by the emulated NIC ([`super::emulator`]): the send queue,
+//! doorbell record, doorbell word and completion queue sit in pinned host memory mapped into the
+//! GPU (where the emulator's thread reads them as a ConnectX would read its own), the posting
+//! state in device memory. Kernels take the [`IbQpHandle`] and call `put`, `atomic_add`, `quiet`
+//! (`cuda/include/doorbell/ibgda.cuh`).
+//!
+//! Two posting modes: [`Posting::Ibgda`], where the GPU writes the doorbell record and rings the
+//! doorbell itself, and [`Posting::CpuAssisted`], where the GPU builds and publishes WQEs and a
+//! host thread of this object writes the record and rings (the mode for NICs whose doorbell page
+//! cannot be mapped into the GPU). The GPU code and the WQE bytes are the same in both.
+//!
+//! Data moves with [`CudaDma`]: `cuMemcpy` on unified addresses, so registered regions may be GPU
+//! memory of this process (or a peer's mapped into it) and pinned host memory.
+
+use super::cq::{CQE_BYTES, EMPTY_OP_OWN};
+use super::emulator::{Dma, EmulatedNic, QpRings};
+use super::wqe::WQEBB;
+use crate::device_api::{IbQpHandle, WaitSite};
+use crate::error::{Error, Result};
+use crate::host::cuda::{check, cuda_err, Gpu, HostArray};
+use cudarc::driver::sys;
+use cudarc::driver::{CudaSlice, DevicePtr};
+use std::sync::atomic::{fence, AtomicBool, Ordering};
+use std::sync::Arc;
+
+/// The emulated NIC's memory access: `cuMemcpy` between unified addresses of this process.
+pub struct CudaDma {
+    gpu: Arc<Gpu>,
+}
+
+impl CudaDma {
+    /// Access through `gpu`'s context (bound on the NIC's thread at each call).
+    pub fn new(gpu: &Arc<Gpu>) -> CudaDma {
+        CudaDma { gpu: gpu.clone() }
+    }
+}
+
+impl Dma for CudaDma {
+    fn read(&self, src: u64, out: &mut [u8]) -> Result<()> {
+        self.gpu.bind()?;
+        // SAFETY: `src..src + len` lies in a registered region (checked by the NIC); `out` is a
+        // live host buffer of that length (unified addressing treats it as host memory).
+        check("cuMemcpy", unsafe {
+            sys::cuMemcpy(out.as_mut_ptr() as u64, src, out.len())
+        })
+    }
+    fn write(&self, dst: u64, data: &[u8]) -> Result<()> {
+        self.gpu.bind()?;
+        // SAFETY: as for read.
+        check("cuMemcpy", unsafe {
+            sys::cuMemcpy(dst, data.as_ptr() as u64, data.len())
+        })
+    }
+}
+
+/// Who rings the doorbell.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Posting {
+    /// The GPU writes the doorbell record and the doorbell.
+    Ibgda,
+    /// The GPU publishes its ready index; a host thread writes the record and rings.
+    CpuAssisted,
+}
+
+/// A queue pair of the emulated NIC that kernels post to. Dropping it stops its doorbell thread
+/// (CPU-assisted) and removes it from the NIC.
+pub struct GpuQp {
+    nic: Arc<EmulatedNic>,
+    handle: IbQpHandle,
+    stop: Arc<AtomicBool>,
+    assist: Option<std::thread::JoinHandle<()>>,
+    _sq: HostArray<u8>,
+    _dbr: Arc<HostArray<u32>>,
+    _doorbell: Arc<HostArray<u64>>,
+    _cq: HostArray<u8>,
+    _cq_ci: HostArray<u32>,
+    _host_ready: Option<Arc<HostArray<u64>>>,
+    _state: CudaSlice<u64>,
+    _sizes: CudaSlice<u8>,
+}
+
+impl GpuQp {
+    /// A QP numbered `qpn` with a send queue of `2^sq_log2` WQEBBs (7..=15) and a CQ as deep,
+    /// served by `nic`, posted as `posting` says; device waits report through `site`.
+    pub fn new(
+        gpu: &Arc<Gpu>,
+        nic: &Arc<EmulatedNic>,
+        qpn: u32,
+        sq_log2: u32,
+        posting: Posting,
+        site: WaitSite,
+    ) -> Result<GpuQp> {
+        if !(7..=15).contains(&sq_log2) {
+            return Err(Error::invalid(
+                "send queue",
+                format!("2^{sq_log2} WQEBBs: between 2^7 and 2^15 (16-bit completion counters)"),
+            ));
+        }
+        let depth = 1usize << sq_log2;
+        let sq = HostArray::<u8>::new(gpu, depth * WQEBB)?;
+        let dbr = Arc::new(HostArray::<u32>::new(gpu, 1)?);
+        let doorbell = Arc::new(HostArray::<u64>::new(gpu, 1)?);
+        let cq = HostArray::<u8>::new(gpu, depth * CQE_BYTES)?;
+        for i in 0..depth {
+            cq.write(i * CQE_BYTES + 63, EMPTY_OP_OWN);
+        }
+        let cq_ci = HostArray::<u32>::new(gpu, 1)?;
+        let stream = gpu.new_stream()?;
+        let state = stream
+            .alloc_zeros::<u64>(8)
+            .map_err(cuda_err("cuMemAlloc"))?;
+        let sizes = stream
+            .alloc_zeros::<u8>(depth)
+            .map_err(cuda_err("cuMemAlloc"))?;
+        stream
+            .synchronize()
+            .map_err(cuda_err("cuStreamSynchronize"))?;
+        let host_ready = match posting {
+            Posting::Ibgda => None,
+            Posting::CpuAssisted => Some(Arc::new(HostArray::<u64>::new(gpu, 1)?)),
+        };
+        let rings = QpRings {
+            sq: sq.host_ptr(),
+            sq_wqebbs: depth as u64,
+            dbr: dbr.host_ptr(),
+            doorbell: doorbell.host_ptr(),
+            cq: cq.host_ptr(),
+            cq_entries: depth as u64,
+            cq_ci: cq_ci.host_ptr(),
+        };
+        // SAFETY: the rings are pinned allocations owned by the returned value, whose Drop
+        // removes the QP from the NIC before they are freed.
+        unsafe { nic.add_qp(qpn, rings, None) }?;
+        let handle = IbQpHandle {
+            sq: sq.device_ptr(),
+            dbr: dbr.device_ptr(),
+            doorbell: doorbell.device_ptr(),
+            cq: cq.device_ptr(),
+            cq_ci: cq_ci.device_ptr(),
+            state: state.device_ptr(&stream).0,
+            sizes: sizes.device_ptr(&stream).0,
+            host_ready: host_ready.as_ref().map_or(0, |h| h.device_ptr()),
+            qpn,
+            sq_log2,
+            cq_log2: sq_log2,
+            reserved: 0,
+            site,
+        };
+        let stop = Arc::new(AtomicBool::new(false));
+        let assist = match &host_ready {
+            None => None,
+            Some(ready) => {
+                let (ready, dbr, doorbell, stop) =
+                    (ready.clone(), dbr.clone(), doorbell.clone(), stop.clone());
+                Some(
+                    std::thread::Builder::new()
+                        .name(format!("doorbell-qp{qpn:x}-ring"))
+                        .spawn(move || ring_for_gpu(&ready, &dbr, &doorbell, qpn, &stop))
+                        .map_err(|e| {
+                            Error::invalid("doorbell thread", format!("cannot start: {e}"))
+                        })?,
+                )
+            }
+        };
+        Ok(GpuQp {
+            nic: nic.clone(),
+            handle,
+            stop,
+            assist,
+            _sq: sq,
+            _dbr: dbr,
+            _doorbell: doorbell,
+            _cq: cq,
+            _cq_ci: cq_ci,
+            _host_ready: host_ready,
+            _state: state,
+            _sizes: sizes,
+        })
+    }
+
+    /// What kernels take.
+    pub fn handle(&self) -> IbQpHandle {
+        self.handle
+    }
+}
+
+/// The CPU-assisted doorbell: whenever the GPU's ready index moves, the doorbell record, then
+/// (after a fence) the doorbell word, as rdma-core's `post_send` writes them.
+fn ring_for_gpu(
+    ready: &HostArray<u64>,
+    dbr: &HostArray<u32>,
+    doorbell: &HostArray<u64>,
+    qpn: u32,
+    stop: &AtomicBool,
+) {
+    let mut rung = 0u64;
+    let mut idle = 0u32;
+    while !stop.load(Ordering::Relaxed) {
+        let r = ready.read(0);
+        if r > rung {
+            fence(Ordering::Acquire);
+            dbr.write(0, ((r & 0xffff) as u32).to_be());
+            fence(Ordering::SeqCst);
+            let mut word = [0u8; 8];
+            word[0..4].copy_from_slice(&(((r & 0xffff) as u32) << 8).to_be_bytes());
+            word[4..8].copy_from_slice(&((qpn & 0xff_ffff) << 8).to_be_bytes());
+            doorbell.write(0, u64::from_ne_bytes(word));
+            rung = r;
+            idle = 0;
+        } else {
+            idle = idle.saturating_add(1);
+            if idle > 100_000 {
+                std::thread::sleep(std::time::Duration::from_micros(20));
+            } else {
+                std::hint::spin_loop();
+            }
+        }
+    }
+}
+
+impl Drop for GpuQp {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        if let Some(t) = self.assist.take() {
+            let _ = t.join();
+        }
+        self.nic.remove_qp(self.handle.qpn);
+    }
+}
