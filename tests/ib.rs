@@ -378,3 +378,72 @@ fn gpu_posted_writes_and_atomics_through_the_emulated_nic() {
         drop(qp);
     }
 }
+
+/// How many WQEs per second GPU threads post and complete through one QP when the NIC moves no
+/// data (`NullDma`): the GPU side's rate plus the emulator's parsing and CQE writing. Printed, for
+/// docs/performance.md; asserts only that every WQE completed.
+#[test]
+#[ignore = "needs GPU"]
+fn gpu_posting_rate_through_the_emulated_nic() {
+    use doorbell::device_api::WaitSite;
+    use doorbell::rdma::emulator::{Delivery, EmulatedNic, NullDma};
+    use doorbell::rdma::gpu_qp::{GpuQp, Posting};
+    use std::sync::Arc;
+    let gpu = Gpu::open(0).expect("GPU 0");
+    let s = gpu.new_stream().unwrap();
+    let buf = device_bytes(&s, 8192, |_| 0);
+    let base = buf.device_ptr(&s).0;
+    let site = WaitSite {
+        budget_ns: 20_000_000_000,
+        rank: 0,
+        peer: -1,
+        ..Default::default()
+    };
+    let single = gpu.function("ib", "ib_test_rate").unwrap();
+    let warp = gpu.function("ib", "ib_test_rate_warp").unwrap();
+    for posting in [Posting::Ibgda, Posting::CpuAssisted] {
+        for (threads, per_thread, warps) in [
+            (1u32, 20_000u32, false),
+            (32, 2_000, false),
+            (256, 400, false),
+            (32, 20_000, true),
+            (256, 4_000, true),
+        ] {
+            let f = if warps { &warp } else { &single };
+            let nic = Arc::new(EmulatedNic::start(Box::new(NullDma), Delivery::Strict).unwrap());
+            let ks = nic.register(base, 4096, false).unwrap();
+            let kd = nic.register(base + 4096, 4096, false).unwrap();
+            let qp = GpuQp::new(&gpu, &nic, 0x200, 10, posting, site).unwrap();
+            let h = qp.handle();
+            let (src, dst) = (base, base + 4096);
+            let mut b = s.launch_builder(&f);
+            b.arg(&h)
+                .arg(&src)
+                .arg(&ks)
+                .arg(&dst)
+                .arg(&kd)
+                .arg(&per_thread);
+            let start = std::time::Instant::now();
+            // SAFETY: matches ib_test_rate and ib_test_rate_warp.
+            unsafe {
+                b.launch(LaunchConfig {
+                    grid_dim: (threads.div_ceil(128), 1, 1),
+                    block_dim: (threads.min(128), 1, 1),
+                    shared_mem_bytes: 0,
+                })
+            }
+            .unwrap();
+            s.synchronize().unwrap();
+            let took = start.elapsed().as_secs_f64();
+            let wqes = u64::from(threads * per_thread);
+            assert_eq!(nic.executed(0x200), wqes);
+            assert!(nic.faults().is_empty(), "{:?}", nic.faults());
+            eprintln!(
+                "rate {posting:?}: {threads} threads x {per_thread} 8-byte puts{}: {wqes} WQEs in {:.1} ms = {:.2} M WQEs/s",
+                if warps { " (put_warp)" } else { "" },
+                took * 1e3,
+                wqes as f64 / took / 1e6
+            );
+        }
+    }
+}

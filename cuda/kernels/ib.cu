@@ -66,3 +66,27 @@ extern "C" __global__ void ib_test_puts(IbQpHandle qp, uint64_t src, uint32_t sr
   qp.atomic_add(signal, signal_key, 1, result + tid * 8, result_key);
   qp.quiet();
 }
+
+// Posting rate: every thread posts `per_thread` 8-byte writes (src and dst offsets wrap inside
+// 4 KiB), then waits for its QP's completions.
+extern "C" __global__ void ib_test_rate(IbQpHandle qp, uint64_t src, uint32_t src_key, uint64_t dst, uint32_t dst_key,
+                                        uint32_t per_thread) {
+  const uint64_t tid = blockIdx.x * blockDim.x + threadIdx.x;
+  for (uint32_t j = 0; j < per_thread; ++j) {
+    const uint64_t off = ((tid * per_thread + j) * 8) & 4095;
+    qp.put(dst + off, dst_key, src + off, src_key, 8);
+  }
+  qp.quiet();
+}
+
+// The same with whole warps posting through put_warp (32 WQEs per doorbell).
+extern "C" __global__ void ib_test_rate_warp(IbQpHandle qp, uint64_t src, uint32_t src_key, uint64_t dst,
+                                             uint32_t dst_key, uint32_t per_thread) {
+  const uint64_t tid = blockIdx.x * blockDim.x + threadIdx.x;
+  const uint32_t lane = threadIdx.x % 32;
+  for (uint32_t j = 0; j < per_thread; ++j) {
+    const uint64_t off = ((tid * per_thread + j) * 8) & 4095;
+    qp.put_warp(dst + off, dst_key, src + off, src_key, 8, lane);
+  }
+  qp.quiet();
+}

@@ -67,6 +67,20 @@ impl Dma for HostDma {
     }
 }
 
+/// Moves nothing: reads give zeros and writes are dropped. For measuring how fast WQEs can be
+/// posted and completed when the data movement costs nothing (the posting side's rate).
+pub struct NullDma;
+
+impl Dma for NullDma {
+    fn read(&self, _src: u64, out: &mut [u8]) -> Result<()> {
+        out.fill(0);
+        Ok(())
+    }
+    fn write(&self, _dst: u64, _data: &[u8]) -> Result<()> {
+        Ok(())
+    }
+}
+
 /// When writes into relaxed regions become visible.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Delivery {

@@ -144,11 +144,13 @@ DOORBELL_DEVICE_INLINE uint32_t nop_wqe(void* sq, uint32_t depth_log2, uint64_t 
 // moves from its base to its end by compare-and-swap), and rings: under a lock, if the ready
 // index passed what was rung, either (IBGDA) the doorbell record gets the new index and, after a
 // system fence, the doorbell register gets `{index << 8, qpn << 8}` big-endian, or (CPU-assisted,
-// `host_ready` set) the index is published to a host thread that does both. Completions: every
-// WQE posted through `put`/`atomic_add` asks for a CQE; one thread at a time consumes CQEs in
-// order (owner bit by lap parity) and advances `state[kCompleted]` past each completed WQE
-// (`sizes` remembers how many WQEBBs each took), publishing the CQ's consumer index. An error
-// CQE is reported like a failed wait (kWaitIbError) and traps.
+// `host_ready` set) the index is published to a host thread that does both. A poster whose WQEs
+// someone else already rang returns without ringing (doorbells coalesce). Completions: a WQE
+// that asks for a CQE records its size in `sizes` at its slot; one thread at a time consumes
+// CQEs in order (owner bit by lap parity) and advances `state[kCompleted]` past each signaled
+// WQE (the unsignaled ones before it completed too), publishing the CQ's consumer index. An
+// error CQE is reported like a failed wait (kWaitIbError) and traps. `put_warp` posts 32 writes
+// with one reservation, one publish and one doorbell, only the last asking for a CQE.
 struct IbQpHandle {
   uint8_t* sq;           // send queue ring, 2^sq_log2 WQEBBs
   uint32_t* dbr;         // send doorbell record (big-endian 16-bit index)
@@ -216,50 +218,83 @@ struct IbQpHandle {
         return base + n <= seen + depth();
       });
     }
-    reinterpret_cast<volatile uint8_t*>(sizes)[base & (depth() - 1)] = uint8_t(n);
     return base;
   }
 
-  // Publishes WQEBBs [base, base + n) once every earlier reservation is published, then rings.
+  // Records that the WQE at `at`, `n` WQEBBs long, asks for a CQE (before it is published).
+  DOORBELL_DEVICE_INLINE void signaled(uint64_t at, uint32_t n) const {
+    reinterpret_cast<volatile uint8_t*>(sizes)[at & (depth() - 1)] = uint8_t(n);
+  }
+
+  // Publishes WQEBBs [base, base + n), written by this thread, once every earlier reservation is
+  // published, then rings.
   DOORBELL_DEVICE_INLINE void submit(uint64_t base, uint32_t n) const {
     fence_acq_rel_sys();  // the WQE's bytes before anything that lets the NIC read them
+    publish(base, n);
+  }
+
+  // submit() without the fence, for WQEs whose writers fenced already.
+  DOORBELL_DEVICE_INLINE void publish(uint64_t base, uint32_t n) const {
     spin_until(site, kWaitIbProgress, base, [&](uint64_t& seen) {
       seen = atomicCAS(reinterpret_cast<unsigned long long*>(&state[kReady]), static_cast<unsigned long long>(base),
                        static_cast<unsigned long long>(base + n));
       return seen == base;
     });
-    ring();
+    ring(base + n);
   }
 
-  // Rings for everything published (doorbells coalesce: one ring may cover other threads' WQEs).
-  DOORBELL_DEVICE_INLINE void ring() const {
-    spin_until(site, kWaitIbProgress, 0, [&](uint64_t& seen) {
-      seen = atomicCAS(reinterpret_cast<unsigned long long*>(&state[kRingLock]), 0ull, 1ull);
-      return seen == 0;
-    });
-    __threadfence();
-    const uint64_t ready = word(kReady);
-    if (ready > word(kRung)) {
-      word(kRung) = ready;
-      if (host_ready != nullptr) {
-        store_release_sys(host_ready, ready);
-      } else {
-        store_release_sys(dbr, ib::bswap32(uint32_t(ready & 0xffff)));
-        fence_acq_rel_sys();
-        const uint64_t word = uint64_t(ib::bswap32(uint32_t(ready & 0xffff) << 8)) |
-                              (uint64_t(ib::bswap32((qpn & 0xffffff) << 8)) << 32);
-        store_relaxed_sys(doorbell, word);
+  // Makes sure a doorbell covering WQEBBs before `end` (all published) rings: returns at once if
+  // one did; else rings for everything published, unless another thread is doing it, which then
+  // covers `end` too (it reads the ready index after taking the lock).
+  DOORBELL_DEVICE_INLINE void ring(uint64_t end) const {
+    spin_until(site, kWaitIbProgress, end, [&](uint64_t& seen) {
+      seen = word(kRung);
+      if (seen >= end) return true;
+      if (atomicCAS(reinterpret_cast<unsigned long long*>(&state[kRingLock]), 0ull, 1ull) != 0) return false;
+      __threadfence();
+      const uint64_t ready = word(kReady);
+      if (ready > word(kRung)) {
+        if (host_ready != nullptr) {
+          store_release_sys(host_ready, ready);
+        } else {
+          store_release_sys(dbr, ib::bswap32(uint32_t(ready & 0xffff)));
+          fence_acq_rel_sys();
+          const uint64_t word_ = uint64_t(ib::bswap32(uint32_t(ready & 0xffff) << 8)) |
+                                 (uint64_t(ib::bswap32((qpn & 0xffffff) << 8)) << 32);
+          store_relaxed_sys(doorbell, word_);
+        }
+        word(kRung) = ready;
       }
-    }
-    __threadfence();
-    atomicExch(reinterpret_cast<unsigned long long*>(&state[kRingLock]), 0ull);
+      __threadfence();
+      atomicExch(reinterpret_cast<unsigned long long*>(&state[kRingLock]), 0ull);
+      return true;
+    });
   }
 
   // RDMA WRITE of `len` bytes from local `laddr` to remote `raddr`, with a CQE; returns its index.
   DOORBELL_DEVICE_INLINE uint64_t put(uint64_t raddr, uint32_t rkey, uint64_t laddr, uint32_t lkey, uint32_t len) const {
     const uint64_t at = reserve(1);
     ib::rdma_wqe(sq, sq_log2, at, qpn, ib::kOpWrite, ib::kCqUpdate, raddr, rkey, laddr, lkey, len);
+    signaled(at, 1);
     submit(at, 1);
+    return at;
+  }
+
+  // Every lane of a full warp (all 32 calling together, each with its own `lane`) posts one RDMA
+  // WRITE: one reservation, one publish, one doorbell for the 32, and only lane 31's WQE asks
+  // for a CQE. Returns the index of this lane's WQE.
+  DOORBELL_DEVICE_INLINE uint64_t put_warp(uint64_t raddr, uint32_t rkey, uint64_t laddr, uint32_t lkey, uint32_t len,
+                                           uint32_t lane) const {
+    uint64_t base = 0;
+    if (lane == 0) base = reserve(32);
+    base = __shfl_sync(0xffffffffu, base, 0);
+    const uint64_t at = base + lane;
+    ib::rdma_wqe(sq, sq_log2, at, qpn, ib::kOpWrite, lane == 31 ? ib::kCqUpdate : 0, raddr, rkey, laddr, lkey, len);
+    if (lane == 31) signaled(at, 1);
+    fence_acq_rel_sys();  // each lane's WQE (and lane 31's size) before lane 0 publishes
+    __syncwarp();
+    if (lane == 0) publish(base, 32);
+    __syncwarp();
     return at;
   }
 
@@ -268,6 +303,7 @@ struct IbQpHandle {
                                              uint32_t lkey) const {
     const uint64_t at = reserve(1);
     ib::atomic_wqe(sq, sq_log2, at, qpn, ib::kOpFetchAdd, ib::kCqUpdate, raddr, rkey, add, 0, result, lkey);
+    signaled(at, 1);
     submit(at, 1);
     return at;
   }
