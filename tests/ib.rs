@@ -416,7 +416,7 @@ fn gpu_posting_rate_through_the_emulated_nic() {
             let qp = GpuQp::new(&gpu, &nic, 0x200, 10, posting, site).unwrap();
             let h = qp.handle();
             let (src, dst) = (base, base + 4096);
-            let mut b = s.launch_builder(&f);
+            let mut b = s.launch_builder(f);
             b.arg(&h)
                 .arg(&src)
                 .arg(&ks)

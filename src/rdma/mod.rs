@@ -8,4 +8,5 @@
 pub mod cq;
 pub mod emulator;
 pub mod gpu_qp;
+pub mod verbs;
 pub mod wqe;

@@ -1,0 +1,517 @@
+//! rdma-core loaded at run time (`dlopen("libibverbs.so.1")`, never linked), so a doorbell binary
+//! starts on machines without it and says what is missing. So far: device discovery (devices,
+//! firmware, vendor ids, ports with their state, link layer (InfiniBand or Ethernet = RoCE), MTU
+//! and GID tables) and GID selection. Protection domains, memory registration and queue pairs
+//! are not built yet (issue 6); `tests/verbs_layout.rs` checks these struct mirrors against
+//! rdma-core's `infiniband/verbs.h` field by field.
+
+use crate::error::{Error, Result};
+use std::ffi::{c_char, c_int, c_void, CStr};
+use std::net::Ipv4Addr;
+
+/// `struct ibv_device_attr` (verbs.h).
+#[repr(C)]
+#[derive(Clone, Copy)]
+#[allow(missing_docs)]
+pub struct DeviceAttr {
+    pub fw_ver: [u8; 64],
+    pub node_guid: u64,
+    pub sys_image_guid: u64,
+    pub max_mr_size: u64,
+    pub page_size_cap: u64,
+    pub vendor_id: u32,
+    pub vendor_part_id: u32,
+    pub hw_ver: u32,
+    pub max_qp: i32,
+    pub max_qp_wr: i32,
+    pub device_cap_flags: u32,
+    pub max_sge: i32,
+    pub max_sge_rd: i32,
+    pub max_cq: i32,
+    pub max_cqe: i32,
+    pub max_mr: i32,
+    pub max_pd: i32,
+    pub max_qp_rd_atom: i32,
+    pub max_ee_rd_atom: i32,
+    pub max_res_rd_atom: i32,
+    pub max_qp_init_rd_atom: i32,
+    pub max_ee_init_rd_atom: i32,
+    pub atomic_cap: u32,
+    pub max_ee: i32,
+    pub max_rdd: i32,
+    pub max_mw: i32,
+    pub max_raw_ipv6_qp: i32,
+    pub max_raw_ethy_qp: i32,
+    pub max_mcast_grp: i32,
+    pub max_mcast_qp_attach: i32,
+    pub max_total_mcast_qp_attach: i32,
+    pub max_ah: i32,
+    pub max_fmr: i32,
+    pub max_map_per_fmr: i32,
+    pub max_srq: i32,
+    pub max_srq_wr: i32,
+    pub max_srq_sge: i32,
+    pub max_pkeys: u16,
+    pub local_ca_ack_delay: u8,
+    pub phys_port_cnt: u8,
+}
+
+/// `struct ibv_port_attr` (verbs.h; the exported `ibv_query_port` fills the same prefix).
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+#[allow(missing_docs)]
+pub struct PortAttr {
+    pub state: u32,
+    pub max_mtu: u32,
+    pub active_mtu: u32,
+    pub gid_tbl_len: i32,
+    pub port_cap_flags: u32,
+    pub max_msg_sz: u32,
+    pub bad_pkey_cntr: u32,
+    pub qkey_viol_cntr: u32,
+    pub pkey_tbl_len: u16,
+    pub lid: u16,
+    pub sm_lid: u16,
+    pub lmc: u8,
+    pub max_vl_num: u8,
+    pub sm_sl: u8,
+    pub subnet_timeout: u8,
+    pub init_type_reply: u8,
+    pub active_width: u8,
+    pub active_speed: u8,
+    pub phys_state: u8,
+    pub link_layer: u8,
+    pub flags: u8,
+    pub port_cap_flags2: u16,
+}
+
+/// `struct ibv_gid_entry` (verbs.h).
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+#[allow(missing_docs)]
+pub struct GidEntry {
+    pub gid: [u8; 16],
+    pub gid_index: u32,
+    pub port_num: u32,
+    pub gid_type: u32,
+    pub ndev_ifindex: u32,
+}
+
+/// A port's link layer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LinkLayer {
+    /// InfiniBand.
+    Infiniband,
+    /// Ethernet (RoCE).
+    Ethernet,
+    /// Not reported.
+    Unspecified,
+}
+
+/// What a GID addresses.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GidType {
+    /// InfiniBand.
+    Ib,
+    /// RoCE v1 (Ethernet frames, not routable).
+    RoceV1,
+    /// RoCE v2 (UDP/IP, routable).
+    RoceV2,
+}
+
+/// One GID table entry.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Gid {
+    /// Its index in the port's table.
+    pub index: u32,
+    /// The 16 bytes.
+    pub bytes: [u8; 16],
+    /// Its type.
+    pub kind: GidType,
+}
+
+impl Gid {
+    /// The IPv4 address of an IPv4-mapped GID (`::ffff:a.b.c.d`).
+    pub fn ipv4(&self) -> Option<Ipv4Addr> {
+        let b = &self.bytes;
+        (b[..10].iter().all(|&x| x == 0) && b[10] == 0xff && b[11] == 0xff)
+            .then(|| Ipv4Addr::new(b[12], b[13], b[14], b[15]))
+    }
+
+    /// Whether the entry is empty (all zero).
+    pub fn is_zero(&self) -> bool {
+        self.bytes.iter().all(|&x| x == 0)
+    }
+}
+
+/// One port of a NIC.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Port {
+    /// Port number (from 1).
+    pub num: u8,
+    /// `IBV_PORT_*` state (4 = active).
+    pub state: u32,
+    /// Link layer.
+    pub link_layer: LinkLayer,
+    /// Active MTU in bytes.
+    pub active_mtu: u32,
+    /// Its non-empty GIDs.
+    pub gids: Vec<Gid>,
+}
+
+impl Port {
+    /// Whether the port is up.
+    pub fn active(&self) -> bool {
+        self.state == 4 || self.state == 5
+    }
+}
+
+/// One RDMA device.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Nic {
+    /// Device name (`mlx5_0`).
+    pub name: String,
+    /// Firmware version.
+    pub firmware: String,
+    /// PCI vendor id (0x02c9 and 0x15b3 are Mellanox/NVIDIA).
+    pub vendor_id: u32,
+    /// PCI device id.
+    pub vendor_part_id: u32,
+    /// Its ports.
+    pub ports: Vec<Port>,
+}
+
+impl Nic {
+    /// Whether the mlx5 provider drives it (the one whose WQEs a GPU can build).
+    pub fn is_mlx5(&self) -> bool {
+        self.name.starts_with("mlx5") || self.vendor_id == 0x15b3 || self.vendor_id == 0x02c9
+    }
+}
+
+/// The GID a connection on `port` uses: `override_index` if given (it must exist), else for
+/// InfiniBand index 0, for RoCE the first RoCE v2 GID with an IPv4-mapped address, then any
+/// RoCE v2 GID, then any GID (as NCCL picks).
+pub fn choose_gid(port: &Port, override_index: Option<u32>) -> Result<Gid> {
+    if let Some(i) = override_index {
+        return port
+            .gids
+            .iter()
+            .find(|g| g.index == i)
+            .copied()
+            .ok_or_else(|| {
+                Error::invalid(
+                    "DOORBELL_IB_GID_INDEX",
+                    format!("port {} has no GID at index {i}", port.num),
+                )
+            });
+    }
+    let v2 = |g: &&Gid| g.kind == GidType::RoceV2;
+    let pick = match port.link_layer {
+        LinkLayer::Infiniband => port.gids.iter().find(|g| g.index == 0),
+        _ => port
+            .gids
+            .iter()
+            .filter(v2)
+            .find(|g| g.ipv4().is_some())
+            .or_else(|| port.gids.iter().find(v2)),
+    };
+    pick.or_else(|| port.gids.first())
+        .copied()
+        .ok_or_else(|| Error::TransportUnavailable {
+            transport: "ib",
+            why: format!(
+                "port {} has no GID (is the link up and addressed?)",
+                port.num
+            ),
+        })
+}
+
+type GetDeviceList = unsafe extern "C" fn(*mut c_int) -> *mut *mut c_void;
+type FreeDeviceList = unsafe extern "C" fn(*mut *mut c_void);
+type GetDeviceName = unsafe extern "C" fn(*mut c_void) -> *const c_char;
+type OpenDevice = unsafe extern "C" fn(*mut c_void) -> *mut c_void;
+type CloseDevice = unsafe extern "C" fn(*mut c_void) -> c_int;
+type QueryDevice = unsafe extern "C" fn(*mut c_void, *mut DeviceAttr) -> c_int;
+type QueryPort = unsafe extern "C" fn(*mut c_void, u8, *mut PortAttr) -> c_int;
+type QueryGidEx = unsafe extern "C" fn(*mut c_void, u32, u32, *mut GidEntry, u32, usize) -> c_int;
+
+/// libibverbs, loaded.
+pub struct Verbs {
+    lib: *mut c_void,
+    get_device_list: GetDeviceList,
+    free_device_list: FreeDeviceList,
+    get_device_name: GetDeviceName,
+    open_device: OpenDevice,
+    close_device: CloseDevice,
+    query_device: QueryDevice,
+    query_port: QueryPort,
+    query_gid_ex: QueryGidEx,
+}
+
+// SAFETY: the library handle and function pointers may be used from any thread (rdma-core's
+// verbs are thread-safe).
+unsafe impl Send for Verbs {}
+// SAFETY: as above.
+unsafe impl Sync for Verbs {}
+
+fn dl_error() -> String {
+    // SAFETY: dlerror returns a thread-local C string or null.
+    let e = unsafe { libc::dlerror() };
+    if e.is_null() {
+        "unknown error".into()
+    } else {
+        // SAFETY: non-null C string from dlerror.
+        unsafe { CStr::from_ptr(e) }.to_string_lossy().into_owned()
+    }
+}
+
+impl Verbs {
+    /// Loads `libibverbs.so.1`.
+    pub fn load() -> Result<Verbs> {
+        // SAFETY: dlopen of a library by name; its initializers are rdma-core's.
+        let lib = unsafe {
+            libc::dlopen(
+                c"libibverbs.so.1".as_ptr(),
+                libc::RTLD_NOW | libc::RTLD_LOCAL,
+            )
+        };
+        if lib.is_null() {
+            return Err(Error::TransportUnavailable {
+                transport: "ib",
+                why: format!(
+                    "cannot load libibverbs.so.1 ({}): install rdma-core's libraries \
+                     (Debian/Ubuntu: apt install libibverbs1 ibverbs-providers)",
+                    dl_error()
+                ),
+            });
+        }
+        let sym = |name: &CStr| -> Result<*mut c_void> {
+            // SAFETY: `lib` is a live handle; `name` a C string.
+            let p = unsafe { libc::dlsym(lib, name.as_ptr()) };
+            if p.is_null() {
+                Err(Error::TransportUnavailable {
+                    transport: "ib",
+                    why: format!(
+                        "libibverbs.so.1 lacks {} ({}): rdma-core too old",
+                        name.to_string_lossy(),
+                        dl_error()
+                    ),
+                })
+            } else {
+                Ok(p)
+            }
+        };
+        // SAFETY (each transmute): the symbol has exactly this C signature in rdma-core's
+        // verbs.h (the mirrors' layouts are checked by tests/verbs_layout.rs).
+        let v = unsafe {
+            Verbs {
+                lib,
+                get_device_list: std::mem::transmute::<*mut c_void, GetDeviceList>(sym(
+                    c"ibv_get_device_list",
+                )?),
+                free_device_list: std::mem::transmute::<*mut c_void, FreeDeviceList>(sym(
+                    c"ibv_free_device_list",
+                )?),
+                get_device_name: std::mem::transmute::<*mut c_void, GetDeviceName>(sym(
+                    c"ibv_get_device_name",
+                )?),
+                open_device: std::mem::transmute::<*mut c_void, OpenDevice>(sym(
+                    c"ibv_open_device",
+                )?),
+                close_device: std::mem::transmute::<*mut c_void, CloseDevice>(sym(
+                    c"ibv_close_device",
+                )?),
+                query_device: std::mem::transmute::<*mut c_void, QueryDevice>(sym(
+                    c"ibv_query_device",
+                )?),
+                query_port: std::mem::transmute::<*mut c_void, QueryPort>(sym(c"ibv_query_port")?),
+                query_gid_ex: std::mem::transmute::<*mut c_void, QueryGidEx>(sym(
+                    c"_ibv_query_gid_ex",
+                )?),
+            }
+        };
+        Ok(v)
+    }
+
+    /// Every RDMA device with its ports and GIDs. Devices that cannot be opened or queried are
+    /// skipped with a warning.
+    pub fn devices(&self) -> Result<Vec<Nic>> {
+        let mut n: c_int = 0;
+        // SAFETY: rdma-core allocates the list; freed below.
+        let list = unsafe { (self.get_device_list)(&mut n) };
+        if list.is_null() {
+            let e = std::io::Error::last_os_error();
+            let why = if e.raw_os_error() == Some(libc::ENOSYS) {
+                "no RDMA devices: this kernel has no RDMA support (ibv_get_device_list: ENOSYS)"
+                    .to_string()
+            } else {
+                format!("ibv_get_device_list failed ({e}): is the RDMA kernel stack (ib_uverbs) loaded?")
+            };
+            return Err(Error::TransportUnavailable {
+                transport: "ib",
+                why,
+            });
+        }
+        let mut nics = Vec::new();
+        for i in 0..n.max(0) as usize {
+            // SAFETY: `list` holds `n` device pointers.
+            let dev = unsafe { *list.add(i) };
+            match self.describe(dev) {
+                Ok(nic) => nics.push(nic),
+                Err(e) => tracing::warn!("RDMA device {i}: {e}"),
+            }
+        }
+        // SAFETY: the list from ibv_get_device_list, freed once.
+        unsafe { (self.free_device_list)(list) };
+        Ok(nics)
+    }
+
+    fn describe(&self, dev: *mut c_void) -> Result<Nic> {
+        // SAFETY: `dev` from the device list.
+        let name = unsafe { CStr::from_ptr((self.get_device_name)(dev)) }
+            .to_string_lossy()
+            .into_owned();
+        let unavailable = |what: &str| Error::TransportUnavailable {
+            transport: "ib",
+            why: format!(
+                "{name}: {what} failed ({})",
+                std::io::Error::last_os_error()
+            ),
+        };
+        // SAFETY: `dev` from the device list; the context is closed below.
+        let ctx = unsafe { (self.open_device)(dev) };
+        if ctx.is_null() {
+            return Err(unavailable("ibv_open_device"));
+        }
+        let result = (|| {
+            // SAFETY: zeroed plain-old-data, filled by rdma-core.
+            let mut attr: DeviceAttr = unsafe { std::mem::zeroed() };
+            // SAFETY: `ctx` is open; `attr` is a full ibv_device_attr.
+            if unsafe { (self.query_device)(ctx, &mut attr) } != 0 {
+                return Err(unavailable("ibv_query_device"));
+            }
+            let firmware = CStr::from_bytes_until_nul(&attr.fw_ver)
+                .map(|c| c.to_string_lossy().into_owned())
+                .unwrap_or_default();
+            let mut ports = Vec::new();
+            for num in 1..=attr.phys_port_cnt {
+                let mut p = PortAttr::default();
+                // SAFETY: `ctx` is open; `p` is at least the compat layout.
+                if unsafe { (self.query_port)(ctx, num, &mut p) } != 0 {
+                    return Err(unavailable("ibv_query_port"));
+                }
+                let mut gids = Vec::new();
+                for index in 0..p.gid_tbl_len.max(0) as u32 {
+                    let mut e = GidEntry::default();
+                    // SAFETY: `ctx` open; `e` is a full ibv_gid_entry of the size passed.
+                    let r = unsafe {
+                        (self.query_gid_ex)(
+                            ctx,
+                            u32::from(num),
+                            index,
+                            &mut e,
+                            0,
+                            std::mem::size_of::<GidEntry>(),
+                        )
+                    };
+                    if r != 0 {
+                        continue; // empty or unreadable entry
+                    }
+                    let kind = match e.gid_type {
+                        1 => GidType::RoceV1,
+                        2 => GidType::RoceV2,
+                        _ => GidType::Ib,
+                    };
+                    let g = Gid {
+                        index,
+                        bytes: e.gid,
+                        kind,
+                    };
+                    if !g.is_zero() {
+                        gids.push(g);
+                    }
+                }
+                ports.push(Port {
+                    num,
+                    state: p.state,
+                    link_layer: match p.link_layer {
+                        1 => LinkLayer::Infiniband,
+                        2 => LinkLayer::Ethernet,
+                        _ => LinkLayer::Unspecified,
+                    },
+                    active_mtu: 128 << p.active_mtu.min(5),
+                    gids,
+                });
+            }
+            Ok(Nic {
+                name: name.clone(),
+                firmware,
+                vendor_id: attr.vendor_id,
+                vendor_part_id: attr.vendor_part_id,
+                ports,
+            })
+        })();
+        // SAFETY: closing the context opened above, once.
+        unsafe { (self.close_device)(ctx) };
+        result
+    }
+}
+
+impl Drop for Verbs {
+    fn drop(&mut self) {
+        // SAFETY: the handle from dlopen, closed once; nothing of the library outlives self.
+        unsafe { libc::dlclose(self.lib) };
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn gid(index: u32, kind: GidType, tail: [u8; 6]) -> Gid {
+        let mut bytes = [0u8; 16];
+        bytes[10..].copy_from_slice(&tail);
+        Gid { index, bytes, kind }
+    }
+
+    #[test]
+    fn roce_prefers_v2_with_ipv4() {
+        let port = Port {
+            num: 1,
+            state: 4,
+            link_layer: LinkLayer::Ethernet,
+            active_mtu: 4096,
+            gids: vec![
+                Gid {
+                    index: 0,
+                    bytes: [0xfe, 0x80, 0, 0, 0, 0, 0, 0, 1, 2, 3, 4, 5, 6, 7, 8],
+                    kind: GidType::RoceV1,
+                },
+                Gid {
+                    index: 1,
+                    bytes: [0xfe, 0x80, 0, 0, 0, 0, 0, 0, 1, 2, 3, 4, 5, 6, 7, 8],
+                    kind: GidType::RoceV2,
+                },
+                gid(2, GidType::RoceV1, [0xff, 0xff, 10, 0, 0, 7]),
+                gid(3, GidType::RoceV2, [0xff, 0xff, 10, 0, 0, 7]),
+            ],
+        };
+        let g = choose_gid(&port, None).unwrap();
+        assert_eq!((g.index, g.ipv4()), (3, Some(Ipv4Addr::new(10, 0, 0, 7))));
+        assert_eq!(choose_gid(&port, Some(1)).unwrap().index, 1);
+        assert!(choose_gid(&port, Some(9)).is_err());
+        let ib = Port {
+            link_layer: LinkLayer::Infiniband,
+            ..port.clone()
+        };
+        assert_eq!(choose_gid(&ib, None).unwrap().index, 0);
+        let empty = Port {
+            gids: vec![],
+            ..port
+        };
+        assert!(matches!(
+            choose_gid(&empty, None),
+            Err(Error::TransportUnavailable { .. })
+        ));
+    }
+}
