@@ -8,5 +8,6 @@
 pub mod cq;
 pub mod emulator;
 pub mod gpu_qp;
+pub mod select;
 pub mod verbs;
 pub mod wqe;
