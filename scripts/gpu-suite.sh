@@ -2,7 +2,7 @@
 # The whole GPU suite in two halves, because GPU machines have no Rust toolchain.
 #
 #   scripts/gpu-suite.sh build        on a machine with cargo (no GPU needed): builds the release
-#                                     test binaries and examples into .gpu-bundle/
+#                                     test binaries, examples and doorbell-info into .gpu-bundle/
 #   scripts/gpu-suite.sh run [DIR]    on the GPU machine, from the repository root: runs every
 #                                     GPU test (--ignored) and the benchmarks from .gpu-bundle/,
 #                                     writing logs to DIR (default $OUT, else ./gpu-logs)
@@ -38,6 +38,7 @@ for line in sys.stdin:
     shutil.copy2(m["executable"], os.path.join(dst, name))
     print("test binary", name)
 ' "$bundle/tests"
+  cp target/release/doorbell-info "$bundle/examples/"
   for ex in target/release/examples/*; do
     [ -f "$ex" ] && [ -x "$ex" ] && case "$ex" in *-*) ;; *) cp "$ex" "$bundle/examples/" ;; esac
   done
@@ -56,6 +57,7 @@ run() {
     nvidia-smi --query-gpu=index,name,driver_version,memory.total --format=csv,noheader 2>&1
     nvidia-smi topo -m 2>&1 | head -12
   } > "$logs/machine.txt"
+  [ -x "$bundle/examples/doorbell-info" ] && "$bundle/examples/doorbell-info" > "$logs/doorbell-info.txt" 2>&1
   if [ "${MPS:-0}" = 1 ]; then
     nvidia-cuda-mps-control -d && echo "MPS daemon started" | tee -a "$summary"
   fi

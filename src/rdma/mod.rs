@@ -1,9 +1,11 @@
-//! InfiniBand/RoCE (issue 6, in progress): the mlx5 send-queue work-request encoding ([`wqe`]),
-//! checked byte for byte against rdma-core's `mlx5dv.h` helpers and struct layouts in
-//! `tests/wqe_golden.rs`; completion queue entries ([`cq`]); and an emulated mlx5 NIC
+//! InfiniBand/RoCE (issue 6, in progress; `docs/rdma.md` says what ran where). mlx5 send-queue
+//! work requests ([`wqe`], checked byte for byte against rdma-core's `mlx5dv.h` helpers in
+//! `tests/wqe_golden.rs`) and completion queue entries ([`cq`]); an emulated mlx5 NIC
 //! ([`emulator`]) that executes WQEs from a send queue between registered memory regions and
-//! writes real CQEs, so the posting code can be tested where no NIC exists. No verbs device
-//! access and no GPU posting yet; nothing here has run on a NIC.
+//! writes real CQEs, so the posting code is tested where no NIC exists; queue pairs kernels post
+//! to ([`gpu_qp`], device side in `cuda/include/doorbell/ibgda.cuh`), served by that emulator;
+//! libibverbs loaded at run time for device discovery ([`verbs`]); and the choice of posting mode
+//! with its reason ([`select`]). Nothing here has run on a NIC.
 
 pub mod cq;
 pub mod emulator;
