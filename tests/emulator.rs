@@ -578,3 +578,73 @@ fn relaxed_writes_need_a_read_to_be_seen_before_the_signal() {
         std::thread::sleep(Duration::from_millis(1));
     }
 }
+
+#[test]
+fn another_ranks_region_is_named_by_its_own_address_and_key() {
+    // Rank 1's NIC knows rank 0's buffer (key and address as rank 0 registered them) mapped at a
+    // different address here, as a CUDA IPC mapping would be.
+    let (peer_view, src, res) = (Buf::new(256), Buf::new(256), Buf::new(64));
+    let owner = nic(Delivery::Strict);
+    let theirs = 0x7f00_dead_0000u64;
+    let key = owner.register(theirs, 256, false).unwrap();
+    // SAFETY: as in nic().
+    let mine =
+        EmulatedNic::start_for_rank(Box::new(unsafe { HostDma::new() }), Delivery::Strict, 1)
+            .unwrap();
+    mine.register_remote(key, theirs, 256, false, peer_view.addr())
+        .unwrap();
+    assert!(
+        mine.register_remote(key, theirs, 256, false, peer_view.addr())
+            .is_err(),
+        "a key twice"
+    );
+    let ks = mine.register(src.addr(), src.len(), false).unwrap();
+    let kr = mine.register(res.addr(), res.len(), true).unwrap();
+    assert_ne!(ks & 0xfff0_0000, key & 0xfff0_0000, "keys carry their rank");
+    src.write(0, &[9u8; 32]);
+    let mut qp = Qp::new(&mine, 0x31, 16, 8, None);
+    qp.post(
+        &Op::Write {
+            raddr: theirs + 64,
+            rkey: key,
+            laddr: src.addr(),
+            lkey: ks,
+            len: 32,
+        },
+        true,
+    );
+    qp.post(
+        &Op::FetchAdd {
+            raddr: theirs + 128,
+            rkey: key,
+            add: 5,
+            result: res.addr(),
+            lkey: kr,
+        },
+        true,
+    );
+    qp.post(
+        &Op::Write {
+            raddr: theirs + 250,
+            rkey: key,
+            laddr: src.addr(),
+            lkey: ks,
+            len: 32,
+        },
+        true,
+    );
+    qp.ring();
+    assert_eq!(qp.poll().opcode, cq::opcode::REQ);
+    assert_eq!(qp.poll().opcode, cq::opcode::REQ);
+    let e = qp.poll();
+    assert_eq!(
+        (e.opcode, e.syndrome),
+        (cq::opcode::REQ_ERR, cq::syndrome::REMOTE_ACCESS),
+        "past the region's end"
+    );
+    assert_eq!(peer_view.read(64, 32), vec![9u8; 32]);
+    assert_eq!(peer_view.u64_at(128), 5);
+    drop(qp);
+    drop(mine);
+    drop(owner);
+}

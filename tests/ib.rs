@@ -2,9 +2,17 @@
 //! device API (`doorbell/ibgda.cuh`) equal, byte for byte, those `rdma::wqe` builds on the CPU
 //! (which `tests/wqe_golden.rs` checks against rdma-core's `mlx5dv.h`): every opcode, inline
 //! payloads of every length class, fence and completion flags, and indices placed so WQEs
-//! straddle the ring's end and the 16-bit counter's wrap.
+//! straddle the ring's end and the 16-bit counter's wrap. GPU threads posting through the emulated
+//! NIC in one process (both posting modes, and the posting rate), and between ranks: each rank's
+//! kernel writes into its right neighbour's GPU memory and signals it with a fetch-add, the
+//! emulated NIC of each rank reaching the neighbour's memory by the address and key that rank
+//! registered (as a NIC would), in strict and in relaxed delivery (where the writers must READ
+//! before signalling).
+
+mod common;
 
 use bytemuck::{Pod, Zeroable};
+use common::{count_wrong, fill, rank_counts, run_case, spawned_case};
 use cudarc::driver::{DevicePtr, LaunchConfig, PushKernelArg};
 use doorbell::host::cuda::Gpu;
 use doorbell::rdma::wqe::{opcode, Op, SendQueue, CQ_UPDATE, FENCE, MAX_INLINE, SOLICITED, WQEBB};
@@ -446,4 +454,191 @@ fn gpu_posting_rate_through_the_emulated_nic() {
             );
         }
     }
+}
+
+/// The rank side of the multi-rank cases (does nothing unless spawned by `run_case`).
+#[test]
+#[ignore = "needs GPU"]
+fn gpu_rank() {
+    let Some(case) = spawned_case() else {
+        return;
+    };
+    let comm = doorbell::host::communicator::Communicator::from_env().expect("communicator");
+    let s = comm.gpu().new_stream().expect("stream");
+    match case.as_str() {
+        "ring" => ring(&comm, &s, false),
+        "ring_relaxed" => ring(&comm, &s, true),
+        other => panic!("unknown case {other}"),
+    }
+    comm.bootstrap().barrier().expect("final barrier");
+}
+
+#[test]
+#[ignore = "needs GPU"]
+fn gpu_initiated_rdma_between_ranks_over_the_emulated_nic() {
+    for n in rank_counts() {
+        run_case("ring", n, &[]);
+        run_case("ring_relaxed", n, &[]);
+    }
+}
+
+fn ring(
+    comm: &doorbell::host::communicator::Communicator,
+    s: &std::sync::Arc<cudarc::driver::CudaStream>,
+    relaxed: bool,
+) {
+    use doorbell::rdma::emulator::{Delivery, EmulatedNic};
+    use doorbell::rdma::gpu_qp::{CudaDma, GpuQp, Posting};
+    use std::sync::Arc;
+    let (me, n) = (comm.rank(), comm.world_size());
+    let (right, left) = ((me + 1) % n, (me + n - 1) % n);
+    let (threads, per_thread, chunk) = (128u32, 4u32, 512u32);
+    let bytes = (threads * per_thread * chunk) as usize;
+    let gpu = comm.gpu();
+    let src = s.alloc_zeros::<u8>(bytes).unwrap();
+    let scratch = s.alloc_zeros::<u8>(16 * threads as usize).unwrap();
+    let dst = comm.alloc(bytes).unwrap();
+    let signal = comm.alloc(4096).unwrap();
+    let p = |b: &cudarc::driver::CudaSlice<u8>| b.device_ptr(s).0;
+    let delivery = if relaxed {
+        Delivery::Relaxed {
+            max_delay: 64,
+            seed: me as u64 + 1,
+        }
+    } else {
+        Delivery::Strict
+    };
+    let nic =
+        Arc::new(EmulatedNic::start_for_rank(Box::new(CudaDma::new(gpu)), delivery, me).unwrap());
+    let ks = nic.register(p(&src), bytes as u64, false).unwrap();
+    let kx = nic
+        .register(p(&scratch), 16 * u64::from(threads), true)
+        .unwrap();
+    // What the left neighbour's NIC needs to reach my memory: my keys and my addresses.
+    let kd = nic.register(dst.device_ptr(), bytes as u64, false).unwrap();
+    let kg = nic.register(signal.device_ptr(), 8, true).unwrap();
+    let mine: Vec<u8> = [
+        u64::from(kd),
+        u64::from(kg),
+        dst.device_ptr(),
+        signal.device_ptr(),
+    ]
+    .iter()
+    .flat_map(|v| v.to_le_bytes())
+    .collect();
+    let all = comm.bootstrap().all_gather(&mine).unwrap();
+    let word =
+        |r: usize, i: usize| u64::from_le_bytes(all[r][8 * i..8 * i + 8].try_into().unwrap());
+    let (kd_r, kg_r, dst_r, sig_r) = (
+        word(right, 0) as u32,
+        word(right, 1) as u32,
+        word(right, 2),
+        word(right, 3),
+    );
+    // The neighbour's memory mapped here (CUDA IPC), where this NIC writes it.
+    let remote_dst = comm.exchange(&comm.register(&dst).unwrap()).unwrap();
+    let remote_sig = comm.exchange(&comm.register(&signal).unwrap()).unwrap();
+    if right != me {
+        let (rd, rg) = (
+            remote_dst[right].as_ref().unwrap(),
+            remote_sig[right].as_ref().unwrap(),
+        );
+        nic.register_remote(kd_r, dst_r, bytes as u64, false, rd.device_ptr())
+            .unwrap();
+        nic.register_remote(kg_r, sig_r, 8, true, rg.device_ptr())
+            .unwrap();
+    }
+    let posting = if me % 2 == 0 {
+        Posting::Ibgda
+    } else {
+        Posting::CpuAssisted
+    };
+    let qp = GpuQp::new(
+        gpu,
+        &nic,
+        (me as u32) << 8 | 1,
+        8,
+        posting,
+        comm.diagnostics().site(right as i32, 0),
+    )
+    .unwrap();
+    let h = qp.handle();
+    let put = gpu.function("ib", "ib_test_ring").unwrap();
+    let wait = gpu.function("ib", "ib_test_wait").unwrap();
+    for round in 1..=3u32 {
+        fill(
+            comm,
+            s,
+            p(&src),
+            0,
+            bytes as u64,
+            me as u32,
+            right as u32,
+            round,
+        );
+        comm.synchronize(s).unwrap();
+        comm.bootstrap().barrier().unwrap();
+        let (ps, px) = (p(&src), p(&scratch));
+        let flush = u32::from(relaxed);
+        let mut b = s.launch_builder(&put);
+        b.arg(&h)
+            .arg(&ps)
+            .arg(&ks)
+            .arg(&dst_r)
+            .arg(&kd_r)
+            .arg(&chunk)
+            .arg(&per_thread)
+            .arg(&sig_r)
+            .arg(&kg_r)
+            .arg(&px)
+            .arg(&kx)
+            .arg(&flush);
+        // SAFETY: matches ib_test_ring; addresses lie in regions registered with the NIC.
+        unsafe {
+            b.launch(LaunchConfig {
+                grid_dim: (1, 1, 1),
+                block_dim: (threads, 1, 1),
+                shared_mem_bytes: 0,
+            })
+        }
+        .unwrap();
+        let (sg, expected, site) = (
+            signal.device_ptr(),
+            u64::from(round * threads),
+            comm.diagnostics().site(left as i32, 0),
+        );
+        let mut b = s.launch_builder(&wait);
+        b.arg(&sg).arg(&expected).arg(&site);
+        // SAFETY: matches ib_test_wait.
+        unsafe {
+            b.launch(LaunchConfig {
+                grid_dim: (1, 1, 1),
+                block_dim: (32, 1, 1),
+                shared_mem_bytes: 0,
+            })
+        }
+        .unwrap();
+        comm.synchronize(s).unwrap();
+        let wrong = count_wrong(
+            comm,
+            s,
+            dst.device_ptr(),
+            0,
+            bytes as u64,
+            left as u32,
+            me as u32,
+            round,
+        );
+        assert_eq!(
+            wrong, 0,
+            "rank {me}, round {round} ({posting:?}, relaxed {relaxed}): bytes from rank {left}"
+        );
+        comm.bootstrap().barrier().unwrap();
+    }
+    assert!(nic.faults().is_empty(), "rank {me}: {:?}", nic.faults());
+    assert_eq!(
+        nic.executed(h.qpn),
+        3 * u64::from(threads) * (u64::from(per_thread) + 1 + u64::from(relaxed))
+    );
+    drop(qp);
 }

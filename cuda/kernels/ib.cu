@@ -90,3 +90,29 @@ extern "C" __global__ void ib_test_rate_warp(IbQpHandle qp, uint64_t src, uint32
   }
   qp.quiet();
 }
+
+// One rank's side of the ring test: every thread writes its chunks into the right neighbour's
+// dst (addresses and keys as that rank registered them), optionally READs 8 bytes back (the
+// flush a relaxed-ordering platform needs before a signal), then adds 1 to the neighbour's
+// signal word and waits for its completions.
+extern "C" __global__ void ib_test_ring(IbQpHandle qp, uint64_t src, uint32_t src_key, uint64_t dst, uint32_t dst_key,
+                                        uint32_t chunk, uint32_t per_thread, uint64_t signal, uint32_t signal_key,
+                                        uint64_t scratch, uint32_t scratch_key, uint32_t flush) {
+  const uint64_t tid = blockIdx.x * blockDim.x + threadIdx.x;
+  for (uint32_t j = 0; j < per_thread; ++j) {
+    const uint64_t off = (tid * per_thread + j) * chunk;
+    qp.put(dst + off, dst_key, src + off, src_key, chunk);
+  }
+  if (flush) qp.get(dst, dst_key, scratch + tid * 16, scratch_key, 8);
+  qp.atomic_add(signal, signal_key, 1, scratch + tid * 16 + 8, scratch_key);
+  qp.quiet();
+}
+
+// Waits (bounded) until the local signal word reaches `expected`.
+extern "C" __global__ void ib_test_wait(const uint64_t* signal, uint64_t expected, WaitSite site) {
+  if (threadIdx.x != 0 || blockIdx.x != 0) return;
+  spin_until(site, kWaitSemaphore, expected, [&](uint64_t& seen) {
+    seen = load_acquire_sys(signal);
+    return seen >= expected;
+  });
+}

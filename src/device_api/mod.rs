@@ -461,6 +461,8 @@ unsafe impl cudarc::driver::DeviceRepr for MoeLlArgs {}
 unsafe impl cudarc::driver::DeviceRepr for PortChannelHandle {}
 // SAFETY: as above.
 unsafe impl cudarc::driver::DeviceRepr for IbQpHandle {}
+// SAFETY: as above.
+unsafe impl cudarc::driver::DeviceRepr for WaitSite {}
 
 #[cfg(test)]
 mod layout {

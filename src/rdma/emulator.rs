@@ -101,12 +101,23 @@ pub enum Delivery {
 pub struct Region {
     /// Its key (lkey and rkey alike).
     pub key: u32,
-    /// First byte, as this process addresses it.
+    /// First byte, as work requests name it: the owner's own address (for another rank's
+    /// region, that rank's pointer, as a real NIC would be given).
     pub addr: u64,
     /// Bytes.
     pub len: u64,
     /// Strictly ordered (signal words) rather than relaxed (data).
     pub strict: bool,
+    /// First byte as this process reaches it (equal to `addr` for its own memory; where a peer's
+    /// memory is mapped into this process otherwise).
+    pub local: u64,
+}
+
+impl Region {
+    /// Where this process reaches address `addr` of the region.
+    fn at(&self, addr: u64) -> u64 {
+        self.local + (addr - self.addr)
+    }
 }
 
 /// The memory of one queue pair the poster and the NIC share (host memory here; a ConnectX
@@ -176,6 +187,7 @@ struct Qp {
 }
 
 struct Shared {
+    key_prefix: u32,
     stop: AtomicBool,
     regions: Mutex<Vec<Region>>,
     qps: Mutex<Vec<Qp>>,
@@ -197,7 +209,24 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 impl EmulatedNic {
     /// Starts the NIC's thread.
     pub fn start(dma: Box<dyn Dma>, delivery: Delivery) -> Result<EmulatedNic> {
+        Self::start_for_rank(dma, delivery, 0)
+    }
+
+    /// Starts the NIC of rank `rank`: its keys carry the rank, so they never collide with the
+    /// keys of other ranks' NICs registered here through [`EmulatedNic::register_remote`].
+    pub fn start_for_rank(
+        dma: Box<dyn Dma>,
+        delivery: Delivery,
+        rank: usize,
+    ) -> Result<EmulatedNic> {
+        if rank >= 2047 {
+            return Err(Error::invalid(
+                "emulated NIC",
+                format!("rank {rank}: at most 2047 ranks"),
+            ));
+        }
         let shared = Arc::new(Shared {
+            key_prefix: (rank as u32 + 1) << 20,
             stop: AtomicBool::new(false),
             regions: Mutex::new(Vec::new()),
             qps: Mutex::new(Vec::new()),
@@ -225,14 +254,58 @@ impl EmulatedNic {
             ));
         }
         let mut regions = lock(&self.shared.regions);
-        let key = 0x100 + regions.len() as u32 * 0x100 + 0x5a;
+        let n = regions
+            .iter()
+            .filter(|r| r.key & 0xfff0_0000 == self.shared.key_prefix)
+            .count() as u32;
+        if n >= 0xfff {
+            return Err(Error::invalid(
+                "memory region",
+                "at most 4095 regions per emulated NIC",
+            ));
+        }
+        let key = self.shared.key_prefix | (n + 1) << 8 | 0x5a;
         regions.push(Region {
             key,
             addr,
             len,
             strict,
+            local: addr,
         });
         Ok(key)
+    }
+
+    /// Makes another rank's region, registered there with `key` at its address `addr`, reachable
+    /// by this NIC's work requests, at `local` in this process (its CUDA IPC mapping).
+    pub fn register_remote(
+        &self,
+        key: u32,
+        addr: u64,
+        len: u64,
+        strict: bool,
+        local: u64,
+    ) -> Result<()> {
+        let mut regions = lock(&self.shared.regions);
+        if key & 0xfff0_0000 == self.shared.key_prefix || regions.iter().any(|r| r.key == key) {
+            return Err(Error::invalid(
+                "memory region",
+                format!("key {key:#x} is already this NIC's or registered"),
+            ));
+        }
+        if len == 0 || addr.checked_add(len).is_none() || local.checked_add(len).is_none() {
+            return Err(Error::invalid(
+                "memory region",
+                format!("{len} bytes at {addr:#x}"),
+            ));
+        }
+        regions.push(Region {
+            key,
+            addr,
+            len,
+            strict,
+            local,
+        });
+        Ok(())
     }
 
     /// Serves a queue pair from now on.
@@ -524,6 +597,12 @@ fn perform(
         }
     };
     let io = |r: Result<()>| r.map_err(|_| LOCAL_PROTECTION);
+    // Where this process reaches `[addr, addr + len)` of the region of `key`, or `syndrome`.
+    let reach = |key: u32, addr: u64, len: u64, syndrome: u8| {
+        check(regions, key, addr, len)
+            .map(|r| (r.at(addr), r.strict))
+            .ok_or(syndrome)
+    };
     match op {
         opcode::NOP => Ok(Some(0)),
         opcode::RDMA_WRITE | opcode::RDMA_WRITE_IMM | opcode::RDMA_READ => {
@@ -544,21 +623,20 @@ fn perform(
             } else {
                 let (lkey, laddr) = (be32_at(w, 36), be64_at(w, 40));
                 len = u64::from(bc);
-                check(regions, lkey, laddr, len).ok_or(LOCAL_PROTECTION)?;
-                check(regions, rkey, raddr, len).ok_or(REMOTE_ACCESS)?;
+                let (local, _) = reach(lkey, laddr, len, LOCAL_PROTECTION)?;
+                let (remote, _) = reach(rkey, raddr, len, REMOTE_ACCESS)?;
+                let mut buf = vec![0u8; len as usize];
                 if op == opcode::RDMA_READ {
                     // A READ follows the QP's earlier writes: deliver them first (the flush).
                     deliver(s, qp, u64::MAX);
-                    let mut buf = vec![0u8; len as usize];
-                    io(s.dma.read(raddr, &mut buf))?;
-                    io(s.dma.write(laddr, &buf))?;
+                    io(s.dma.read(remote, &mut buf))?;
+                    io(s.dma.write(local, &buf))?;
                     return Ok(Some(len as u32));
                 }
-                let mut buf = vec![0u8; len as usize];
-                io(s.dma.read(laddr, &mut buf))?;
+                io(s.dma.read(local, &mut buf))?;
                 data = buf;
             }
-            let remote = check(regions, rkey, raddr, len).ok_or(REMOTE_ACCESS)?;
+            let (remote, strict) = reach(rkey, raddr, len, REMOTE_ACCESS)?;
             if op == opcode::RDMA_WRITE_IMM {
                 let Some(resp) = &qp.responder else {
                     return Err(REMOTE_INVALID_REQUEST);
@@ -574,15 +652,15 @@ fn perform(
                 qp.stalled = false;
             }
             match s.delivery {
-                Delivery::Relaxed { max_delay, .. } if !remote.strict => {
+                Delivery::Relaxed { max_delay, .. } if !strict => {
                     let delay = next_rand(&mut qp.rng) % (u64::from(max_delay) + 1);
                     qp.pending.push(Pending {
                         due: qp.ops + 1 + delay,
-                        dst: raddr,
+                        dst: remote,
                         data,
                     });
                 }
-                _ => io(s.dma.write(raddr, &data))?,
+                _ => io(s.dma.write(remote, &data))?,
             }
             if op == opcode::RDMA_WRITE_IMM {
                 let imm = u32::from_ne_bytes([w[12], w[13], w[14], w[15]]);
@@ -598,13 +676,13 @@ fn perform(
             if be32_at(w, 48) != 8 {
                 return Err(LOCAL_LENGTH);
             }
-            check(regions, lkey, laddr, 8).ok_or(LOCAL_PROTECTION)?;
+            let (local, _) = reach(lkey, laddr, 8, LOCAL_PROTECTION)?;
             if raddr % 8 != 0 {
                 return Err(REMOTE_INVALID_REQUEST);
             }
-            check(regions, rkey, raddr, 8).ok_or(REMOTE_ACCESS)?;
+            let (remote, _) = reach(rkey, raddr, 8, REMOTE_ACCESS)?;
             let mut old = [0u8; 8];
-            io(s.dma.read(raddr, &mut old))?;
+            io(s.dma.read(remote, &mut old))?;
             let old_v = u64::from_ne_bytes(old);
             let new_v = if op == opcode::ATOMIC_FA {
                 Some(old_v.wrapping_add(swap_add))
@@ -614,9 +692,9 @@ fn perform(
                 None
             };
             if let Some(v) = new_v {
-                io(s.dma.write(raddr, &v.to_ne_bytes()))?;
+                io(s.dma.write(remote, &v.to_ne_bytes()))?;
             }
-            io(s.dma.write(laddr, &old))?;
+            io(s.dma.write(local, &old))?;
             Ok(Some(8))
         }
         _ => Err(LOCAL_QP_OP),

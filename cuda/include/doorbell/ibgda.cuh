@@ -298,6 +298,17 @@ struct IbQpHandle {
     return at;
   }
 
+  // RDMA READ of `len` bytes from remote `raddr` into local `laddr`, with a CQE; returns its
+  // index. A READ also flushes: the NIC delivers the QP's earlier writes before it (NCCL's GPU
+  // flush), so a signal posted after it cannot overtake them.
+  DOORBELL_DEVICE_INLINE uint64_t get(uint64_t raddr, uint32_t rkey, uint64_t laddr, uint32_t lkey, uint32_t len) const {
+    const uint64_t at = reserve(1);
+    ib::rdma_wqe(sq, sq_log2, at, qpn, ib::kOpRead, ib::kCqUpdate, raddr, rkey, laddr, lkey, len);
+    signaled(at, 1);
+    submit(at, 1);
+    return at;
+  }
+
   // Atomic fetch-add of `add` to the 8 bytes at remote `raddr`; the old value lands at `result`.
   DOORBELL_DEVICE_INLINE uint64_t atomic_add(uint64_t raddr, uint32_t rkey, uint64_t add, uint64_t result,
                                              uint32_t lkey) const {
