@@ -468,6 +468,7 @@ fn gpu_rank() {
     match case.as_str() {
         "ring" => ring(&comm, &s, false),
         "ring_relaxed" => ring(&comm, &s, true),
+        "error_cqe" => error_cqe(&comm, &s),
         other => panic!("unknown case {other}"),
     }
     comm.bootstrap().barrier().expect("final barrier");
@@ -641,4 +642,86 @@ fn ring(
         3 * u64::from(threads) * (u64::from(per_thread) + 1 + u64::from(relaxed))
     );
     drop(qp);
+}
+
+/// A write with a key the NIC does not know: the NIC answers with an error CQE, the GPU poller
+/// reports it like a failed wait (rank, the WQE's index, the mlx5 syndrome) and the host call
+/// returns `Error::Timeout` with `WaitKind::IbError` instead of hanging.
+#[test]
+#[ignore = "needs GPU"]
+fn an_error_completion_is_reported_not_hung() {
+    run_case("error_cqe", 2, &[]);
+}
+
+fn error_cqe(
+    comm: &doorbell::host::communicator::Communicator,
+    s: &std::sync::Arc<cudarc::driver::CudaStream>,
+) {
+    use doorbell::rdma::emulator::{Delivery, EmulatedNic};
+    use doorbell::rdma::gpu_qp::{CudaDma, GpuQp, Posting};
+    use doorbell::{Error, WaitKind};
+    use std::sync::Arc;
+    if comm.rank() != 0 {
+        return;
+    }
+    let gpu = comm.gpu();
+    let (src, dst, res) = (
+        s.alloc_zeros::<u8>(4096).unwrap(),
+        s.alloc_zeros::<u8>(4096).unwrap(),
+        s.alloc_zeros::<u8>(4096).unwrap(),
+    );
+    let p = |b: &cudarc::driver::CudaSlice<u8>| b.device_ptr(s).0;
+    let nic = Arc::new(EmulatedNic::start(Box::new(CudaDma::new(gpu)), Delivery::Strict).unwrap());
+    let ks = nic.register(p(&src), 4096, false).unwrap();
+    let kd = nic.register(p(&dst), 4096, false).unwrap();
+    let kr = nic.register(p(&res), 4096, true).unwrap();
+    let qp = GpuQp::new(
+        gpu,
+        &nic,
+        0x77,
+        7,
+        Posting::Ibgda,
+        comm.diagnostics().site(-1, 0),
+    )
+    .unwrap();
+    let h = qp.handle();
+    let f = gpu.function("ib", "ib_test_puts").unwrap();
+    let (ps, pd, pr, bad, chunk, per) = (p(&src), p(&dst), p(&res), kd ^ 0x4000, 64u32, 1u32);
+    let mut b = s.launch_builder(&f);
+    b.arg(&h)
+        .arg(&ps)
+        .arg(&ks)
+        .arg(&pd)
+        .arg(&bad)
+        .arg(&chunk)
+        .arg(&per)
+        .arg(&pr)
+        .arg(&kr)
+        .arg(&pr)
+        .arg(&kr);
+    // SAFETY: matches ib_test_puts; the bad key is the point (the NIC refuses it).
+    unsafe {
+        b.launch(LaunchConfig {
+            grid_dim: (1, 1, 1),
+            block_dim: (32, 1, 1),
+            shared_mem_bytes: 0,
+        })
+    }
+    .unwrap();
+    let err = comm
+        .synchronize(s)
+        .expect_err("an error CQE must fail the kernel");
+    eprintln!("reported: {err}");
+    match err {
+        Error::Timeout {
+            rank, what, seen, ..
+        } => {
+            assert_eq!(rank, 0);
+            assert_eq!(what, WaitKind::IbError);
+            assert_eq!(seen, u64::from(doorbell::rdma::cq::syndrome::REMOTE_ACCESS));
+        }
+        other => panic!("expected Timeout with IbError, got {other:?}"),
+    }
+    // The context is gone after the trap: drop without further CUDA work.
+    std::mem::forget(qp);
 }
