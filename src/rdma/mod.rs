@@ -10,6 +10,7 @@
 pub mod cq;
 pub mod emulator;
 pub mod gpu_qp;
+pub mod host_qp;
 pub mod select;
 pub mod verbs;
 pub mod wqe;

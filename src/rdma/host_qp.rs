@@ -1,0 +1,286 @@
+//! A queue pair the CPU posts to, on the emulated NIC: the poster side of the verbs-proxy mode
+//! (a proxy thread turns PortChannel triggers into work requests). WQEs are built by
+//! [`super::wqe`], the doorbell record and doorbell written as rdma-core's `post_send` writes
+//! them, completions consumed with mlx5's ownership rule. One thread uses it at a time.
+
+use super::cq::{self, Cqe, CQE_BYTES, EMPTY_OP_OWN};
+use super::emulator::{EmulatedNic, QpRings};
+use super::wqe::{doorbell_record, wqebbs, Op, CQ_UPDATE, WQEBB};
+use crate::error::{Error, Result};
+use std::sync::atomic::{fence, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// Host memory the NIC thread reads and writes while this side does too (accessed volatile).
+struct Shared(Box<[u64]>);
+
+impl Shared {
+    fn new(bytes: usize) -> Shared {
+        Shared(vec![0u64; bytes.div_ceil(8).max(1)].into_boxed_slice())
+    }
+    fn ptr(&self) -> *mut u8 {
+        self.0.as_ptr() as *mut u8
+    }
+}
+
+/// A CPU-posted queue pair served by an [`EmulatedNic`]; removed from it when dropped.
+pub struct HostQp {
+    nic: Arc<EmulatedNic>,
+    qpn: u32,
+    depth: u64,
+    sq: Shared,
+    dbr: Shared,
+    doorbell: Shared,
+    cq: Shared,
+    cq_ci: Shared,
+    /// WQEBBs posted.
+    pi: u64,
+    /// WQEBBs rung.
+    rung: u64,
+    /// CQEs consumed.
+    polled: u64,
+    /// WQEBBs known complete.
+    completed: u64,
+    /// WQEBBs of the signaled WQE starting at each slot.
+    sizes: Vec<u8>,
+}
+
+// SAFETY: the shared buffers are owned here and only accessed through volatile operations by
+// this side and the NIC thread.
+unsafe impl Send for HostQp {}
+
+impl HostQp {
+    /// A QP numbered `qpn` (unique on `nic`) with `2^sq_log2` WQEBBs (7..=15) and a CQ as deep.
+    pub fn new(nic: &Arc<EmulatedNic>, qpn: u32, sq_log2: u32) -> Result<HostQp> {
+        if !(7..=15).contains(&sq_log2) {
+            return Err(Error::invalid(
+                "send queue",
+                format!("2^{sq_log2} WQEBBs: between 2^7 and 2^15"),
+            ));
+        }
+        let depth = 1u64 << sq_log2;
+        let qp = HostQp {
+            nic: nic.clone(),
+            qpn,
+            depth,
+            sq: Shared::new(depth as usize * WQEBB),
+            dbr: Shared::new(8),
+            doorbell: Shared::new(8),
+            cq: Shared::new(depth as usize * CQE_BYTES),
+            cq_ci: Shared::new(8),
+            pi: 0,
+            rung: 0,
+            polled: 0,
+            completed: 0,
+            sizes: vec![0; depth as usize],
+        };
+        for i in 0..depth as usize {
+            // SAFETY: inside the CQ, before the NIC knows it.
+            unsafe {
+                qp.cq
+                    .ptr()
+                    .add(i * CQE_BYTES + 63)
+                    .write_volatile(EMPTY_OP_OWN)
+            };
+        }
+        let rings = QpRings {
+            sq: qp.sq.ptr(),
+            sq_wqebbs: depth,
+            dbr: qp.dbr.ptr() as *const u32,
+            doorbell: qp.doorbell.ptr() as *const u64,
+            cq: qp.cq.ptr(),
+            cq_entries: depth,
+            cq_ci: qp.cq_ci.ptr() as *const u32,
+        };
+        // SAFETY: the buffers live in the returned value, whose Drop removes the QP first.
+        unsafe { nic.add_qp(qpn, rings, None) }?;
+        Ok(qp)
+    }
+
+    /// Its QP number.
+    pub fn qpn(&self) -> u32 {
+        self.qpn
+    }
+
+    /// WQEBBs posted so far (the index the next WQE starts at).
+    pub fn posted(&self) -> u64 {
+        self.pi
+    }
+
+    /// WQEBBs known complete.
+    pub fn completed(&self) -> u64 {
+        self.completed
+    }
+
+    /// Writes `op` (not yet rung), waiting up to `timeout` for room; returns its index. A
+    /// signaled WQE completes every WQE before it when its CQE arrives.
+    pub fn post(&mut self, op: &Op, signaled: bool, timeout: Duration) -> Result<u64> {
+        let w = op.encode(
+            self.pi as u16,
+            self.qpn,
+            if signaled { CQ_UPDATE } else { 0 },
+        )?;
+        let n = wqebbs(w.len());
+        if self.pi + n > self.completed + self.depth {
+            // Room comes from completions: everything posted must be rung to complete.
+            self.ring();
+            let start = Instant::now();
+            while self.pi + n > self.completed + self.depth {
+                self.poll()?;
+                if start.elapsed() > timeout {
+                    return Err(Error::invalid(
+                        "queue pair",
+                        format!(
+                            "QP {:#x}: no room in {timeout:?} (the NIC completes nothing)",
+                            self.qpn
+                        ),
+                    ));
+                }
+                std::thread::yield_now();
+            }
+        }
+        let at = self.pi;
+        for (i, block) in w.chunks(WQEBB).enumerate() {
+            let slot = ((at + i as u64) & (self.depth - 1)) as usize * WQEBB;
+            // SAFETY: the slot lies in the send queue; the NIC reads it only after the doorbell.
+            unsafe { std::ptr::copy(block.as_ptr(), self.sq.ptr().add(slot), block.len()) };
+        }
+        if signaled {
+            self.sizes[(at & (self.depth - 1)) as usize] = n as u8;
+        }
+        self.pi += n;
+        Ok(at)
+    }
+
+    /// The doorbell record, then the doorbell, for everything posted.
+    pub fn ring(&mut self) {
+        if self.rung == self.pi {
+            return;
+        }
+        fence(Ordering::Release);
+        // SAFETY: aligned words of this QP's record and doorbell.
+        unsafe {
+            std::ptr::write_volatile(self.dbr.ptr() as *mut [u8; 4], doorbell_record(self.pi));
+            fence(Ordering::SeqCst);
+            let mut db = [0u8; 8];
+            db[0..4].copy_from_slice(&(((self.pi & 0xffff) as u32) << 8).to_be_bytes());
+            db[4..8].copy_from_slice(&(self.qpn << 8).to_be_bytes());
+            std::ptr::write_volatile(self.doorbell.ptr() as *mut u64, u64::from_ne_bytes(db));
+        }
+        self.rung = self.pi;
+    }
+
+    /// Consumes the CQEs that arrived; returns the WQEBBs known complete. An error CQE is an
+    /// error naming the WQE and the mlx5 syndrome.
+    pub fn poll(&mut self) -> Result<u64> {
+        loop {
+            let at = (self.polled & (self.depth - 1)) as usize * CQE_BYTES;
+            // SAFETY: an aligned word inside the CQ; the NIC writes it last.
+            let tail = unsafe { std::ptr::read_volatile(self.cq.ptr().add(at + 56) as *const u64) }
+                .to_ne_bytes();
+            if !cq::is_ready(tail[7], self.polled, self.depth) {
+                break;
+            }
+            fence(Ordering::Acquire);
+            let mut b = [0u8; CQE_BYTES];
+            // SAFETY: inside the CQ; complete once op_own says so.
+            unsafe { std::ptr::copy(self.cq.ptr().add(at), b.as_mut_ptr(), 56) };
+            b[56..].copy_from_slice(&tail);
+            let c = Cqe::decode(&b);
+            self.polled += 1;
+            // SAFETY: the CQ's consumer-index record.
+            unsafe {
+                std::ptr::write_volatile(
+                    self.cq_ci.ptr() as *mut u32,
+                    ((self.polled & 0xff_ffff) as u32).to_be(),
+                )
+            };
+            let start =
+                self.completed + u64::from(c.wqe_counter.wrapping_sub(self.completed as u16));
+            if c.is_error() {
+                return Err(Error::TransportUnavailable {
+                    transport: "ib",
+                    why: format!(
+                        "QP {:#x}: work request at index {start} (opcode {:#x}) failed with mlx5 syndrome {:#x}",
+                        self.qpn, c.wqe_opcode, c.syndrome
+                    ),
+                });
+            }
+            self.completed = start + u64::from(self.sizes[(start & (self.depth - 1)) as usize]);
+        }
+        Ok(self.completed)
+    }
+}
+
+impl Drop for HostQp {
+    fn drop(&mut self) {
+        self.nic.remove_qp(self.qpn);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::rdma::emulator::{Delivery, HostDma};
+
+    #[test]
+    fn posts_wraps_and_reports_errors() {
+        let (src, dst) = (Shared::new(4096), Shared::new(4096));
+        // SAFETY: in bounds; before the NIC exists.
+        unsafe { std::ptr::write_bytes(src.ptr(), 7, 4096) };
+        let (sp, dp) = (src.ptr() as u64, dst.ptr() as u64);
+        // SAFETY: both buffers outlive the NIC (declared before it).
+        let nic = Arc::new(
+            EmulatedNic::start(Box::new(unsafe { HostDma::new() }), Delivery::Strict).unwrap(),
+        );
+        let ks = nic.register(sp, 4096, false).unwrap();
+        let kd = nic.register(dp, 4096, false).unwrap();
+        let mut qp = HostQp::new(&nic, 5, 7).unwrap();
+        let t = Duration::from_secs(10);
+        // 1000 unsignaled writes, one signaled every 64: the queue (128 WQEBBs) wraps 7 times.
+        for i in 0..1000u64 {
+            let op = Op::Write {
+                raddr: dp + (i % 64) * 64,
+                rkey: kd,
+                laddr: sp,
+                lkey: ks,
+                len: 64,
+            };
+            qp.post(&op, i % 64 == 63, t).unwrap();
+        }
+        let last = qp.post(&Op::Nop, true, t).unwrap();
+        qp.ring();
+        let start = Instant::now();
+        while qp.poll().unwrap() <= last {
+            assert!(start.elapsed() < t, "no completion");
+        }
+        assert_eq!(qp.completed(), qp.posted());
+        // SAFETY: the NIC has finished writing (its completions are in).
+        assert!(
+            unsafe { std::ptr::read_volatile(dst.ptr() as *const [u8; 4096]) }
+                .iter()
+                .all(|&b| b == 7)
+        );
+        qp.post(
+            &Op::Write {
+                raddr: 1,
+                rkey: kd,
+                laddr: sp,
+                lkey: ks,
+                len: 8,
+            },
+            true,
+            t,
+        )
+        .unwrap();
+        qp.ring();
+        let start = Instant::now();
+        let err = loop {
+            match qp.poll() {
+                Err(e) => break e,
+                Ok(_) => assert!(start.elapsed() < t, "no error completion"),
+            }
+        };
+        assert!(err.to_string().contains("syndrome 0x13"), "{err}");
+    }
+}
