@@ -14,6 +14,7 @@
 //! | `DOORBELL_ALLREDUCE_ALGO` | force an allreduce algorithm: `oneshot-ll8`, `oneshot-ll16`, `twoshot-ll8`, `twoshot-ll16`, `twoshot-sentinel`, `pipelined` | chosen by size and rank count |
 //! | `DOORBELL_PROXY_CPU` | where proxy threads run: `auto` pins each to a core of its GPU's NUMA node (from `/sys/bus/pci/devices/*/local_cpulist`, spread by GPU and proxy), `off` leaves them to the scheduler, a number pins every proxy of the process to that CPU. Pinning did not shorten the FIFO round trip on 4 x H200 (4.71 us pinned, 4.18 us not), hence the default | `off` |
 //! | `DOORBELL_SEPARATE_NODES` | `1`: ranks on one host count as different nodes, so PortChannels take the network transport (Ethernet) instead of CUDA IPC; for testing that path on one machine | `0` |
+//! | `DOORBELL_IB_EMULATE` | `1`: PortChannels between ranks of different nodes take the Ib transport over doorbell's emulated mlx5 NIC (`rdma::emulator`), the proxy posting RDMA work requests; only for ranks that share one physical host (with `DOORBELL_SEPARATE_NODES=1`), to test the RDMA path where there is no NIC | `0` |
 //! | `DOORBELL_IB_POSTING` | who posts RDMA work: `auto` (IBGDA where the GPU may ring the NIC's doorbell, else CPU-assisted for mlx5 NICs, else the verbs proxy), `ibgda`, `cpu` (CPU-assisted), `proxy` | `auto` |
 //! | `DOORBELL_IB_GID_INDEX` | the GID table index RDMA connections use, instead of the automatic choice (InfiniBand: 0; RoCE: the first RoCE v2 GID with an IPv4 address) | automatic |
 //! | `RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `LOCAL_WORLD_SIZE` | this process's place in the job (torchrun's names) | from Slurm or MPI variables when absent |
@@ -81,6 +82,8 @@ pub struct Settings {
     pub proxy_cpu: ProxyCpu,
     /// `DOORBELL_SEPARATE_NODES`.
     pub separate_nodes: bool,
+    /// `DOORBELL_IB_EMULATE`.
+    pub ib_emulate: bool,
     /// `DOORBELL_IB_POSTING`.
     pub ib_posting: IbPosting,
     /// `DOORBELL_IB_GID_INDEX`.
@@ -181,6 +184,7 @@ impl Settings {
                 }
             },
             ib_gid_index: parse::<u32>(env, "DOORBELL_IB_GID_INDEX")?,
+            ib_emulate: flag(env, "DOORBELL_IB_EMULATE")?,
         })
     }
 }
@@ -403,7 +407,10 @@ mod tests {
         assert_eq!(s.allreduce_algo, None);
         assert_eq!(s.proxy_cpu, ProxyCpu::Off);
         assert!(!s.separate_nodes);
-        assert_eq!((s.ib_posting, s.ib_gid_index), (IbPosting::Auto, None));
+        assert_eq!(
+            (s.ib_posting, s.ib_gid_index, s.ib_emulate),
+            (IbPosting::Auto, None, false)
+        );
         assert_eq!(LaunchEnv::from_lookup(&env(&[])).unwrap(), None);
     }
 

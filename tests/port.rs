@@ -1,5 +1,6 @@
-//! PortChannels on GPUs (`#[ignore = "needs GPU"]`; run with `--ignored`), over CUDA IPC and over
-//! the Ethernet transport (ranks of one host acting as separate nodes): every operation between
+//! PortChannels on GPUs (`#[ignore = "needs GPU"]`; run with `--ignored`), over CUDA IPC, over
+//! the Ethernet transport and over RDMA to the emulated mlx5 NIC (ranks of one host acting as
+//! separate nodes): every operation between
 //! 2..4 ranks with rank-derived payloads, transfers and offsets past 4 GiB, a proxy stopped under
 //! a waiting kernel (reported, not hung), and the copy-engine all-gather.
 
@@ -86,6 +87,41 @@ fn stopping_the_proxy_releases_a_waiting_kernel_over_ethernet() {
     );
 }
 
+/// Ranks of one host as separate nodes, PortChannels over RDMA work requests the proxies post to
+/// their emulated mlx5 NICs (the verbs-proxy posting mode).
+const IB: &[(&str, &str)] = &[
+    ("DOORBELL_SEPARATE_NODES", "1"),
+    ("DOORBELL_IB_EMULATE", "1"),
+];
+
+#[test]
+#[ignore = "needs GPU"]
+fn every_port_channel_operation_over_emulated_ib() {
+    for n in rank_counts() {
+        run_case("ops", n, IB);
+    }
+}
+
+#[test]
+#[ignore = "needs GPU"]
+fn transfers_and_offsets_past_4_gib_over_emulated_ib() {
+    run_case("huge", 2, IB);
+}
+
+#[test]
+#[ignore = "needs GPU"]
+fn stopping_the_proxy_releases_a_waiting_kernel_over_emulated_ib() {
+    run_case(
+        "stop",
+        2,
+        &[
+            ("DOORBELL_WAIT_TIMEOUT_MS", "20000"),
+            ("DOORBELL_SEPARATE_NODES", "1"),
+            ("DOORBELL_IB_EMULATE", "1"),
+        ],
+    );
+}
+
 #[test]
 #[ignore = "needs GPU"]
 fn many_pushers_many_laps_deliver_every_signal_once() {
@@ -120,7 +156,9 @@ fn ops(comm: &Communicator, s: &Arc<CudaStream>) {
     let reg = comm.register(&buf).unwrap();
     let mut proxy = comm.proxy_builder(0).unwrap();
     let chans = comm.port_channels(&mut proxy, &reg, &reg).unwrap();
-    let want = if std::env::var("DOORBELL_SEPARATE_NODES").as_deref() == Ok("1") {
+    let want = if std::env::var("DOORBELL_IB_EMULATE").as_deref() == Ok("1") {
+        Transport::Ib
+    } else if std::env::var("DOORBELL_SEPARATE_NODES").as_deref() == Ok("1") {
         Transport::Ethernet
     } else {
         Transport::CudaIpc

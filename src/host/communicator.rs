@@ -181,6 +181,9 @@ pub enum Transport {
     CudaIpc,
     /// The proxies over TCP (another host, or `DOORBELL_SEPARATE_NODES=1`).
     Ethernet,
+    /// RDMA work requests posted by the proxy to this rank's emulated mlx5 NIC
+    /// (`DOORBELL_IB_EMULATE=1`, ranks of one physical host acting as separate nodes).
+    Ib,
 }
 
 impl PortChannel {
@@ -255,6 +258,18 @@ pub struct Communicator {
     diagnostics: WaitDiagnostics,
     next_export: AtomicU64,
     next_channel: AtomicU32,
+    ib: Option<IbFabric>,
+}
+
+/// `DOORBELL_IB_EMULATE=1`: this rank's emulated NIC, its token pool's key there, and how to
+/// reach each peer's token pool (its address and key; mapped here for the NIC).
+struct IbFabric {
+    nic: Arc<crate::rdma::emulator::EmulatedNic>,
+    /// Peers on this physical host but another (logical) node: (their pool's address, its key).
+    peer_pools: Vec<Option<(u64, u32)>>,
+    /// Those pools mapped here (kept alive for the NIC).
+    _mapped: Vec<RemoteMemory>,
+    next_qpn: AtomicU32,
 }
 
 impl Communicator {
@@ -274,6 +289,11 @@ impl Communicator {
         let world = bootstrap.world_size();
         let fd_server = Arc::new(FdServer::start(bootstrap.secret(), rank)?);
 
+        let physical_hosts: Vec<u64> = bootstrap
+            .all_gather(&host_id().to_le_bytes())?
+            .iter()
+            .map(|b| b.as_slice().try_into().map(u64::from_le_bytes).unwrap_or(0))
+            .collect();
         // With DOORBELL_SEPARATE_NODES every rank reports a host of its own.
         let my_host = if settings.separate_nodes {
             host_id() ^ (rank as u64 + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15)
@@ -311,20 +331,75 @@ impl Communicator {
             },
         };
         let mut comm_peers = Vec::with_capacity(world);
+        // Emulated RDMA between ranks of one physical host that act as separate nodes: their
+        // pools are mapped too, for this rank's emulated NIC to reach.
+        let emulate = settings.ib_emulate;
+        let mut ib_mapped: Vec<(usize, RemoteMemory)> = Vec::new();
         let descs = bootstrap.all_gather(&desc.to_bytes())?;
         for (r, bytes) in descs.iter().enumerate() {
-            if r == rank || host_ids[r] != host_ids[rank] {
+            let same_node = r != rank && host_ids[r] == host_ids[rank];
+            let same_machine = r != rank && physical_hosts[r] == physical_hosts[rank];
+            if !(same_node || (emulate && same_machine)) {
                 comm_peers.push(None);
                 continue;
             }
             let d = decode_from(rank, r, bytes)?;
             let fd = fetch_fd(bootstrap.secret(), rank, r, export_id, bootstrap.timeout())?;
-            comm_peers.push(Some(RemoteMemory::import(&gpu, &d, Some(fd))?));
+            let mapped = RemoteMemory::import(&gpu, &d, Some(fd))?;
+            if same_node {
+                comm_peers.push(Some(mapped));
+            } else {
+                comm_peers.push(None);
+                ib_mapped.push((r, mapped));
+            }
         }
         // Everyone has mapped everyone's pool before anyone withdraws it.
         bootstrap.barrier()?;
         fd_server.withdraw(export_id);
 
+        let ib = if emulate {
+            use crate::rdma::emulator::{Delivery, EmulatedNic};
+            let nic = Arc::new(EmulatedNic::start_for_rank(
+                Box::new(crate::rdma::gpu_qp::CudaDma::new(&gpu)),
+                Delivery::Strict,
+                rank,
+            )?);
+            let key = nic.register(pool.device_ptr(), (TOKEN_SLOTS * 8) as u64, true)?;
+            let mine: Vec<u8> = [pool.device_ptr(), u64::from(key)]
+                .iter()
+                .flat_map(|v| v.to_le_bytes())
+                .collect();
+            let all = bootstrap.all_gather(&mine)?;
+            let mut peer_pools = vec![None; world];
+            for (r, m) in &ib_mapped {
+                let w = |i: usize| {
+                    all[*r]
+                        .get(8 * i..8 * i + 8)
+                        .and_then(|b| b.try_into().ok())
+                        .map(u64::from_le_bytes)
+                        .ok_or_else(|| Error::Bootstrap {
+                            me: rank,
+                            rank: Some(*r),
+                            why: "sent a malformed token-pool key".into(),
+                        })
+                };
+                let (addr, key) = (w(0)?, w(1)? as u32);
+                nic.register_remote(key, addr, (TOKEN_SLOTS * 8) as u64, true, m.device_ptr())?;
+                peer_pools[*r] = Some((addr, key));
+            }
+            tracing::info!(
+                "rank {rank}: PortChannels to other nodes take the Ib transport over the emulated NIC \
+                 (DOORBELL_IB_EMULATE=1), posted by the proxy"
+            );
+            Some(IbFabric {
+                nic,
+                peer_pools,
+                _mapped: ib_mapped.into_iter().map(|(_, m)| m).collect(),
+                next_qpn: AtomicU32::new(1),
+            })
+        } else {
+            None
+        };
         let claim = pool.device_ptr() + (TOKEN_SLOTS * 8) as u64;
         let diagnostics = WaitDiagnostics::new(&gpu, claim, settings.wait_timeout, rank)?;
         let tokens = Arc::new(TokenPool {
@@ -341,6 +416,7 @@ impl Communicator {
             diagnostics,
             next_export: AtomicU64::new(1),
             next_channel: AtomicU32::new(0),
+            ib,
         })
     }
 
@@ -367,6 +443,13 @@ impl Communicator {
     /// The wait diagnostics of this process.
     pub fn diagnostics(&self) -> &WaitDiagnostics {
         &self.diagnostics
+    }
+
+    /// Whether PortChannels to `peer` take the Ib transport (emulated NIC).
+    fn ib_reaches(&self, peer: usize) -> bool {
+        self.ib.as_ref().is_some_and(|ib| {
+            !self.same_host(peer) && ib.peer_pools.get(peer).is_some_and(Option::is_some)
+        })
     }
 
     /// True if `peer` runs on this host (so CUDA IPC can reach its memory).
@@ -604,7 +687,9 @@ impl Communicator {
     /// For the channel to peer `p`: puts copy from my `src` into `p`'s `dst`, and signals land in
     /// `p`'s inbound token after the data. Same-host peers: copy engines on a stream of this
     /// rank's proxy into `p`'s memory mapped by CUDA IPC. Peers on other hosts (every peer, with
-    /// `DOORBELL_SEPARATE_NODES=1`): the proxies over TCP ([`crate::host::ethernet`]).
+    /// `DOORBELL_SEPARATE_NODES=1`): the proxies over TCP ([`crate::host::ethernet`]), or with
+    /// `DOORBELL_IB_EMULATE=1` RDMA work requests the proxy posts to this rank's emulated NIC,
+    /// which reaches `p`'s memory by `p`'s addresses and keys ([`Transport::Ib`]).
     pub fn port_channels(
         &self,
         proxy: &mut ProxyBuilder,
@@ -619,19 +704,71 @@ impl Communicator {
         let lens = self
             .bootstrap
             .all_gather(&(dst.len() as u64).to_le_bytes())?;
+        // Emulated RDMA: every rank registers its destination with its NIC and tells the others
+        // its address and key; peers on this machine but another node map it for their NIC.
+        let ib_dst = match &self.ib {
+            Some(ib) => {
+                let key = ib.nic.register(dst.device_ptr(), dst.len() as u64, false)?;
+                let src_key = ib.nic.register(src.device_ptr(), src.len() as u64, false)?;
+                let mine: Vec<u8> = [dst.device_ptr(), u64::from(key), dst.len() as u64]
+                    .iter()
+                    .flat_map(|v| v.to_le_bytes())
+                    .collect();
+                let all = self.bootstrap.all_gather(&mine)?;
+                let descs = self.bootstrap.all_gather(&dst.descriptor.to_bytes())?;
+                let mut peers = Vec::with_capacity(world);
+                for r in 0..world {
+                    if r == rank || self.same_host(r) || ib.peer_pools[r].is_none() {
+                        peers.push(None);
+                        continue;
+                    }
+                    let w = |i: usize| {
+                        all[r]
+                            .get(8 * i..8 * i + 8)
+                            .and_then(|b| b.try_into().ok())
+                            .map(u64::from_le_bytes)
+                            .ok_or_else(|| Error::Bootstrap {
+                                me: rank,
+                                rank: Some(r),
+                                why: "sent a malformed RDMA key".into(),
+                            })
+                    };
+                    let (addr, rkey, len) = (w(0)?, w(1)? as u32, w(2)?);
+                    let mapped = Arc::new(self.import(r, &descs[r])?);
+                    ib.nic
+                        .register_remote(rkey, addr, len, false, mapped.device_ptr())?;
+                    peers.push(Some((addr, rkey, len, mapped)));
+                }
+                self.bootstrap.barrier()?;
+                Some((src_key, peers))
+            }
+            None => None,
+        };
         // Every rank takes part in the Ethernet connection set-up when any rank is elsewhere
         // (the same answer on every rank).
         let net_peers: Vec<usize> = (0..world)
-            .filter(|&p| p != rank && !self.same_host(p))
+            .filter(|&p| p != rank && !self.same_host(p) && !self.ib_reaches(p))
             .collect();
-        let multi_host = self.host_ids.iter().any(|&h| h != self.host_ids[0]);
+        // Every rank must agree on whether the Ethernet set-up runs: any pair of ranks on
+        // different nodes that the emulated NIC does not connect.
+        let needs_net = u8::from(!net_peers.is_empty());
+        let multi_host = self
+            .bootstrap
+            .all_gather(&[needs_net])?
+            .iter()
+            .any(|b| b.first() == Some(&1));
         let mut sockets = if multi_host {
             ethernet::connect_peers(&self.bootstrap, channel, &net_peers)?
         } else {
             Vec::new()
         }
         .into_iter();
-        let src_id = proxy.add_memory(src.device_ptr(), src.len() as u64)?;
+        let src_id = match &ib_dst {
+            Some((src_key, _)) => {
+                proxy.add_ib_memory(src.device_ptr(), src.len() as u64, *src_key)?
+            }
+            None => proxy.add_memory(src.device_ptr(), src.len() as u64)?,
+        };
         let fifo = proxy.fifo_handle();
         let mut channels = Vec::with_capacity(world.saturating_sub(1));
         for peer in (0..world).filter(|&p| p != rank) {
@@ -656,6 +793,56 @@ impl Communicator {
                         None,
                         Ok(remote),
                     )
+                } else if let (Some(ib), Some((_, peers))) = (&self.ib, &ib_dst) {
+                    let (addr, rkey, len, mapped) =
+                        peers[peer]
+                            .clone()
+                            .ok_or_else(|| Error::TransportUnavailable {
+                                transport: "ib",
+                                why: format!(
+                                "rank {peer} is on another machine: the emulated NIC reaches only \
+                                 ranks of this host (DOORBELL_IB_EMULATE)"
+                            ),
+                            })?;
+                    let (pool_addr, pool_key) = ib.peer_pools[peer].ok_or_else(|| {
+                        Error::invalid("ib", format!("rank {peer}'s token pool is not reachable"))
+                    })?;
+                    let qpn = (rank as u32) << 16 | ib.next_qpn.fetch_add(1, Ordering::Relaxed);
+                    let qp = crate::rdma::host_qp::HostQp::new(&ib.nic, qpn, 10)?;
+                    let stream = self.gpu.new_stream()?;
+                    let scratch = stream
+                        .alloc_zeros::<u8>(16)
+                        .map_err(crate::host::cuda::cuda_err("cuMemAlloc"))?;
+                    let scratch_key = {
+                        use cudarc::driver::DevicePtr;
+                        ib.nic.register(scratch.device_ptr(&stream).0, 16, true)?
+                    };
+                    let dst_id = proxy.add_ib_memory(addr, len, rkey)?;
+                    let (conn, flush_done) = proxy.add_ib_connection(qp, scratch, scratch_key)?;
+                    // The peer's inbound token for me, at the peer's own address.
+                    let token = pool_addr + ((base + rank) * 8) as u64;
+                    let sem = proxy.add_ib_semaphore(conn, token, pool_key)?;
+                    let mut f = fifo;
+                    f.site = self.diagnostics.site(peer as i32, channel);
+                    channels.push(PortChannel {
+                        peer,
+                        handle: PortChannelHandle {
+                            fifo: f,
+                            inbound_token,
+                            expected_inbound,
+                            flush_done,
+                            semaphore: sem.0,
+                            dst_mem: dst_id.0,
+                            src_mem: src_id.0,
+                            reserved: 0,
+                        },
+                        transport: Transport::Ib,
+                        _receiver: None,
+                        _src: src.clone(),
+                        _dst: Ok(mapped),
+                        _tokens: self.tokens.clone(),
+                    });
+                    continue;
                 } else {
                     let socket = sockets
                         .next()

@@ -39,12 +39,30 @@ pub struct ConnectionId(pub u32);
 struct Memory {
     ptr: u64,
     bytes: u64,
+    /// Its key with the (emulated) RDMA NIC, for memories an Ib connection reads or writes.
+    key: Option<u32>,
 }
 
 struct Semaphore {
     remote_token: u64,
     connection: usize,
     outbound: u64,
+    /// The rkey of the peer's token memory (Ib connections).
+    key: Option<u32>,
+}
+
+/// An Ib connection: the proxy posts each trigger as RDMA work requests on a queue pair of the
+/// emulated NIC (the verbs-proxy posting mode): a put as RDMA WRITEs, a signal as an 8-byte
+/// READ of the peer's token (the flush that makes the writes before it visible) then a
+/// fetch-add of 1 on it, a flush as the position reported once every WQE before it completed.
+struct IbConn {
+    qp: crate::rdma::host_qp::HostQp,
+    /// 16 bytes of device memory the NIC may write (READ and fetch-add results), and its key.
+    scratch: u64,
+    scratch_key: u32,
+    _scratch: CudaSlice<u8>,
+    /// Flushes waiting for the QP: (position, WQEBBs that must complete).
+    pending: VecDeque<(u64, u64)>,
 }
 
 struct Connection {
@@ -52,6 +70,8 @@ struct Connection {
     flush_done: Arc<HostArray<u64>>,
     /// Set for an Ethernet connection: its operations go to the sender thread instead.
     net: Option<NetSender>,
+    /// Set for an Ib connection: its operations become work requests on its queue pair.
+    ib: Option<IbConn>,
     /// Data or signals queued since the last flush request.
     dirty: bool,
     /// Flushes waiting for their event: (position, event).
@@ -130,8 +150,20 @@ impl ProxyBuilder {
                 ),
             ));
         }
-        self.tables.memories.push(Memory { ptr, bytes });
+        self.tables.memories.push(Memory {
+            ptr,
+            bytes,
+            key: None,
+        });
         Ok(MemoryId(id))
+    }
+
+    /// Registers `bytes` at `ptr` that Ib connections reach with `key`: local memory registered
+    /// with this rank's NIC, or a peer's memory by its own address and key.
+    pub(crate) fn add_ib_memory(&mut self, ptr: u64, bytes: u64, key: u32) -> Result<MemoryId> {
+        let id = self.add_memory(ptr, bytes)?;
+        self.tables.memories[id.0 as usize].key = Some(key);
+        Ok(id)
     }
 
     /// A memory whose offsets are device addresses of this process (base 0, no bound): lets a
@@ -152,6 +184,7 @@ impl ProxyBuilder {
             stream,
             flush_done,
             net: None,
+            ib: None,
             dirty: false,
             pending: VecDeque::new(),
             spare_events: Vec::new(),
@@ -182,11 +215,56 @@ impl ProxyBuilder {
             stream,
             flush_done,
             net: Some(sender),
+            ib: None,
             dirty: false,
             pending: VecDeque::new(),
             spare_events: Vec::new(),
         });
         Ok((ConnectionId(self.tables.connections.len() as u32 - 1), ptr))
+    }
+
+    /// An Ib connection over `qp` (see [`IbConn`]); `scratch` is 16 bytes of device memory
+    /// registered with the QP's NIC under `scratch_key`. Returns its id and the flush word's
+    /// device address.
+    pub(crate) fn add_ib_connection(
+        &mut self,
+        qp: crate::rdma::host_qp::HostQp,
+        scratch: CudaSlice<u8>,
+        scratch_key: u32,
+    ) -> Result<(ConnectionId, u64)> {
+        let stream = self.gpu.new_stream()?;
+        let flush_done = Arc::new(HostArray::new(&self.gpu, 1)?);
+        let ptr = flush_done.device_ptr();
+        let addr = scratch.device_ptr(&stream).0;
+        self.tables.connections.push(Connection {
+            stream,
+            flush_done,
+            net: None,
+            ib: Some(IbConn {
+                qp,
+                scratch: addr,
+                scratch_key,
+                _scratch: scratch,
+                pending: VecDeque::new(),
+            }),
+            dirty: false,
+            pending: VecDeque::new(),
+            spare_events: Vec::new(),
+        });
+        Ok((ConnectionId(self.tables.connections.len() as u32 - 1), ptr))
+    }
+
+    /// A semaphore of an Ib connection: `remote_token` is the peer's inbound token at the
+    /// peer's own address, in memory the peer registered with its NIC under `key`.
+    pub(crate) fn add_ib_semaphore(
+        &mut self,
+        connection: ConnectionId,
+        remote_token: u64,
+        key: u32,
+    ) -> Result<SemaphoreId> {
+        let id = self.add_semaphore(connection, remote_token)?;
+        self.tables.semaphores[id.0 as usize].key = Some(key);
+        Ok(id)
     }
 
     /// Where transport threads report failures: this proxy's failure slot and stop word.
@@ -224,6 +302,7 @@ impl ProxyBuilder {
             remote_token,
             connection: connection.0 as usize,
             outbound: 0,
+            key: None,
         });
         Ok(SemaphoreId(id))
     }
@@ -462,6 +541,9 @@ impl Worker {
         if self.tables.connections[conn].net.is_some() {
             return self.perform_net(pos, t, conn);
         }
+        if self.tables.connections[conn].ib.is_some() {
+            return self.perform_ib(pos, t, conn, sem);
+        }
         if m.kind & trigger::DATA != 0 && t.size > 0 {
             let (src, dst) = (
                 self.range(m.src_mem, t.src_offset, t.size, pos)?,
@@ -541,10 +623,109 @@ impl Worker {
         Ok(())
     }
 
+    /// A trigger of an Ib connection, as work requests on its queue pair (see [`IbConn`]).
+    fn perform_ib(&mut self, pos: u64, t: &ProxyTrigger, conn: usize, sem: usize) -> Result<()> {
+        use crate::rdma::wqe::Op;
+        let m = ProxyTrigger::unpack(t.meta);
+        let patience = std::time::Duration::from_secs(30);
+        let key_of = |mem: u32| -> Result<u32> {
+            self.tables.memories[mem as usize].key.ok_or_else(|| {
+                Error::invalid(
+                    "trigger",
+                    format!("position {pos}: memory {mem} is not registered with the RDMA NIC"),
+                )
+            })
+        };
+        let mut ops: Vec<(Op, bool)> = Vec::new();
+        if m.kind & trigger::DATA != 0 && t.size > 0 {
+            let (src, dst) = (
+                self.range(m.src_mem, t.src_offset, t.size, pos)?,
+                self.range(m.dst_mem, t.dst_offset, t.size, pos)?,
+            );
+            let (lkey, rkey) = (key_of(m.src_mem)?, key_of(m.dst_mem)?);
+            // A data segment carries less than 2 GiB: larger puts go as 1 GiB writes.
+            const PIECE: u64 = 1 << 30;
+            let mut off = 0;
+            while off < t.size {
+                let len = (t.size - off).min(PIECE);
+                ops.push((
+                    Op::Write {
+                        raddr: dst + off,
+                        rkey,
+                        laddr: src + off,
+                        lkey,
+                        len: len as u32,
+                    },
+                    true,
+                ));
+                off += len;
+            }
+        }
+        let ib = self.tables.connections[conn]
+            .ib
+            .as_mut()
+            .expect("an Ib connection");
+        if m.kind & trigger::FLAG != 0 {
+            let s = &mut self.tables.semaphores[sem];
+            s.outbound += 1;
+            let rkey = s
+                .key
+                .ok_or_else(|| Error::invalid("semaphore", "not an Ib semaphore"))?;
+            ops.push((
+                Op::Read {
+                    raddr: s.remote_token,
+                    rkey,
+                    laddr: ib.scratch,
+                    lkey: ib.scratch_key,
+                    len: 8,
+                },
+                true,
+            ));
+            ops.push((
+                Op::FetchAdd {
+                    raddr: s.remote_token,
+                    rkey,
+                    add: 1,
+                    result: ib.scratch + 8,
+                    lkey: ib.scratch_key,
+                },
+                true,
+            ));
+        }
+        for (op, signaled) in &ops {
+            ib.qp.post(op, *signaled, patience)?;
+        }
+        ib.qp.ring();
+        if m.kind & trigger::FLUSH != 0 {
+            if ib.qp.completed() >= ib.qp.posted() && ib.pending.is_empty() {
+                self.tables.connections[conn].flush_done.write(0, pos + 1);
+            } else {
+                let end = ib.qp.posted();
+                ib.pending.push_back((pos, end));
+            }
+        }
+        Ok(())
+    }
+
     /// Reports completed flushes; true if any progressed.
     fn progress_flushes(&mut self) -> Result<bool> {
         let mut any = false;
         for c in &mut self.tables.connections {
+            if let Some(ib) = c.ib.as_mut() {
+                if ib.qp.completed() < ib.qp.posted() {
+                    let before = ib.qp.completed();
+                    let done = ib.qp.poll()?;
+                    any |= done != before;
+                    while let Some(&(pos, end)) = ib.pending.front() {
+                        if done < end {
+                            break;
+                        }
+                        c.flush_done.write(0, pos + 1);
+                        ib.pending.pop_front();
+                    }
+                }
+                continue;
+            }
             while let Some((pos, ev)) = c.pending.front() {
                 if !ev.try_is_complete().map_err(cuda_err("cuEventQuery"))? {
                     break;

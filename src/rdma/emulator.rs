@@ -39,6 +39,12 @@ pub trait Dma: Send + Sync {
     fn read(&self, src: u64, out: &mut [u8]) -> Result<()>;
     /// Writes `data` at `dst`.
     fn write(&self, dst: u64, data: &[u8]) -> Result<()>;
+    /// Copies `len` bytes from `src` to `dst` (through a host buffer unless overridden).
+    fn copy(&self, dst: u64, src: u64, len: u64) -> Result<()> {
+        let mut buf = vec![0u8; len as usize];
+        self.read(src, &mut buf)?;
+        self.write(dst, &buf)
+    }
 }
 
 /// Host memory: addresses are pointers of this process.
@@ -624,15 +630,20 @@ fn perform(
                 let (lkey, laddr) = (be32_at(w, 36), be64_at(w, 40));
                 len = u64::from(bc);
                 let (local, _) = reach(lkey, laddr, len, LOCAL_PROTECTION)?;
-                let (remote, _) = reach(rkey, raddr, len, REMOTE_ACCESS)?;
-                let mut buf = vec![0u8; len as usize];
+                let (remote, strict) = reach(rkey, raddr, len, REMOTE_ACCESS)?;
                 if op == opcode::RDMA_READ {
                     // A READ follows the QP's earlier writes: deliver them first (the flush).
                     deliver(s, qp, u64::MAX);
-                    io(s.dma.read(remote, &mut buf))?;
-                    io(s.dma.write(local, &buf))?;
+                    io(s.dma.copy(local, remote, len))?;
                     return Ok(Some(len as u32));
                 }
+                let relaxed = matches!(s.delivery, Delivery::Relaxed { .. }) && !strict;
+                if op == opcode::RDMA_WRITE && !relaxed {
+                    // Delivered now: one copy, no staging.
+                    io(s.dma.copy(remote, local, len))?;
+                    return Ok(Some(len as u32));
+                }
+                let mut buf = vec![0u8; len as usize];
                 io(s.dma.read(local, &mut buf))?;
                 data = buf;
             }
