@@ -14,8 +14,8 @@ reasons.
 
 usage: doorbell-info [--help]
 
-Settings it honours (see the README): DOORBELL_SEPARATE_NODES, DOORBELL_IB_POSTING,
-DOORBELL_IB_GID_INDEX.";
+Settings it honours (see the README): DOORBELL_SEPARATE_NODES, DOORBELL_IB_EMULATE,
+DOORBELL_IB_POSTING, DOORBELL_IB_GID_INDEX.";
 
 struct GpuInfo {
     name: String,
@@ -233,7 +233,9 @@ fn main() {
     for i in 0..gpus.len() {
         for j in i + 1..gpus.len() {
             let (access, atomics) = peer_access(i, j);
-            let how = if settings.separate_nodes {
+            let how = if settings.separate_nodes && settings.ib_emulate {
+                "Ib over doorbell's emulated mlx5 NIC (DOORBELL_IB_EMULATE=1): PortChannels as RDMA work requests the proxies post (verbs-proxy mode; no real NIC involved); MemoryChannels: none between nodes".to_string()
+            } else if settings.separate_nodes {
                 let ib = nics.iter().find(|n| n.ports.iter().any(|p| p.active()));
                 match ib {
                     Some(nic) => {
