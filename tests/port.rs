@@ -122,6 +122,34 @@ fn stopping_the_proxy_releases_a_waiting_kernel_over_emulated_ib() {
     );
 }
 
+/// The same with kernels posting their own work requests: IBGDA (the GPU rings the doorbell) and
+/// CPU-assisted (a host thread rings), instead of the proxy.
+const IB_GDA: &[(&str, &str)] = &[
+    ("DOORBELL_SEPARATE_NODES", "1"),
+    ("DOORBELL_IB_EMULATE", "1"),
+    ("DOORBELL_IB_POSTING", "ibgda"),
+];
+const IB_CPU: &[(&str, &str)] = &[
+    ("DOORBELL_SEPARATE_NODES", "1"),
+    ("DOORBELL_IB_EMULATE", "1"),
+    ("DOORBELL_IB_POSTING", "cpu"),
+];
+
+#[test]
+#[ignore = "needs GPU"]
+fn every_port_channel_operation_posted_by_the_gpu_over_emulated_ib() {
+    for n in rank_counts() {
+        run_case("ops", n, IB_GDA);
+        run_case("ops", n, IB_CPU);
+    }
+}
+
+#[test]
+#[ignore = "needs GPU"]
+fn transfers_and_offsets_past_4_gib_posted_by_the_gpu_over_emulated_ib() {
+    run_case("huge", 2, IB_GDA);
+}
+
 #[test]
 #[ignore = "needs GPU"]
 fn many_pushers_many_laps_deliver_every_signal_once() {

@@ -89,6 +89,18 @@ int main() {
   FIELD(PortChannelHandle, dst_mem);
   FIELD(PortChannelHandle, src_mem);
   FIELD(PortChannelHandle, reserved);
+  FIELD(PortChannelHandle, ib);
+
+  STRUCT(IbPortLink);
+  FIELD(IbPortLink, qp);
+  FIELD(IbPortLink, src);
+  FIELD(IbPortLink, dst);
+  FIELD(IbPortLink, token);
+  FIELD(IbPortLink, scratch);
+  FIELD(IbPortLink, src_key);
+  FIELD(IbPortLink, dst_key);
+  FIELD(IbPortLink, token_key);
+  FIELD(IbPortLink, scratch_key);
 
   STRUCT(AllReduceArgs);
   FIELD(AllReduceArgs, input);

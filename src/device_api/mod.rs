@@ -234,6 +234,32 @@ pub struct PortChannelHandle {
     pub src_mem: u32,
     /// Zero.
     pub reserved: u32,
+    /// Device address of an [`IbPortLink`] when kernels post RDMA work themselves; 0 otherwise.
+    pub ib: u64,
+}
+
+/// A PortChannel's RDMA link for kernels that post their own work requests (`port_channel.cuh`).
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Pod, Zeroable)]
+pub struct IbPortLink {
+    /// The queue pair.
+    pub qp: IbQpHandle,
+    /// My source memory's first byte.
+    pub src: u64,
+    /// The peer's destination's first byte, at the peer's address.
+    pub dst: u64,
+    /// The peer's inbound token for me, at the peer's address.
+    pub token: u64,
+    /// 16 bytes of my device memory the NIC writes.
+    pub scratch: u64,
+    /// Key of `src`.
+    pub src_key: u32,
+    /// Key of `dst` (the peer's).
+    pub dst_key: u32,
+    /// Key of the peer's token memory.
+    pub token_key: u32,
+    /// Key of `scratch`.
+    pub scratch_key: u32,
 }
 
 /// Most ranks a single-node collective kernel handles (`kMaxRanks`).
@@ -664,7 +690,23 @@ mod layout {
                     semaphore,
                     dst_mem,
                     src_mem,
-                    reserved
+                    reserved,
+                    ib
+                ]
+            ),
+            layout!(
+                "IbPortLink",
+                IbPortLink,
+                [
+                    qp,
+                    src,
+                    dst,
+                    token,
+                    scratch,
+                    src_key,
+                    dst_key,
+                    token_key,
+                    scratch_key
                 ]
             ),
             layout!("LL16Packet", Ll16Packet, [data1, flag1, data2, flag2]),

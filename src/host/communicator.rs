@@ -165,6 +165,9 @@ pub struct PortChannel {
     peer: usize,
     handle: PortChannelHandle,
     transport: Transport,
+    // Kernels posting their own RDMA work (DOORBELL_IB_POSTING=ibgda|cpu): dropped before the
+    // memories it names.
+    _link: Option<GpuLink>,
     // Dropped first: the receiver writes into the destination and the token pool.
     _receiver: Option<NetReceiver>,
     _src: Arc<RegisteredMemory>,
@@ -172,6 +175,14 @@ pub struct PortChannel {
     /// receiver writes what the peer puts into it).
     _dst: Result<Arc<RemoteMemory>, Arc<RegisteredMemory>>,
     _tokens: Arc<TokenPool>,
+}
+
+/// What a PortChannel whose kernels post RDMA work keeps alive: its queue pair, the link kernels
+/// read, the scratch words the NIC writes.
+struct GpuLink {
+    _qp: crate::rdma::gpu_qp::GpuQp,
+    _link: cudarc::driver::CudaSlice<u8>,
+    _scratch: cudarc::driver::CudaSlice<u8>,
 }
 
 /// How a channel's bytes travel.
@@ -259,6 +270,7 @@ pub struct Communicator {
     next_export: AtomicU64,
     next_channel: AtomicU32,
     ib: Option<IbFabric>,
+    ib_posting: crate::config::IbPosting,
 }
 
 /// `DOORBELL_IB_EMULATE=1`: this rank's emulated NIC, its token pool's key there, and how to
@@ -417,6 +429,7 @@ impl Communicator {
             next_export: AtomicU64::new(1),
             next_channel: AtomicU32::new(0),
             ib,
+            ib_posting: settings.ib_posting,
         })
     }
 
@@ -774,115 +787,173 @@ impl Communicator {
         for peer in (0..world).filter(|&p| p != rank) {
             let inbound_token = self.tokens.inbound(base + peer);
             let expected_inbound = self.tokens.private(base + peer);
-            let (transport, dst_id, conn, flush_done, remote_token, receiver, keep) =
-                if self.same_host(peer) {
-                    let remote = dsts[peer].clone().ok_or_else(|| Error::Bootstrap {
-                        me: rank,
-                        rank: Some(peer),
-                        why: "its memory could not be mapped".into(),
-                    })?;
-                    let dst_id = proxy.add_memory(remote.device_ptr(), remote.len() as u64)?;
-                    let (conn, flush_done) = proxy.add_connection()?;
-                    let sem = self.semaphore(base, peer, channel)?;
-                    (
-                        Transport::CudaIpc,
-                        dst_id,
-                        conn,
-                        flush_done,
-                        sem.remote_inbound_token,
-                        None,
-                        Ok(remote),
-                    )
-                } else if let (Some(ib), Some((_, peers))) = (&self.ib, &ib_dst) {
-                    let (addr, rkey, len, mapped) =
-                        peers[peer]
-                            .clone()
-                            .ok_or_else(|| Error::TransportUnavailable {
-                                transport: "ib",
-                                why: format!(
+            let (transport, dst_id, conn, flush_done, remote_token, receiver, keep) = if self
+                .same_host(peer)
+            {
+                let remote = dsts[peer].clone().ok_or_else(|| Error::Bootstrap {
+                    me: rank,
+                    rank: Some(peer),
+                    why: "its memory could not be mapped".into(),
+                })?;
+                let dst_id = proxy.add_memory(remote.device_ptr(), remote.len() as u64)?;
+                let (conn, flush_done) = proxy.add_connection()?;
+                let sem = self.semaphore(base, peer, channel)?;
+                (
+                    Transport::CudaIpc,
+                    dst_id,
+                    conn,
+                    flush_done,
+                    sem.remote_inbound_token,
+                    None,
+                    Ok(remote),
+                )
+            } else if let (Some(ib), Some((_, peers))) = (&self.ib, &ib_dst) {
+                let (addr, rkey, len, mapped) =
+                    peers[peer]
+                        .clone()
+                        .ok_or_else(|| Error::TransportUnavailable {
+                            transport: "ib",
+                            why: format!(
                                 "rank {peer} is on another machine: the emulated NIC reaches only \
                                  ranks of this host (DOORBELL_IB_EMULATE)"
                             ),
-                            })?;
-                    let (pool_addr, pool_key) = ib.peer_pools[peer].ok_or_else(|| {
-                        Error::invalid("ib", format!("rank {peer}'s token pool is not reachable"))
-                    })?;
-                    let qpn = (rank as u32) << 16 | ib.next_qpn.fetch_add(1, Ordering::Relaxed);
-                    let qp = crate::rdma::host_qp::HostQp::new(&ib.nic, qpn, 10)?;
-                    let stream = self.gpu.new_stream()?;
-                    let scratch = stream
-                        .alloc_zeros::<u8>(16)
-                        .map_err(crate::host::cuda::cuda_err("cuMemAlloc"))?;
-                    let scratch_key = {
-                        use cudarc::driver::DevicePtr;
-                        ib.nic.register(scratch.device_ptr(&stream).0, 16, true)?
-                    };
-                    let dst_id = proxy.add_ib_memory(addr, len, rkey)?;
-                    let (conn, flush_done) = proxy.add_ib_connection(qp, scratch, scratch_key)?;
-                    // The peer's inbound token for me, at the peer's own address.
-                    let token = pool_addr + ((base + rank) * 8) as u64;
-                    let sem = proxy.add_ib_semaphore(conn, token, pool_key)?;
-                    let mut f = fifo;
-                    f.site = self.diagnostics.site(peer as i32, channel);
-                    channels.push(PortChannel {
-                        peer,
-                        handle: PortChannelHandle {
-                            fifo: f,
-                            inbound_token,
-                            expected_inbound,
-                            flush_done,
-                            semaphore: sem.0,
-                            dst_mem: dst_id.0,
-                            src_mem: src_id.0,
-                            reserved: 0,
-                        },
-                        transport: Transport::Ib,
-                        _receiver: None,
-                        _src: src.clone(),
-                        _dst: Ok(mapped),
-                        _tokens: self.tokens.clone(),
-                    });
-                    continue;
-                } else {
-                    let socket = sockets
-                        .next()
-                        .ok_or_else(|| Error::invalid("ethernet", "a connection is missing"))?;
-                    let peer_len = lens[peer]
-                        .as_slice()
-                        .try_into()
-                        .map(u64::from_le_bytes)
-                        .map_err(|_| Error::Bootstrap {
-                            me: rank,
-                            rank: Some(peer),
-                            why: "sent a malformed buffer length".into(),
                         })?;
-                    // Offsets into the peer's destination: the peer's receiver checks them again.
-                    let dst_id = proxy.add_memory(0, peer_len)?;
-                    let writer = socket
-                        .try_clone()
-                        .map_err(|e| Error::io("cloning a socket", e))?;
-                    let (conn, flush_done) = proxy.add_net_connection(writer, peer)?;
-                    let receiver = NetReceiver::spawn(
-                        &self.gpu,
-                        socket,
-                        Landing {
-                            dst: dst.device_ptr(),
-                            dst_bytes: dst.len() as u64,
-                            token: inbound_token,
-                        },
-                        proxy.failure_sink(),
-                        peer,
-                    )?;
-                    (
-                        Transport::Ethernet,
-                        dst_id,
-                        conn,
-                        flush_done,
-                        0,
-                        Some(receiver),
-                        Err(dst.clone()),
-                    )
+                let (pool_addr, pool_key) = ib.peer_pools[peer].ok_or_else(|| {
+                    Error::invalid("ib", format!("rank {peer}'s token pool is not reachable"))
+                })?;
+                let qpn = (rank as u32) << 16 | ib.next_qpn.fetch_add(1, Ordering::Relaxed);
+                let qp = crate::rdma::host_qp::HostQp::new(&ib.nic, qpn, 10)?;
+                let stream = self.gpu.new_stream()?;
+                let scratch = stream
+                    .alloc_zeros::<u8>(16)
+                    .map_err(crate::host::cuda::cuda_err("cuMemAlloc"))?;
+                let scratch_key = {
+                    use cudarc::driver::DevicePtr;
+                    ib.nic.register(scratch.device_ptr(&stream).0, 16, true)?
                 };
+                let dst_id = proxy.add_ib_memory(addr, len, rkey)?;
+                let (conn, flush_done) = proxy.add_ib_connection(qp, scratch, scratch_key)?;
+                // The peer's inbound token for me, at the peer's own address.
+                let token = pool_addr + ((base + rank) * 8) as u64;
+                let sem = proxy.add_ib_semaphore(conn, token, pool_key)?;
+                let site = self.diagnostics.site(peer as i32, channel);
+                // DOORBELL_IB_POSTING=ibgda or cpu: kernels post their own work requests on
+                // a queue pair of their own; otherwise the proxy posts (the connection above).
+                let gpu_posting = match self.ib_posting {
+                    crate::config::IbPosting::Ibgda => Some(crate::rdma::gpu_qp::Posting::Ibgda),
+                    crate::config::IbPosting::CpuAssisted => {
+                        Some(crate::rdma::gpu_qp::Posting::CpuAssisted)
+                    }
+                    _ => None,
+                };
+                let link = match gpu_posting {
+                    Some(posting) => {
+                        use cudarc::driver::DevicePtr;
+                        let qp = crate::rdma::gpu_qp::GpuQp::new(
+                            &self.gpu,
+                            &ib.nic,
+                            qpn | 0x8000,
+                            10,
+                            posting,
+                            site,
+                        )?;
+                        let scratch = stream
+                            .alloc_zeros::<u8>(16)
+                            .map_err(crate::host::cuda::cuda_err("cuMemAlloc"))?;
+                        let scratch_addr = scratch.device_ptr(&stream).0;
+                        let scratch_key = ib.nic.register(scratch_addr, 16, true)?;
+                        let l = crate::device_api::IbPortLink {
+                            qp: qp.handle(),
+                            src: src.device_ptr(),
+                            dst: addr,
+                            token,
+                            scratch: scratch_addr,
+                            src_key: ib_dst.as_ref().map_or(0, |(k, _)| *k),
+                            dst_key: rkey,
+                            token_key: pool_key,
+                            scratch_key,
+                        };
+                        let on_device = stream
+                            .clone_htod(bytemuck::bytes_of(&l))
+                            .map_err(crate::host::cuda::cuda_err("cuMemcpyHtoD"))?;
+                        stream
+                            .synchronize()
+                            .map_err(crate::host::cuda::cuda_err("cuStreamSynchronize"))?;
+                        let ptr = on_device.device_ptr(&stream).0;
+                        Some((
+                            ptr,
+                            GpuLink {
+                                _qp: qp,
+                                _link: on_device,
+                                _scratch: scratch,
+                            },
+                        ))
+                    }
+                    None => None,
+                };
+                let mut f = fifo;
+                f.site = site;
+                channels.push(PortChannel {
+                    peer,
+                    handle: PortChannelHandle {
+                        fifo: f,
+                        inbound_token,
+                        expected_inbound,
+                        flush_done,
+                        semaphore: sem.0,
+                        dst_mem: dst_id.0,
+                        src_mem: src_id.0,
+                        reserved: 0,
+                        ib: link.as_ref().map_or(0, |(p, _)| *p),
+                    },
+                    transport: Transport::Ib,
+                    _link: link.map(|(_, l)| l),
+                    _receiver: None,
+                    _src: src.clone(),
+                    _dst: Ok(mapped),
+                    _tokens: self.tokens.clone(),
+                });
+                continue;
+            } else {
+                let socket = sockets
+                    .next()
+                    .ok_or_else(|| Error::invalid("ethernet", "a connection is missing"))?;
+                let peer_len = lens[peer]
+                    .as_slice()
+                    .try_into()
+                    .map(u64::from_le_bytes)
+                    .map_err(|_| Error::Bootstrap {
+                        me: rank,
+                        rank: Some(peer),
+                        why: "sent a malformed buffer length".into(),
+                    })?;
+                // Offsets into the peer's destination: the peer's receiver checks them again.
+                let dst_id = proxy.add_memory(0, peer_len)?;
+                let writer = socket
+                    .try_clone()
+                    .map_err(|e| Error::io("cloning a socket", e))?;
+                let (conn, flush_done) = proxy.add_net_connection(writer, peer)?;
+                let receiver = NetReceiver::spawn(
+                    &self.gpu,
+                    socket,
+                    Landing {
+                        dst: dst.device_ptr(),
+                        dst_bytes: dst.len() as u64,
+                        token: inbound_token,
+                    },
+                    proxy.failure_sink(),
+                    peer,
+                )?;
+                (
+                    Transport::Ethernet,
+                    dst_id,
+                    conn,
+                    flush_done,
+                    0,
+                    Some(receiver),
+                    Err(dst.clone()),
+                )
+            };
             let sem_id = proxy.add_semaphore(conn, remote_token)?;
             let mut f = fifo;
             f.site = self.diagnostics.site(peer as i32, channel);
@@ -897,8 +968,10 @@ impl Communicator {
                     dst_mem: dst_id.0,
                     src_mem: src_id.0,
                     reserved: 0,
+                    ib: 0,
                 },
                 transport,
+                _link: None,
                 _receiver: receiver,
                 _src: src.clone(),
                 _dst: keep,

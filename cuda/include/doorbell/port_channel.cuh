@@ -15,8 +15,26 @@
 #pragma once
 
 #include "fifo.cuh"
+#include "ibgda.cuh"
 
 namespace doorbell {
+
+// A PortChannel over RDMA whose kernels post their own work requests (IBGDA or CPU-assisted
+// posting, see ibgda.cuh) instead of pushing triggers to the proxy: a put becomes RDMA WRITEs
+// (1 GiB pieces), a signal an 8-byte READ of the peer's token (the flush that keeps the signal
+// behind the data) then a fetch-add of 1 on it, a flush waits for every completion of the QP.
+struct IbPortLink {
+  IbQpHandle qp;
+  uint64_t src;      // my source memory's first byte
+  uint64_t dst;      // the peer's destination's first byte, at the peer's address
+  uint64_t token;    // the peer's inbound token for me, at the peer's address
+  uint64_t scratch;  // 16 bytes of my device memory the NIC writes (READ and fetch-add results)
+  uint32_t src_key;
+  uint32_t dst_key;
+  uint32_t token_key;
+  uint32_t scratch_key;
+};
+DOORBELL_CHECK_SIZE(IbPortLink, 168);
 
 struct PortChannelHandle {
   FifoHandle fifo;
@@ -27,20 +45,55 @@ struct PortChannelHandle {
   uint32_t dst_mem;            // proxy memory id of the peer's buffer
   uint32_t src_mem;            // proxy memory id of my buffer
   uint32_t reserved;
+  const IbPortLink* ib;        // device memory: set when kernels post RDMA work themselves
 
 #if DOORBELL_CUDA
+  // Each call returns a position: the FIFO's (proxy posting) or the WQE's index (GPU posting).
   DOORBELL_DEVICE_INLINE uint64_t put(uint64_t dst_off, uint64_t src_off, uint64_t bytes) const {
+    if (ib != nullptr) return ib_put(dst_off, src_off, bytes);
     return fifo.push(kTriggerData, semaphore, src_mem, src_off, dst_mem, dst_off, bytes);
   }
-  DOORBELL_DEVICE_INLINE uint64_t signal() const { return fifo.push(kTriggerFlag, semaphore, 0, 0, 0, 0, 0); }
+  DOORBELL_DEVICE_INLINE uint64_t signal() const {
+    if (ib != nullptr) return ib_signal();
+    return fifo.push(kTriggerFlag, semaphore, 0, 0, 0, 0, 0);
+  }
   DOORBELL_DEVICE_INLINE uint64_t put_with_signal(uint64_t dst_off, uint64_t src_off, uint64_t bytes) const {
+    if (ib != nullptr) {
+      ib_put(dst_off, src_off, bytes);
+      return ib_signal();
+    }
     return fifo.push(kTriggerData | kTriggerFlag, semaphore, src_mem, src_off, dst_mem, dst_off, bytes);
   }
   DOORBELL_DEVICE_INLINE void put_with_signal_and_flush(uint64_t dst_off, uint64_t src_off, uint64_t bytes) const {
+    if (ib != nullptr) {
+      put_with_signal(dst_off, src_off, bytes);
+      ib->qp.quiet();
+      return;
+    }
     wait_flushed(
         fifo.push(kTriggerData | kTriggerFlag | kTriggerFlush, semaphore, src_mem, src_off, dst_mem, dst_off, bytes));
   }
-  DOORBELL_DEVICE_INLINE void flush() const { wait_flushed(fifo.push(kTriggerFlush, semaphore, 0, 0, 0, 0, 0)); }
+  DOORBELL_DEVICE_INLINE void flush() const {
+    if (ib != nullptr) {
+      ib->qp.quiet();
+      return;
+    }
+    wait_flushed(fifo.push(kTriggerFlush, semaphore, 0, 0, 0, 0, 0));
+  }
+
+  DOORBELL_DEVICE_INLINE uint64_t ib_put(uint64_t dst_off, uint64_t src_off, uint64_t bytes) const {
+    constexpr uint64_t kPiece = uint64_t(1) << 30;  // a data segment carries less than 2 GiB
+    uint64_t at = 0;
+    for (uint64_t o = 0; o < bytes; o += kPiece) {
+      const uint64_t n = bytes - o < kPiece ? bytes - o : kPiece;
+      at = ib->qp.put(ib->dst + dst_off + o, ib->dst_key, ib->src + src_off + o, ib->src_key, uint32_t(n));
+    }
+    return at;
+  }
+  DOORBELL_DEVICE_INLINE uint64_t ib_signal() const {
+    ib->qp.get(ib->token, ib->token_key, ib->scratch, ib->scratch_key, 8);
+    return ib->qp.atomic_add(ib->token, ib->token_key, 1, ib->scratch + 8, ib->scratch_key);
+  }
 
   // The proxy's stop word lives in host memory: reading it costs a PCIe round trip, so waits look
   // at it only every 256th poll instead of paying two round trips per poll.
@@ -91,6 +144,6 @@ struct PortChannelHandle {
   }
 #endif
 };
-DOORBELL_CHECK_SIZE(PortChannelHandle, 128);
+DOORBELL_CHECK_SIZE(PortChannelHandle, 136);
 
 }  // namespace doorbell
