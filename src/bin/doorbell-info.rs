@@ -234,7 +234,14 @@ fn main() {
         for j in i + 1..gpus.len() {
             let (access, atomics) = peer_access(i, j);
             let how = if settings.separate_nodes && settings.ib_emulate {
-                "Ib over doorbell's emulated mlx5 NIC (DOORBELL_IB_EMULATE=1): PortChannels as RDMA work requests the proxies post (verbs-proxy mode; no real NIC involved); MemoryChannels: none between nodes".to_string()
+                format!(
+                    "Ib over doorbell's emulated mlx5 NIC (DOORBELL_IB_EMULATE=1): PortChannels as RDMA work requests {} (no real NIC involved); MemoryChannels: none between nodes",
+                    match settings.ib_posting {
+                        IbPosting::Ibgda => "kernels write and ring themselves (IBGDA)",
+                        IbPosting::CpuAssisted => "kernels write, a host thread rings (CPU-assisted)",
+                        _ => "the proxies post (verbs-proxy mode)",
+                    }
+                )
             } else if settings.separate_nodes {
                 let ib = nics.iter().find(|n| n.ports.iter().any(|p| p.active()));
                 match ib {
