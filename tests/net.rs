@@ -1,0 +1,194 @@
+//! Collectives between ranks of different nodes (`collectives::net`, `#[ignore = "needs GPU"]`):
+//! all-to-all and allreduce through PortChannels over every transport: CUDA IPC (one node), the
+//! Ethernet proxies, and RDMA over the emulated mlx5 NIC in its three posting modes (the proxy,
+//! kernels ringing themselves, kernels with a host thread ringing), with 2, 3 and 4 ranks acting
+//! as separate nodes. Payloads name their (sender, receiver, round); the allreduce sums integers
+//! exactly; repeated calls and graph replays reuse the buffers.
+
+mod common;
+
+use common::{count_wrong, fill, rank_counts, run_case, spawned_case};
+use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
+use cudarc::driver::{CudaStream, DevicePtr};
+use doorbell::collectives::net::NetCollectives;
+use doorbell::collectives::DataType;
+use doorbell::host::communicator::{Communicator, Transport};
+use half::bf16;
+use std::sync::Arc;
+
+#[test]
+#[ignore = "needs GPU"]
+fn gpu_rank() {
+    let Some(case) = spawned_case() else {
+        return;
+    };
+    let comm = Arc::new(Communicator::from_env().expect("communicator"));
+    let s = comm.gpu().new_stream().expect("stream");
+    match case.as_str() {
+        "net" => net(&comm, &s),
+        other => panic!("unknown case {other}"),
+    }
+    comm.bootstrap().barrier().expect("final barrier");
+}
+
+fn variants() -> Vec<(&'static str, Vec<(&'static str, &'static str)>)> {
+    let sep = ("DOORBELL_SEPARATE_NODES", "1");
+    let emu = ("DOORBELL_IB_EMULATE", "1");
+    vec![
+        ("CudaIpc", vec![]),
+        ("Ethernet", vec![sep]),
+        ("Ib, proxy posting", vec![sep, emu]),
+        (
+            "Ib, IBGDA",
+            vec![sep, emu, ("DOORBELL_IB_POSTING", "ibgda")],
+        ),
+        (
+            "Ib, CPU-assisted",
+            vec![sep, emu, ("DOORBELL_IB_POSTING", "cpu")],
+        ),
+    ]
+}
+
+#[test]
+#[ignore = "needs GPU"]
+fn alltoall_and_allreduce_across_nodes_over_every_transport() {
+    for (name, env) in variants() {
+        for n in rank_counts() {
+            eprintln!("{name}, {n} ranks");
+            run_case("net", n, &env);
+        }
+    }
+}
+
+fn upload<T: cudarc::driver::DeviceRepr>(s: &CudaStream, ptr: u64, v: &[T]) {
+    // SAFETY: every destination in this test is sized for the largest upload.
+    unsafe { cudarc::driver::result::memcpy_htod_async(ptr, v, s.cu_stream()) }.unwrap();
+}
+
+fn download<T: cudarc::driver::DeviceRepr + Default + Clone>(
+    comm: &Communicator,
+    s: &CudaStream,
+    ptr: u64,
+    n: usize,
+) -> Vec<T> {
+    let mut v = vec![T::default(); n];
+    // SAFETY: the source holds `n` elements.
+    unsafe { cudarc::driver::result::memcpy_dtoh_async(&mut v, ptr, s.cu_stream()) }.unwrap();
+    comm.synchronize(s).unwrap();
+    v
+}
+
+fn net(comm: &Arc<Communicator>, s: &Arc<CudaStream>) {
+    let (me, n) = (comm.rank(), comm.world_size());
+    let nc = NetCollectives::new(comm, 1 << 20).unwrap();
+    let want = if std::env::var("DOORBELL_IB_EMULATE").as_deref() == Ok("1") {
+        Transport::Ib
+    } else if std::env::var("DOORBELL_SEPARATE_NODES").as_deref() == Ok("1") {
+        Transport::Ethernet
+    } else {
+        Transport::CudaIpc
+    };
+    for p in (0..n).filter(|&p| p != me) {
+        assert_eq!(nc.transport(p), Some(want), "rank {me} to {p}");
+    }
+    let (send, recv) = (nc.send_buffer(), nc.recv_buffer());
+    let out = s.alloc_zeros::<f32>(1 << 16).unwrap();
+    let out_ptr = out.device_ptr(s).0;
+    let check_alltoall = |round: u32, block: u64| {
+        for p in 0..n {
+            let wrong = count_wrong(
+                comm,
+                s,
+                recv,
+                p as u64 * block,
+                block,
+                p as u32,
+                me as u32,
+                round,
+            );
+            assert_eq!(wrong, 0, "rank {me}, round {round}: block from rank {p}");
+        }
+    };
+    let fill_alltoall = |round: u32, block: u64| {
+        for p in 0..n {
+            fill(
+                comm,
+                s,
+                send,
+                p as u64 * block,
+                block,
+                me as u32,
+                p as u32,
+                round,
+            );
+        }
+    };
+    let f32_input = |round: usize, count: usize| -> Vec<f32> {
+        (0..count)
+            .map(|i| ((me + 1) * ((i + round) % 7)) as f32)
+            .collect()
+    };
+    let check_f32 = |round: usize, count: usize| {
+        let got: Vec<f32> = download(comm, s, out_ptr, count);
+        for (i, g) in got.iter().enumerate() {
+            let want = (((i + round) % 7) * n * (n + 1) / 2) as f32;
+            assert_eq!(*g, want, "rank {me}, round {round}: f32 element {i}");
+        }
+    };
+    for round in 0..3u32 {
+        let block = 4096 + 8 * u64::from(round);
+        fill_alltoall(round, block);
+        nc.alltoall(s, block as usize).unwrap();
+        comm.synchronize(s).unwrap();
+        check_alltoall(round, block);
+        let count = 1000 + round as usize;
+        upload(s, send, &f32_input(round as usize, count));
+        // SAFETY: `out` holds 65536 f32.
+        unsafe { nc.allreduce(s, DataType::F32, count, out_ptr) }.unwrap();
+        check_f32(round as usize, count);
+        let vals: Vec<bf16> = (0..count)
+            .map(|i| bf16::from_f32(((me + 1) * (i % 3)) as f32))
+            .collect();
+        upload(s, send, &vals);
+        // SAFETY: as above (bf16 takes half the room).
+        unsafe { nc.allreduce(s, DataType::Bf16, count, out_ptr) }.unwrap();
+        let got: Vec<bf16> = download(comm, s, out_ptr, count);
+        for (i, g) in got.iter().enumerate() {
+            assert_eq!(
+                g.to_f32(),
+                ((i % 3) * n * (n + 1) / 2) as f32,
+                "rank {me}, round {round}: bf16 element {i}"
+            );
+        }
+    }
+    // A captured all-to-all and allreduce, replayed with new data each time.
+    let (block, count) = (8192u64, 4096usize);
+    comm.synchronize(s).unwrap();
+    s.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)
+        .unwrap();
+    nc.alltoall(s, block as usize).unwrap();
+    let g1 = s
+        .end_capture(CUgraphInstantiate_flags(0))
+        .unwrap()
+        .expect("a graph");
+    s.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)
+        .unwrap();
+    // SAFETY: as above.
+    unsafe { nc.allreduce(s, DataType::F32, count, out_ptr) }.unwrap();
+    let g2 = s
+        .end_capture(CUgraphInstantiate_flags(0))
+        .unwrap()
+        .expect("a graph");
+    for replay in 0..5u32 {
+        let round = 100 + replay;
+        fill_alltoall(round, block);
+        comm.synchronize(s).unwrap();
+        g1.launch().unwrap();
+        comm.synchronize(s).unwrap();
+        check_alltoall(round, block);
+        upload(s, send, &f32_input(round as usize, count));
+        comm.synchronize(s).unwrap();
+        g2.launch().unwrap();
+        check_f32(round as usize, count);
+    }
+}
