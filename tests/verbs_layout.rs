@@ -3,7 +3,10 @@
 //! headers: `apt install libibverbs-dev`, as `scripts/install-test-deps.sh` does), and loading
 //! libibverbs at run time where it is installed.
 
-use doorbell::rdma::verbs::{DeviceAttr, GidEntry, PortAttr, Verbs};
+use doorbell::rdma::verbs::{
+    AhAttr, DeviceAttr, GidEntry, GlobalRoute, MrRaw, PortAttr, QpAttr, QpCap, QpInitAttr, QpRaw,
+    Verbs,
+};
 use std::mem::{offset_of, size_of};
 use std::path::PathBuf;
 use std::process::Command;
@@ -83,6 +86,79 @@ int main(void) {
   F(ibv_gid_entry, port_num)
   F(ibv_gid_entry, gid_type)
   F(ibv_gid_entry, ndev_ifindex)
+  printf("ibv_qp_cap SIZE %zu %zu\n", sizeof(struct ibv_qp_cap), (size_t)0);
+  F(ibv_qp_cap, max_send_wr)
+  F(ibv_qp_cap, max_recv_wr)
+  F(ibv_qp_cap, max_send_sge)
+  F(ibv_qp_cap, max_recv_sge)
+  F(ibv_qp_cap, max_inline_data)
+  printf("ibv_qp_init_attr SIZE %zu %zu\n", sizeof(struct ibv_qp_init_attr), (size_t)0);
+  F(ibv_qp_init_attr, qp_context)
+  F(ibv_qp_init_attr, send_cq)
+  F(ibv_qp_init_attr, recv_cq)
+  F(ibv_qp_init_attr, srq)
+  F(ibv_qp_init_attr, cap)
+  F(ibv_qp_init_attr, qp_type)
+  F(ibv_qp_init_attr, sq_sig_all)
+  printf("ibv_global_route SIZE %zu %zu\n", sizeof(struct ibv_global_route), (size_t)0);
+  F(ibv_global_route, dgid)
+  F(ibv_global_route, flow_label)
+  F(ibv_global_route, sgid_index)
+  F(ibv_global_route, hop_limit)
+  F(ibv_global_route, traffic_class)
+  printf("ibv_ah_attr SIZE %zu %zu\n", sizeof(struct ibv_ah_attr), (size_t)0);
+  F(ibv_ah_attr, grh)
+  F(ibv_ah_attr, dlid)
+  F(ibv_ah_attr, sl)
+  F(ibv_ah_attr, src_path_bits)
+  F(ibv_ah_attr, static_rate)
+  F(ibv_ah_attr, is_global)
+  F(ibv_ah_attr, port_num)
+  printf("ibv_qp_attr SIZE %zu %zu\n", sizeof(struct ibv_qp_attr), (size_t)0);
+  F(ibv_qp_attr, qp_state)
+  F(ibv_qp_attr, cur_qp_state)
+  F(ibv_qp_attr, path_mtu)
+  F(ibv_qp_attr, path_mig_state)
+  F(ibv_qp_attr, qkey)
+  F(ibv_qp_attr, rq_psn)
+  F(ibv_qp_attr, sq_psn)
+  F(ibv_qp_attr, dest_qp_num)
+  F(ibv_qp_attr, qp_access_flags)
+  F(ibv_qp_attr, cap)
+  F(ibv_qp_attr, ah_attr)
+  F(ibv_qp_attr, alt_ah_attr)
+  F(ibv_qp_attr, pkey_index)
+  F(ibv_qp_attr, alt_pkey_index)
+  F(ibv_qp_attr, en_sqd_async_notify)
+  F(ibv_qp_attr, sq_draining)
+  F(ibv_qp_attr, max_rd_atomic)
+  F(ibv_qp_attr, max_dest_rd_atomic)
+  F(ibv_qp_attr, min_rnr_timer)
+  F(ibv_qp_attr, port_num)
+  F(ibv_qp_attr, timeout)
+  F(ibv_qp_attr, retry_cnt)
+  F(ibv_qp_attr, rnr_retry)
+  F(ibv_qp_attr, alt_port_num)
+  F(ibv_qp_attr, alt_timeout)
+  F(ibv_qp_attr, rate_limit)
+  printf("ibv_mr SIZE %zu %zu\n", sizeof(struct ibv_mr), (size_t)0);
+  F(ibv_mr, context)
+  F(ibv_mr, pd)
+  F(ibv_mr, addr)
+  F(ibv_mr, length)
+  F(ibv_mr, handle)
+  F(ibv_mr, lkey)
+  F(ibv_mr, rkey)
+  F(ibv_qp, context)
+  F(ibv_qp, qp_context)
+  F(ibv_qp, pd)
+  F(ibv_qp, send_cq)
+  F(ibv_qp, recv_cq)
+  F(ibv_qp, srq)
+  F(ibv_qp, handle)
+  F(ibv_qp, qp_num)
+  F(ibv_qp, state)
+  F(ibv_qp, qp_type)
   return 0;
 }
 "#;
@@ -501,6 +577,414 @@ fn ours() -> Vec<(&'static str, &'static str, usize, usize)> {
         "ndev_ifindex",
         offset_of!(GidEntry, ndev_ifindex),
         field_size!(GidEntry, ndev_ifindex),
+    ));
+    out.push(("ibv_qp_cap", "SIZE", size_of::<QpCap>(), 0));
+    out.push((
+        "ibv_qp_cap",
+        "max_send_wr",
+        offset_of!(QpCap, max_send_wr),
+        field_size!(QpCap, max_send_wr),
+    ));
+    out.push((
+        "ibv_qp_cap",
+        "max_recv_wr",
+        offset_of!(QpCap, max_recv_wr),
+        field_size!(QpCap, max_recv_wr),
+    ));
+    out.push((
+        "ibv_qp_cap",
+        "max_send_sge",
+        offset_of!(QpCap, max_send_sge),
+        field_size!(QpCap, max_send_sge),
+    ));
+    out.push((
+        "ibv_qp_cap",
+        "max_recv_sge",
+        offset_of!(QpCap, max_recv_sge),
+        field_size!(QpCap, max_recv_sge),
+    ));
+    out.push((
+        "ibv_qp_cap",
+        "max_inline_data",
+        offset_of!(QpCap, max_inline_data),
+        field_size!(QpCap, max_inline_data),
+    ));
+    out.push(("ibv_qp_init_attr", "SIZE", size_of::<QpInitAttr>(), 0));
+    out.push((
+        "ibv_qp_init_attr",
+        "qp_context",
+        offset_of!(QpInitAttr, qp_context),
+        field_size!(QpInitAttr, qp_context),
+    ));
+    out.push((
+        "ibv_qp_init_attr",
+        "send_cq",
+        offset_of!(QpInitAttr, send_cq),
+        field_size!(QpInitAttr, send_cq),
+    ));
+    out.push((
+        "ibv_qp_init_attr",
+        "recv_cq",
+        offset_of!(QpInitAttr, recv_cq),
+        field_size!(QpInitAttr, recv_cq),
+    ));
+    out.push((
+        "ibv_qp_init_attr",
+        "srq",
+        offset_of!(QpInitAttr, srq),
+        field_size!(QpInitAttr, srq),
+    ));
+    out.push((
+        "ibv_qp_init_attr",
+        "cap",
+        offset_of!(QpInitAttr, cap),
+        field_size!(QpInitAttr, cap),
+    ));
+    out.push((
+        "ibv_qp_init_attr",
+        "qp_type",
+        offset_of!(QpInitAttr, qp_type),
+        field_size!(QpInitAttr, qp_type),
+    ));
+    out.push((
+        "ibv_qp_init_attr",
+        "sq_sig_all",
+        offset_of!(QpInitAttr, sq_sig_all),
+        field_size!(QpInitAttr, sq_sig_all),
+    ));
+    out.push(("ibv_global_route", "SIZE", size_of::<GlobalRoute>(), 0));
+    out.push((
+        "ibv_global_route",
+        "dgid",
+        offset_of!(GlobalRoute, dgid),
+        field_size!(GlobalRoute, dgid),
+    ));
+    out.push((
+        "ibv_global_route",
+        "flow_label",
+        offset_of!(GlobalRoute, flow_label),
+        field_size!(GlobalRoute, flow_label),
+    ));
+    out.push((
+        "ibv_global_route",
+        "sgid_index",
+        offset_of!(GlobalRoute, sgid_index),
+        field_size!(GlobalRoute, sgid_index),
+    ));
+    out.push((
+        "ibv_global_route",
+        "hop_limit",
+        offset_of!(GlobalRoute, hop_limit),
+        field_size!(GlobalRoute, hop_limit),
+    ));
+    out.push((
+        "ibv_global_route",
+        "traffic_class",
+        offset_of!(GlobalRoute, traffic_class),
+        field_size!(GlobalRoute, traffic_class),
+    ));
+    out.push(("ibv_ah_attr", "SIZE", size_of::<AhAttr>(), 0));
+    out.push((
+        "ibv_ah_attr",
+        "grh",
+        offset_of!(AhAttr, grh),
+        field_size!(AhAttr, grh),
+    ));
+    out.push((
+        "ibv_ah_attr",
+        "dlid",
+        offset_of!(AhAttr, dlid),
+        field_size!(AhAttr, dlid),
+    ));
+    out.push((
+        "ibv_ah_attr",
+        "sl",
+        offset_of!(AhAttr, sl),
+        field_size!(AhAttr, sl),
+    ));
+    out.push((
+        "ibv_ah_attr",
+        "src_path_bits",
+        offset_of!(AhAttr, src_path_bits),
+        field_size!(AhAttr, src_path_bits),
+    ));
+    out.push((
+        "ibv_ah_attr",
+        "static_rate",
+        offset_of!(AhAttr, static_rate),
+        field_size!(AhAttr, static_rate),
+    ));
+    out.push((
+        "ibv_ah_attr",
+        "is_global",
+        offset_of!(AhAttr, is_global),
+        field_size!(AhAttr, is_global),
+    ));
+    out.push((
+        "ibv_ah_attr",
+        "port_num",
+        offset_of!(AhAttr, port_num),
+        field_size!(AhAttr, port_num),
+    ));
+    out.push(("ibv_qp_attr", "SIZE", size_of::<QpAttr>(), 0));
+    out.push((
+        "ibv_qp_attr",
+        "qp_state",
+        offset_of!(QpAttr, qp_state),
+        field_size!(QpAttr, qp_state),
+    ));
+    out.push((
+        "ibv_qp_attr",
+        "cur_qp_state",
+        offset_of!(QpAttr, cur_qp_state),
+        field_size!(QpAttr, cur_qp_state),
+    ));
+    out.push((
+        "ibv_qp_attr",
+        "path_mtu",
+        offset_of!(QpAttr, path_mtu),
+        field_size!(QpAttr, path_mtu),
+    ));
+    out.push((
+        "ibv_qp_attr",
+        "path_mig_state",
+        offset_of!(QpAttr, path_mig_state),
+        field_size!(QpAttr, path_mig_state),
+    ));
+    out.push((
+        "ibv_qp_attr",
+        "qkey",
+        offset_of!(QpAttr, qkey),
+        field_size!(QpAttr, qkey),
+    ));
+    out.push((
+        "ibv_qp_attr",
+        "rq_psn",
+        offset_of!(QpAttr, rq_psn),
+        field_size!(QpAttr, rq_psn),
+    ));
+    out.push((
+        "ibv_qp_attr",
+        "sq_psn",
+        offset_of!(QpAttr, sq_psn),
+        field_size!(QpAttr, sq_psn),
+    ));
+    out.push((
+        "ibv_qp_attr",
+        "dest_qp_num",
+        offset_of!(QpAttr, dest_qp_num),
+        field_size!(QpAttr, dest_qp_num),
+    ));
+    out.push((
+        "ibv_qp_attr",
+        "qp_access_flags",
+        offset_of!(QpAttr, qp_access_flags),
+        field_size!(QpAttr, qp_access_flags),
+    ));
+    out.push((
+        "ibv_qp_attr",
+        "cap",
+        offset_of!(QpAttr, cap),
+        field_size!(QpAttr, cap),
+    ));
+    out.push((
+        "ibv_qp_attr",
+        "ah_attr",
+        offset_of!(QpAttr, ah_attr),
+        field_size!(QpAttr, ah_attr),
+    ));
+    out.push((
+        "ibv_qp_attr",
+        "alt_ah_attr",
+        offset_of!(QpAttr, alt_ah_attr),
+        field_size!(QpAttr, alt_ah_attr),
+    ));
+    out.push((
+        "ibv_qp_attr",
+        "pkey_index",
+        offset_of!(QpAttr, pkey_index),
+        field_size!(QpAttr, pkey_index),
+    ));
+    out.push((
+        "ibv_qp_attr",
+        "alt_pkey_index",
+        offset_of!(QpAttr, alt_pkey_index),
+        field_size!(QpAttr, alt_pkey_index),
+    ));
+    out.push((
+        "ibv_qp_attr",
+        "en_sqd_async_notify",
+        offset_of!(QpAttr, en_sqd_async_notify),
+        field_size!(QpAttr, en_sqd_async_notify),
+    ));
+    out.push((
+        "ibv_qp_attr",
+        "sq_draining",
+        offset_of!(QpAttr, sq_draining),
+        field_size!(QpAttr, sq_draining),
+    ));
+    out.push((
+        "ibv_qp_attr",
+        "max_rd_atomic",
+        offset_of!(QpAttr, max_rd_atomic),
+        field_size!(QpAttr, max_rd_atomic),
+    ));
+    out.push((
+        "ibv_qp_attr",
+        "max_dest_rd_atomic",
+        offset_of!(QpAttr, max_dest_rd_atomic),
+        field_size!(QpAttr, max_dest_rd_atomic),
+    ));
+    out.push((
+        "ibv_qp_attr",
+        "min_rnr_timer",
+        offset_of!(QpAttr, min_rnr_timer),
+        field_size!(QpAttr, min_rnr_timer),
+    ));
+    out.push((
+        "ibv_qp_attr",
+        "port_num",
+        offset_of!(QpAttr, port_num),
+        field_size!(QpAttr, port_num),
+    ));
+    out.push((
+        "ibv_qp_attr",
+        "timeout",
+        offset_of!(QpAttr, timeout),
+        field_size!(QpAttr, timeout),
+    ));
+    out.push((
+        "ibv_qp_attr",
+        "retry_cnt",
+        offset_of!(QpAttr, retry_cnt),
+        field_size!(QpAttr, retry_cnt),
+    ));
+    out.push((
+        "ibv_qp_attr",
+        "rnr_retry",
+        offset_of!(QpAttr, rnr_retry),
+        field_size!(QpAttr, rnr_retry),
+    ));
+    out.push((
+        "ibv_qp_attr",
+        "alt_port_num",
+        offset_of!(QpAttr, alt_port_num),
+        field_size!(QpAttr, alt_port_num),
+    ));
+    out.push((
+        "ibv_qp_attr",
+        "alt_timeout",
+        offset_of!(QpAttr, alt_timeout),
+        field_size!(QpAttr, alt_timeout),
+    ));
+    out.push((
+        "ibv_qp_attr",
+        "rate_limit",
+        offset_of!(QpAttr, rate_limit),
+        field_size!(QpAttr, rate_limit),
+    ));
+    out.push(("ibv_mr", "SIZE", size_of::<MrRaw>(), 0));
+    out.push((
+        "ibv_mr",
+        "context",
+        offset_of!(MrRaw, context),
+        field_size!(MrRaw, context),
+    ));
+    out.push((
+        "ibv_mr",
+        "pd",
+        offset_of!(MrRaw, pd),
+        field_size!(MrRaw, pd),
+    ));
+    out.push((
+        "ibv_mr",
+        "addr",
+        offset_of!(MrRaw, addr),
+        field_size!(MrRaw, addr),
+    ));
+    out.push((
+        "ibv_mr",
+        "length",
+        offset_of!(MrRaw, length),
+        field_size!(MrRaw, length),
+    ));
+    out.push((
+        "ibv_mr",
+        "handle",
+        offset_of!(MrRaw, handle),
+        field_size!(MrRaw, handle),
+    ));
+    out.push((
+        "ibv_mr",
+        "lkey",
+        offset_of!(MrRaw, lkey),
+        field_size!(MrRaw, lkey),
+    ));
+    out.push((
+        "ibv_mr",
+        "rkey",
+        offset_of!(MrRaw, rkey),
+        field_size!(MrRaw, rkey),
+    ));
+    out.push((
+        "ibv_qp",
+        "context",
+        offset_of!(QpRaw, context),
+        field_size!(QpRaw, context),
+    ));
+    out.push((
+        "ibv_qp",
+        "qp_context",
+        offset_of!(QpRaw, qp_context),
+        field_size!(QpRaw, qp_context),
+    ));
+    out.push((
+        "ibv_qp",
+        "pd",
+        offset_of!(QpRaw, pd),
+        field_size!(QpRaw, pd),
+    ));
+    out.push((
+        "ibv_qp",
+        "send_cq",
+        offset_of!(QpRaw, send_cq),
+        field_size!(QpRaw, send_cq),
+    ));
+    out.push((
+        "ibv_qp",
+        "recv_cq",
+        offset_of!(QpRaw, recv_cq),
+        field_size!(QpRaw, recv_cq),
+    ));
+    out.push((
+        "ibv_qp",
+        "srq",
+        offset_of!(QpRaw, srq),
+        field_size!(QpRaw, srq),
+    ));
+    out.push((
+        "ibv_qp",
+        "handle",
+        offset_of!(QpRaw, handle),
+        field_size!(QpRaw, handle),
+    ));
+    out.push((
+        "ibv_qp",
+        "qp_num",
+        offset_of!(QpRaw, qp_num),
+        field_size!(QpRaw, qp_num),
+    ));
+    out.push((
+        "ibv_qp",
+        "state",
+        offset_of!(QpRaw, state),
+        field_size!(QpRaw, state),
+    ));
+    out.push((
+        "ibv_qp",
+        "qp_type",
+        offset_of!(QpRaw, qp_type),
+        field_size!(QpRaw, qp_type),
     ));
     out
 }

@@ -5,12 +5,14 @@
 //! writes real CQEs, so the posting code is tested where no NIC exists; queue pairs kernels post
 //! to ([`gpu_qp`], device side in `cuda/include/doorbell/ibgda.cuh`), served by that emulator;
 //! libibverbs loaded at run time for device discovery ([`verbs`]); and the choice of posting mode
-//! with its reason ([`select`]). Nothing here has run on a NIC.
+//! with its reason ([`select`]); verbs resources on a real NIC with an RC queue-pair typestate
+//! ([`rc`], never run on one). Nothing here has run on a NIC.
 
 pub mod cq;
 pub mod emulator;
 pub mod gpu_qp;
 pub mod host_qp;
+pub mod rc;
 pub mod select;
 pub mod verbs;
 pub mod wqe;

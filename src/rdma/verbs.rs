@@ -97,6 +97,135 @@ pub struct GidEntry {
     pub ndev_ifindex: u32,
 }
 
+/// `struct ibv_qp_cap` (verbs.h).
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[allow(missing_docs)]
+pub struct QpCap {
+    pub max_send_wr: u32,
+    pub max_recv_wr: u32,
+    pub max_send_sge: u32,
+    pub max_recv_sge: u32,
+    pub max_inline_data: u32,
+}
+
+/// `struct ibv_qp_init_attr` (verbs.h).
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+#[allow(missing_docs)]
+pub struct QpInitAttr {
+    pub qp_context: *mut c_void,
+    pub send_cq: *mut c_void,
+    pub recv_cq: *mut c_void,
+    pub srq: *mut c_void,
+    pub cap: QpCap,
+    pub qp_type: u32,
+    pub sq_sig_all: i32,
+}
+
+impl Default for QpInitAttr {
+    fn default() -> Self {
+        QpInitAttr {
+            qp_context: std::ptr::null_mut(),
+            send_cq: std::ptr::null_mut(),
+            recv_cq: std::ptr::null_mut(),
+            srq: std::ptr::null_mut(),
+            cap: QpCap::default(),
+            qp_type: 0,
+            sq_sig_all: 0,
+        }
+    }
+}
+
+/// `struct ibv_global_route` (verbs.h). Aligned to 8 like `union ibv_gid` (it holds two u64s),
+/// which makes `ibv_ah_attr` and `ibv_qp_attr` 8-aligned too.
+#[repr(C, align(8))]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[allow(missing_docs)]
+pub struct GlobalRoute {
+    pub dgid: [u8; 16],
+    pub flow_label: u32,
+    pub sgid_index: u8,
+    pub hop_limit: u8,
+    pub traffic_class: u8,
+}
+
+/// `struct ibv_ah_attr` (verbs.h).
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[allow(missing_docs)]
+pub struct AhAttr {
+    pub grh: GlobalRoute,
+    pub dlid: u16,
+    pub sl: u8,
+    pub src_path_bits: u8,
+    pub static_rate: u8,
+    pub is_global: u8,
+    pub port_num: u8,
+}
+
+/// `struct ibv_qp_attr` (verbs.h).
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[allow(missing_docs)]
+pub struct QpAttr {
+    pub qp_state: u32,
+    pub cur_qp_state: u32,
+    pub path_mtu: u32,
+    pub path_mig_state: u32,
+    pub qkey: u32,
+    pub rq_psn: u32,
+    pub sq_psn: u32,
+    pub dest_qp_num: u32,
+    pub qp_access_flags: u32,
+    pub cap: QpCap,
+    pub ah_attr: AhAttr,
+    pub alt_ah_attr: AhAttr,
+    pub pkey_index: u16,
+    pub alt_pkey_index: u16,
+    pub en_sqd_async_notify: u8,
+    pub sq_draining: u8,
+    pub max_rd_atomic: u8,
+    pub max_dest_rd_atomic: u8,
+    pub min_rnr_timer: u8,
+    pub port_num: u8,
+    pub timeout: u8,
+    pub retry_cnt: u8,
+    pub rnr_retry: u8,
+    pub alt_port_num: u8,
+    pub alt_timeout: u8,
+    pub rate_limit: u32,
+}
+
+/// The head of `struct ibv_mr` (verbs.h): what is read from a registration.
+#[repr(C)]
+#[allow(missing_docs)]
+pub struct MrRaw {
+    pub context: *mut c_void,
+    pub pd: *mut c_void,
+    pub addr: *mut c_void,
+    pub length: usize,
+    pub handle: u32,
+    pub lkey: u32,
+    pub rkey: u32,
+}
+
+/// The head of `struct ibv_qp` (verbs.h), up to the QP number and type.
+#[repr(C)]
+#[allow(missing_docs)]
+pub struct QpRaw {
+    pub context: *mut c_void,
+    pub qp_context: *mut c_void,
+    pub pd: *mut c_void,
+    pub send_cq: *mut c_void,
+    pub recv_cq: *mut c_void,
+    pub srq: *mut c_void,
+    pub handle: u32,
+    pub qp_num: u32,
+    pub state: u32,
+    pub qp_type: u32,
+}
+
 /// A port's link layer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum LinkLayer {
@@ -234,6 +363,25 @@ type CloseDevice = unsafe extern "C" fn(*mut c_void) -> c_int;
 type QueryDevice = unsafe extern "C" fn(*mut c_void, *mut DeviceAttr) -> c_int;
 type QueryPort = unsafe extern "C" fn(*mut c_void, u8, *mut PortAttr) -> c_int;
 type QueryGidEx = unsafe extern "C" fn(*mut c_void, u32, u32, *mut GidEntry, u32, usize) -> c_int;
+type RegDmabufMr = unsafe extern "C" fn(*mut c_void, u64, usize, u64, c_int, c_int) -> *mut MrRaw;
+
+/// The verbs calls the resource layer ([`super::rc`]) makes, resolved at load.
+#[allow(missing_docs)]
+pub struct Fns {
+    pub close_device: CloseDevice,
+    pub alloc_pd: unsafe extern "C" fn(*mut c_void) -> *mut c_void,
+    pub dealloc_pd: unsafe extern "C" fn(*mut c_void) -> c_int,
+    pub reg_mr: unsafe extern "C" fn(*mut c_void, *mut c_void, usize, c_int) -> *mut MrRaw,
+    /// Absent before rdma-core v34.
+    pub reg_dmabuf_mr: Option<RegDmabufMr>,
+    pub dereg_mr: unsafe extern "C" fn(*mut MrRaw) -> c_int,
+    pub create_cq:
+        unsafe extern "C" fn(*mut c_void, c_int, *mut c_void, *mut c_void, c_int) -> *mut c_void,
+    pub destroy_cq: unsafe extern "C" fn(*mut c_void) -> c_int,
+    pub create_qp: unsafe extern "C" fn(*mut c_void, *mut QpInitAttr) -> *mut QpRaw,
+    pub destroy_qp: unsafe extern "C" fn(*mut QpRaw) -> c_int,
+    pub modify_qp: unsafe extern "C" fn(*mut QpRaw, *mut QpAttr, c_int) -> c_int,
+}
 
 /// libibverbs, loaded.
 pub struct Verbs {
@@ -246,6 +394,7 @@ pub struct Verbs {
     query_device: QueryDevice,
     query_port: QueryPort,
     query_gid_ex: QueryGidEx,
+    fns: Fns,
 }
 
 // SAFETY: the library handle and function pointers may be used from any thread (rdma-core's
@@ -328,9 +477,98 @@ impl Verbs {
                 query_gid_ex: std::mem::transmute::<*mut c_void, QueryGidEx>(sym(
                     c"_ibv_query_gid_ex",
                 )?),
+                fns: Fns {
+                    close_device: std::mem::transmute::<*mut c_void, CloseDevice>(sym(
+                        c"ibv_close_device",
+                    )?),
+                    alloc_pd: std::mem::transmute::<
+                        *mut c_void,
+                        unsafe extern "C" fn(*mut c_void) -> *mut c_void,
+                    >(sym(c"ibv_alloc_pd")?),
+                    dealloc_pd: std::mem::transmute::<
+                        *mut c_void,
+                        unsafe extern "C" fn(*mut c_void) -> c_int,
+                    >(sym(c"ibv_dealloc_pd")?),
+                    reg_mr: std::mem::transmute::<
+                        *mut c_void,
+                        unsafe extern "C" fn(*mut c_void, *mut c_void, usize, c_int) -> *mut MrRaw,
+                    >(sym(c"ibv_reg_mr")?),
+                    reg_dmabuf_mr: sym(c"ibv_reg_dmabuf_mr")
+                        .ok()
+                        .map(|p| std::mem::transmute::<*mut c_void, RegDmabufMr>(p)),
+                    dereg_mr: std::mem::transmute::<
+                        *mut c_void,
+                        unsafe extern "C" fn(*mut MrRaw) -> c_int,
+                    >(sym(c"ibv_dereg_mr")?),
+                    create_cq: std::mem::transmute::<
+                        *mut c_void,
+                        unsafe extern "C" fn(
+                            *mut c_void,
+                            c_int,
+                            *mut c_void,
+                            *mut c_void,
+                            c_int,
+                        ) -> *mut c_void,
+                    >(sym(c"ibv_create_cq")?),
+                    destroy_cq: std::mem::transmute::<
+                        *mut c_void,
+                        unsafe extern "C" fn(*mut c_void) -> c_int,
+                    >(sym(c"ibv_destroy_cq")?),
+                    create_qp: std::mem::transmute::<
+                        *mut c_void,
+                        unsafe extern "C" fn(*mut c_void, *mut QpInitAttr) -> *mut QpRaw,
+                    >(sym(c"ibv_create_qp")?),
+                    destroy_qp: std::mem::transmute::<
+                        *mut c_void,
+                        unsafe extern "C" fn(*mut QpRaw) -> c_int,
+                    >(sym(c"ibv_destroy_qp")?),
+                    modify_qp: std::mem::transmute::<
+                        *mut c_void,
+                        unsafe extern "C" fn(*mut QpRaw, *mut QpAttr, c_int) -> c_int,
+                    >(sym(c"ibv_modify_qp")?),
+                },
             }
         };
         Ok(v)
+    }
+
+    /// The resource calls.
+    pub fn fns(&self) -> &Fns {
+        &self.fns
+    }
+
+    /// Opens the device called `name`; the caller closes it with `fns().close_device`.
+    pub fn open_by_name(&self, name: &str) -> Result<*mut c_void> {
+        let mut n: c_int = 0;
+        // SAFETY: rdma-core allocates the list; freed below.
+        let list = unsafe { (self.get_device_list)(&mut n) };
+        if list.is_null() {
+            return Err(Error::TransportUnavailable {
+                transport: "ib",
+                why: format!("no RDMA devices ({})", std::io::Error::last_os_error()),
+            });
+        }
+        let mut found = std::ptr::null_mut();
+        for i in 0..n.max(0) as usize {
+            // SAFETY: `list` holds `n` device pointers, each with a name.
+            let dev = unsafe { *list.add(i) };
+            // SAFETY: as above.
+            let dev_name = unsafe { CStr::from_ptr((self.get_device_name)(dev)) };
+            if dev_name.to_bytes() == name.as_bytes() {
+                // SAFETY: a device of the list.
+                found = unsafe { (self.open_device)(dev) };
+                break;
+            }
+        }
+        // SAFETY: the list from ibv_get_device_list, freed once (opened contexts stay valid).
+        unsafe { (self.free_device_list)(list) };
+        if found.is_null() {
+            return Err(Error::TransportUnavailable {
+                transport: "ib",
+                why: format!("no RDMA device {name:?} could be opened (see doorbell-info)"),
+            });
+        }
+        Ok(found)
     }
 
     /// Every RDMA device with its ports and GIDs. Devices that cannot be opened or queried are
