@@ -407,7 +407,9 @@ fn serve(s: &Shared) {
     while !s.stop.load(Ordering::Relaxed) {
         let mut worked = false;
         {
-            let regions = lock(&s.regions).clone();
+            // Held for the pass (regions, then QPs: nothing takes them in the other order), so
+            // an idle spin does not copy the table; a registration waits for the pass to end.
+            let regions = lock(&s.regions);
             let mut qps = lock(&s.qps);
             for qp in qps.iter_mut() {
                 worked |= step(s, &regions, qp);
