@@ -6,9 +6,9 @@
 //! Needs a C compiler and rdma-core's headers (`apt install libibverbs-dev`; `.ci/run` installs
 //! them). Nothing is linked: the helpers are inline.
 
+mod c_program;
+
 use doorbell::rdma::wqe::{Op, SendQueue, CQ_UPDATE, FENCE, WQEBB};
-use std::path::PathBuf;
-use std::process::Command;
 
 const GOLDEN_C: &str = r#"
 #include <endian.h>
@@ -136,28 +136,7 @@ int main(void) {
 "#;
 
 fn golden() -> Vec<(String, Vec<u8>)> {
-    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("wqe-golden");
-    std::fs::create_dir_all(&dir).expect("temp dir");
-    let src = dir.join("golden.c");
-    let exe = dir.join("golden");
-    std::fs::write(&src, GOLDEN_C).expect("write golden.c");
-    let cc = std::env::var("CC").unwrap_or_else(|_| "cc".into());
-    let out = Command::new(&cc)
-        .args(["-O1", "-std=gnu11", "-o"])
-        .arg(&exe)
-        .arg(&src)
-        .output()
-        .unwrap_or_else(|e| panic!("running {cc}: {e} (a C compiler is needed)"));
-    assert!(
-        out.status.success(),
-        "compiling the golden program against rdma-core's mlx5dv.h failed (install rdma-core's \
-         headers: apt install libibverbs-dev):\n{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let run = Command::new(&exe).output().expect("run the golden program");
-    assert!(run.status.success());
-    String::from_utf8(run.stdout)
-        .expect("utf-8")
+    c_program::run("wqe-golden", GOLDEN_C, "-O1", "mlx5dv.h")
         .lines()
         .map(|l| {
             let (name, hex) = l.split_once(' ').expect("name and bytes");
