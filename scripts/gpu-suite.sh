@@ -2,7 +2,9 @@
 # The whole GPU suite in two halves, because GPU machines have no Rust toolchain.
 #
 #   scripts/gpu-suite.sh build        on a machine with cargo (no GPU needed): builds the release
-#                                     test binaries, examples and doorbell-info into .gpu-bundle/
+#                                     test binaries, examples and doorbell-info into .gpu-bundle/,
+#                                     and the same compressed into .gpu-pack/bundle.tgz (carry
+#                                     that one folder to a device; `run` unpacks it)
 #   scripts/gpu-suite.sh run [DIR]    on the GPU machine, from the repository root: runs every
 #                                     GPU test (--ignored) and the benchmarks from .gpu-bundle/,
 #                                     writing logs to DIR (default $OUT, else ./gpu-logs)
@@ -43,12 +45,19 @@ for line in sys.stdin:
     [ -f "$ex" ] && [ -x "$ex" ] && case "$ex" in *-*) ;; *) cp "$ex" "$bundle/examples/" ;; esac
   done
   git describe --always --dirty > "$bundle/COMMIT" 2>/dev/null || true
-  du -sh "$bundle"
+  # Compressed, the whole bundle fits one device call's carry limit (64 MiB); uncompressed it
+  # does not. Carry .gpu-pack and `run` unpacks it.
+  mkdir -p "$root/.gpu-pack"
+  tar -C "$root" -czf "$root/.gpu-pack/bundle.tgz" .gpu-bundle
+  du -sh "$bundle" "$root/.gpu-pack/bundle.tgz"
   ls -la "$bundle"/*
 }
 
 run() {
   local logs=${1:-${OUT:-$root/gpu-logs}}
+  if [ -f "$root/.gpu-pack/bundle.tgz" ] && [ ! -d "$bundle" ]; then
+    tar -C "$root" -xzf "$root/.gpu-pack/bundle.tgz"
+  fi
   mkdir -p "$logs"
   local suite=${SUITE:-all} failed=0 summary="$logs/summary.txt"
   : > "$summary"

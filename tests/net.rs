@@ -52,7 +52,10 @@ fn variants() -> Vec<(&'static str, Vec<(&'static str, &'static str)>)> {
 #[test]
 #[ignore = "needs GPU"]
 fn alltoall_and_allreduce_across_nodes_over_every_transport() {
-    for (name, env) in variants() {
+    // DOORBELL_TEST_VARIANTS=Ib,Ethernet keeps only the variants whose names contain one of them.
+    let only = std::env::var("DOORBELL_TEST_VARIANTS").unwrap_or_default();
+    let keep = |name: &str| only.is_empty() || only.split(',').any(|w| name.contains(w.trim()));
+    for (name, env) in variants().into_iter().filter(|(name, _)| keep(name)) {
         for n in rank_counts() {
             eprintln!("{name}, {n} ranks");
             run_case("net", n, &env);
@@ -71,6 +74,8 @@ fn download<T: cudarc::driver::DeviceRepr + Default + Clone>(
     ptr: u64,
     n: usize,
 ) -> Vec<T> {
+    // Synchronize first: a failed wait in the collective is then reported with its fields.
+    comm.synchronize(s).unwrap();
     let mut v = vec![T::default(); n];
     // SAFETY: the source holds `n` elements.
     unsafe { cudarc::driver::result::memcpy_dtoh_async(&mut v, ptr, s.cu_stream()) }.unwrap();
