@@ -1,8 +1,10 @@
-//! The rdma-core struct mirrors of `rdma::verbs` against `infiniband/verbs.h` (a C program
+//! The rdma-core struct mirrors of `rdma::verbs` and `rdma::hw` against `infiniband/verbs.h` and
+//! `infiniband/mlx5dv.h` (a C program
 //! compiled here prints every field's offset and size; needs a C compiler and rdma-core's
 //! headers: `apt install libibverbs-dev`, as `scripts/install-test-deps.sh` does), and loading
 //! libibverbs at run time where it is installed.
 
+use doorbell::rdma::hw::{DvCq, DvObj, DvQp};
 use doorbell::rdma::verbs::{
     AhAttr, DeviceAttr, GidEntry, GlobalRoute, MrRaw, PortAttr, QpAttr, QpCap, QpInitAttr, QpRaw,
     Verbs,
@@ -15,6 +17,7 @@ mod c_program;
 fn layout_c(rows: &[(&str, &str, usize, usize)]) -> String {
     let mut c = String::from(
         "#include <stddef.h>\n#include <stdio.h>\n#include <infiniband/verbs.h>\n\
+         #include <infiniband/mlx5dv.h>\n\
          #define F(s, f) printf(\"%s %s %zu %zu\\n\", #s, #f, offsetof(struct s, f), \
          sizeof(((struct s*)0)->f));\nint main(void) {\n",
     );
@@ -43,7 +46,31 @@ fn ours() -> Vec<(&'static str, &'static str, usize, usize)> {
             v
         }};
     }
+    // Mirrors that flatten nested C structs: (C field path, Rust field).
+    macro_rules! named {
+        ($c:literal, $t:ty, [$($cf:literal => $f:ident),* $(,)?]) => {{
+            // SAFETY: as above.
+            let probe: $t = unsafe { std::mem::zeroed() };
+            let mut v = vec![($c, "SIZE", size_of::<$t>(), 0)];
+            $(v.push(($c, $cf, offset_of!($t, $f), std::mem::size_of_val(&probe.$f)));)*
+            v
+        }};
+    }
     [
+        named!("mlx5dv_qp", DvQp, [
+            "dbrec" => dbrec, "sq.buf" => sq_buf, "sq.wqe_cnt" => sq_wqe_cnt,
+            "sq.stride" => sq_stride, "rq.buf" => rq_buf, "rq.wqe_cnt" => rq_wqe_cnt,
+            "rq.stride" => rq_stride, "bf.reg" => bf_reg, "bf.size" => bf_size,
+            "comp_mask" => comp_mask, "uar_mmap_offset" => uar_mmap_offset, "tirn" => tirn,
+            "tisn" => tisn, "rqn" => rqn, "sqn" => sqn, "tir_icm_addr" => tir_icm_addr,
+        ]),
+        named!("mlx5dv_cq", DvCq, [
+            "buf" => buf, "dbrec" => dbrec, "cqe_cnt" => cqe_cnt, "cqe_size" => cqe_size,
+            "cq_uar" => cq_uar, "cqn" => cqn, "comp_mask" => comp_mask,
+        ]),
+        named!("mlx5dv_obj", DvObj, [
+            "qp.in" => qp_in, "qp.out" => qp_out, "cq.in" => cq_in, "cq.out" => cq_out,
+        ]),
         fields!(
             "ibv_device_attr",
             DeviceAttr,
@@ -261,5 +288,22 @@ fn libibverbs_loads_at_run_time_or_says_what_to_install() {
             Err(e) => panic!("{e}"),
         },
         Err(e) => assert!(e.to_string().contains("libibverbs"), "{e}"),
+    }
+}
+
+/// Opening a hardware port (`rdma::hw`) where there is no mlx5 NIC (this project's machines)
+/// fails with the reason; where there is one, it opens.
+#[test]
+fn a_hardware_port_opens_or_says_why_not() {
+    let Ok(verbs) = Verbs::load() else {
+        return; // covered by the test above: the error says what to install
+    };
+    match doorbell::rdma::hw::HwPort::open(&std::sync::Arc::new(verbs), None, None) {
+        Ok(_) => eprintln!("an mlx5 NIC with an active port is present"),
+        Err(doorbell::Error::TransportUnavailable { why, .. }) => {
+            assert!(!why.is_empty());
+            eprintln!("{why}");
+        }
+        Err(e) => panic!("unexpected error kind: {e}"),
     }
 }

@@ -160,7 +160,15 @@ impl GpuQp {
                 Some(
                     std::thread::Builder::new()
                         .name(format!("doorbell-qp{qpn:x}-ring"))
-                        .spawn(move || ring_for_gpu(&ready, &dbr, &doorbell, qpn, &stop))
+                        .spawn(move || {
+                            ring_for_gpu(
+                                || ready.read(0),
+                                |v| dbr.write(0, v),
+                                |v| doorbell.write(0, v),
+                                qpn,
+                                &stop,
+                            )
+                        })
                         .map_err(|e| {
                             Error::invalid("doorbell thread", format!("cannot start: {e}"))
                         })?,
@@ -189,27 +197,31 @@ impl GpuQp {
     }
 }
 
-/// The CPU-assisted doorbell: whenever the GPU's ready index moves, the doorbell record, then
-/// (after a fence) the doorbell word, as rdma-core's `post_send` writes them.
-fn ring_for_gpu(
-    ready: &HostArray<u64>,
-    dbr: &HostArray<u32>,
-    doorbell: &HostArray<u64>,
+/// The CPU-assisted doorbell: whenever the GPU's ready index (`ready`) moves, the doorbell
+/// record (`write_dbr`), then after a fence the doorbell word (`write_doorbell`), as rdma-core's
+/// `post_send` writes them. Runs until `stop`.
+pub(crate) fn ring_for_gpu(
+    ready: impl Fn() -> u64,
+    write_dbr: impl Fn(u32),
+    write_doorbell: impl Fn(u64),
     qpn: u32,
     stop: &AtomicBool,
 ) {
     let mut rung = 0u64;
     let mut idle = 0u32;
     while !stop.load(Ordering::Relaxed) {
-        let r = ready.read(0);
+        let r = ready();
         if r > rung {
             fence(Ordering::Acquire);
-            dbr.write(0, ((r & 0xffff) as u32).to_be());
+            write_dbr(((r & 0xffff) as u32).to_be());
             fence(Ordering::SeqCst);
             let mut word = [0u8; 8];
             word[0..4].copy_from_slice(&(((r & 0xffff) as u32) << 8).to_be_bytes());
             word[4..8].copy_from_slice(&((qpn & 0xff_ffff) << 8).to_be_bytes());
-            doorbell.write(0, u64::from_ne_bytes(word));
+            write_doorbell(u64::from_ne_bytes(word));
+            // Write-combined doorbell pages need their buffers flushed (rdma-core's
+            // mmio_flush_writes); harmless for the emulator's host memory.
+            fence(Ordering::SeqCst);
             rung = r;
             idle = 0;
         } else {

@@ -1,10 +1,11 @@
-//! A queue pair the CPU posts to, on the emulated NIC: the poster side of the verbs-proxy mode
-//! (a proxy thread turns PortChannel triggers into work requests). WQEs are built by
+//! A queue pair the CPU posts to, on the emulated NIC or a real mlx5 NIC: the poster side of the
+//! proxy mode (a proxy thread turns PortChannel triggers into work requests). WQEs are built by
 //! [`super::wqe`], the doorbell record and doorbell written as rdma-core's `post_send` writes
 //! them, completions consumed with mlx5's ownership rule. One thread uses it at a time.
 
 use super::cq::{self, Cqe, CQE_BYTES, EMPTY_OP_OWN};
 use super::emulator::{EmulatedNic, QpRings};
+use super::hw::{HwQp, Rings};
 use super::wqe::{doorbell_record, wqebbs, Op, CQ_UPDATE, WQEBB};
 use crate::error::{Error, Result};
 use std::sync::atomic::{fence, Ordering};
@@ -23,16 +24,29 @@ impl Shared {
     }
 }
 
-/// A CPU-posted queue pair served by an [`EmulatedNic`]; removed from it when dropped.
+/// Who serves a [`HostQp`]'s rings.
+enum Backing {
+    /// The emulated NIC, reading buffers this value owns.
+    Emulated {
+        nic: Arc<EmulatedNic>,
+        _buffers: [Shared; 5],
+    },
+    /// A real mlx5 NIC (rings in libmlx5's memory, kept alive by the QP).
+    Hardware { _qp: Box<HwQp> },
+}
+
+/// A CPU-posted queue pair, served by an [`EmulatedNic`] ([`HostQp::new`]) or a real mlx5 NIC
+/// ([`HostQp::on_hardware`]); the posting code is the same for both.
 pub struct HostQp {
-    nic: Arc<EmulatedNic>,
+    backing: Backing,
     qpn: u32,
     depth: u64,
-    sq: Shared,
-    dbr: Shared,
-    doorbell: Shared,
-    cq: Shared,
-    cq_ci: Shared,
+    cq_depth: u64,
+    sq: *mut u8,
+    dbr: *mut u32,
+    doorbell: *mut u64,
+    cq: *mut u8,
+    cq_ci: *mut u32,
     /// WQEBBs posted.
     pi: u64,
     /// WQEBBs rung.
@@ -45,12 +59,12 @@ pub struct HostQp {
     sizes: Vec<u8>,
 }
 
-// SAFETY: the shared buffers are owned here and only accessed through volatile operations by
-// this side and the NIC thread.
+// SAFETY: the rings are owned by the backing and only accessed through volatile operations by
+// this side and the NIC.
 unsafe impl Send for HostQp {}
 
 impl HostQp {
-    /// A QP numbered `qpn` (unique on `nic`) with `2^sq_log2` WQEBBs (7..=15) and a CQ as deep.
+    /// A QP numbered `qpn` with `2^sq_log2` WQEBBs (7..=15) and a CQ as deep, on `nic`.
     pub fn new(nic: &Arc<EmulatedNic>, qpn: u32, sq_log2: u32) -> Result<HostQp> {
         if !(7..=15).contains(&sq_log2) {
             return Err(Error::invalid(
@@ -59,42 +73,74 @@ impl HostQp {
             ));
         }
         let depth = 1u64 << sq_log2;
-        let qp = HostQp {
-            nic: nic.clone(),
-            qpn,
-            depth,
-            sq: Shared::new(depth as usize * WQEBB),
-            dbr: Shared::new(8),
-            doorbell: Shared::new(8),
-            cq: Shared::new(depth as usize * CQE_BYTES),
-            cq_ci: Shared::new(8),
-            pi: 0,
-            rung: 0,
-            polled: 0,
-            completed: 0,
-            sizes: vec![0; depth as usize],
+        let buffers = [
+            Shared::new(depth as usize * WQEBB),
+            Shared::new(8),
+            Shared::new(8),
+            Shared::new(depth as usize * CQE_BYTES),
+            Shared::new(8),
+        ];
+        let rings = QpRings {
+            sq: buffers[0].ptr(),
+            sq_wqebbs: depth,
+            dbr: buffers[1].ptr() as *const u32,
+            doorbell: buffers[2].ptr() as *const u64,
+            cq: buffers[3].ptr(),
+            cq_entries: depth,
+            cq_ci: buffers[4].ptr() as *const u32,
         };
         for i in 0..depth as usize {
             // SAFETY: inside the CQ, before the NIC knows it.
             unsafe {
-                qp.cq
-                    .ptr()
+                rings
+                    .cq
                     .add(i * CQE_BYTES + 63)
                     .write_volatile(EMPTY_OP_OWN)
             };
         }
-        let rings = QpRings {
-            sq: qp.sq.ptr(),
-            sq_wqebbs: depth,
-            dbr: qp.dbr.ptr() as *const u32,
-            doorbell: qp.doorbell.ptr() as *const u64,
-            cq: qp.cq.ptr(),
-            cq_entries: depth,
-            cq_ci: qp.cq_ci.ptr() as *const u32,
-        };
         // SAFETY: the buffers live in the returned value, whose Drop removes the QP first.
         unsafe { nic.add_qp(qpn, rings, None) }?;
-        Ok(qp)
+        Ok(HostQp::with(
+            Backing::Emulated {
+                nic: nic.clone(),
+                _buffers: buffers,
+            },
+            Rings {
+                qpn,
+                sq: rings.sq,
+                sq_wqebbs: depth,
+                dbr: rings.dbr as *mut u32,
+                doorbell: rings.doorbell as *mut u64,
+                cq: rings.cq,
+                cq_entries: depth,
+                cq_ci: rings.cq_ci as *mut u32,
+            },
+        ))
+    }
+
+    /// Posts to a connected QP of a real mlx5 NIC (see [`super::hw`]; never run on one).
+    pub fn on_hardware(qp: HwQp) -> HostQp {
+        let rings = qp.rings();
+        HostQp::with(Backing::Hardware { _qp: Box::new(qp) }, rings)
+    }
+
+    fn with(backing: Backing, r: Rings) -> HostQp {
+        HostQp {
+            backing,
+            qpn: r.qpn,
+            depth: r.sq_wqebbs,
+            cq_depth: r.cq_entries,
+            sq: r.sq,
+            dbr: r.dbr,
+            doorbell: r.doorbell,
+            cq: r.cq,
+            cq_ci: r.cq_ci,
+            pi: 0,
+            rung: 0,
+            polled: 0,
+            completed: 0,
+            sizes: vec![0; r.sq_wqebbs as usize],
+        }
     }
 
     /// Its QP number.
@@ -143,7 +189,7 @@ impl HostQp {
         for (i, block) in w.chunks(WQEBB).enumerate() {
             let slot = ((at + i as u64) & (self.depth - 1)) as usize * WQEBB;
             // SAFETY: the slot lies in the send queue; the NIC reads it only after the doorbell.
-            unsafe { std::ptr::copy(block.as_ptr(), self.sq.ptr().add(slot), block.len()) };
+            unsafe { std::ptr::copy(block.as_ptr(), self.sq.add(slot), block.len()) };
         }
         if signaled {
             self.sizes[(at & (self.depth - 1)) as usize] = n as u8;
@@ -160,13 +206,15 @@ impl HostQp {
         fence(Ordering::Release);
         // SAFETY: aligned words of this QP's record and doorbell.
         unsafe {
-            std::ptr::write_volatile(self.dbr.ptr() as *mut [u8; 4], doorbell_record(self.pi));
+            std::ptr::write_volatile(self.dbr as *mut [u8; 4], doorbell_record(self.pi));
             fence(Ordering::SeqCst);
             let mut db = [0u8; 8];
             db[0..4].copy_from_slice(&(((self.pi & 0xffff) as u32) << 8).to_be_bytes());
             db[4..8].copy_from_slice(&(self.qpn << 8).to_be_bytes());
-            std::ptr::write_volatile(self.doorbell.ptr() as *mut u64, u64::from_ne_bytes(db));
+            std::ptr::write_volatile(self.doorbell, u64::from_ne_bytes(db));
         }
+        // A real doorbell page is write-combined: flush it (rdma-core's mmio_flush_writes).
+        fence(Ordering::SeqCst);
         self.rung = self.pi;
     }
 
@@ -174,26 +222,23 @@ impl HostQp {
     /// error naming the WQE and the mlx5 syndrome.
     pub fn poll(&mut self) -> Result<u64> {
         loop {
-            let at = (self.polled & (self.depth - 1)) as usize * CQE_BYTES;
+            let at = (self.polled & (self.cq_depth - 1)) as usize * CQE_BYTES;
             // SAFETY: an aligned word inside the CQ; the NIC writes it last.
-            let tail = unsafe { std::ptr::read_volatile(self.cq.ptr().add(at + 56) as *const u64) }
+            let tail = unsafe { std::ptr::read_volatile(self.cq.add(at + 56) as *const u64) }
                 .to_ne_bytes();
-            if !cq::is_ready(tail[7], self.polled, self.depth) {
+            if !cq::is_ready(tail[7], self.polled, self.cq_depth) {
                 break;
             }
             fence(Ordering::Acquire);
             let mut b = [0u8; CQE_BYTES];
             // SAFETY: inside the CQ; complete once op_own says so.
-            unsafe { std::ptr::copy(self.cq.ptr().add(at), b.as_mut_ptr(), 56) };
+            unsafe { std::ptr::copy(self.cq.add(at), b.as_mut_ptr(), 56) };
             b[56..].copy_from_slice(&tail);
             let c = Cqe::decode(&b);
             self.polled += 1;
             // SAFETY: the CQ's consumer-index record.
             unsafe {
-                std::ptr::write_volatile(
-                    self.cq_ci.ptr() as *mut u32,
-                    ((self.polled & 0xff_ffff) as u32).to_be(),
-                )
+                std::ptr::write_volatile(self.cq_ci, ((self.polled & 0xff_ffff) as u32).to_be())
             };
             let start =
                 self.completed + u64::from(c.wqe_counter.wrapping_sub(self.completed as u16));
@@ -214,7 +259,9 @@ impl HostQp {
 
 impl Drop for HostQp {
     fn drop(&mut self) {
-        self.nic.remove_qp(self.qpn);
+        if let Backing::Emulated { nic, .. } = &self.backing {
+            nic.remove_qp(self.qpn);
+        }
     }
 }
 

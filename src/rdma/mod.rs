@@ -6,12 +6,14 @@
 //! to ([`gpu_qp`], device side in `cuda/include/doorbell/ibgda.cuh`), served by that emulator;
 //! libibverbs loaded at run time for device discovery ([`verbs`]); and the choice of posting mode
 //! with its reason ([`select`]); verbs resources on a real NIC with an RC queue-pair typestate
-//! ([`rc`], never run on one). Nothing here has run on a NIC.
+//! ([`rc`], never run on one); queue pairs of a real mlx5 NIC whose rings the same posters drive
+//! ([`hw`], never run on one). Nothing here has run on a NIC.
 
 pub mod cq;
 pub mod emulator;
 pub mod gpu_qp;
 pub mod host_qp;
+pub mod hw;
 pub mod rc;
 pub mod select;
 pub mod verbs;

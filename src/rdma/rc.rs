@@ -296,6 +296,13 @@ pub struct Cq {
 // SAFETY: as for Device.
 unsafe impl Send for Cq {}
 
+impl Cq {
+    /// The `struct ibv_cq *`.
+    pub(crate) fn raw(&self) -> *mut c_void {
+        self.cq
+    }
+}
+
 impl Drop for Cq {
     fn drop(&mut self) {
         // SAFETY: created by us, destroyed once (QPs on it must be gone: they borrow it only at
@@ -366,6 +373,11 @@ impl Endpoint {
 }
 
 impl<S> Qp<S> {
+    /// The `struct ibv_qp *`.
+    pub(crate) fn raw(&self) -> *mut super::verbs::QpRaw {
+        self.qp
+    }
+
     /// Its QP number.
     pub fn qpn(&self) -> u32 {
         // SAFETY: a live QP from rdma-core.

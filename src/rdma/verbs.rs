@@ -284,6 +284,8 @@ pub struct Port {
     pub link_layer: LinkLayer,
     /// Active MTU in bytes.
     pub active_mtu: u32,
+    /// Its LID (InfiniBand; 0 on RoCE).
+    pub lid: u16,
     /// Its non-empty GIDs.
     pub gids: Vec<Gid>,
 }
@@ -678,6 +680,7 @@ impl Verbs {
                         _ => LinkLayer::Unspecified,
                     },
                     active_mtu: 128 << p.active_mtu.min(5),
+                    lid: p.lid,
                     gids,
                 });
             }
@@ -719,6 +722,7 @@ mod tests {
             state: 4,
             link_layer: LinkLayer::Ethernet,
             active_mtu: 4096,
+            lid: 0,
             gids: vec![
                 Gid {
                     index: 0,

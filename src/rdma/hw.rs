@@ -1,0 +1,550 @@
+//! Queue pairs on a real mlx5 NIC whose rings doorbell's own posters drive: an RC QP made with
+//! plain verbs ([`super::rc`]), its send queue, doorbell record, doorbell register (the UAR's
+//! BlueFlame page) and completion queue found with `mlx5dv_init_obj` (libmlx5 loaded at run
+//! time), then posted to by the same code that posts to the emulated NIC: the CPU poster
+//! ([`super::host_qp::HostQp::on_hardware`], the verbs-proxy side) or kernels
+//! ([`HwQp::map_for_gpu`]: the rings registered into the GPU, the doorbell register with
+//! `CU_MEMHOSTREGISTER_IOMEMORY` for IBGDA, or a host thread ringing for CPU-assisted posting).
+//!
+//! The send queue and CQ stay in the host memory libmlx5 allocated (the bring-up path of
+//! `shared/reference/ibgda.md` 1.1, option 2: no DEVX, slower than GPU-memory rings).
+//!
+//! **Never run on a NIC**: the machines of this project have none. The struct mirrors are checked
+//! against `mlx5dv.h` in CI (`tests/verbs_layout.rs`); `tests/ib_hw.rs` is the hardware test
+//! (`docs/rdma.md` gives the command).
+
+use super::rc::{access, Cq, Device, Endpoint, Pd, Qp, Rts};
+use super::verbs::{choose_gid, QpCap, Verbs};
+use crate::device_api::{IbQpHandle, WaitSite};
+use crate::error::{Error, Result};
+use crate::host::cuda::{check, cuda_err, Gpu};
+use cudarc::driver::sys;
+use cudarc::driver::{CudaSlice, DevicePtr};
+use std::ffi::{c_int, c_void};
+use std::sync::atomic::{fence, AtomicBool, Ordering};
+use std::sync::Arc;
+
+/// `struct mlx5dv_qp` (mlx5dv.h).
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+#[allow(missing_docs)]
+pub struct DvQp {
+    pub dbrec: *mut u32,
+    pub sq_buf: *mut c_void,
+    pub sq_wqe_cnt: u32,
+    pub sq_stride: u32,
+    pub rq_buf: *mut c_void,
+    pub rq_wqe_cnt: u32,
+    pub rq_stride: u32,
+    pub bf_reg: *mut c_void,
+    pub bf_size: u32,
+    pub comp_mask: u64,
+    pub uar_mmap_offset: i64,
+    pub tirn: u32,
+    pub tisn: u32,
+    pub rqn: u32,
+    pub sqn: u32,
+    pub tir_icm_addr: u64,
+}
+
+/// `struct mlx5dv_cq` (mlx5dv.h).
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+#[allow(missing_docs)]
+pub struct DvCq {
+    pub buf: *mut c_void,
+    pub dbrec: *mut u32,
+    pub cqe_cnt: u32,
+    pub cqe_size: u32,
+    pub cq_uar: *mut c_void,
+    pub cqn: u32,
+    pub comp_mask: u64,
+}
+
+/// `struct mlx5dv_obj` (mlx5dv.h): (in, out) pointer pairs for QP, CQ, SRQ, RWQ, DM, AH, PD.
+#[repr(C)]
+#[allow(missing_docs)]
+pub struct DvObj {
+    pub qp_in: *mut c_void,
+    pub qp_out: *mut DvQp,
+    pub cq_in: *mut c_void,
+    pub cq_out: *mut DvCq,
+    pub others: [[*mut c_void; 2]; 5],
+}
+
+/// `MLX5DV_OBJ_QP`.
+pub const OBJ_QP: u64 = 1;
+/// `MLX5DV_OBJ_CQ`.
+pub const OBJ_CQ: u64 = 2;
+
+type InitObj = unsafe extern "C" fn(*mut DvObj, u64) -> c_int;
+
+/// libmlx5's direct-verbs entry point, loaded at run time.
+pub struct Mlx5 {
+    lib: *mut c_void,
+    init_obj: InitObj,
+}
+
+// SAFETY: a library handle and a thread-safe function pointer.
+unsafe impl Send for Mlx5 {}
+// SAFETY: as above.
+unsafe impl Sync for Mlx5 {}
+
+impl Mlx5 {
+    /// Loads `libmlx5.so.1`.
+    pub fn load() -> Result<Mlx5> {
+        // SAFETY: dlopen of rdma-core's mlx5 provider library by name.
+        let lib = unsafe { libc::dlopen(c"libmlx5.so.1".as_ptr(), libc::RTLD_NOW) };
+        if lib.is_null() {
+            return Err(Error::TransportUnavailable {
+                transport: "ib",
+                why: "cannot load libmlx5.so.1: install rdma-core's mlx5 provider \
+                      (Debian/Ubuntu: apt install ibverbs-providers)"
+                    .into(),
+            });
+        }
+        // SAFETY: a live handle and a C string.
+        let sym = unsafe { libc::dlsym(lib, c"mlx5dv_init_obj".as_ptr()) };
+        if sym.is_null() {
+            // SAFETY: opened above, closed once.
+            unsafe { libc::dlclose(lib) };
+            return Err(Error::TransportUnavailable {
+                transport: "ib",
+                why: "libmlx5.so.1 lacks mlx5dv_init_obj".into(),
+            });
+        }
+        Ok(Mlx5 {
+            lib,
+            // SAFETY: the symbol has this signature in mlx5dv.h.
+            init_obj: unsafe { std::mem::transmute::<*mut c_void, InitObj>(sym) },
+        })
+    }
+}
+
+impl Drop for Mlx5 {
+    fn drop(&mut self) {
+        // SAFETY: opened by load, closed once.
+        unsafe { libc::dlclose(self.lib) };
+    }
+}
+
+/// Where a QP's rings are, in this process's address space.
+#[derive(Debug, Clone, Copy)]
+pub struct Rings {
+    /// QP number.
+    pub qpn: u32,
+    /// Send queue: `sq_wqebbs` WQEBBs of 64 bytes.
+    pub sq: *mut u8,
+    /// WQEBBs in the send queue (a power of two).
+    pub sq_wqebbs: u64,
+    /// Send doorbell record (big-endian producer index).
+    pub dbr: *mut u32,
+    /// The doorbell register (MMIO).
+    pub doorbell: *mut u64,
+    /// Completion queue: `cq_entries` CQEs of 64 bytes.
+    pub cq: *mut u8,
+    /// CQEs in the CQ (a power of two).
+    pub cq_entries: u64,
+    /// CQ consumer-index record.
+    pub cq_ci: *mut u32,
+}
+
+/// An RC queue pair on a real mlx5 NIC, connected (RTS), with its rings. Drops the QP before its
+/// CQ.
+pub struct HwQp {
+    qp: Option<Qp<Rts>>,
+    _cq: Cq,
+    rings: Rings,
+    endpoint: Endpoint,
+}
+
+// SAFETY: the rings are libmlx5 memory owned by the QP and CQ held here.
+unsafe impl Send for HwQp {}
+
+/// A QP made but not yet connected: its endpoint goes to the peer.
+pub struct HwQpInit {
+    qp: Qp<super::rc::Init>,
+    cq: Cq,
+    /// What the peer connects to.
+    pub endpoint: Endpoint,
+    port: u8,
+    gid_index: u8,
+    mtu: u32,
+}
+
+/// An open mlx5 device and port ready to make queue pairs.
+pub struct HwPort {
+    mlx5: Mlx5,
+    device: Arc<Device>,
+    /// The PD queue pairs and registrations use.
+    pub pd: Arc<Pd>,
+    port: u8,
+    lid: u16,
+    gid: [u8; 16],
+    gid_index: u8,
+    mtu: u32,
+}
+
+impl HwPort {
+    /// Opens `name` (an mlx5 device; `None`: the first with an active port) on its first active
+    /// port; `gid_override` as `DOORBELL_IB_GID_INDEX`.
+    pub fn open(
+        verbs: &Arc<Verbs>,
+        name: Option<&str>,
+        gid_override: Option<u32>,
+    ) -> Result<HwPort> {
+        let nics = verbs.devices()?;
+        let nic = nics
+            .iter()
+            .filter(|n| n.is_mlx5())
+            .find(|n| name.is_none_or(|want| n.name == want) && n.ports.iter().any(|p| p.active()))
+            .ok_or_else(|| Error::TransportUnavailable {
+                transport: "ib",
+                why: match name {
+                    Some(n) => format!("no mlx5 device {n} with an active port"),
+                    None => format!(
+                        "no mlx5 device with an active port (found: {})",
+                        nics.iter()
+                            .map(|n| n.name.as_str())
+                            .collect::<Vec<_>>()
+                            .join(", ")
+                    ),
+                },
+            })?;
+        let port = nic
+            .ports
+            .iter()
+            .find(|p| p.active())
+            .expect("checked above");
+        let gid = choose_gid(port, gid_override)?;
+        let mtu = match port.active_mtu {
+            4096 => 5,
+            2048 => 4,
+            1024 => 3,
+            512 => 2,
+            _ => 1,
+        };
+        let device = Device::open(verbs, &nic.name)?;
+        let pd = device.alloc_pd()?;
+        Ok(HwPort {
+            mlx5: Mlx5::load()?,
+            device,
+            pd,
+            port: port.num,
+            lid: port.lid,
+            gid: gid.bytes,
+            gid_index: gid.index as u8,
+            mtu,
+        })
+    }
+
+    /// A QP with at least `2^sq_log2` WQEBBs in INIT, remote access for writes, reads and
+    /// atomics; connect it with [`HwQpInit::connect`].
+    pub fn create_qp(&self, sq_log2: u32) -> Result<HwQpInit> {
+        let depth = 1u32 << sq_log2;
+        // Every WQEBB may carry a signaled WQE: the CQ is at least as deep as the send queue.
+        let cq = self.device.create_cq(depth as i32)?;
+        let cap = QpCap {
+            max_send_wr: depth / 4,
+            max_recv_wr: 1,
+            max_send_sge: 1,
+            max_recv_sge: 1,
+            max_inline_data: 64,
+        };
+        let qp = self.pd.create_rc_qp(&cq, cap)?.init(
+            self.port,
+            access::LOCAL_WRITE
+                | access::REMOTE_WRITE
+                | access::REMOTE_READ
+                | access::REMOTE_ATOMIC,
+        )?;
+        let psn = (qp.qpn().wrapping_mul(2_654_435_761)) & 0xff_ffff;
+        Ok(HwQpInit {
+            endpoint: Endpoint {
+                qpn: qp.qpn(),
+                psn,
+                lid: self.lid,
+                gid: self.gid,
+            },
+            qp,
+            cq,
+            port: self.port,
+            gid_index: self.gid_index,
+            mtu: self.mtu,
+        })
+    }
+
+    /// Connects `init` to `remote` and finds its rings.
+    pub fn connect(&self, init: HwQpInit, remote: &Endpoint) -> Result<HwQp> {
+        let HwQpInit {
+            qp,
+            cq,
+            endpoint,
+            port,
+            gid_index,
+            mtu,
+        } = init;
+        let qp = qp.rtr(remote, port, gid_index, mtu)?.rts(endpoint.psn)?;
+        let mut dv_qp: DvQp = unsafe_zeroed();
+        let mut dv_cq: DvCq = unsafe_zeroed();
+        let mut obj = DvObj {
+            qp_in: qp.raw() as *mut c_void,
+            qp_out: &mut dv_qp,
+            cq_in: cq.raw(),
+            cq_out: &mut dv_cq,
+            others: [[std::ptr::null_mut(); 2]; 5],
+        };
+        // SAFETY: live QP and CQ of an mlx5 context; outputs point at full mirrors.
+        let r = unsafe { (self.mlx5.init_obj)(&mut obj, OBJ_QP | OBJ_CQ) };
+        if r != 0 {
+            return Err(Error::TransportUnavailable {
+                transport: "ib",
+                why: format!(
+                    "mlx5dv_init_obj failed ({}): not an mlx5 device?",
+                    std::io::Error::from_raw_os_error(r.abs())
+                ),
+            });
+        }
+        if dv_qp.sq_stride != 64 || !dv_qp.sq_wqe_cnt.is_power_of_two() || dv_qp.bf_reg.is_null() {
+            return Err(Error::TransportUnavailable {
+                transport: "ib",
+                why: format!(
+                    "unexpected send queue: stride {}, {} WQEBBs, doorbell register {:?}",
+                    dv_qp.sq_stride, dv_qp.sq_wqe_cnt, dv_qp.bf_reg
+                ),
+            });
+        }
+        if dv_cq.cqe_size != 64 || !dv_cq.cqe_cnt.is_power_of_two() {
+            return Err(Error::TransportUnavailable {
+                transport: "ib",
+                why: format!(
+                    "CQEs of {} bytes ({} of them): doorbell polls 64-byte CQEs (unset MLX5_CQE_SIZE)",
+                    dv_cq.cqe_size, dv_cq.cqe_cnt
+                ),
+            });
+        }
+        let rings = Rings {
+            qpn: qp.qpn(),
+            sq: dv_qp.sq_buf as *mut u8,
+            sq_wqebbs: u64::from(dv_qp.sq_wqe_cnt),
+            // SAFETY: dbrec is the QP's [receive, send] record pair.
+            dbr: unsafe { dv_qp.dbrec.add(1) },
+            doorbell: dv_qp.bf_reg as *mut u64,
+            cq: dv_cq.buf as *mut u8,
+            cq_entries: u64::from(dv_cq.cqe_cnt),
+            cq_ci: dv_cq.dbrec,
+        };
+        Ok(HwQp {
+            qp: Some(qp),
+            _cq: cq,
+            rings,
+            endpoint,
+        })
+    }
+
+    /// Two QPs of this port connected to each other (loopback through the NIC).
+    pub fn loopback_pair(&self, sq_log2: u32) -> Result<(HwQp, HwQp)> {
+        let (a, b) = (self.create_qp(sq_log2)?, self.create_qp(sq_log2)?);
+        let (ea, eb) = (a.endpoint, b.endpoint);
+        Ok((self.connect(a, &eb)?, self.connect(b, &ea)?))
+    }
+}
+
+fn unsafe_zeroed<T: Copy>() -> T {
+    // SAFETY: only used for the plain-data mirrors above (pointers and integers; all-zero is
+    // a valid value of each).
+    unsafe { std::mem::zeroed() }
+}
+
+impl HwQp {
+    /// Its rings.
+    pub fn rings(&self) -> Rings {
+        self.rings
+    }
+
+    /// Its endpoint.
+    pub fn endpoint(&self) -> Endpoint {
+        self.endpoint
+    }
+
+    /// Maps the rings into `gpu` for kernels to post (see `IbQpHandle`): the send queue, doorbell
+    /// record and CQ registered as mapped host memory; with `ibgda` the doorbell register too
+    /// (`CU_MEMHOSTREGISTER_IOMEMORY`, which stock drivers refuse without
+    /// `NVreg_RegistryDwords=PeerMappingOverride=1`), else a host thread rings for the kernels.
+    pub fn map_for_gpu(self, gpu: &Arc<Gpu>, ibgda: bool, site: WaitSite) -> Result<GpuHwQp> {
+        gpu.bind()?;
+        let r = self.rings;
+        let sq_log2 = r.sq_wqebbs.trailing_zeros();
+        let cq_log2 = r.cq_entries.trailing_zeros();
+        if !(7..=15).contains(&sq_log2) {
+            return Err(Error::invalid(
+                "send queue",
+                format!("{} WQEBBs: kernels post to 2^7..=2^15", r.sq_wqebbs),
+            ));
+        }
+        let mut regs = Vec::new();
+        let sq = register(&mut regs, r.sq as u64, r.sq_wqebbs * 64, false)?;
+        let dbr = register(&mut regs, r.dbr as u64, 4, false)?;
+        let cq = register(&mut regs, r.cq as u64, r.cq_entries * 64, false)?;
+        let cq_ci = register(&mut regs, r.cq_ci as u64, 4, false)?;
+        let doorbell = if ibgda {
+            register(&mut regs, r.doorbell as u64, 8, true).map_err(|e| {
+                Error::TransportUnavailable {
+                    transport: "ib",
+                    why: format!(
+                        "the doorbell register cannot be mapped into the GPU ({e}); set \
+                     NVreg_RegistryDwords=PeerMappingOverride=1 for the nvidia module, or use \
+                     DOORBELL_IB_POSTING=cpu"
+                    ),
+                }
+            })?
+        } else {
+            0
+        };
+        let stream = gpu.new_stream()?;
+        let state = stream
+            .alloc_zeros::<u64>(8)
+            .map_err(cuda_err("cuMemAlloc"))?;
+        let sizes = stream
+            .alloc_zeros::<u8>(r.sq_wqebbs as usize)
+            .map_err(cuda_err("cuMemAlloc"))?;
+        let ready = if ibgda {
+            None
+        } else {
+            Some(Arc::new(crate::host::cuda::HostArray::<u64>::new(gpu, 1)?))
+        };
+        stream
+            .synchronize()
+            .map_err(cuda_err("cuStreamSynchronize"))?;
+        let handle = IbQpHandle {
+            sq,
+            dbr,
+            doorbell,
+            cq,
+            cq_ci,
+            state: state.device_ptr(&stream).0,
+            sizes: sizes.device_ptr(&stream).0,
+            host_ready: ready.as_ref().map_or(0, |h| h.device_ptr()),
+            qpn: r.qpn,
+            sq_log2,
+            cq_log2,
+            reserved: 0,
+            site,
+        };
+        let stop = Arc::new(AtomicBool::new(false));
+        let assist = match &ready {
+            None => None,
+            Some(ready) => {
+                let (ready, stop) = (ready.clone(), stop.clone());
+                let (dbr, doorbell) = (SendPtr(r.dbr as *mut u8), SendPtr(r.doorbell as *mut u8));
+                Some(
+                    std::thread::Builder::new()
+                        .name(format!("doorbell-qp{:x}-ring", r.qpn))
+                        .spawn(move || {
+                            let (dbr, doorbell) = (dbr, doorbell);
+                            super::gpu_qp::ring_for_gpu(
+                                || ready.read(0),
+                                // SAFETY: the QP's send record and doorbell register, alive
+                                // until this thread is joined (GpuHwQp's Drop).
+                                |v| unsafe { (dbr.0 as *mut u32).write_volatile(v) },
+                                |v| unsafe { (doorbell.0 as *mut u64).write_volatile(v) },
+                                r.qpn,
+                                &stop,
+                            )
+                        })
+                        .map_err(|e| {
+                            Error::invalid("doorbell thread", format!("cannot start: {e}"))
+                        })?,
+                )
+            }
+        };
+        Ok(GpuHwQp {
+            handle,
+            stop,
+            assist,
+            _ready: ready,
+            _state: state,
+            _sizes: sizes,
+            regs,
+            qp: Some(self),
+        })
+    }
+
+    /// Drops the QP now (its CQ goes with the rest of this value).
+    fn close(&mut self) {
+        self.qp.take();
+    }
+}
+
+impl Drop for HwQp {
+    fn drop(&mut self) {
+        self.close();
+    }
+}
+
+struct SendPtr(*mut u8);
+// SAFETY: used only by the ring thread, which the owner joins before the memory goes away.
+unsafe impl Send for SendPtr {}
+
+/// Registers the pages around `[addr, addr + len)` with the current context (IO memory for a
+/// device register) and returns the device address of `addr`. Pages registered before (the
+/// doorbell records of several queues share pages) are reused.
+fn register(regs: &mut Vec<u64>, addr: u64, len: u64, io: bool) -> Result<u64> {
+    let page = 4096u64;
+    let start = addr & !(page - 1);
+    let end = (addr + len).next_multiple_of(page);
+    let mut flags = sys::CU_MEMHOSTREGISTER_DEVICEMAP | sys::CU_MEMHOSTREGISTER_PORTABLE;
+    if io {
+        flags |= sys::CU_MEMHOSTREGISTER_IOMEMORY;
+    }
+    // SAFETY: the pages are libmlx5's (rings) or the mapped UAR page, alive while the QP is;
+    // unregistered by GpuHwQp's Drop before the QP goes.
+    let r =
+        unsafe { sys::cuMemHostRegister_v2(start as *mut c_void, (end - start) as usize, flags) };
+    match r {
+        sys::CUresult::CUDA_SUCCESS => regs.push(start),
+        sys::CUresult::CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED => {}
+        other => check("cuMemHostRegister", other)?,
+    }
+    let mut dev = 0u64;
+    // SAFETY: `addr` lies in registered pages.
+    check("cuMemHostGetDevicePointer", unsafe {
+        sys::cuMemHostGetDevicePointer_v2(&mut dev, addr as *mut c_void, 0)
+    })?;
+    Ok(dev)
+}
+
+/// A hardware QP mapped into a GPU: what kernels take, and the thread that rings for them in
+/// CPU-assisted posting. Dropping it stops the thread, unregisters the rings, then closes the QP.
+pub struct GpuHwQp {
+    handle: IbQpHandle,
+    stop: Arc<AtomicBool>,
+    assist: Option<std::thread::JoinHandle<()>>,
+    _ready: Option<Arc<crate::host::cuda::HostArray<u64>>>,
+    _state: CudaSlice<u64>,
+    _sizes: CudaSlice<u8>,
+    regs: Vec<u64>,
+    qp: Option<HwQp>,
+}
+
+impl GpuHwQp {
+    /// What kernels take.
+    pub fn handle(&self) -> IbQpHandle {
+        self.handle
+    }
+}
+
+impl Drop for GpuHwQp {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        if let Some(t) = self.assist.take() {
+            let _ = t.join();
+        }
+        fence(Ordering::SeqCst);
+        for &start in &self.regs {
+            // SAFETY: registered by map_for_gpu, unregistered once.
+            unsafe { sys::cuMemHostUnregister(start as *mut c_void) };
+        }
+        self.qp.take();
+    }
+}
