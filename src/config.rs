@@ -14,6 +14,7 @@
 //! | `DOORBELL_ALLREDUCE_ALGO` | force an allreduce algorithm: `oneshot-ll8`, `oneshot-ll16`, `twoshot-ll8`, `twoshot-ll16`, `twoshot-sentinel`, `pipelined` | chosen by size and rank count |
 //! | `DOORBELL_PROXY_CPU` | where proxy threads run: `auto` pins each to a core of its GPU's NUMA node (from `/sys/bus/pci/devices/*/local_cpulist`, spread by GPU and proxy), `off` leaves them to the scheduler, a number pins every proxy of the process to that CPU. Pinning did not shorten the FIFO round trip on 4 x H200 (4.71 us pinned, 4.18 us not), hence the default | `off` |
 //! | `DOORBELL_SEPARATE_NODES` | `1`: ranks on one host count as different nodes, so PortChannels take the network transport (Ethernet) instead of CUDA IPC; for testing that path on one machine | `0` |
+//! | `DOORBELL_NODE_SIZE` | with `DOORBELL_SEPARATE_NODES=1`: ranks form emulated nodes of this many consecutive ranks (ranks `0..k` one node, `k..2k` the next), PortChannels inside a node taking CUDA IPC and between nodes the network; for testing collectives that span nodes of several GPUs on one machine | `1` |
 //! | `DOORBELL_IB_EMULATE` | `1`: PortChannels between ranks of different nodes take the Ib transport over doorbell's emulated mlx5 NIC (`rdma::emulator`), the proxy posting RDMA work requests; only for ranks that share one physical host (with `DOORBELL_SEPARATE_NODES=1`), to test the RDMA path where there is no NIC | `0` |
 //! | `DOORBELL_IB_POSTING` | who posts RDMA work: `auto` (on a real NIC: IBGDA where the GPU may ring the NIC's doorbell, else CPU-assisted for mlx5 NICs, else the verbs proxy, as `doorbell-info` reports; on the emulated NIC: the proxy), `ibgda` (kernels write WQEs and ring), `cpu` (kernels write WQEs, a host thread rings), `proxy` (the proxy posts PortChannel triggers) | `auto` |
 //! | `DOORBELL_IB_GID_INDEX` | the GID table index RDMA connections use, instead of the automatic choice (InfiniBand: 0; RoCE: the first RoCE v2 GID with an IPv4 address) | automatic |
@@ -82,6 +83,8 @@ pub struct Settings {
     pub proxy_cpu: ProxyCpu,
     /// `DOORBELL_SEPARATE_NODES`.
     pub separate_nodes: bool,
+    /// `DOORBELL_NODE_SIZE` (at least 1).
+    pub node_size: usize,
     /// `DOORBELL_IB_EMULATE`.
     pub ib_emulate: bool,
     /// `DOORBELL_IB_POSTING`.
@@ -171,6 +174,16 @@ impl Settings {
                 .filter(|s| !s.trim().is_empty()),
             proxy_cpu,
             separate_nodes: flag(env, "DOORBELL_SEPARATE_NODES")?,
+            node_size: match parse::<usize>(env, "DOORBELL_NODE_SIZE")? {
+                None => 1,
+                Some(0) => {
+                    return Err(Error::invalid(
+                        "DOORBELL_NODE_SIZE",
+                        "0: a node holds at least one rank",
+                    ))
+                }
+                Some(k) => k,
+            },
             ib_posting: match env.get("DOORBELL_IB_POSTING").as_deref().map(str::trim) {
                 None | Some("") | Some("auto") => IbPosting::Auto,
                 Some("ibgda") => IbPosting::Ibgda,
@@ -427,9 +440,11 @@ mod tests {
             ("DOORBELL_CHECK", "1"),
             ("DOORBELL_PROXY_CPU", "5"),
             ("DOORBELL_SEPARATE_NODES", "1"),
+            ("DOORBELL_NODE_SIZE", "2"),
         ]))
         .unwrap();
         assert!(s.check_args && s.separate_nodes);
+        assert_eq!(s.node_size, 2);
         assert_eq!(s.proxy_cpu, ProxyCpu::Cpu(5));
         let s = Settings::from_lookup(&env(&[("DOORBELL_PROXY_CPU", "auto")])).unwrap();
         assert_eq!(s.proxy_cpu, ProxyCpu::Auto);
@@ -452,6 +467,7 @@ mod tests {
             ("DOORBELL_SEPARATE_NODES", "yes please"),
             ("DOORBELL_IB_POSTING", "gpu"),
             ("DOORBELL_IB_GID_INDEX", "-1"),
+            ("DOORBELL_NODE_SIZE", "0"),
         ] {
             let e = Settings::from_lookup(&env(&[(k, v)])).unwrap_err();
             assert!(e.to_string().contains(k), "{e}");

@@ -2,7 +2,9 @@
 //! all-to-all and allreduce through PortChannels over every transport: CUDA IPC (one node), the
 //! Ethernet proxies, and RDMA over the emulated mlx5 NIC in its three posting modes (the proxy,
 //! kernels ringing themselves, kernels with a host thread ringing), with 2, 3 and 4 ranks acting
-//! as separate nodes. Payloads name their (sender, receiver, round); the allreduce sums integers
+//! as separate nodes, and nodes of two ranks (CUDA IPC inside a node, the network between; at 4
+//! ranks the allreduce is hierarchical: reduce-scatter in the node, shards between nodes,
+//! all-gather in the node). Payloads name their (sender, receiver, round); the allreduce sums integers
 //! exactly; repeated calls and graph replays reuse the buffers.
 
 mod common;
@@ -34,6 +36,7 @@ fn gpu_rank() {
 fn variants() -> Vec<(&'static str, Vec<(&'static str, &'static str)>)> {
     let sep = ("DOORBELL_SEPARATE_NODES", "1");
     let emu = ("DOORBELL_IB_EMULATE", "1");
+    let pair = ("DOORBELL_NODE_SIZE", "2");
     vec![
         ("CudaIpc", vec![]),
         ("Ethernet", vec![sep]),
@@ -45,6 +48,18 @@ fn variants() -> Vec<(&'static str, Vec<(&'static str, &'static str)>)> {
         (
             "Ib, CPU-assisted",
             vec![sep, emu, ("DOORBELL_IB_POSTING", "cpu")],
+        ),
+        // Nodes of two ranks: CUDA IPC inside a node, the network between; with 4 ranks the
+        // allreduce is hierarchical.
+        ("Ethernet, 2 ranks per node", vec![sep, pair]),
+        ("Ib, proxy posting, 2 ranks per node", vec![sep, emu, pair]),
+        (
+            "Ib, IBGDA, 2 ranks per node",
+            vec![sep, emu, pair, ("DOORBELL_IB_POSTING", "ibgda")],
+        ),
+        (
+            "Ib, CPU-assisted, 2 ranks per node",
+            vec![sep, emu, pair, ("DOORBELL_IB_POSTING", "cpu")],
         ),
     ]
 }
@@ -86,16 +101,28 @@ fn download<T: cudarc::driver::DeviceRepr + Default + Clone>(
 fn net(comm: &Arc<Communicator>, s: &Arc<CudaStream>) {
     let (me, n) = (comm.rank(), comm.world_size());
     let nc = NetCollectives::new(comm, 1 << 20).unwrap();
-    let want = if std::env::var("DOORBELL_IB_EMULATE").as_deref() == Ok("1") {
+    let env = |k: &str| std::env::var(k).unwrap_or_default();
+    let separate = env("DOORBELL_SEPARATE_NODES") == "1";
+    let between_nodes = if env("DOORBELL_IB_EMULATE") == "1" {
         Transport::Ib
-    } else if std::env::var("DOORBELL_SEPARATE_NODES").as_deref() == Ok("1") {
+    } else if separate {
         Transport::Ethernet
     } else {
         Transport::CudaIpc
     };
+    let node_size: usize = env("DOORBELL_NODE_SIZE").parse().unwrap_or(1);
     for p in (0..n).filter(|&p| p != me) {
+        let same_node = !separate || p / node_size == me / node_size;
+        let want = if same_node {
+            Transport::CudaIpc
+        } else {
+            between_nodes
+        };
         assert_eq!(nc.transport(p), Some(want), "rank {me} to {p}");
     }
+    // Hierarchical exactly when there are several nodes of equal size, more than one rank each.
+    let hierarchical = separate && node_size > 1 && n % node_size == 0 && n > node_size;
+    assert_eq!(nc.hierarchical(), hierarchical, "rank {me} of {n}");
     let (send, recv) = (nc.send_buffer(), nc.recv_buffer());
     let out = s.alloc_zeros::<f32>(1 << 16).unwrap();
     let out_ptr = out.device_ptr(s).0;

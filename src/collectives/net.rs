@@ -1,15 +1,22 @@
 //! All-to-all and allreduce between ranks of different nodes, every byte through PortChannels:
-//! copy engines between ranks of one host, the proxies over TCP (Ethernet), or RDMA over the Ib
-//! transport in any posting mode (today the emulated NIC, `DOORBELL_IB_EMULATE=1`). Direct
-//! algorithms, for correctness first: an all-to-all sends block p to rank p; the allreduce sends
-//! the whole input to every rank and each sums the `world` copies in rank order (identical bits
-//! everywhere). Neither is tuned (the allreduce moves `world - 1` times its input per rank); the
-//! NVLink collectives (`allreduce`, `alltoall`) are the ones to use inside a node.
+//! copy engines between ranks of one node, the proxies over TCP (Ethernet), or RDMA over the Ib
+//! transport in any posting mode (today the emulated NIC, `DOORBELL_IB_EMULATE=1`). Built for
+//! correctness first, not tuned:
+//! - all-to-all: direct, block p to rank p over the transport that reaches p;
+//! - allreduce, when every node holds one rank: direct, the whole input to every rank, each
+//!   summing the `world` copies in rank order (identical bits everywhere);
+//! - allreduce, when the ranks form several nodes of equal size (more than one rank each):
+//!   hierarchical, so only a `1 / ranks per node` shard of the data crosses between nodes per
+//!   rank (reduce-scatter inside the node, allreduce of each shard with the ranks of the same
+//!   local index on the other nodes, all-gather inside the node; see `allreduce_hier`).
+//!
+//! The NVLink collectives (`allreduce`, `alltoall`) are the ones to use inside a node.
 //!
 //! The data lives in buffers the collective owns: [`NetCollectives::send_buffer`] and
-//! [`NetCollectives::recv_buffer`] (`world` slots; slot r holds what rank r sent). Calls are
-//! stream-ordered and CUDA-graph capturable (every count stays in device memory and each call
-//! consumes exactly the signals it causes). Kernels: `cuda/kernels/net.cu`.
+//! [`NetCollectives::recv_buffer`] (`world` slots; slot r holds what rank r sent in an
+//! all-to-all). Calls are stream-ordered and CUDA-graph capturable (every count stays in device
+//! memory and each call consumes exactly the signals it causes). The hierarchical allreduce uses
+//! the send buffer as scratch. Kernels: `cuda/kernels/net.cu`.
 
 use super::DataType;
 use crate::device_api::PortChannelHandle;
@@ -34,11 +41,46 @@ pub struct NetCollectives {
     exchange: CudaFunction,
     reduce_f32: CudaFunction,
     reduce_bf16: CudaFunction,
+    /// Set when ranks form several nodes of equal size, more than one rank each.
+    hier: Option<Hierarchy>,
     channels: PortChannels,
     _send_reg: Arc<RegisteredMemory>,
     _recv_reg: Arc<RegisteredMemory>,
     send: Arc<Buffer>,
     recv: Arc<Buffer>,
+}
+
+/// Where this rank sits among equal nodes, and the kernels of the hierarchical allreduce.
+struct Hierarchy {
+    /// Ranks per node.
+    local: usize,
+    /// Nodes.
+    nodes: usize,
+    /// My index in my node, and my node's index.
+    me: usize,
+    node: usize,
+    /// Device arrays: channel indices of my node's other ranks then of my rail peers (same
+    /// local index on the other nodes), and their keys (local index, node index).
+    _peers: CudaSlice<u32>,
+    _keys: CudaSlice<u32>,
+    peers_ptr: u64,
+    keys_ptr: u64,
+    phase: CudaFunction,
+    sum_f32: CudaFunction,
+    sum_bf16: CudaFunction,
+    gather: CudaFunction,
+}
+
+/// The nodes of `ids` (one id per rank), in order of their first rank.
+fn nodes_of(ids: &[u64]) -> Vec<Vec<usize>> {
+    let mut nodes: Vec<Vec<usize>> = Vec::new();
+    for (r, id) in ids.iter().enumerate() {
+        match nodes.iter_mut().find(|n| ids[n[0]] == *id) {
+            Some(n) => n.push(r),
+            None => nodes.push(vec![r]),
+        }
+    }
+    nodes
 }
 
 impl NetCollectives {
@@ -52,9 +94,16 @@ impl NetCollectives {
                 "max_bytes positive, at most 1024 ranks",
             ));
         }
+        let nodes = nodes_of(comm.node_ids());
+        let local = nodes[0].len();
+        let hierarchical = nodes.len() > 1 && local > 1 && nodes.iter().all(|n| n.len() == local);
+        // The hierarchical allreduce's regions: 2 x local + nodes + 1 shards (see allreduce).
+        let hier_bytes = (2 * local + nodes.len() + 1)
+            .saturating_mul(max_bytes.div_ceil(local).next_multiple_of(256) + 256);
         let recv_bytes = max_bytes
             .checked_mul(world)
-            .ok_or_else(|| Error::invalid("max_bytes", "times the ranks overflows"))?;
+            .ok_or_else(|| Error::invalid("max_bytes", "times the ranks overflows"))?
+            .max(if hierarchical { hier_bytes } else { 0 });
         let send = comm.alloc(max_bytes)?;
         let recv = comm.alloc(recv_bytes)?;
         let send_reg = comm.register(&send)?;
@@ -71,7 +120,52 @@ impl NetCollectives {
             .map_err(cuda_err("cuStreamSynchronize"))?;
         let handles_ptr = handles.device_ptr(&stream).0;
         let f = |name: &str| comm.gpu().function("net", name);
+        let rank = comm.rank();
+        let hier = if hierarchical {
+            let node = nodes
+                .iter()
+                .position(|n| n.contains(&rank))
+                .expect("every rank is in a node");
+            let me = nodes[node]
+                .iter()
+                .position(|&r| r == rank)
+                .expect("found above");
+            let channel = |p: usize| (if p < rank { p } else { p - 1 }) as u32;
+            let mut peers = Vec::new();
+            let mut keys = Vec::new();
+            for (j, &p) in nodes[node].iter().enumerate().filter(|&(_, &p)| p != rank) {
+                peers.push(channel(p));
+                keys.push(j as u32);
+            }
+            for (m, n) in nodes.iter().enumerate().filter(|&(m, _)| m != node) {
+                peers.push(channel(n[me]));
+                keys.push(m as u32);
+            }
+            let up = |v: &[u32]| stream.clone_htod(v).map_err(cuda_err("cuMemcpyHtoD"));
+            let (dp, dk) = (up(&peers)?, up(&keys)?);
+            stream
+                .synchronize()
+                .map_err(cuda_err("cuStreamSynchronize"))?;
+            let (peers_ptr, keys_ptr) = (dp.device_ptr(&stream).0, dk.device_ptr(&stream).0);
+            Some(Hierarchy {
+                local,
+                nodes: nodes.len(),
+                me,
+                node,
+                peers_ptr,
+                keys_ptr,
+                _peers: dp,
+                _keys: dk,
+                phase: f("net_phase")?,
+                sum_f32: f("net_sum_slots_f32")?,
+                sum_bf16: f("net_sum_slots_bf16")?,
+                gather: f("net_gather")?,
+            })
+        } else {
+            None
+        };
         Ok(NetCollectives {
+            hier,
             proxy,
             comm: comm.clone(),
             max_bytes,
@@ -101,6 +195,13 @@ impl NetCollectives {
     /// The transport to `peer`.
     pub fn transport(&self, peer: usize) -> Option<Transport> {
         self.channels.to(peer).map(|c| c.transport())
+    }
+
+    /// Whether the allreduce is hierarchical: the ranks form several nodes of equal size, more
+    /// than one rank each (then reduce-scatter inside the node, allreduce of each shard between
+    /// nodes, all-gather inside the node).
+    pub fn hierarchical(&self) -> bool {
+        self.hier.is_some()
     }
 
     fn launch_exchange(&self, stream: &CudaStream, bytes: u64, src_stride: u64) -> Result<()> {
@@ -179,6 +280,10 @@ impl NetCollectives {
                 ))
             }
         };
+        if let Some(h) = &self.hier {
+            // SAFETY: the caller's contract, passed on.
+            return unsafe { self.allreduce_hier(h, stream, dtype, count, out) };
+        }
         self.launch_exchange(stream, bytes as u64, 0)?;
         let (world, n, r) = (
             self.comm.world_size() as u32,
@@ -199,5 +304,199 @@ impl NetCollectives {
         }
         .map_err(cuda_err("cuLaunchKernel"))?;
         Ok(())
+    }
+
+    fn launch_1d(
+        &self,
+        stream: &CudaStream,
+        b: &mut cudarc::driver::LaunchArgs,
+        n: u64,
+    ) -> Result<()> {
+        let _ = (self, stream);
+        let blocks = n.div_ceil(256).clamp(1, 1024) as u32;
+        // SAFETY: each caller pushed the arguments its kernel takes, with ranges it checked.
+        unsafe {
+            b.launch(LaunchConfig {
+                grid_dim: (blocks, 1, 1),
+                block_dim: (256, 1, 1),
+                shared_mem_bytes: 0,
+            })
+        }
+        .map_err(cuda_err("cuLaunchKernel"))?;
+        Ok(())
+    }
+
+    /// One exchange phase of the hierarchical allreduce with the `n` peers from entry `first` of
+    /// the peer list (see `net_phase`).
+    #[allow(clippy::too_many_arguments)]
+    fn phase(
+        &self,
+        h: &Hierarchy,
+        stream: &CudaStream,
+        first: usize,
+        n: usize,
+        dst_off: u64,
+        src_step: u64,
+        bytes: u64,
+        shard: u64,
+        total: u64,
+    ) -> Result<()> {
+        if let Some(why) = self.proxy.failure() {
+            return Err(Error::invalid(
+                "net collective",
+                format!("the proxy stopped: {why}"),
+            ));
+        }
+        let (peers, keys) = (
+            h.peers_ptr + 4 * first as u64,
+            h.keys_ptr + 4 * first as u64,
+        );
+        let (n, zero, per_peer) = (n as u32, 0u64, u32::from(src_step != 0));
+        let mut b = stream.launch_builder(&h.phase);
+        b.arg(&self.handles_ptr)
+            .arg(&peers)
+            .arg(&keys)
+            .arg(&n)
+            .arg(&dst_off)
+            .arg(&zero)
+            .arg(&src_step)
+            .arg(&bytes)
+            .arg(&per_peer)
+            .arg(&shard)
+            .arg(&total);
+        // SAFETY: matches net_phase; every offset and length lies in the buffers (allreduce_hier
+        // sized them against max_bytes).
+        unsafe {
+            b.launch(LaunchConfig {
+                grid_dim: (1, 1, 1),
+                block_dim: (n.next_multiple_of(32).clamp(32, 1024), 1, 1),
+                shared_mem_bytes: 0,
+            })
+        }
+        .map_err(cuda_err("cuLaunchKernel"))?;
+        Ok(())
+    }
+
+    /// The hierarchical allreduce. With L ranks per node and N nodes, shard j of the input is
+    /// `ceil(count / L)` elements (the last one shorter); regions of the receive buffer, each
+    /// `stride` bytes: A[L] (the node's copies of my shard), B[N] (the nodes' partial sums of my
+    /// shard), C (its total), D[L] (the node's totals of every shard).
+    /// 1. Inside the node: shard j of my input to rank j's A[me]; sum A (mine from my input)
+    ///    into B[my node] and the head of my send buffer (the input is sent by then).
+    /// 2. Between nodes, with the ranks of my local index: my partial to their B[my node]; sum B
+    ///    in node order into C and the head of my send buffer.
+    /// 3. Inside the node: my total to every rank's D[me]; `out` = D in order (mine from C).
+    ///
+    /// Every rank that computes a shard sums the same values in the same order, so every rank
+    /// ends with the same bits. The send buffer's contents are scratch afterwards.
+    ///
+    /// # Safety
+    /// As [`NetCollectives::allreduce`].
+    unsafe fn allreduce_hier(
+        &self,
+        h: &Hierarchy,
+        stream: &CudaStream,
+        dtype: DataType,
+        count: usize,
+        out: u64,
+    ) -> Result<()> {
+        let es = dtype.size() as u64;
+        let (l, n) = (h.local as u64, h.nodes as u64);
+        let shard_elems = (count as u64).div_ceil(l);
+        let shard = shard_elems * es;
+        let stride = shard.next_multiple_of(256);
+        let total = count as u64 * es;
+        let start = (h.me as u64 * shard).min(total);
+        let mine = (total - start).min(shard);
+        let (a, bb, c, d) = (0, l * stride, (l + n) * stride, (l + n + 1) * stride);
+        if d + l * stride > self.recv.len() as u64 {
+            return Err(Error::invalid(
+                "count",
+                format!("{count} elements do not fit the hierarchical allreduce's regions"),
+            ));
+        }
+        let sum = match dtype {
+            DataType::F32 => &h.sum_f32,
+            _ => &h.sum_bf16,
+        };
+        let (send, recv) = (self.send_buffer(), self.recv_buffer());
+        let (stride_elems, mine_elems) = (stride / es, mine / es);
+        let (me, node) = (h.me as u64, h.node as u64);
+        // 1: reduce-scatter inside the node.
+        self.phase(
+            h,
+            stream,
+            0,
+            h.local - 1,
+            a + me * stride,
+            shard,
+            0,
+            shard,
+            total,
+        )?;
+        {
+            let (base, nslots, own_slot, own) =
+                (recv + a, h.local as u32, h.me as u32, send + start);
+            let dst2 = recv + bb + node * stride;
+            let mut b = stream.launch_builder(sum);
+            b.arg(&base)
+                .arg(&stride_elems)
+                .arg(&nslots)
+                .arg(&own_slot)
+                .arg(&own)
+                .arg(&mine_elems)
+                .arg(&send)
+                .arg(&dst2);
+            self.launch_1d(stream, &mut b, mine_elems)?;
+        }
+        // 2: allreduce of my shard between nodes.
+        self.phase(
+            h,
+            stream,
+            h.local - 1,
+            h.nodes - 1,
+            bb + node * stride,
+            0,
+            mine,
+            shard,
+            total,
+        )?;
+        {
+            let (base, nslots, own_slot, own) = (recv + bb, h.nodes as u32, u32::MAX, 0u64);
+            let dst2 = recv + c;
+            let mut b = stream.launch_builder(sum);
+            b.arg(&base)
+                .arg(&stride_elems)
+                .arg(&nslots)
+                .arg(&own_slot)
+                .arg(&own)
+                .arg(&mine_elems)
+                .arg(&send)
+                .arg(&dst2);
+            self.launch_1d(stream, &mut b, mine_elems)?;
+        }
+        // 3: all-gather inside the node.
+        self.phase(
+            h,
+            stream,
+            0,
+            h.local - 1,
+            d + me * stride,
+            0,
+            mine,
+            shard,
+            total,
+        )?;
+        let (slots, nslots, own_slot, own) = (recv + d, h.local as u32, h.me as u32, recv + c);
+        let mut b = stream.launch_builder(&h.gather);
+        b.arg(&slots)
+            .arg(&stride)
+            .arg(&nslots)
+            .arg(&own_slot)
+            .arg(&own)
+            .arg(&shard)
+            .arg(&total)
+            .arg(&out);
+        self.launch_1d(stream, &mut b, total)
     }
 }

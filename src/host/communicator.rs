@@ -306,9 +306,11 @@ impl Communicator {
             .iter()
             .map(|b| b.as_slice().try_into().map(u64::from_le_bytes).unwrap_or(0))
             .collect();
-        // With DOORBELL_SEPARATE_NODES every rank reports a host of its own.
+        // With DOORBELL_SEPARATE_NODES every emulated node (DOORBELL_NODE_SIZE consecutive
+        // ranks, default 1) reports a host of its own.
         let my_host = if settings.separate_nodes {
-            host_id() ^ (rank as u64 + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15)
+            let node = (rank / settings.node_size) as u64;
+            host_id() ^ (node + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15)
         } else {
             host_id()
         };
@@ -463,6 +465,12 @@ impl Communicator {
         self.ib.as_ref().is_some_and(|ib| {
             !self.same_host(peer) && ib.peer_pools.get(peer).is_some_and(Option::is_some)
         })
+    }
+
+    /// The node (host, or emulated node with `DOORBELL_SEPARATE_NODES`) of every rank, as
+    /// opaque ids: ranks with equal ids share a node.
+    pub fn node_ids(&self) -> &[u64] {
+        &self.host_ids
     }
 
     /// True if `peer` runs on this host (so CUDA IPC can reach its memory).
