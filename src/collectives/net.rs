@@ -306,13 +306,8 @@ impl NetCollectives {
         Ok(())
     }
 
-    fn launch_1d(
-        &self,
-        stream: &CudaStream,
-        b: &mut cudarc::driver::LaunchArgs,
-        n: u64,
-    ) -> Result<()> {
-        let _ = (self, stream);
+    /// Launches `b` with a thread per element of `n` (256 per block, at most 1024 blocks).
+    fn launch_1d(b: &mut cudarc::driver::LaunchArgs, n: u64) -> Result<()> {
         let blocks = n.div_ceil(256).clamp(1, 1024) as u32;
         // SAFETY: each caller pushed the arguments its kernel takes, with ranges it checked.
         unsafe {
@@ -447,7 +442,7 @@ impl NetCollectives {
                 .arg(&mine_elems)
                 .arg(&send)
                 .arg(&dst2);
-            self.launch_1d(stream, &mut b, mine_elems)?;
+            Self::launch_1d(&mut b, mine_elems)?;
         }
         // 2: allreduce of my shard between nodes.
         self.phase(
@@ -473,7 +468,7 @@ impl NetCollectives {
                 .arg(&mine_elems)
                 .arg(&send)
                 .arg(&dst2);
-            self.launch_1d(stream, &mut b, mine_elems)?;
+            Self::launch_1d(&mut b, mine_elems)?;
         }
         // 3: all-gather inside the node.
         self.phase(
@@ -497,6 +492,6 @@ impl NetCollectives {
             .arg(&shard)
             .arg(&total)
             .arg(&out);
-        self.launch_1d(stream, &mut b, total)
+        Self::launch_1d(&mut b, total)
     }
 }
