@@ -17,6 +17,7 @@
 //! | `DOORBELL_NODE_SIZE` | with `DOORBELL_SEPARATE_NODES=1`: ranks form emulated nodes of this many consecutive ranks (ranks `0..k` one node, `k..2k` the next), PortChannels inside a node taking CUDA IPC and between nodes the network; for testing collectives that span nodes of several GPUs on one machine | `1` |
 //! | `DOORBELL_IB_EMULATE` | `1`: PortChannels between ranks of different nodes take the Ib transport over doorbell's emulated mlx5 NIC (`rdma::emulator`), the proxy posting RDMA work requests; only for ranks that share one physical host (with `DOORBELL_SEPARATE_NODES=1`), to test the RDMA path where there is no NIC | `0` |
 //! | `DOORBELL_IB_POSTING` | who posts RDMA work: `auto` (on a real NIC: IBGDA where the GPU may ring the NIC's doorbell, else CPU-assisted for mlx5 NICs, else the verbs proxy, as `doorbell-info` reports; on the emulated NIC: the proxy), `ibgda` (kernels write WQEs and ring), `cpu` (kernels write WQEs, a host thread rings), `proxy` (the proxy posts PortChannel triggers) | `auto` |
+//! | `DOORBELL_IB_QPS_PER_PEER` | queue pairs per PortChannel when kernels post RDMA work (`DOORBELL_IB_POSTING=ibgda` or `cpu`): puts of 1 MiB or more are striped over them, 1 to 4 | `1` |
 //! | `DOORBELL_IB_GID_INDEX` | the GID table index RDMA connections use, instead of the automatic choice (InfiniBand: 0; RoCE: the first RoCE v2 GID with an IPv4 address) | automatic |
 //! | `RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `LOCAL_WORLD_SIZE` | this process's place in the job (torchrun's names) | from Slurm or MPI variables when absent |
 //! | `MASTER_ADDR`, `MASTER_PORT` | where rank 0's bootstrap listens | required with more than one rank |
@@ -91,6 +92,8 @@ pub struct Settings {
     pub ib_posting: IbPosting,
     /// `DOORBELL_IB_GID_INDEX`.
     pub ib_gid_index: Option<u32>,
+    /// `DOORBELL_IB_QPS_PER_PEER` (1..=4).
+    pub ib_qps_per_peer: u32,
 }
 
 /// Who posts RDMA work (`DOORBELL_IB_POSTING`).
@@ -197,6 +200,16 @@ impl Settings {
                 }
             },
             ib_gid_index: parse::<u32>(env, "DOORBELL_IB_GID_INDEX")?,
+            ib_qps_per_peer: match parse::<u32>(env, "DOORBELL_IB_QPS_PER_PEER")? {
+                None => 1,
+                Some(n @ 1..=4) => n,
+                Some(n) => {
+                    return Err(Error::invalid(
+                        "DOORBELL_IB_QPS_PER_PEER",
+                        format!("{n}: expected 1 to 4"),
+                    ))
+                }
+            },
             ib_emulate: flag(env, "DOORBELL_IB_EMULATE")?,
         })
     }
@@ -468,6 +481,7 @@ mod tests {
             ("DOORBELL_IB_POSTING", "gpu"),
             ("DOORBELL_IB_GID_INDEX", "-1"),
             ("DOORBELL_NODE_SIZE", "0"),
+            ("DOORBELL_IB_QPS_PER_PEER", "5"),
         ] {
             let e = Settings::from_lookup(&env(&[(k, v)])).unwrap_err();
             assert!(e.to_string().contains(k), "{e}");

@@ -150,6 +150,31 @@ fn transfers_and_offsets_past_4_gib_posted_by_the_gpu_over_emulated_ib() {
     run_case("huge", 2, IB_GDA);
 }
 
+/// Puts of 1 MiB and more striped over several queue pairs per channel
+/// (`DOORBELL_IB_QPS_PER_PEER`): every operation, in both GPU posting modes, and transfers past
+/// 4 GiB over four QPs.
+#[test]
+#[ignore = "needs GPU"]
+fn striped_over_several_queue_pairs_posted_by_the_gpu_over_emulated_ib() {
+    for n in rank_counts() {
+        run_case(
+            "ops",
+            n,
+            &[IB_GDA, &[("DOORBELL_IB_QPS_PER_PEER", "3")]].concat(),
+        );
+        run_case(
+            "ops",
+            n,
+            &[IB_CPU, &[("DOORBELL_IB_QPS_PER_PEER", "2")]].concat(),
+        );
+    }
+    run_case(
+        "huge",
+        2,
+        &[IB_GDA, &[("DOORBELL_IB_QPS_PER_PEER", "4")]].concat(),
+    );
+}
+
 #[test]
 #[ignore = "needs GPU"]
 fn many_pushers_many_laps_deliver_every_signal_once() {

@@ -101,6 +101,9 @@ int main() {
   FIELD(IbPortLink, dst_key);
   FIELD(IbPortLink, token_key);
   FIELD(IbPortLink, scratch_key);
+  FIELD(IbPortLink, stripes);
+  FIELD(IbPortLink, reserved);
+  FIELD(IbPortLink, more);
 
   STRUCT(AllReduceArgs);
   FIELD(AllReduceArgs, input);

@@ -260,6 +260,12 @@ pub struct IbPortLink {
     pub token_key: u32,
     /// Key of `scratch`.
     pub scratch_key: u32,
+    /// Queue pairs a put is striped over: `qp` and the first `stripes - 1` of `more`.
+    pub stripes: u32,
+    /// Unused.
+    pub reserved: u32,
+    /// The other queue pairs to the same peer.
+    pub more: [IbQpHandle; 3],
 }
 
 /// Most ranks a single-node collective kernel handles (`kMaxRanks`).
@@ -706,7 +712,10 @@ mod layout {
                     src_key,
                     dst_key,
                     token_key,
-                    scratch_key
+                    scratch_key,
+                    stripes,
+                    reserved,
+                    more
                 ]
             ),
             layout!("LL16Packet", Ll16Packet, [data1, flag1, data2, flag2]),

@@ -180,7 +180,7 @@ pub struct PortChannel {
 /// What a PortChannel whose kernels post RDMA work keeps alive: its queue pair, the link kernels
 /// read, the scratch words the NIC writes.
 struct GpuLink {
-    _qp: crate::rdma::gpu_qp::GpuQp,
+    _qps: Vec<crate::rdma::gpu_qp::GpuQp>,
     _link: cudarc::driver::CudaSlice<u8>,
     _scratch: cudarc::driver::CudaSlice<u8>,
 }
@@ -271,6 +271,7 @@ pub struct Communicator {
     next_channel: AtomicU32,
     ib: Option<IbFabric>,
     ib_posting: crate::config::IbPosting,
+    ib_qps_per_peer: u32,
 }
 
 /// `DOORBELL_IB_EMULATE=1`: this rank's emulated NIC, its token pool's key there, and how to
@@ -432,6 +433,7 @@ impl Communicator {
             next_channel: AtomicU32::new(0),
             ib,
             ib_posting: settings.ib_posting,
+            ib_qps_per_peer: settings.ib_qps_per_peer,
         })
     }
 
@@ -857,21 +859,41 @@ impl Communicator {
                 let link = match gpu_posting {
                     Some(posting) => {
                         use cudarc::driver::DevicePtr;
-                        let qp = crate::rdma::gpu_qp::GpuQp::new(
+                        // The first QP, then the stripes' (DOORBELL_IB_QPS_PER_PEER).
+                        let mut qps = vec![crate::rdma::gpu_qp::GpuQp::new(
                             &self.gpu,
                             &ib.nic,
                             qpn | 0x8000,
                             10,
                             posting,
                             site,
-                        )?;
+                        )?];
+                        for _ in 1..self.ib_qps_per_peer {
+                            let n =
+                                (rank as u32) << 16 | ib.next_qpn.fetch_add(1, Ordering::Relaxed);
+                            qps.push(crate::rdma::gpu_qp::GpuQp::new(
+                                &self.gpu,
+                                &ib.nic,
+                                n | 0x8000,
+                                10,
+                                posting,
+                                site,
+                            )?);
+                        }
+                        let mut more = [crate::device_api::IbQpHandle::default(); 3];
+                        for (m, q) in more.iter_mut().zip(&qps[1..]) {
+                            *m = q.handle();
+                        }
                         let scratch = stream
                             .alloc_zeros::<u8>(16)
                             .map_err(crate::host::cuda::cuda_err("cuMemAlloc"))?;
                         let scratch_addr = scratch.device_ptr(&stream).0;
                         let scratch_key = ib.nic.register(scratch_addr, 16, true)?;
                         let l = crate::device_api::IbPortLink {
-                            qp: qp.handle(),
+                            qp: qps[0].handle(),
+                            stripes: qps.len() as u32,
+                            reserved: 0,
+                            more,
                             src: src.device_ptr(),
                             dst: addr,
                             token,
@@ -891,7 +913,7 @@ impl Communicator {
                         Some((
                             ptr,
                             GpuLink {
-                                _qp: qp,
+                                _qps: qps,
                                 _link: on_device,
                                 _scratch: scratch,
                             },

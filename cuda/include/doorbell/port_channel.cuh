@@ -21,8 +21,9 @@ namespace doorbell {
 
 // A PortChannel over RDMA whose kernels post their own work requests (IBGDA or CPU-assisted
 // posting, see ibgda.cuh) instead of pushing triggers to the proxy: a put becomes RDMA WRITEs
-// (1 GiB pieces), a signal an 8-byte READ of the peer's token (the flush that keeps the signal
-// behind the data) then a fetch-add of 1 on it, a flush waits for every completion of the QP.
+// (1 GiB pieces, large ones striped over up to 4 QPs to the peer, DOORBELL_IB_QPS_PER_PEER), a
+// signal an 8-byte READ of the peer's token (the flush that keeps the signal behind the data) then
+// a fetch-add of 1 on it, a flush waits for every completion of the QPs.
 struct IbPortLink {
   IbQpHandle qp;
   uint64_t src;      // my source memory's first byte
@@ -33,8 +34,15 @@ struct IbPortLink {
   uint32_t dst_key;
   uint32_t token_key;
   uint32_t scratch_key;
+  uint32_t stripes;      // QPs a put is striped over: qp, then more[0 .. stripes - 1)
+  uint32_t reserved;
+  IbQpHandle more[3];    // the other QPs to the same peer
+
+#if DOORBELL_CUDA
+  DOORBELL_DEVICE_INLINE const IbQpHandle& stripe(uint32_t q) const { return q == 0 ? qp : more[q - 1]; }
+#endif
 };
-DOORBELL_CHECK_SIZE(IbPortLink, 168);
+DOORBELL_CHECK_SIZE(IbPortLink, 536);
 
 struct PortChannelHandle {
   FifoHandle fifo;
@@ -67,7 +75,7 @@ struct PortChannelHandle {
   DOORBELL_DEVICE_INLINE void put_with_signal_and_flush(uint64_t dst_off, uint64_t src_off, uint64_t bytes) const {
     if (ib != nullptr) {
       put_with_signal(dst_off, src_off, bytes);
-      ib->qp.quiet();
+      ib_quiet();
       return;
     }
     wait_flushed(
@@ -75,24 +83,46 @@ struct PortChannelHandle {
   }
   DOORBELL_DEVICE_INLINE void flush() const {
     if (ib != nullptr) {
-      ib->qp.quiet();
+      ib_quiet();
       return;
     }
     wait_flushed(fifo.push(kTriggerFlush, semaphore, 0, 0, 0, 0, 0));
   }
 
+  // A put of at least kStripeMin bytes is cut into `stripes` contiguous parts (4 KiB multiples),
+  // one per queue pair; each part goes as WRITEs of at most 1 GiB (a data segment carries less
+  // than 2 GiB). Returns the last WQE's index on the first QP.
   DOORBELL_DEVICE_INLINE uint64_t ib_put(uint64_t dst_off, uint64_t src_off, uint64_t bytes) const {
-    constexpr uint64_t kPiece = uint64_t(1) << 30;  // a data segment carries less than 2 GiB
+    constexpr uint64_t kPiece = uint64_t(1) << 30;
+    constexpr uint64_t kStripeMin = uint64_t(1) << 20;
+    const uint32_t qps = bytes >= kStripeMin && ib->stripes > 1 ? ib->stripes : 1;
+    const uint64_t part = ((bytes + qps - 1) / qps + 4095) & ~uint64_t(4095);
     uint64_t at = 0;
-    for (uint64_t o = 0; o < bytes; o += kPiece) {
-      const uint64_t n = bytes - o < kPiece ? bytes - o : kPiece;
-      at = ib->qp.put(ib->dst + dst_off + o, ib->dst_key, ib->src + src_off + o, ib->src_key, uint32_t(n));
+    for (uint32_t q = 0; q < qps; ++q) {
+      const uint64_t first = uint64_t(q) * part < bytes ? uint64_t(q) * part : bytes;
+      const uint64_t last = first + part < bytes ? first + part : bytes;
+      for (uint64_t o = first; o < last; o += kPiece) {
+        const uint64_t n = last - o < kPiece ? last - o : kPiece;
+        const uint64_t i = ib->stripe(q).put(ib->dst + dst_off + o, ib->dst_key, ib->src + src_off + o, ib->src_key,
+                                             uint32_t(n));
+        if (q == 0) at = i;
+      }
     }
     return at;
   }
+  // The signal lands after every earlier put of this channel on every QP: the other QPs first
+  // READ (flushing their writes, as relaxed ordering needs) and complete everything, then the
+  // first QP READs and adds 1 to the peer's token.
   DOORBELL_DEVICE_INLINE uint64_t ib_signal() const {
+    for (uint32_t q = 1; q < ib->stripes; ++q) {
+      ib->stripe(q).get(ib->token, ib->token_key, ib->scratch, ib->scratch_key, 8);
+      ib->stripe(q).quiet();
+    }
     ib->qp.get(ib->token, ib->token_key, ib->scratch, ib->scratch_key, 8);
     return ib->qp.atomic_add(ib->token, ib->token_key, 1, ib->scratch + 8, ib->scratch_key);
+  }
+  DOORBELL_DEVICE_INLINE void ib_quiet() const {
+    for (uint32_t q = 0; q < ib->stripes; ++q) ib->stripe(q).quiet();
   }
 
   // The proxy's stop word lives in host memory: reading it costs a PCIe round trip, so waits look
