@@ -10,12 +10,14 @@
 //! before signalling).
 
 mod common;
+mod ib_puts;
 
 use bytemuck::{Pod, Zeroable};
 use common::{count_wrong, fill, rank_counts, run_case, spawned_case};
 use cudarc::driver::{DevicePtr, LaunchConfig, PushKernelArg};
 use doorbell::host::cuda::Gpu;
 use doorbell::rdma::wqe::{opcode, Op, SendQueue, CQ_UPDATE, FENCE, MAX_INLINE, SOLICITED, WQEBB};
+use ib_puts::device_bytes;
 
 /// Mirror of `WqeCase` in `cuda/kernels/ib.cu`.
 #[repr(C)]
@@ -279,16 +281,6 @@ fn gpu_built_wqes_equal_the_cpu_builders() {
     eprintln!("{} WQEs built on the GPU equal the CPU's", ops.len());
 }
 
-/// Device memory of `n` bytes holding `fill(i)` at byte i.
-fn device_bytes(
-    s: &std::sync::Arc<cudarc::driver::CudaStream>,
-    n: usize,
-    fill: impl Fn(usize) -> u8,
-) -> cudarc::driver::CudaSlice<u8> {
-    let v: Vec<u8> = (0..n).map(fill).collect();
-    s.clone_htod(&v).unwrap()
-}
-
 /// Many GPU threads post RDMA writes and fetch-adds to one QP of the emulated NIC, in both posting
 /// modes: the data arrives, every fetch-add returns a distinct old value, the send queue wraps
 /// ten times, and no protocol fault is seen. Also times small puts (the emulator's message rate).
@@ -301,85 +293,34 @@ fn gpu_posted_writes_and_atomics_through_the_emulated_nic() {
     use std::sync::Arc;
     let gpu = Gpu::open(0).expect("GPU 0");
     let s = gpu.new_stream().unwrap();
-    let (blocks, threads, per_thread, chunk) = (4u32, 64u32, 4u32, 1024u32);
-    let n_threads = (blocks * threads) as usize;
-    let bytes = n_threads * (per_thread * chunk) as usize;
-    let src = device_bytes(&s, bytes, |i| (i * 13 % 251) as u8);
     let site = WaitSite {
         budget_ns: 20_000_000_000,
         rank: 0,
         peer: -1,
         ..Default::default()
     };
-    let f = gpu.function("ib", "ib_test_puts").unwrap();
     for (q, posting) in [Posting::Ibgda, Posting::CpuAssisted]
         .into_iter()
         .enumerate()
     {
-        let dst = device_bytes(&s, bytes, |_| 0);
-        let signal = device_bytes(&s, 8, |_| 0);
-        let result = device_bytes(&s, 8 * n_threads, |_| 0xff);
-        let p = |b: &cudarc::driver::CudaSlice<u8>| b.device_ptr(&s).0;
+        let case = ib_puts::Puts::new(&s);
         let nic =
             Arc::new(EmulatedNic::start(Box::new(CudaDma::new(&gpu)), Delivery::Strict).unwrap());
-        let ks = nic.register(p(&src), bytes as u64, false).unwrap();
-        let kd = nic.register(p(&dst), bytes as u64, false).unwrap();
-        let kg = nic.register(p(&signal), 8, true).unwrap();
-        let kr = nic
-            .register(p(&result), 8 * n_threads as u64, true)
-            .unwrap();
+        // Data regions registered relaxed-capable, the signal and the results strict.
+        let (bufs, strict) = (case.buffers(), [false, false, true, true]);
+        let keys: [u32; 4] = std::array::from_fn(|i| {
+            nic.register(bufs[i].device_ptr(&s).0, bufs[i].len() as u64, strict[i])
+                .unwrap()
+        });
         let qpn = 0x100 + q as u32;
         let qp = GpuQp::new(&gpu, &nic, qpn, 7, posting, site).unwrap();
-        let h = qp.handle();
-        let (ps, pd, pg, pr) = (p(&src), p(&dst), p(&signal), p(&result));
-        let mut b = s.launch_builder(&f);
-        b.arg(&h)
-            .arg(&ps)
-            .arg(&ks)
-            .arg(&pd)
-            .arg(&kd)
-            .arg(&chunk)
-            .arg(&per_thread)
-            .arg(&pg)
-            .arg(&kg)
-            .arg(&pr)
-            .arg(&kr);
-        let start = std::time::Instant::now();
-        // SAFETY: matches ib_test_puts; every address is inside a registered buffer.
-        unsafe {
-            b.launch(LaunchConfig {
-                grid_dim: (blocks, 1, 1),
-                block_dim: (threads, 1, 1),
-                shared_mem_bytes: 0,
-            })
-        }
-        .unwrap();
-        s.synchronize().unwrap();
-        let took = start.elapsed();
-        assert_eq!(
-            s.clone_dtoh(&dst).unwrap(),
-            s.clone_dtoh(&src).unwrap(),
-            "{posting:?}: data"
-        );
-        let sig = u64::from_ne_bytes(s.clone_dtoh(&signal).unwrap()[..8].try_into().unwrap());
-        assert_eq!(sig, n_threads as u64, "{posting:?}: signal");
-        let mut olds: Vec<u64> = s
-            .clone_dtoh(&result)
-            .unwrap()
-            .chunks(8)
-            .map(|c| u64::from_ne_bytes(c.try_into().unwrap()))
-            .collect();
-        olds.sort_unstable();
-        assert_eq!(
-            olds,
-            (0..n_threads as u64).collect::<Vec<_>>(),
-            "{posting:?}: fetch-add results"
-        );
+        let took = case.run(&gpu, &s, qp.handle(), keys, &format!("{posting:?}"));
         assert!(nic.faults().is_empty(), "{posting:?}: {:?}", nic.faults());
-        let wqes = u64::from(blocks * threads * (per_thread + 1));
+        let wqes = ib_puts::wqes();
         assert_eq!(nic.executed(qpn), wqes);
         eprintln!(
-            "{posting:?}: {wqes} WQEs from {n_threads} GPU threads through a 128-WQEBB queue in {:.1} ms ({:.0} WQEs/s, emulator included)",
+            "{posting:?}: {wqes} WQEs from {} GPU threads through a 128-WQEBB queue in {:.1} ms ({:.0} WQEs/s, emulator included)",
+            ib_puts::threads(),
             took.as_secs_f64() * 1e3,
             wqes as f64 / took.as_secs_f64()
         );

@@ -15,7 +15,9 @@
 //! `DOORBELL_IB_DEVICE=mlx5_1` picks the device (default: the first mlx5 device with an active
 //! port), `DOORBELL_IB_GID_INDEX` the GID (RoCE). Without a NIC every test fails saying why.
 
-use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, LaunchConfig, PushKernelArg};
+mod ib_puts;
+
+use cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
 use doorbell::device_api::WaitSite;
 use doorbell::host::cuda::Gpu;
 use doorbell::rdma::host_qp::HostQp;
@@ -23,6 +25,7 @@ use doorbell::rdma::hw::HwPort;
 use doorbell::rdma::rc::{access, Mr};
 use doorbell::rdma::verbs::Verbs;
 use doorbell::rdma::wqe::Op;
+use ib_puts::device_bytes;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -33,11 +36,6 @@ fn port() -> HwPort {
         .ok()
         .map(|s| s.parse().expect("DOORBELL_IB_GID_INDEX: a number"));
     HwPort::open(&verbs, name.as_deref(), gid).unwrap_or_else(|e| panic!("{e}"))
-}
-
-fn device_bytes(s: &Arc<CudaStream>, n: usize, fill: impl Fn(usize) -> u8) -> CudaSlice<u8> {
-    let v: Vec<u8> = (0..n).map(fill).collect();
-    s.clone_htod(&v).unwrap()
 }
 
 const ALL: u32 =
@@ -171,15 +169,8 @@ fn gpu_posted(ibgda: bool) {
     let port = port();
     let gpu = Gpu::open(0).expect("GPU 0");
     let s = gpu.new_stream().unwrap();
-    let (blocks, threads, per_thread, chunk) = (4u32, 64u32, 4u32, 1024u32);
-    let n_threads = (blocks * threads) as usize;
-    let bytes = n_threads * (per_thread * chunk) as usize;
-    let src = device_bytes(&s, bytes, |i| (i * 13 % 251) as u8);
-    let dst = device_bytes(&s, bytes, |_| 0);
-    let signal = device_bytes(&s, 8, |_| 0);
-    let result = device_bytes(&s, 8 * n_threads, |_| 0xff);
-    let mrs = [&src, &dst, &signal, &result].map(|b| register(&port, &gpu, &s, b));
-    let p = |b: &CudaSlice<u8>| b.device_ptr(&s).0;
+    let case = ib_puts::Puts::new(&s);
+    let mrs = case.buffers().map(|b| register(&port, &gpu, &s, b));
     let site = WaitSite {
         budget_ns: 20_000_000_000,
         rank: 0,
@@ -190,51 +181,14 @@ fn gpu_posted(ibgda: bool) {
     let qp = a
         .map_for_gpu(&gpu, ibgda, site)
         .unwrap_or_else(|e| panic!("{e}"));
-    let h = qp.handle();
-    let f = gpu.function("ib", "ib_test_puts").unwrap();
-    let (ps, pd, pg, pr) = (p(&src), p(&dst), p(&signal), p(&result));
+    // On mlx5 the lkey and rkey of one registration are equal.
     let keys = mrs.each_ref().map(|m| m.rkey());
-    let mut b = s.launch_builder(&f);
-    b.arg(&h)
-        .arg(&ps)
-        .arg(&keys[0])
-        .arg(&pd)
-        .arg(&keys[1])
-        .arg(&chunk)
-        .arg(&per_thread)
-        .arg(&pg)
-        .arg(&keys[2])
-        .arg(&pr)
-        .arg(&keys[3]);
-    // SAFETY: matches ib_test_puts; every address is inside a registered buffer (on mlx5 the
-    // lkey and rkey of one registration are equal).
-    unsafe {
-        b.launch(LaunchConfig {
-            grid_dim: (blocks, 1, 1),
-            block_dim: (threads, 1, 1),
-            shared_mem_bytes: 0,
-        })
-    }
-    .unwrap();
-    s.synchronize().unwrap();
-    assert_eq!(
-        s.clone_dtoh(&dst).unwrap(),
-        s.clone_dtoh(&src).unwrap(),
-        "data"
-    );
-    let sig = u64::from_ne_bytes(s.clone_dtoh(&signal).unwrap()[..8].try_into().unwrap());
-    assert_eq!(sig, n_threads as u64, "signal");
-    let mut olds: Vec<u64> = s
-        .clone_dtoh(&result)
-        .unwrap()
-        .chunks(8)
-        .map(|c| u64::from_ne_bytes(c.try_into().unwrap()))
-        .collect();
-    olds.sort_unstable();
-    assert_eq!(
-        olds,
-        (0..n_threads as u64).collect::<Vec<_>>(),
-        "fetch-add results"
+    case.run(
+        &gpu,
+        &s,
+        qp.handle(),
+        keys,
+        if ibgda { "IBGDA" } else { "CPU-assisted" },
     );
     drop(qp);
     drop(mrs);

@@ -33,62 +33,7 @@ extern "C" __global__ void net_exchange(const PortChannelHandle* ch, uint32_t wo
   for (uint64_t i = threadIdx.x; i < bytes; i += blockDim.x) slot[i] = mine[i];
 }
 
-// out[i] = recv[0][i] + recv[1][i] + ... in rank order (every rank sums in the same order, so
-// every rank gets the same bits), accumulating in f32.
-template <typename T>
-__device__ void reduce_slots(const T* recv, T* out, uint32_t world, uint64_t n) {
-  for (uint64_t i = blockIdx.x * uint64_t(blockDim.x) + threadIdx.x; i < n; i += uint64_t(gridDim.x) * blockDim.x) {
-    float acc = 0.f;
-    for (uint32_t r = 0; r < world; ++r) {
-      if constexpr (sizeof(T) == 2) {
-        acc += __bfloat162float(recv[uint64_t(r) * n + i]);
-      } else {
-        acc += recv[uint64_t(r) * n + i];
-      }
-    }
-    if constexpr (sizeof(T) == 2) {
-      out[i] = __float2bfloat16(acc);
-    } else {
-      out[i] = acc;
-    }
-  }
-}
-
-extern "C" __global__ void net_reduce_f32(const float* recv, float* out, uint32_t world, uint64_t n) {
-  reduce_slots(recv, out, world, n);
-}
-
-extern "C" __global__ void net_reduce_bf16(const __nv_bfloat16* recv, __nv_bfloat16* out, uint32_t world, uint64_t n) {
-  reduce_slots(recv, out, world, n);
-}
-
-// ---- The hierarchical allreduce (nodes of L ranks, N nodes; see src/collectives/net.rs) ----
-//
-// One phase: thread i < n drives the channel ch[peers[i]] (keys[i] is that peer's local index or
-// node): ready handshake, then a put of `bytes` (or, with per_peer_shard, the shard keys[i] of
-// `total` bytes cut in `shard` pieces) from my send buffer at src_base + src_step * keys[i] into
-// the peer's receive buffer at dst_off, with a signal; then the peer's data signal, then a flush
-// (my send buffer is reusable after the phase).
-extern "C" __global__ void net_phase(const PortChannelHandle* ch, const uint32_t* peers, const uint32_t* keys,
-                                     uint32_t n, uint64_t dst_off, uint64_t src_base, uint64_t src_step,
-                                     uint64_t bytes, uint32_t per_peer_shard, uint64_t shard, uint64_t total) {
-  const uint32_t i = threadIdx.x;
-  if (i >= n) return;
-  const PortChannelHandle& c = ch[peers[i]];
-  const uint64_t k = keys[i];
-  uint64_t len = bytes;
-  if (per_peer_shard != 0) {
-    const uint64_t start = k * shard < total ? k * shard : total;
-    len = total - start < shard ? total - start : shard;
-  }
-  c.signal();
-  c.wait();
-  c.put_with_signal(dst_off, src_base + src_step * k, len);
-  c.wait();
-  c.flush();
-}
-
-// dst1[i] = dst2[i] = sum over s < nslots of slot s (base + s * stride, or `own` for slot
+// dst1[i] (and dst2[i], when another place) = sum over s < nslots of slot s (base + s * stride, or `own` for slot
 // own_slot), accumulated in f32 in slot order, for i < n.
 template <typename T>
 __device__ void sum_slots(const T* base, uint64_t stride, uint32_t nslots, uint32_t own_slot, const T* own, uint64_t n,
@@ -110,8 +55,44 @@ __device__ void sum_slots(const T* base, uint64_t stride, uint32_t nslots, uint3
       out = acc;
     }
     dst1[i] = out;
-    dst2[i] = out;
+    if (dst2 != dst1) dst2[i] = out;
   }
+}
+
+// The direct allreduce: out[i] = recv[0][i] + recv[1][i] + ... in rank order (every rank sums
+// in the same order, so every rank gets the same bits), accumulating in f32.
+extern "C" __global__ void net_reduce_f32(const float* recv, float* out, uint32_t world, uint64_t n) {
+  sum_slots(recv, n, world, UINT32_MAX, recv, n, out, out);
+}
+
+extern "C" __global__ void net_reduce_bf16(const __nv_bfloat16* recv, __nv_bfloat16* out, uint32_t world, uint64_t n) {
+  sum_slots(recv, n, world, UINT32_MAX, recv, n, out, out);
+}
+
+// ---- The hierarchical allreduce (nodes of L ranks, N nodes; see src/collectives/net.rs) ----
+//
+// One phase: thread i < n drives the channel ch[peers[i]] (keys[i] is that peer's local index or
+// node): ready handshake, then a put of `bytes` (or, with per_peer_shard, the shard keys[i] of
+// `total` bytes cut in `shard` pieces) from my send buffer at src_step * keys[i] into
+// the peer's receive buffer at dst_off, with a signal; then the peer's data signal, then a flush
+// (my send buffer is reusable after the phase).
+extern "C" __global__ void net_phase(const PortChannelHandle* ch, const uint32_t* peers, const uint32_t* keys,
+                                     uint32_t n, uint64_t dst_off, uint64_t src_step,
+                                     uint64_t bytes, uint32_t per_peer_shard, uint64_t shard, uint64_t total) {
+  const uint32_t i = threadIdx.x;
+  if (i >= n) return;
+  const PortChannelHandle& c = ch[peers[i]];
+  const uint64_t k = keys[i];
+  uint64_t len = bytes;
+  if (per_peer_shard != 0) {
+    const uint64_t start = k * shard < total ? k * shard : total;
+    len = total - start < shard ? total - start : shard;
+  }
+  c.signal();
+  c.wait();
+  c.put_with_signal(dst_off, src_step * k, len);
+  c.wait();
+  c.flush();
 }
 
 extern "C" __global__ void net_sum_slots_f32(const float* base, uint64_t stride, uint32_t nslots, uint32_t own_slot,

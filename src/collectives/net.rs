@@ -204,13 +204,19 @@ impl NetCollectives {
         self.hier.is_some()
     }
 
-    fn launch_exchange(&self, stream: &CudaStream, bytes: u64, src_stride: u64) -> Result<()> {
-        if let Some(why) = self.proxy.failure() {
-            return Err(Error::invalid(
+    /// An error if this collective's proxy stopped (its kernels would wait for it in vain).
+    fn proxy_alive(&self) -> Result<()> {
+        match self.proxy.failure() {
+            Some(why) => Err(Error::invalid(
                 "net collective",
                 format!("the proxy stopped: {why}"),
-            ));
+            )),
+            None => Ok(()),
         }
+    }
+
+    fn launch_exchange(&self, stream: &CudaStream, bytes: u64, src_stride: u64) -> Result<()> {
+        self.proxy_alive()?;
         let (world, rank) = (self.comm.world_size() as u32, self.comm.rank() as u32);
         let (h, s, r) = (self.handles_ptr, self.send_buffer(), self.recv_buffer());
         let mut b = stream.launch_builder(&self.exchange);
@@ -336,24 +342,18 @@ impl NetCollectives {
         shard: u64,
         total: u64,
     ) -> Result<()> {
-        if let Some(why) = self.proxy.failure() {
-            return Err(Error::invalid(
-                "net collective",
-                format!("the proxy stopped: {why}"),
-            ));
-        }
+        self.proxy_alive()?;
         let (peers, keys) = (
             h.peers_ptr + 4 * first as u64,
             h.keys_ptr + 4 * first as u64,
         );
-        let (n, zero, per_peer) = (n as u32, 0u64, u32::from(src_step != 0));
+        let (n, per_peer) = (n as u32, u32::from(src_step != 0));
         let mut b = stream.launch_builder(&h.phase);
         b.arg(&self.handles_ptr)
             .arg(&peers)
             .arg(&keys)
             .arg(&n)
             .arg(&dst_off)
-            .arg(&zero)
             .arg(&src_step)
             .arg(&bytes)
             .arg(&per_peer)

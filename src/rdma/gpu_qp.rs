@@ -67,21 +67,126 @@ pub enum Posting {
     CpuAssisted,
 }
 
+/// What kernels need beside a queue pair's rings: the posting state in device memory, and in
+/// CPU-assisted posting the host thread that rings for them. Shared by the emulated NIC's queue
+/// pairs ([`GpuQp`]) and real ones (`super::hw::GpuHwQp`).
+pub(crate) struct GpuPoster {
+    stop: Arc<AtomicBool>,
+    assist: Option<std::thread::JoinHandle<()>>,
+    _ready: Option<Arc<HostArray<u64>>>,
+    _state: CudaSlice<u64>,
+    _sizes: CudaSlice<u8>,
+}
+
+/// Device addresses of a queue pair's rings, and their sizes.
+pub(crate) struct DeviceRings {
+    pub sq: u64,
+    pub dbr: u64,
+    pub doorbell: u64,
+    pub cq: u64,
+    pub cq_ci: u64,
+    pub qpn: u32,
+    pub sq_log2: u32,
+    pub cq_log2: u32,
+}
+
+impl GpuPoster {
+    /// The posting state for `rings`, and the handle kernels take. With CPU-assisted posting a
+    /// host thread writes the doorbell record and doorbell through `write_dbr` and
+    /// `write_doorbell` (which must stay valid until [`GpuPoster::stop`]).
+    pub(crate) fn start(
+        gpu: &Arc<Gpu>,
+        rings: DeviceRings,
+        posting: Posting,
+        site: WaitSite,
+        write_dbr: impl Fn(u32) + Send + 'static,
+        write_doorbell: impl Fn(u64) + Send + 'static,
+    ) -> Result<(GpuPoster, IbQpHandle)> {
+        let stream = gpu.new_stream()?;
+        let state = stream
+            .alloc_zeros::<u64>(8)
+            .map_err(cuda_err("cuMemAlloc"))?;
+        let sizes = stream
+            .alloc_zeros::<u8>(1 << rings.sq_log2)
+            .map_err(cuda_err("cuMemAlloc"))?;
+        stream
+            .synchronize()
+            .map_err(cuda_err("cuStreamSynchronize"))?;
+        let ready = match posting {
+            Posting::Ibgda => None,
+            Posting::CpuAssisted => Some(Arc::new(HostArray::<u64>::new(gpu, 1)?)),
+        };
+        let handle = IbQpHandle {
+            sq: rings.sq,
+            dbr: rings.dbr,
+            doorbell: rings.doorbell,
+            cq: rings.cq,
+            cq_ci: rings.cq_ci,
+            state: state.device_ptr(&stream).0,
+            sizes: sizes.device_ptr(&stream).0,
+            host_ready: ready.as_ref().map_or(0, |h| h.device_ptr()),
+            qpn: rings.qpn,
+            sq_log2: rings.sq_log2,
+            cq_log2: rings.cq_log2,
+            reserved: 0,
+            site,
+        };
+        let stop = Arc::new(AtomicBool::new(false));
+        let qpn = rings.qpn;
+        let assist = match &ready {
+            None => None,
+            Some(ready) => {
+                let (ready, stop) = (ready.clone(), stop.clone());
+                Some(
+                    std::thread::Builder::new()
+                        .name(format!("doorbell-qp{qpn:x}-ring"))
+                        .spawn(move || {
+                            ring_for_gpu(|| ready.read(0), write_dbr, write_doorbell, qpn, &stop)
+                        })
+                        .map_err(|e| {
+                            Error::invalid("doorbell thread", format!("cannot start: {e}"))
+                        })?,
+                )
+            }
+        };
+        Ok((
+            GpuPoster {
+                stop,
+                assist,
+                _ready: ready,
+                _state: state,
+                _sizes: sizes,
+            },
+            handle,
+        ))
+    }
+
+    /// Stops the ringing thread (if any) and waits for it. Idempotent.
+    pub(crate) fn stop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        if let Some(t) = self.assist.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+impl Drop for GpuPoster {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
 /// A queue pair of the emulated NIC that kernels post to. Dropping it stops its doorbell thread
 /// (CPU-assisted) and removes it from the NIC.
 pub struct GpuQp {
     nic: Arc<EmulatedNic>,
     handle: IbQpHandle,
-    stop: Arc<AtomicBool>,
-    assist: Option<std::thread::JoinHandle<()>>,
+    poster: GpuPoster,
     _sq: HostArray<u8>,
     _dbr: Arc<HostArray<u32>>,
     _doorbell: Arc<HostArray<u64>>,
     _cq: HostArray<u8>,
     _cq_ci: HostArray<u32>,
-    _host_ready: Option<Arc<HostArray<u64>>>,
-    _state: CudaSlice<u64>,
-    _sizes: CudaSlice<u8>,
 }
 
 impl GpuQp {
@@ -110,20 +215,24 @@ impl GpuQp {
             cq.write(i * CQE_BYTES + 63, EMPTY_OP_OWN);
         }
         let cq_ci = HostArray::<u32>::new(gpu, 1)?;
-        let stream = gpu.new_stream()?;
-        let state = stream
-            .alloc_zeros::<u64>(8)
-            .map_err(cuda_err("cuMemAlloc"))?;
-        let sizes = stream
-            .alloc_zeros::<u8>(depth)
-            .map_err(cuda_err("cuMemAlloc"))?;
-        stream
-            .synchronize()
-            .map_err(cuda_err("cuStreamSynchronize"))?;
-        let host_ready = match posting {
-            Posting::Ibgda => None,
-            Posting::CpuAssisted => Some(Arc::new(HostArray::<u64>::new(gpu, 1)?)),
-        };
+        let (d, b) = (dbr.clone(), doorbell.clone());
+        let (poster, handle) = GpuPoster::start(
+            gpu,
+            DeviceRings {
+                sq: sq.device_ptr(),
+                dbr: dbr.device_ptr(),
+                doorbell: doorbell.device_ptr(),
+                cq: cq.device_ptr(),
+                cq_ci: cq_ci.device_ptr(),
+                qpn,
+                sq_log2,
+                cq_log2: sq_log2,
+            },
+            posting,
+            site,
+            move |v| d.write(0, v),
+            move |v| b.write(0, v),
+        )?;
         let rings = QpRings {
             sq: sq.host_ptr(),
             sq_wqebbs: depth as u64,
@@ -136,58 +245,15 @@ impl GpuQp {
         // SAFETY: the rings are pinned allocations owned by the returned value, whose Drop
         // removes the QP from the NIC before they are freed.
         unsafe { nic.add_qp(qpn, rings, None) }?;
-        let handle = IbQpHandle {
-            sq: sq.device_ptr(),
-            dbr: dbr.device_ptr(),
-            doorbell: doorbell.device_ptr(),
-            cq: cq.device_ptr(),
-            cq_ci: cq_ci.device_ptr(),
-            state: state.device_ptr(&stream).0,
-            sizes: sizes.device_ptr(&stream).0,
-            host_ready: host_ready.as_ref().map_or(0, |h| h.device_ptr()),
-            qpn,
-            sq_log2,
-            cq_log2: sq_log2,
-            reserved: 0,
-            site,
-        };
-        let stop = Arc::new(AtomicBool::new(false));
-        let assist = match &host_ready {
-            None => None,
-            Some(ready) => {
-                let (ready, dbr, doorbell, stop) =
-                    (ready.clone(), dbr.clone(), doorbell.clone(), stop.clone());
-                Some(
-                    std::thread::Builder::new()
-                        .name(format!("doorbell-qp{qpn:x}-ring"))
-                        .spawn(move || {
-                            ring_for_gpu(
-                                || ready.read(0),
-                                |v| dbr.write(0, v),
-                                |v| doorbell.write(0, v),
-                                qpn,
-                                &stop,
-                            )
-                        })
-                        .map_err(|e| {
-                            Error::invalid("doorbell thread", format!("cannot start: {e}"))
-                        })?,
-                )
-            }
-        };
         Ok(GpuQp {
             nic: nic.clone(),
             handle,
-            stop,
-            assist,
+            poster,
             _sq: sq,
             _dbr: dbr,
             _doorbell: doorbell,
             _cq: cq,
             _cq_ci: cq_ci,
-            _host_ready: host_ready,
-            _state: state,
-            _sizes: sizes,
         })
     }
 
@@ -237,10 +303,7 @@ pub(crate) fn ring_for_gpu(
 
 impl Drop for GpuQp {
     fn drop(&mut self) {
-        self.stop.store(true, Ordering::Relaxed);
-        if let Some(t) = self.assist.take() {
-            let _ = t.join();
-        }
+        self.poster.stop();
         self.nic.remove_qp(self.handle.qpn);
     }
 }

@@ -13,15 +13,15 @@
 //! against `mlx5dv.h` in CI (`tests/verbs_layout.rs`); `tests/ib_hw.rs` is the hardware test
 //! (`docs/rdma.md` gives the command).
 
+use super::gpu_qp::{DeviceRings, GpuPoster, Posting};
 use super::rc::{access, Cq, Device, Endpoint, Pd, Qp, Rts};
 use super::verbs::{choose_gid, QpCap, Verbs};
 use crate::device_api::{IbQpHandle, WaitSite};
 use crate::error::{Error, Result};
-use crate::host::cuda::{check, cuda_err, Gpu};
+use crate::host::cuda::{check, Gpu};
 use cudarc::driver::sys;
-use cudarc::driver::{CudaSlice, DevicePtr};
 use std::ffi::{c_int, c_void};
-use std::sync::atomic::{fence, AtomicBool, Ordering};
+use std::sync::atomic::{fence, Ordering};
 use std::sync::Arc;
 
 /// `struct mlx5dv_qp` (mlx5dv.h).
@@ -149,10 +149,10 @@ pub struct Rings {
     pub cq_ci: *mut u32,
 }
 
-/// An RC queue pair on a real mlx5 NIC, connected (RTS), with its rings. Drops the QP before its
-/// CQ.
+/// An RC queue pair on a real mlx5 NIC, connected (RTS), with its rings. The QP drops before its
+/// CQ (field order).
 pub struct HwQp {
-    qp: Option<Qp<Rts>>,
+    _qp: Qp<Rts>,
     _cq: Cq,
     rings: Rings,
     endpoint: Endpoint,
@@ -335,7 +335,7 @@ impl HwPort {
             cq_ci: dv_cq.dbrec,
         };
         Ok(HwQp {
-            qp: Some(qp),
+            _qp: qp,
             _cq: cq,
             rings,
             endpoint,
@@ -382,7 +382,7 @@ impl HwQp {
                 format!("{} WQEBBs: kernels post to 2^7..=2^15", r.sq_wqebbs),
             ));
         }
-        let mut regs = Vec::new();
+        let mut regs = Registrations(Vec::new());
         let sq = register(&mut regs, r.sq as u64, r.sq_wqebbs * 64, false)?;
         let dbr = register(&mut regs, r.dbr as u64, 4, false)?;
         let cq = register(&mut regs, r.cq as u64, r.cq_entries * 64, false)?;
@@ -401,95 +401,68 @@ impl HwQp {
         } else {
             0
         };
-        let stream = gpu.new_stream()?;
-        let state = stream
-            .alloc_zeros::<u64>(8)
-            .map_err(cuda_err("cuMemAlloc"))?;
-        let sizes = stream
-            .alloc_zeros::<u8>(r.sq_wqebbs as usize)
-            .map_err(cuda_err("cuMemAlloc"))?;
-        let ready = if ibgda {
-            None
+        let posting = if ibgda {
+            Posting::Ibgda
         } else {
-            Some(Arc::new(crate::host::cuda::HostArray::<u64>::new(gpu, 1)?))
+            Posting::CpuAssisted
         };
-        stream
-            .synchronize()
-            .map_err(cuda_err("cuStreamSynchronize"))?;
-        let handle = IbQpHandle {
-            sq,
-            dbr,
-            doorbell,
-            cq,
-            cq_ci,
-            state: state.device_ptr(&stream).0,
-            sizes: sizes.device_ptr(&stream).0,
-            host_ready: ready.as_ref().map_or(0, |h| h.device_ptr()),
-            qpn: r.qpn,
-            sq_log2,
-            cq_log2,
-            reserved: 0,
+        let (dbr_host, doorbell_host) = (SendPtr(r.dbr as *mut u8), SendPtr(r.doorbell as *mut u8));
+        let (poster, handle) = GpuPoster::start(
+            gpu,
+            DeviceRings {
+                sq,
+                dbr,
+                doorbell,
+                cq,
+                cq_ci,
+                qpn: r.qpn,
+                sq_log2,
+                cq_log2,
+            },
+            posting,
             site,
-        };
-        let stop = Arc::new(AtomicBool::new(false));
-        let assist = match &ready {
-            None => None,
-            Some(ready) => {
-                let (ready, stop) = (ready.clone(), stop.clone());
-                let (dbr, doorbell) = (SendPtr(r.dbr as *mut u8), SendPtr(r.doorbell as *mut u8));
-                Some(
-                    std::thread::Builder::new()
-                        .name(format!("doorbell-qp{:x}-ring", r.qpn))
-                        .spawn(move || {
-                            let (dbr, doorbell) = (dbr, doorbell);
-                            super::gpu_qp::ring_for_gpu(
-                                || ready.read(0),
-                                // SAFETY: the QP's send record and doorbell register, alive
-                                // until this thread is joined (GpuHwQp's Drop).
-                                |v| unsafe { (dbr.0 as *mut u32).write_volatile(v) },
-                                |v| unsafe { (doorbell.0 as *mut u64).write_volatile(v) },
-                                r.qpn,
-                                &stop,
-                            )
-                        })
-                        .map_err(|e| {
-                            Error::invalid("doorbell thread", format!("cannot start: {e}"))
-                        })?,
-                )
-            }
-        };
+            // SAFETY: the QP's send record and doorbell register, alive until the poster is
+            // stopped (GpuHwQp's Drop, before the QP goes).
+            move |v| unsafe { (dbr_host.get() as *mut u32).write_volatile(v) },
+            move |v| unsafe { (doorbell_host.get() as *mut u64).write_volatile(v) },
+        )?;
         Ok(GpuHwQp {
             handle,
-            stop,
-            assist,
-            _ready: ready,
-            _state: state,
-            _sizes: sizes,
-            regs,
-            qp: Some(self),
+            poster,
+            _regs: regs,
+            _qp: self,
         })
-    }
-
-    /// Drops the QP now (its CQ goes with the rest of this value).
-    fn close(&mut self) {
-        self.qp.take();
-    }
-}
-
-impl Drop for HwQp {
-    fn drop(&mut self) {
-        self.close();
     }
 }
 
 struct SendPtr(*mut u8);
-// SAFETY: used only by the ring thread, which the owner joins before the memory goes away.
+// SAFETY: used only by the ring thread, which the owner stops before the memory goes away.
 unsafe impl Send for SendPtr {}
+
+impl SendPtr {
+    // A method, so closures capture the whole (Send) wrapper rather than its raw field.
+    fn get(&self) -> *mut u8 {
+        self.0
+    }
+}
+
+/// Host pages this process registered with CUDA; unregistered when dropped (also when mapping
+/// fails half way).
+struct Registrations(Vec<u64>);
+
+impl Drop for Registrations {
+    fn drop(&mut self) {
+        for &start in &self.0 {
+            // SAFETY: registered by `register`, unregistered once.
+            unsafe { sys::cuMemHostUnregister(start as *mut c_void) };
+        }
+    }
+}
 
 /// Registers the pages around `[addr, addr + len)` with the current context (IO memory for a
 /// device register) and returns the device address of `addr`. Pages registered before (the
 /// doorbell records of several queues share pages) are reused.
-fn register(regs: &mut Vec<u64>, addr: u64, len: u64, io: bool) -> Result<u64> {
+fn register(regs: &mut Registrations, addr: u64, len: u64, io: bool) -> Result<u64> {
     let page = 4096u64;
     let start = addr & !(page - 1);
     let end = (addr + len).next_multiple_of(page);
@@ -502,7 +475,7 @@ fn register(regs: &mut Vec<u64>, addr: u64, len: u64, io: bool) -> Result<u64> {
     let r =
         unsafe { sys::cuMemHostRegister_v2(start as *mut c_void, (end - start) as usize, flags) };
     match r {
-        sys::CUresult::CUDA_SUCCESS => regs.push(start),
+        sys::CUresult::CUDA_SUCCESS => regs.0.push(start),
         sys::CUresult::CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED => {}
         other => check("cuMemHostRegister", other)?,
     }
@@ -518,13 +491,9 @@ fn register(regs: &mut Vec<u64>, addr: u64, len: u64, io: bool) -> Result<u64> {
 /// CPU-assisted posting. Dropping it stops the thread, unregisters the rings, then closes the QP.
 pub struct GpuHwQp {
     handle: IbQpHandle,
-    stop: Arc<AtomicBool>,
-    assist: Option<std::thread::JoinHandle<()>>,
-    _ready: Option<Arc<crate::host::cuda::HostArray<u64>>>,
-    _state: CudaSlice<u64>,
-    _sizes: CudaSlice<u8>,
-    regs: Vec<u64>,
-    qp: Option<HwQp>,
+    poster: GpuPoster,
+    _regs: Registrations,
+    _qp: HwQp,
 }
 
 impl GpuHwQp {
@@ -536,15 +505,8 @@ impl GpuHwQp {
 
 impl Drop for GpuHwQp {
     fn drop(&mut self) {
-        self.stop.store(true, Ordering::Relaxed);
-        if let Some(t) = self.assist.take() {
-            let _ = t.join();
-        }
+        // The ringing thread first; then (fields, in order) the registrations, then the QP.
+        self.poster.stop();
         fence(Ordering::SeqCst);
-        for &start in &self.regs {
-            // SAFETY: registered by map_for_gpu, unregistered once.
-            unsafe { sys::cuMemHostUnregister(start as *mut c_void) };
-        }
-        self.qp.take();
     }
 }
