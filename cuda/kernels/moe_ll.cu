@@ -8,15 +8,19 @@
 // lists the sections). The half is the parity of the dispatch epoch, so a dispatch never
 // overwrites rows the previous one delivered (two results may be alive at once, as with DeepEP).
 //
-// dispatch send (moe_ll_send, one kernel): a warp per (token, destination rank) reserves a slot
-// of each selected expert there (an atomic on my own counter), writes the row once and the
-// selections' metadata (moe_ll::put). The last block to finish (a counter after a system fence in
-// every block) publishes, for every expert, `epoch << 32 | rows` into the owner's count word after
-// a system fence (no semaphores; the epoch tells a fresh count from last call's), zeroes the
-// counters and stores the epoch.
-// dispatch receive (moe_ll_recv): every block waits (bounded) for every count word of this epoch,
-// then copies each carried row into the slots of the pair's other selections; block 0 writes the
-// rows per (expert, source) and per expert. moe_ll_dispatch does both halves in one kernel.
+// dispatch send (moe_ll_send): a warp per (token, destination rank) reserves a slot of each
+// selected expert there (an atomic on my own counter), writes the row once into the first (the
+// carrier) and the selections' metadata, then after a system fence announces the carrier in the
+// destination's queue for this source (moe_ll::put). The warp that finishes the call's last
+// (token, rank) item publishes, for every expert, `epoch << 32 | rows` into the owner's count
+// word and, for every rank, the carriers it sent there, after a system fence (no semaphores; the
+// epoch tells a fresh word from last call's), and zeroes the counters; the last block stores the
+// epoch.
+// dispatch receive (moe_ll_recv): warps take queue entries (entry j of every source before j + 1)
+// and copy each carrier row into its pair's other slots the moment its entry appears; an entry
+// past the source's carrier count is skipped. Block 0 waits for the count words and writes the
+// rows per (expert, source) and per expert. moe_ll_dispatch runs both in one kernel, half of
+// each block's warps sending while the other half copy, so copies overlap the transfer.
 // combine send (moe_ll_combine_send): a warp per carrier row sends its pair's weighted partial sum
 // to the token's rank (moe_ll::send_partial); the last block signals every peer.
 // combine receive (moe_ll_combine_recv): waits for every peer's signal of this call, then adds
@@ -44,30 +48,85 @@ __device__ uint32_t block_max(const uint32_t* n, uint32_t count) {
   return best;
 }
 
-// The send half: a warp per (token, destination rank). Neighbouring warps take one token to
-// different ranks, so its row is read from L2 once.
-__device__ void dispatch_send(const MoeLlArgs& a) {
+// The send half, warps [0, nsend) of every block: item i (token i / world to rank i % world)
+// goes to block i % grid, so every SM pushes a few rows; a warp per item (moe_ll::put). With no
+// tokens the first warp publishes the (zero) counts at once: this rank's own receive warps wait
+// for them before the block can reach finish_send (which would publish them too, harmlessly).
+__device__ void send_items(const MoeLlArgs& a, uint32_t warp, uint32_t nsend) {
   const uint32_t lane = threadIdx.x % kWarp;
-  const uint32_t warps = gridDim.x * (blockDim.x / kWarp);
   const uint32_t items = a.num_tokens * a.world;
-  for (uint32_t item = blockIdx.x * (blockDim.x / kWarp) + threadIdx.x / kWarp; item < items; item += warps) {
+  if (items == 0 && blockIdx.x == 0 && warp == 0) {
+    __threadfence_system();
+    moe_ll::publish_counts(a, moe_ll::send_epoch(a), lane);
+  }
+  for (uint32_t item = warp * gridDim.x + blockIdx.x; item < items; item += nsend * gridDim.x) {
     const uint32_t t = item / a.world;
     moe_ll::put(a, t, item % a.world, a.x + uint64_t(t) * a.hidden, lane);
   }
-  moe_ll::finish_send(a);
 }
 
-// The receive half of dispatch `epoch`: every block waits for every count word, block 0 writes
-// the counts, and all copy carried rows into the other selections' slots. Positions run
-// slot-major (slot i of every pair, then i + 1) so the few filled slots of each pair spread over
-// all warps.
-__device__ void dispatch_recv(const MoeLlArgs& a, uint64_t epoch) {
+// The receive half's copies, by `nrecv` warps over the grid (this is warp `w`): entry j of every
+// source's queue (the carrier rows it announced, in the order it wrote them) is taken by `parts`
+// warps, each copying its share of the carrier row into the pair's other selections' slots as
+// soon as the entry appears. An entry past the source's final count (its sent word) is skipped.
+__device__ void copy_announced(const MoeLlArgs& a, uint64_t epoch, uint32_t w, uint32_t nrecv) {
+  const uint32_t lane = threadIdx.x % kWarp;
+  const uint32_t half = uint32_t(epoch & 1);
+  const uint32_t entries = a.world * a.max_tokens;
+  const uint32_t parts = max(1u, min(8u, nrecv / entries));
+  const int32_t* from = moe_ll::section<int32_t>(a, a.rank, a.off_from);
+  const int32_t* rec = moe_ll::section<int32_t>(a, a.rank, a.off_rec);
+  int4* rows = reinterpret_cast<int4*>(a.area[a.rank]);
+  const uint32_t words = a.hidden / 8;
+  constexpr uint32_t kUnroll = 8;
+  for (uint64_t x = w; x < uint64_t(entries) * parts; x += nrecv) {
+    const uint32_t e = uint32_t(x / parts), part = uint32_t(x % parts);
+    const uint32_t j = e / a.world, src = e % a.world;  // entry j of every source before entry j + 1
+    const uint64_t* entry = moe_ll::queue_entry(a, a.rank, half, src, j);
+    const uint64_t* sent = moe_ll::sent_word(a, a.rank, half, src);
+    uint64_t got = 0;
+    bool none = false;
+    spin_until(moe_ll::site(a, src), kWaitPacket, epoch, [&](uint64_t& seen) {
+      got = load_acquire_sys(entry);
+      if ((got >> 32) == epoch) return true;
+      const uint64_t n = load_acquire_sys(sent);
+      seen = n >> 32;
+      none = seen == epoch && j >= uint32_t(n);
+      return none;
+    });
+    if (none) continue;
+    const uint64_t carrier = uint32_t(got);
+    const uint32_t n = uint32_t(-from[carrier]);  // the pair's selections; rec lists the carrier first
+    const int32_t slot = lane < n ? rec[carrier * a.topk + lane] : 0;
+    const uint32_t begin = uint32_t(uint64_t(words) * part / parts), end = uint32_t(uint64_t(words) * (part + 1) / parts);
+    for (uint32_t base = begin; base < end; base += kWarp * kUnroll) {  // uniform: the shuffles need every lane
+      int4 v[kUnroll];
+#pragma unroll
+      for (uint32_t u = 0; u < kUnroll; ++u) {
+        const uint32_t i = base + lane + u * kWarp;
+        if (i < end) v[u] = rows[carrier * words + i];
+      }
+      for (uint32_t k = 1; k < n; ++k) {
+        const uint64_t to = uint32_t(__shfl_sync(0xffffffffu, slot, k));
+#pragma unroll
+        for (uint32_t u = 0; u < kUnroll; ++u) {
+          const uint32_t i = base + lane + u * kWarp;
+          if (i < end) rows[to * words + i] = v[u];
+        }
+      }
+    }
+  }
+}
+
+// The receive half's bookkeeping, one block: waits (bounded) for every count word of `epoch`
+// and writes the rows per (expert, source) and per expert.
+__device__ void write_layout(const MoeLlArgs& a, uint64_t epoch) {
   __shared__ uint32_t rows_of[kMaxPairs];
   const uint32_t half = uint32_t(epoch & 1);
   const uint32_t pairs = a.experts_per_rank * a.world;
   for (uint32_t q = threadIdx.x; q < pairs; q += blockDim.x) {
-    const uint32_t le = q / a.world, src = q % a.world;
-    const uint64_t* word = moe_ll::count_word(a, a.rank, half, le, src);
+    const uint32_t src = q % a.world;
+    const uint64_t* word = moe_ll::count_word(a, a.rank, half, q / a.world, src);
     uint64_t got = 0;
     spin_until(moe_ll::site(a, src), kWaitPacket, epoch, [&](uint64_t& seen) {
       got = load_acquire_sys(word);
@@ -75,29 +134,13 @@ __device__ void dispatch_recv(const MoeLlArgs& a, uint64_t epoch) {
       return seen == epoch;
     });
     rows_of[q] = uint32_t(got);
+    a.layout[q] = uint32_t(got);
   }
   __syncthreads();
-  if (blockIdx.x == 0) {
-    for (uint32_t q = threadIdx.x; q < pairs; q += blockDim.x) a.layout[q] = rows_of[q];
-    for (uint32_t le = threadIdx.x; le < a.experts_per_rank; le += blockDim.x) {
-      uint32_t n = 0;
-      for (uint32_t src = 0; src < a.world; ++src) n += rows_of[le * a.world + src];
-      a.recv_count[le] = n;
-    }
-  }
-  const uint32_t deepest = block_max(rows_of, pairs);
-  const uint32_t lane = threadIdx.x % kWarp;
-  const uint32_t warps = gridDim.x * (blockDim.x / kWarp);
-  const uint64_t positions = uint64_t(deepest) * pairs;
-  const int32_t* from = moe_ll::section<int32_t>(a, a.rank, a.off_from);
-  int4* rows = reinterpret_cast<int4*>(a.area[a.rank]);
-  const uint32_t words = a.hidden / 8;
-  for (uint64_t p = blockIdx.x * (blockDim.x / kWarp) + threadIdx.x / kWarp; p < positions; p += warps) {
-    const uint32_t i = uint32_t(p / pairs), q = uint32_t(p % pairs);
-    if (i >= rows_of[q]) continue;
-    const uint64_t at = moe_ll::row_index(a, half, q / a.world, q % a.world, i);
-    const int32_t f = from[at];
-    if (f >= 0) copy_words<int4, 8>(rows + at * words, rows + uint64_t(f) * words, words, lane, kWarp);
+  for (uint32_t le = threadIdx.x; le < a.experts_per_rank; le += blockDim.x) {
+    uint32_t n = 0;
+    for (uint32_t src = 0; src < a.world; ++src) n += rows_of[le * a.world + src];
+    a.recv_count[le] = n;
   }
 }
 
@@ -154,17 +197,32 @@ __device__ void combine_recv(const MoeLlArgs& a, uint64_t call) {
 
 }  // namespace
 
-// Each half alone, and both in one kernel (one launch and one kernel boundary less). The fused
-// kernels spin on peers after their own send: their grids are at most one block per SM, all
-// resident at once. Epochs are read at kernel start, before the last block stores the new ones.
-extern "C" __global__ void __launch_bounds__(512) moe_ll_send(MoeLlArgs a) { dispatch_send(a); }
+// Each half alone, and both in one kernel (one launch and one kernel boundary less; half of each
+// block's warps send while the other half copy what arrives). The kernels that wait on peers
+// have grids of at most one block per SM, all resident at once. Epochs are read at kernel
+// start, before the last block stores the new ones.
+extern "C" __global__ void __launch_bounds__(512) moe_ll_send(MoeLlArgs a) {
+  send_items(a, threadIdx.x / kWarp, blockDim.x / kWarp);
+  moe_ll::finish_send(a);
+}
 
-extern "C" __global__ void __launch_bounds__(512) moe_ll_recv(MoeLlArgs a) { dispatch_recv(a, a.epochs[0]); }
+extern "C" __global__ void __launch_bounds__(512) moe_ll_recv(MoeLlArgs a) {
+  const uint64_t epoch = a.epochs[0];
+  const uint32_t nwarps = blockDim.x / kWarp;
+  copy_announced(a, epoch, threadIdx.x / kWarp * gridDim.x + blockIdx.x, nwarps * gridDim.x);
+  if (blockIdx.x == 0) write_layout(a, epoch);
+}
 
 extern "C" __global__ void __launch_bounds__(512) moe_ll_dispatch(MoeLlArgs a) {
   const uint64_t epoch = moe_ll::send_epoch(a);
-  dispatch_send(a);
-  dispatch_recv(a, epoch);
+  const uint32_t warp = threadIdx.x / kWarp, nwarps = blockDim.x / kWarp, nsend = nwarps / 2;
+  if (warp < nsend) {
+    send_items(a, warp, nsend);
+  } else {
+    copy_announced(a, epoch, (warp - nsend) * gridDim.x + blockIdx.x, (nwarps - nsend) * gridDim.x);
+  }
+  moe_ll::finish_send(a);
+  if (blockIdx.x == 0) write_layout(a, epoch);
 }
 
 extern "C" __global__ void __launch_bounds__(512) moe_ll_combine_send(MoeLlArgs a) { combine_send(a, a.epochs[1] + 1); }

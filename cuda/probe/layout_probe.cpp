@@ -193,6 +193,8 @@ int main() {
   FIELD(MoeLlArgs, off_weight);
   FIELD(MoeLlArgs, off_rec);
   FIELD(MoeLlArgs, off_part);
+  FIELD(MoeLlArgs, off_queue);
+  FIELD(MoeLlArgs, off_sent);
   FIELD(MoeLlArgs, y);
   FIELD(MoeLlArgs, fill);
   FIELD(MoeLlArgs, done);

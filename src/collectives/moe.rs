@@ -566,7 +566,9 @@ impl MoeLowLatency {
         let off_weight = off_from + section(2 * rows * 4);
         let off_rec = off_weight + section(2 * rows * 4);
         let off_part = off_rec + section(2 * rows * cfg.topk * 4);
-        let area_bytes = off_part + section(2 * world * cfg.max_tokens * cfg.hidden * 2);
+        let off_queue = off_part + section(2 * world * cfg.max_tokens * cfg.hidden * 2);
+        let off_sent = off_queue + section(2 * world * cfg.max_tokens * 8);
+        let area_bytes = off_sent + section(2 * world * 8);
         let (area, area_ptrs) = landing(comm, area_bytes)?;
         let semaphores = comm.semaphores(1)?;
         let stream = gpu.new_stream()?;
@@ -580,12 +582,12 @@ impl MoeLowLatency {
             .clone_htod(sems_bytes)
             .map_err(cuda_err("cuMemcpyHtoD"))?;
         let device = vec![
-            alloc(cfg.num_experts * 4)?,   // fill
-            alloc(rows * cfg.hidden * 2)?, // y: the combine buffer
-            alloc(8)?,                     // done
-            alloc(16)?,                    // epochs
-            alloc(local * world * 4)?,     // layout
-            alloc(local * 4)?,             // recv_count
+            alloc((cfg.num_experts + MAX_RANKS) * 4)?, // fill
+            alloc(rows * cfg.hidden * 2)?,             // y: the combine buffer
+            alloc(16)?,                                // done
+            alloc(16)?,                                // epochs
+            alloc(local * world * 4)?,                 // layout
+            alloc(local * 4)?,                         // recv_count
             sems,
         ];
         let p = |i: usize| device[i].device_ptr(&stream).0;
@@ -604,6 +606,8 @@ impl MoeLowLatency {
             off_weight: off_weight as u64,
             off_rec: off_rec as u64,
             off_part: off_part as u64,
+            off_queue: off_queue as u64,
+            off_sent: off_sent as u64,
             fill: p(0),
             y: p(1),
             done: p(2),
@@ -671,9 +675,8 @@ impl MoeLowLatency {
         self.launch(stream, 0, grid, 512, &args)
     }
 
-    /// Checks a dispatch's inputs, counts it, and returns its send arguments and grid: a warp
-    /// per (token, rank), eight of them per block (fewer blocks to fence and count at the end
-    /// than one per SM).
+    /// Checks a dispatch's inputs, counts it, and returns its send arguments and grid: every
+    /// block (each takes a run of (token, rank) items and splits their rows over its warps).
     fn prepare_send(
         &self,
         x: u64,
@@ -705,8 +708,7 @@ impl MoeLowLatency {
             num_tokens: num_tokens as u32,
             ..self.base
         };
-        let items = (num_tokens * self.comm.world_size()) as u32;
-        Ok((args, items.div_ceil(8).clamp(1, self.base.blocks)))
+        Ok((args, self.base.blocks))
     }
 
     /// Prepares a dispatch whose send half runs in the caller's own kernel (fused dispatch):

@@ -132,6 +132,9 @@ struct MoeLlArgs {
   //   off_weight  [rows] f32 the selection's weight
   //   off_rec     [rows][topk] i32 on a carrying row: the rows of its pair's selections, top-k order
   //   off_part    [2][source][max_tokens][hidden] bf16: the partial sums the combine sends back
+  //   off_queue   [2][source][max_tokens] u64 (epoch << 32 | carrier row): the carrier rows each
+  //               source announced, in the order they were written
+  //   off_sent    [2][source] u64 (epoch << 32 | carrier rows the source sent here this epoch)
   char* area[kMaxRanks];
   uint64_t off_src;
   uint64_t off_counts;
@@ -139,14 +142,18 @@ struct MoeLlArgs {
   uint64_t off_weight;
   uint64_t off_rec;
   uint64_t off_part;
+  uint64_t off_queue;
+  uint64_t off_sent;
   const uint16_t* y;            // mine: combine buffer [local expert][source][max_tokens][hidden]
-  uint32_t* fill;               // mine: [num experts] rows sent per expert this call
-  uint32_t* done;               // mine: [2] blocks finished: dispatch send, combine send
+  uint32_t* fill;               // mine: [num experts + kMaxRanks] rows sent per expert, then carrier
+                                //   rows sent per rank, this call
+  uint32_t* done;               // mine: [4] blocks finished: dispatch send, combine send; (token,
+                                //   rank) items the dispatch send finished; zero
   uint64_t* epochs;             // mine: [2] dispatch epoch, combine calls
   uint32_t* layout;             // mine: [local expert][source] rows received
   uint32_t* recv_count;         // mine: [local expert] rows received
   const SemaphoreHandle* ready; // [world]: "my partial sums for you are written"
 };
-DOORBELL_CHECK_SIZE(MoeLlArgs, 232);
+DOORBELL_CHECK_SIZE(MoeLlArgs, 248);
 
 }  // namespace doorbell

@@ -28,6 +28,26 @@ DOORBELL_DEVICE_INLINE void copy_words(Word* dst, const Word* src, uint64_t n, u
   for (; i < n; i += stride) dst[i] = src[i];
 }
 
+// copy_words for short spans: every lane issues up to kUnroll loads (guarded, so no serial
+// tail) before its stores, whatever n is.
+template <typename Word, uint32_t kUnroll>
+DOORBELL_DEVICE_INLINE void copy_words_batched(Word* dst, const Word* src, uint64_t n, uint32_t tid,
+                                               uint32_t nthreads) {
+  for (uint64_t base = 0; base < n; base += uint64_t(kUnroll) * nthreads) {
+    Word v[kUnroll];
+#pragma unroll
+    for (uint32_t u = 0; u < kUnroll; ++u) {
+      const uint64_t i = base + tid + u * nthreads;
+      if (i < n) v[u] = src[i];
+    }
+#pragma unroll
+    for (uint32_t u = 0; u < kUnroll; ++u) {
+      const uint64_t i = base + tid + u * nthreads;
+      if (i < n) dst[i] = v[u];
+    }
+  }
+}
+
 template <typename Word>
 DOORBELL_DEVICE_INLINE void copy_aligned_as(char* dst, const char* src, uint64_t bytes, uint32_t tid,
                                             uint32_t nthreads) {

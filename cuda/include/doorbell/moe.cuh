@@ -7,7 +7,10 @@
 // experts it selected (top-8 of 256 on 4 ranks reaches 3.6 ranks on average, so about half the
 // bytes of one row per selection). The row lands in the slot of the first such selection (the
 // carrier); the receive half copies it into the other selections' slots, so the layout a caller
-// sees is still one row per (token, expert). On the way back, each rank sums its selections of a
+// sees is still one row per (token, expert). Each carrier row is announced in the receiver's
+// queue for its source as soon as it is written, so the receiver copies rows while others are
+// still on the wire; the counts follow once every (token, rank) item of the call is sent. On
+// the way back, each rank sums its selections of a
 // token (weight x expert output, f32, top-k order), rounds that partial sum to bf16 and writes it
 // into the token's rank, which adds the partial sums of the ranks in rank order.
 //
@@ -15,7 +18,8 @@
 //   host: args = begin_fused_send(topk_idx, topk_weights, num_tokens)   (launches nothing)
 //   your kernel, any grid: for each token t (or each (t, rank) pair) you own, one warp calls
 //       moe_ll::put_token(args, t, row, lane)   // or moe_ll::put(args, t, rank, row, lane)
-//     (row: hidden bf16, 16-byte aligned, any memory) and every block calls
+//     (row: hidden bf16, 16-byte aligned, any memory; every (token, rank) pair of the call
+//     exactly once, since the counts go out when the last one is done) and every block calls
 //     moe_ll::finish_send(args) once after its puts (all its threads).
 //   host: dispatch_recv(stream)
 // Fused combine: `combine_send` sends the partial sums (moe_ll::send_partial, one warp per
@@ -62,19 +66,32 @@ DOORBELL_DEVICE_INLINE const WaitSite& site(const MoeLlArgs& a, uint32_t peer) {
   return a.ready[peer == a.rank ? (a.rank + 1) % a.world : peer].site;
 }
 
-// Sends token t's row (hidden bf16, 16-byte aligned, at `row` in any memory) to rank r if any
-// of its selections is there: one warp, every lane calling with its lane id. Reserves a slot of
-// each selected expert of r, writes the row once (into the first selection's slot), and for
-// every selection its source token, its weight and where its row is; the first slot also lists
-// the pair's slots for the combine. A pair with no selection on r sends nothing.
-DOORBELL_DEVICE_INLINE void put(const MoeLlArgs& a, uint32_t t, uint32_t r, const void* row, uint32_t lane) {
+// No carrier row: the (token, rank) pair has no selection on that rank.
+constexpr uint64_t kNoRow = ~0ull;
+
+// Entry `j` of the queue in which `src` announces its carrier rows to `owner` (half `half`).
+DOORBELL_DEVICE_INLINE uint64_t* queue_entry(const MoeLlArgs& a, uint32_t owner, uint32_t half, uint32_t src,
+                                             uint32_t j) {
+  return section<uint64_t>(a, owner, a.off_queue) + (uint64_t(half) * a.world + src) * a.max_tokens + j;
+}
+
+// The word in which `src` tells `owner` how many carrier rows it sent there (half `half`).
+DOORBELL_DEVICE_INLINE uint64_t* sent_word(const MoeLlArgs& a, uint32_t owner, uint32_t half, uint32_t src) {
+  return section<uint64_t>(a, owner, a.off_sent) + uint64_t(half) * a.world + src;
+}
+
+// Reserves token t's slots on rank r: a slot of each selected expert of r, and for every
+// selection its source token, its weight and where its row will be; the first slot (the
+// carrier, returned to every lane) also lists the pair's slots for the combine. kNoRow when no
+// selection of t is on r. One warp, every lane calling with its lane id.
+DOORBELL_DEVICE_INLINE uint64_t reserve(const MoeLlArgs& a, uint32_t t, uint32_t r, uint32_t lane) {
   const uint32_t half = uint32_t(send_epoch(a) & 1);
   const uint64_t sel = uint64_t(t) * a.topk + lane;
   int32_t e = -1;
   if (lane < a.topk) e = a.topk_idx[sel];
   const bool here = e >= 0 && uint32_t(e) / a.experts_per_rank == r;
   const uint32_t mask = __ballot_sync(0xffffffffu, here);
-  if (mask == 0) return;
+  if (mask == 0) return kNoRow;
   const uint32_t first = __ffs(mask) - 1;
   uint64_t at = 0;
   if (here) {
@@ -90,10 +107,71 @@ DOORBELL_DEVICE_INLINE void put(const MoeLlArgs& a, uint32_t t, uint32_t r, cons
     section<int32_t>(a, r, a.off_from)[at] = lane == first ? -int32_t(__popc(mask)) : int32_t(carrier);
     section<int32_t>(a, r, a.off_rec)[carrier * a.topk + __popc(mask & ((1u << lane) - 1))] = int32_t(at);
   }
+  return carrier;
+}
+
+// Publishes the counts of send epoch `epoch`: every expert's rows (`epoch << 32 | rows`) into its
+// owner's count word and every rank's carrier rows into its sent word, then zeroes the
+// counters for the next call. Called by one warp once every (token, rank) item is done, after a
+// system fence of its own: a receiver that sees a count (acquire) sees the rows and queue
+// entries it counts.
+DOORBELL_DEVICE_INLINE void publish_counts(const MoeLlArgs& a, uint64_t epoch, uint32_t lane) {
+  const uint32_t half = uint32_t(epoch & 1);
+  const uint32_t experts = a.experts_per_rank * a.world;
+  for (uint32_t e = lane; e < experts + a.world; e += 32) {
+    const uint32_t n = *reinterpret_cast<volatile uint32_t*>(&a.fill[e]);
+    a.fill[e] = 0;
+    // Relaxed: this thread's system fence above makes the pair a release (one fence per
+    // thread instead of one per store).
+    if (e < experts) {
+      const uint32_t r = e / a.experts_per_rank, le = e % a.experts_per_rank;
+      store_relaxed_sys(count_word(a, r, half, le, a.rank), (epoch << 32) | n);
+    } else {
+      store_relaxed_sys(sent_word(a, e - experts, half, a.rank), (epoch << 32) | n);
+    }
+  }
+}
+
+// Marks one (token, rank) item of this call done; the warp that finishes the last one publishes
+// the counts. One warp, after its stores to the item's rank (all lanes).
+DOORBELL_DEVICE_INLINE void item_done(const MoeLlArgs& a, uint32_t lane) {
+  __syncwarp();
+  uint32_t last = 0;
+  if (lane == 0) {
+    __threadfence_system();
+    last = atomicAdd(&a.done[2], 1u) == a.num_tokens * a.world - 1;
+  }
+  if (!__shfl_sync(0xffffffffu, last, 0)) return;
+  __threadfence_system();
+  publish_counts(a, send_epoch(a), lane);
+  if (lane == 0) a.done[2] = 0;
+}
+
+// Writes a row (hidden bf16 at `row`, 16-byte aligned) into rank r's row `carrier`. One warp.
+DOORBELL_DEVICE_INLINE void push_row(const MoeLlArgs& a, uint32_t r, uint64_t carrier, const void* row, uint32_t lane) {
   const uint32_t words = a.hidden / 8;
-  // Eight loads in flight per lane: a 7168-wide row is four rounds of load-then-store.
-  copy_words<int4, 8>(reinterpret_cast<int4*>(a.area[r]) + carrier * words, static_cast<const int4*>(row), words, lane,
-                      32);
+  copy_words_batched<int4, 8>(reinterpret_cast<int4*>(a.area[r]) + carrier * words, static_cast<const int4*>(row),
+                              words, lane, 32);
+}
+
+// Sends token t's row (hidden bf16, 16-byte aligned, at `row` in any memory) to rank r if any
+// of its selections is there: reserve(), the whole row into the carrier slot, then (after a
+// system fence) the carrier's entry in r's queue for this rank, so r can copy it into the other
+// selections' slots at once. A pair with no selection on r sends nothing but still counts as
+// done. One warp, every lane calling with its lane id; each (t, r) of the call exactly once.
+DOORBELL_DEVICE_INLINE void put(const MoeLlArgs& a, uint32_t t, uint32_t r, const void* row, uint32_t lane) {
+  const uint64_t carrier = reserve(a, t, r, lane);
+  if (carrier != kNoRow) {
+    push_row(a, r, carrier, row, lane);
+    __syncwarp();
+    if (lane == 0) {
+      __threadfence_system();
+      const uint32_t j = atomicAdd(&a.fill[a.experts_per_rank * a.world + r], 1u);
+      const uint64_t epoch = send_epoch(a);
+      store_relaxed_sys(queue_entry(a, r, uint32_t(epoch & 1), a.rank, j), (epoch << 32) | carrier);
+    }
+  }
+  item_done(a, lane);
 }
 
 // put() to every rank.
@@ -102,29 +180,23 @@ DOORBELL_DEVICE_INLINE void put_token(const MoeLlArgs& a, uint32_t t, const void
 }
 
 // Every block of the sending grid calls this once, with all its threads, after its puts. The
-// last block to arrive publishes every expert's count (`epoch << 32 | rows`) into its owner's
-// count word, after a system fence in every block and in each of its threads: a receiver that
-// sees the count (acquire) sees the rows. It also zeroes the counters and stores the epoch for the next call,
-// so a dispatch needs no kernel before its send.
+// last block to arrive stores the epoch for the next call (every block has read the old one by
+// then), so a dispatch needs no kernel before its send; with no tokens it also publishes the
+// (zero) counts, since no item did (a kernel that also receives must publish them earlier: see
+// send_items in moe_ll.cu).
 DOORBELL_DEVICE_INLINE void finish_send(const MoeLlArgs& a) {
   __shared__ bool last;
   __syncthreads();
   if (threadIdx.x == 0) {
-    __threadfence_system();
+    __threadfence();
     last = atomicAdd(&a.done[0], 1u) == gridDim.x * gridDim.y * gridDim.z - 1;
   }
   __syncthreads();
   if (!last) return;
-  __threadfence_system();
   const uint64_t epoch = send_epoch(a);
-  const uint32_t experts = a.experts_per_rank * a.world;
-  for (uint32_t e = threadIdx.x; e < experts; e += blockDim.x) {
-    const uint32_t r = e / a.experts_per_rank, le = e % a.experts_per_rank;
-    const uint32_t n = *reinterpret_cast<volatile uint32_t*>(&a.fill[e]);
-    a.fill[e] = 0;
-    // Relaxed: this thread's system fence above makes the pair a release (one fence per
-    // thread instead of one per store).
-    store_relaxed_sys(count_word(a, r, uint32_t(epoch & 1), le, a.rank), (epoch << 32) | n);
+  if (a.num_tokens == 0 && threadIdx.x < 32) {
+    __threadfence_system();
+    publish_counts(a, epoch, threadIdx.x);
   }
   __syncthreads();  // every thread has read the old epoch
   if (threadIdx.x == 0) {
