@@ -12,7 +12,9 @@ use std::sync::Arc;
 /// How much to time.
 #[derive(Debug, Clone, Copy)]
 pub struct Repeat {
-    /// Timed iterations per eager measurement (0: by size: 200 to 1 MiB, 40 to 64 MiB, 10 above).
+    /// Timed iterations per eager measurement (0: by size: 200 to 1 MiB, 100 to 16 MiB, 40 to 64
+    /// MiB, 10 above; enough that one host hiccup does not move an eager time by more than a few
+    /// percent).
     pub iters: usize,
     /// Untimed operations before each measurement.
     pub warmup: usize,
@@ -45,6 +47,8 @@ pub fn measure(
         repeat.iters
     } else if bytes <= 1 << 20 {
         200
+    } else if bytes <= 16 << 20 {
+        100
     } else if bytes <= 64 << 20 {
         40
     } else {

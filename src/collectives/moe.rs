@@ -484,7 +484,9 @@ mod tests {
 /// the transfer. Kernels and protocol: `cuda/kernels/moe_ll.cu` and `doorbell/moe.cuh`.
 ///
 /// Over NVLink a token's row crosses once per destination rank, however many of that rank's
-/// experts it selected, and the receive half copies it into the other selections' slots; the
+/// experts it selected, and the receive half copies it into the other selections' slots as soon
+/// as the sender announces it (in [`MoeLowLatency::dispatch`], half of each block's warps copy
+/// while the other half send); the
 /// combine sums each rank's selections of a token there (weight x output, f32 in top-k order,
 /// rounded to bf16) and sends that one partial sum back, where the token's rank adds the partial
 /// sums in rank order (f32, rounded to bf16).
@@ -715,7 +717,9 @@ impl MoeLowLatency {
     /// launches nothing, and returns the arguments
     /// that kernel passes to `doorbell::moe_ll::put_token` (one warp per token) or
     /// `doorbell::moe_ll::put` (one warp per (token, rank)) and `doorbell::moe_ll::finish_send`
-    /// (every block once), from `cuda/include/doorbell/moe.cuh`. Then call
+    /// (every block once), from `cuda/include/doorbell/moe.cuh`. Every (token, rank) pair of the
+    /// `num_tokens` must be put exactly once: the counts go out when the last one is done (a
+    /// missing one makes the receivers' bounded waits report). Then call
     /// [`MoeLowLatency::dispatch_recv`].
     ///
     /// # Safety
