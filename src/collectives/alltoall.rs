@@ -40,11 +40,13 @@ pub struct AllToAllOptions {
 }
 
 impl Default for AllToAllOptions {
+    /// 64 KiB tiles, 6 slots: the fastest from 8 MiB to 1 GiB of the tile/depth sweep on 4 x
+    /// H200 in `docs/performance.md` (128 KiB x 3 before: 4-10% slower from 16 to 256 MiB).
     fn default() -> Self {
         AllToAllOptions {
             lanes: None,
-            tile_bytes: 128 << 10,
-            depth: 3,
+            tile_bytes: 64 << 10,
+            depth: 6,
             threads: 512,
             ll_max_bytes: 64 << 10,
             ll_blocks: 64,

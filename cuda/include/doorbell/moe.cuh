@@ -133,14 +133,14 @@ DOORBELL_DEVICE_INLINE void publish_counts(const MoeLlArgs& a, uint64_t epoch, u
 }
 
 // Marks one (token, rank) item of this call done; the warp that finishes the last one publishes
-// the counts. One warp, after its stores to the item's rank (all lanes).
+// the counts. One warp, after put() has fenced the item's reservations, rows and metadata (an
+// item with no selection there made none). The queue entry put() stores after that fence needs
+// no fence of its own: a receiver that sees the count but not yet an entry below it keeps
+// polling the entry (copy_announced), so this costs no second NVLink round trip.
 DOORBELL_DEVICE_INLINE void item_done(const MoeLlArgs& a, uint32_t lane) {
   __syncwarp();
   uint32_t last = 0;
-  if (lane == 0) {
-    __threadfence_system();
-    last = atomicAdd(&a.done[2], 1u) == a.num_tokens * a.world - 1;
-  }
+  if (lane == 0) last = atomicAdd(&a.done[2], 1u) == a.num_tokens * a.world - 1;
   if (!__shfl_sync(0xffffffffu, last, 0)) return;
   __threadfence_system();
   publish_counts(a, send_epoch(a), lane);
@@ -165,8 +165,10 @@ DOORBELL_DEVICE_INLINE void put(const MoeLlArgs& a, uint32_t t, uint32_t r, cons
     push_row(a, r, carrier, row, lane);
     __syncwarp();
     if (lane == 0) {
-      __threadfence_system();
+      // The slot first: the fence then orders it (and the reservations, rows and metadata)
+      // before both the entry and item_done's count.
       const uint32_t j = atomicAdd(&a.fill[a.experts_per_rank * a.world + r], 1u);
+      __threadfence_system();
       const uint64_t epoch = send_epoch(a);
       store_relaxed_sys(queue_entry(a, r, uint32_t(epoch & 1), a.rank, j), (epoch << 32) | carrier);
     }
