@@ -50,6 +50,9 @@ struct Args {
     /// Blocks per peer (default: the library's).
     #[arg(long)]
     lanes: Option<u32>,
+    /// Blocks copying the rank's own block (default: the library's).
+    #[arg(long)]
+    own_lanes: Option<u32>,
     /// Tile bytes (K, M suffixes; default: the library's).
     #[arg(long)]
     tile: Option<String>,
@@ -92,6 +95,7 @@ fn run(args: &Args) -> Result<i32> {
         &comm,
         AllToAllOptions {
             lanes: args.lanes.or(d.lanes),
+            own_lanes: args.own_lanes.or(d.own_lanes),
             tile_bytes: match &args.tile {
                 Some(t) => parse_size(t)?,
                 None => d.tile_bytes,

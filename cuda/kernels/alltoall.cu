@@ -2,9 +2,10 @@
 // ring with SM stores, and p's SMs copy it out into the caller's output. Buffers stay the
 // caller's (nothing is registered per call); the scratch is allocated once per communicator.
 //
-// Grid: world x lanes blocks; block (p, lane) owns the traffic between this rank and peer p in
-// both directions for tiles lane, lane + lanes, ... of each block (the block for p == rank copies
-// its own block locally). Scratch layout on every rank: [source rank][lane][depth slots][tile].
+// Grid: (world - 1) x lanes blocks for the peers, then own_lanes blocks for this rank's own block
+// (a local copy); block (p, lane) owns the traffic between this rank and peer p in both
+// directions for tiles lane, lane + lanes, ... of each block. Scratch layout on every rank:
+// [source rank][lane][depth slots][tile].
 //
 // Protocol for one (p, lane) pair, i-th tile of this lane; half the block's warps send while the
 // other half receive:
@@ -42,19 +43,25 @@ DOORBELL_DEVICE_INLINE uint64_t lane_tiles(uint64_t bytes, uint64_t tile, uint32
 }
 
 extern "C" __global__ void __launch_bounds__(512) alltoall_tiles(AllToAllArgs a) {
-  const uint32_t p = blockIdx.x / a.lanes;
-  const uint32_t lane = blockIdx.x % a.lanes;
-  const uint32_t tid = threadIdx.x, nthreads = blockDim.x;
   const uint32_t w = a.world;
+  // Blocks [0, (w - 1) x lanes) serve the peers in rank order, `lanes` each; the rest of the
+  // grid copies this rank's own block (a local copy needs fewer SMs than an NVLink stream).
+  const uint32_t remote_blocks = (w - 1) * a.lanes;
+  const bool own = blockIdx.x >= remote_blocks;
+  const uint32_t k = blockIdx.x / a.lanes;
+  const uint32_t p = own ? a.rank : (k < a.rank ? k : k + 1);
+  const uint32_t lane = own ? blockIdx.x - remote_blocks : blockIdx.x % a.lanes;
+  const uint32_t tid = threadIdx.x, nthreads = blockDim.x;
   const uint64_t send_bytes = a.counts ? a.counts[p] : a.equal_bytes;
   const uint64_t send_off = a.counts ? a.counts[w + p] : p * a.equal_bytes;
   const uint64_t recv_bytes = a.counts ? a.counts[2 * w + p] : a.equal_bytes;
   const uint64_t recv_off = a.counts ? a.counts[3 * w + p] : p * a.equal_bytes;
-  if (p == a.rank) {
+  if (own) {
+    const uint32_t own_lanes = gridDim.x - remote_blocks;
     const uint64_t n = send_bytes < recv_bytes ? send_bytes : recv_bytes;
-    const uint64_t tile = pair_tile(n, a.tile, a.lanes);
-    for (uint64_t k = lane; k * tile < n; k += a.lanes) {
-      const uint64_t off = k * tile;
+    const uint64_t tile = pair_tile(n, a.tile, own_lanes);
+    for (uint64_t i = lane; i * tile < n; i += own_lanes) {
+      const uint64_t off = i * tile;
       copy(a.output + recv_off + off, a.input + send_off + off, n - off < tile ? n - off : tile, tid, nthreads);
     }
     return;

@@ -22,9 +22,12 @@ use std::sync::{Arc, Mutex};
 /// Knobs of an [`AllToAll`].
 #[derive(Debug, Clone)]
 pub struct AllToAllOptions {
-    /// Blocks per peer (default: the SMs divided by the rank count, so the whole grid is resident
-    /// at once, which the cross-GPU waits need).
+    /// Blocks per peer (default: the SMs left by `own_lanes` divided among the peers, so the whole
+    /// grid is resident at once, which the cross-GPU waits need).
     pub lanes: Option<u32>,
+    /// Blocks that copy this rank's own block (a local copy; default: 4, or as many as a peer
+    /// gets when `lanes` is given).
+    pub own_lanes: Option<u32>,
     /// Bytes per tile (a multiple of 16).
     pub tile_bytes: usize,
     /// Slots per (source, lane) ring.
@@ -45,6 +48,7 @@ impl Default for AllToAllOptions {
     fn default() -> Self {
         AllToAllOptions {
             lanes: None,
+            own_lanes: None,
             tile_bytes: 64 << 10,
             depth: 6,
             threads: 512,
@@ -96,6 +100,8 @@ pub struct AllToAll {
     base: AllToAllArgs,
     kernel: CudaFunction,
     ll_kernel: CudaFunction,
+    /// Blocks of the tile kernel that copy this rank's own block.
+    own_lanes: u32,
     _epochs: CudaSlice<u32>,
     /// Device `[4][world]` byte counts for [`AllToAll::run_v`].
     counts: Mutex<CudaSlice<u64>>,
@@ -138,13 +144,27 @@ impl AllToAll {
         }
         let gpu = comm.gpu().clone();
         let sms = gpu.sm_count()?;
-        let lanes = opts.lanes.unwrap_or((sms / world as u32).max(1));
-        if lanes == 0 || lanes as usize * world > sms as usize {
+        let peers = world as u32 - 1;
+        let (lanes, own_lanes) = match (opts.lanes, opts.own_lanes) {
+            (Some(l), Some(o)) => (l, o),
+            (Some(l), None) => (l, l),
+            (None, Some(o)) => (sms.saturating_sub(o) / peers.max(1), o),
+            // A local copy needs far fewer SMs than an NVLink stream: 4 blocks copy the own
+            // block and the peers share the rest (measured on 4 x H200: 1 GiB 6% faster than
+            // one peer's share, docs/performance.md).
+            (None, None) if peers > 0 => {
+                let o = (sms / world as u32).clamp(1, 4);
+                ((sms - o) / peers, o)
+            }
+            (None, None) => (1, sms),
+        };
+        let lanes = lanes.max(u32::from(peers == 0));
+        if lanes == 0 || own_lanes == 0 || peers * lanes + own_lanes > sms {
             return Err(Error::invalid(
                 "lanes",
                 format!(
-                    "{lanes} lanes x {world} ranks: the grid must fit the GPU's {sms} SMs at once \
-                     (blocks wait on other GPUs' blocks)"
+                    "{lanes} lanes x {peers} peers + {own_lanes} own lanes: the grid must fit the \
+                     GPU's {sms} SMs at once (blocks wait on other GPUs' blocks)"
                 ),
             ));
         }
@@ -215,6 +235,7 @@ impl AllToAll {
             base,
             kernel,
             ll_kernel,
+            own_lanes,
             _epochs: epochs,
             counts: Mutex::new(counts),
             _scratch: scratch,
@@ -231,9 +252,9 @@ impl AllToAll {
         self.base.lanes
     }
 
-    /// SMs a call occupies (one block per SM: world x lanes).
+    /// SMs a call occupies (one block per SM: lanes per peer plus the own lanes).
     pub fn sms(&self) -> u32 {
-        self.base.lanes * self.base.world
+        self.base.lanes * (self.base.world - 1) + self.own_lanes
     }
 
     /// Launches the tile kernel, or the LL kernel when every block is at most `ll_max_bytes`
@@ -248,15 +269,7 @@ impl AllToAll {
         let mut b = stream.launch_builder(if ll { &self.ll_kernel } else { &self.kernel });
         b.arg(&args);
         let cfg = LaunchConfig {
-            grid_dim: (
-                if ll {
-                    self.opts.ll_blocks
-                } else {
-                    self.base.lanes * self.base.world
-                },
-                1,
-                1,
-            ),
+            grid_dim: (if ll { self.opts.ll_blocks } else { self.sms() }, 1, 1),
             block_dim: (if ll { 512 } else { self.opts.threads }, 1, 1),
             shared_mem_bytes: 0,
         };
