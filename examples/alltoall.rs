@@ -53,6 +53,9 @@ struct Args {
     /// Blocks copying the rank's own block (default: the library's).
     #[arg(long)]
     own_lanes: Option<u32>,
+    /// Threads of each block that send, the rest receiving (default: the library's).
+    #[arg(long)]
+    send_threads: Option<u32>,
     /// Tile bytes (K, M suffixes; default: the library's).
     #[arg(long)]
     tile: Option<String>,
@@ -96,6 +99,7 @@ fn run(args: &Args) -> Result<i32> {
         AllToAllOptions {
             lanes: args.lanes.or(d.lanes),
             own_lanes: args.own_lanes.or(d.own_lanes),
+            send_threads: args.send_threads.or(d.send_threads),
             tile_bytes: match &args.tile {
                 Some(t) => parse_size(t)?,
                 None => d.tile_bytes,

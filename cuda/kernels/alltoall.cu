@@ -7,8 +7,8 @@
 // directions for tiles lane, lane + lanes, ... of each block. Scratch layout on every rank:
 // [source rank][lane][depth slots][tile].
 //
-// Protocol for one (p, lane) pair, i-th tile of this lane; half the block's warps send while the
-// other half receive:
+// Protocol for one (p, lane) pair, i-th tile of this lane; some of the block's warps send while
+// the others receive:
 //   send: once i >= depth, wait for a credit from p (p emptied the slot used depth tiles ago);
 //         copy the tile into p's slot i % depth; signal `data` (release: the stores land first).
 //   recv: wait for `data` from p; copy slot i % depth out to the output; signal `credit` to p.
@@ -70,12 +70,13 @@ extern "C" __global__ void __launch_bounds__(512) alltoall_tiles(AllToAllArgs a)
   const SemaphoreHandle& credit = a.credit[uint64_t(lane) * w + p];
   char* remote_ring = a.scratch[p] + (uint64_t(a.rank) * a.lanes + lane) * a.depth * a.tile;
   const char* local_ring = a.scratch[a.rank] + (uint64_t(p) * a.lanes + lane) * a.depth * a.tile;
-  // The two directions run side by side: the first half of the warps sends, the second half
-  // receives, each half synchronizing on its own named barrier, so NVLink stores and the local
+  // The two directions run side by side: the first send_threads threads send, the others
+  // receive, each team synchronizing on its own named barrier, so NVLink stores and the local
   // copy-out overlap instead of taking turns.
-  const uint32_t half = nthreads / 2;
-  const bool sender = tid < half;
-  const uint32_t t = sender ? tid : tid - half;
+  const uint32_t senders = a.send_threads;
+  const bool sender = tid < senders;
+  const uint32_t t = sender ? tid : tid - senders;
+  const uint32_t team = sender ? senders : nthreads - senders;
   const uint32_t bar = sender ? 1 : 2;
   if (sender) {
     const uint64_t tile = pair_tile(send_bytes, a.tile, a.lanes);
@@ -84,11 +85,11 @@ extern "C" __global__ void __launch_bounds__(512) alltoall_tiles(AllToAllArgs a)
       const uint64_t off = (lane + i * a.lanes) * tile;
       if (i >= a.depth) {
         if (t == 0) credit.wait();
-        named_barrier(bar, half);
+        named_barrier(bar, team);
       }
       const uint64_t bytes = send_bytes - off < tile ? send_bytes - off : tile;
-      copy(remote_ring + (i % a.depth) * a.tile, a.input + send_off + off, bytes, t, half);
-      named_barrier(bar, half);
+      copy(remote_ring + (i % a.depth) * a.tile, a.input + send_off + off, bytes, t, team);
+      named_barrier(bar, team);
       if (t == 0) data.signal();
     }
     if (t == 0 && n_send > 0) credit.wait(n_send < a.depth ? n_send : a.depth);
@@ -98,10 +99,10 @@ extern "C" __global__ void __launch_bounds__(512) alltoall_tiles(AllToAllArgs a)
     for (uint64_t i = 0; i < n_recv; ++i) {
       const uint64_t off = (lane + i * a.lanes) * tile;
       if (t == 0) data.wait();
-      named_barrier(bar, half);
+      named_barrier(bar, team);
       const uint64_t bytes = recv_bytes - off < tile ? recv_bytes - off : tile;
-      copy(a.output + recv_off + off, local_ring + (i % a.depth) * a.tile, bytes, t, half);
-      named_barrier(bar, half);
+      copy(a.output + recv_off + off, local_ring + (i % a.depth) * a.tile, bytes, t, team);
+      named_barrier(bar, team);
       if (t == 0) credit.signal();
     }
   }

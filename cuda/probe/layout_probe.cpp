@@ -140,6 +140,8 @@ int main() {
   FIELD(AllToAllArgs, world);
   FIELD(AllToAllArgs, lanes);
   FIELD(AllToAllArgs, depth);
+  FIELD(AllToAllArgs, send_threads);
+  FIELD(AllToAllArgs, reserved);
   FIELD(AllToAllArgs, ll_offset);
   FIELD(AllToAllArgs, ll_slot_bytes);
   FIELD(AllToAllArgs, epochs);

@@ -32,8 +32,11 @@ pub struct AllToAllOptions {
     pub tile_bytes: usize,
     /// Slots per (source, lane) ring.
     pub depth: u32,
-    /// Threads per block (a multiple of 64: half send, half receive).
+    /// Threads per block (a multiple of 64).
     pub threads: u32,
+    /// Threads of each block that send, the rest receiving (a multiple of 32 below `threads`;
+    /// default: half).
+    pub send_threads: Option<u32>,
     /// Blocks of at most this many bytes per peer take the LL16-packet kernel (one NVLink
     /// crossing, no semaphores); 0 turns it off.
     pub ll_max_bytes: usize,
@@ -52,6 +55,7 @@ impl Default for AllToAllOptions {
             tile_bytes: 64 << 10,
             depth: 6,
             threads: 512,
+            send_threads: None,
             ll_max_bytes: 64 << 10,
             ll_blocks: 64,
         }
@@ -136,8 +140,16 @@ impl AllToAll {
         if !(64..=512).contains(&opts.threads) || opts.threads % 64 != 0 {
             return Err(Error::invalid(
                 "threads",
+                format!("{}: must be a multiple of 64 in [64, 512]", opts.threads),
+            ));
+        }
+        let send_threads = opts.send_threads.unwrap_or(opts.threads / 2);
+        if send_threads == 0 || send_threads % 32 != 0 || send_threads >= opts.threads {
+            return Err(Error::invalid(
+                "send_threads",
                 format!(
-                    "{}: must be a multiple of 64 in [64, 512] (half the warps send, half receive)",
+                    "{send_threads}: must be a multiple of 32 below the {} threads (the rest \
+                     receive)",
                     opts.threads
                 ),
             ));
@@ -217,6 +229,7 @@ impl AllToAll {
             world: world as u32,
             lanes,
             depth: opts.depth,
+            send_threads,
             ll_offset: ring_bytes as u64,
             ll_slot_bytes: ll_slot_bytes as u64,
             epochs: epochs.device_ptr(&stream).0,

@@ -346,6 +346,10 @@ pub struct AllToAllArgs {
     pub lanes: u32,
     /// Slots per (source, lane) ring.
     pub depth: u32,
+    /// Threads of a tile block that send (the rest receive).
+    pub send_threads: u32,
+    /// Zero.
+    pub reserved: u32,
     /// Offset of the LL16 area (`[2 halves][source][ll_slot_bytes]`) in every scratch.
     pub ll_offset: u64,
     /// Bytes of packets per source and half.
@@ -598,6 +602,8 @@ mod layout {
                     world,
                     lanes,
                     depth,
+                    send_threads,
+                    reserved,
                     ll_offset,
                     ll_slot_bytes,
                     epochs

@@ -58,13 +58,15 @@ struct AllToAllArgs {
   uint32_t world;
   uint32_t lanes;   // blocks per peer
   uint32_t depth;   // slots per (source, lane) ring
+  uint32_t send_threads;  // threads of a tile block that send (the rest receive), a multiple of 32
+  uint32_t reserved;
   // LL16 path for tiny blocks: [2 halves][source][ll_slot_bytes] of packets at ll_offset in every
   // scratch; one epoch per block of the fixed LL grid.
   uint64_t ll_offset;
   uint64_t ll_slot_bytes;
   uint32_t* epochs;
 };
-DOORBELL_CHECK_SIZE(AllToAllArgs, 160);
+DOORBELL_CHECK_SIZE(AllToAllArgs, 168);
 
 // Launch arguments of the MoE dispatch/combine kernels (cuda/kernels/moe.cu); one struct for all
 // of them, most fields fixed per dispatcher, the inputs per call.
