@@ -1,7 +1,9 @@
 // Copy-engine probe: how fast can the copy engines of one GPU push to its NVLink peers, alone,
 // fanned out to every peer, and while every GPU does the same (the reduce-scatter pattern)?
 // Optionally with SM stores to peers running at the same time (hybrid). Single process, all GPUs.
-// Build: nvcc -O2 -arch=sm_90 tools/ce-probe.cu -o ce-probe   Run: ./ce-probe
+// Build: nvcc -O2 -arch=sm_90 tools/ce-probe.cu -o ce-probe   Run: ./ce-probe (PROBE=ring: from
+// the bidirectional rows on; PROBE=hybrid: the copy engine to the ring neighbour beside SM stores
+// to the other peers, against SM stores to every peer)
 #include <cstdio>
 #include <cstdlib>
 #include <vector>
@@ -28,7 +30,8 @@ double now() { return std::chrono::duration<double>(std::chrono::steady_clock::n
 
 // copies: list of (from, to, bytes, chunk, streams-per-pair). Returns seconds.
 bool g_pull = false;   // issue each copy on the destination GPU's stream instead of the source's
-int g_sm_ring = 0;     // SM push only to the ring neighbour (g+1) instead of every peer
+int g_sm_ring = 0;     // 1: SM push only to the ring neighbour (g+1); 2: to every peer but it; 0: every peer
+int sm_peers() { return g_sm_ring == 1 ? 1 : g_sm_ring == 2 ? ngpu - 2 : ngpu - 1; }
 double run(const std::vector<std::pair<int,int>>& pairs, size_t bytes, size_t chunk, int spp, int sm_blocks, size_t sm_bytes) {
   std::vector<std::vector<cudaStream_t>> st(pairs.size());
   for (size_t p = 0; p < pairs.size(); ++p) {
@@ -42,7 +45,10 @@ double run(const std::vector<std::pair<int,int>>& pairs, size_t bytes, size_t ch
     CK(cudaSetDevice(g));
     CK(cudaStreamCreateWithFlags(&kst[g], cudaStreamNonBlocking));
     std::vector<int4*> h;
-    for (int q = 0; q < ngpu; ++q) if (q != g && (!g_sm_ring || q == (g + 1) % ngpu)) h.push_back((int4*)(dstbuf[q] + (size_t)g * GiB));
+    for (int q = 0; q < ngpu; ++q) {
+      const bool next = q == (g + 1) % ngpu;
+      if (q != g && (g_sm_ring == 0 || (g_sm_ring == 1) == next)) h.push_back((int4*)(dstbuf[q] + (size_t)g * GiB));
+    }
     CK(cudaMalloc(&dptrs[g], h.size() * sizeof(int4*)));
     CK(cudaMemcpy(dptrs[g], h.data(), h.size() * sizeof(int4*), cudaMemcpyHostToDevice));
   }
@@ -53,7 +59,7 @@ double run(const std::vector<std::pair<int,int>>& pairs, size_t bytes, size_t ch
     if (sm_blocks > 0)
       for (int g = 0; g < ngpu; ++g) {
         CK(cudaSetDevice(g));
-        sm_push<<<sm_blocks, 512, 0, kst[g]>>>(dptrs[g], (const int4*)(src[g] + 512 * (1 << 20) * 0), sm_bytes / 16, g_sm_ring ? 1 : ngpu - 1);
+        sm_push<<<sm_blocks, 512, 0, kst[g]>>>(dptrs[g], (const int4*)(src[g] + 512 * (1 << 20) * 0), sm_bytes / 16, sm_peers());
       }
     for (size_t off = 0; off < bytes; off += chunk) {
       for (size_t p = 0; p < pairs.size(); ++p) {
@@ -92,7 +98,7 @@ int main() {
     int maxp = 0; for (int v : per) maxp = std::max(maxp, v);
     double ce = maxp * (double)bytes / t / 1e9;
     printf("%-44s bytes/pair %5zu MiB chunk %5zu MiB spp %d sm_blocks %3d: %8.1f us, CE egress/GPU %6.1f GB/s, +SM %6.1f -> total %6.1f GB/s\n",
-           name, bytes >> 20, chunk >> 20, spp, smb, t * 1e6, ce, smb ? smbytes * (ngpu - 1) / t / 1e9 : 0.0, ce + (smb ? smbytes * (ngpu - 1) / t / 1e9 : 0.0));
+           name, bytes >> 20, chunk >> 20, spp, smb, t * 1e6, ce, smb ? smbytes * sm_peers() / t / 1e9 : 0.0, ce + (smb ? smbytes * sm_peers() / t / 1e9 : 0.0));
   };
   (void)0;
   std::vector<std::pair<int,int>> one = {{0, 1}}, fan, all;
@@ -101,6 +107,18 @@ int main() {
   std::vector<std::pair<int,int>> ring, bidi = {{0, 1}, {1, 0}};
   for (int g = 0; g < ngpu; ++g) ring.push_back({g, (g + 1) % ngpu});
   const char* which = getenv("PROBE") ? getenv("PROBE") : "all";
+  if (std::string(which) == "hybrid") {
+    // All-to-all split between engines: each GPU's copy engine carries its share for the ring
+    // neighbour while SM stores carry the shares for the other peers, all at once.
+    report("SM all-to-all (132 blocks)", {}, 0, 1, 1, 132, B);
+    g_sm_ring = 2;
+    for (int smb : {66, 99, 128})
+      report("CE to g+1 + SM to the other peers", ring, B, B, 1, smb, B);
+    for (int smb : {99, 128})
+      report("CE to g+1 in 4M copies + SM to the others", ring, B, 4 << 20, 1, smb, B);
+    g_sm_ring = 0;
+    return 0;
+  }
   if (std::string(which) == "base" || std::string(which) == "all") {
     report("single 0->1", one, 1 * GiB / 2, 512 << 20, 1);
     report("fan-out 0->all", fan, B, B, 1);
