@@ -6,7 +6,7 @@
 
 mod common;
 
-use common::{rank_counts, run_case, spawned_case};
+use common::{rank_counts, rank_main, run_case};
 use cudarc::driver::sys::CUstreamCaptureMode;
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
 use doorbell::collectives::allreduce::{Algorithm, AllReduce, AllReduceOptions};
@@ -19,18 +19,12 @@ use std::sync::Arc;
 #[test]
 #[ignore = "needs GPU"]
 fn gpu_rank() {
-    let Some(case) = spawned_case() else {
-        return;
-    };
-    let comm = Arc::new(Communicator::from_env().expect("communicator"));
-    let stream = comm.gpu().new_stream().expect("stream");
-    match case.as_str() {
-        "matrix" => matrix(&comm, &stream),
-        "pressure" => pressure(&comm, &stream),
-        "disagree" => disagree(&comm, &stream),
+    rank_main(|case, comm, stream| match case {
+        "matrix" => matrix(comm, stream),
+        "pressure" => pressure(comm, stream),
+        "disagree" => disagree(comm, stream),
         other => panic!("unknown case {other}"),
-    }
-    comm.bootstrap().barrier().expect("final barrier");
+    });
 }
 
 #[test]

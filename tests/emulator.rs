@@ -482,30 +482,26 @@ fn relaxed_writes_need_a_read_to_be_seen_before_the_signal() {
     let ks = nic.register(signal.addr(), signal.len(), true).unwrap();
     let kl = nic.register(local.addr(), local.len(), false).unwrap();
     let mut qp = Qp::new(&nic, 0x77, 64, 16, None);
+    let write = Op::Write {
+        raddr: data.addr(),
+        rkey: kd,
+        laddr: local.addr(),
+        lkey: kl,
+        len: 8,
+    };
+    let bump = Op::FetchAdd {
+        raddr: signal.addr(),
+        rkey: ks,
+        add: 1,
+        result: local.addr() + 64,
+        lkey: kl,
+    };
     let mut stale = 0;
     for round in 1..=20u64 {
         local.write(0, &round.to_ne_bytes());
         // Data, then the signal: without a flush the signal may land first.
-        qp.post(
-            &Op::Write {
-                raddr: data.addr(),
-                rkey: kd,
-                laddr: local.addr(),
-                lkey: kl,
-                len: 8,
-            },
-            false,
-        );
-        qp.post(
-            &Op::FetchAdd {
-                raddr: signal.addr(),
-                rkey: ks,
-                add: 1,
-                result: local.addr() + 64,
-                lkey: kl,
-            },
-            true,
-        );
+        qp.post(&write, false);
+        qp.post(&bump, true);
         qp.ring();
         qp.poll();
         assert_eq!(signal.u64_at(0), 2 * round - 1);
@@ -513,16 +509,7 @@ fn relaxed_writes_need_a_read_to_be_seen_before_the_signal() {
             stale += 1;
         }
         // Data, a READ of it (the flush), then the signal: always in order.
-        qp.post(
-            &Op::Write {
-                raddr: data.addr(),
-                rkey: kd,
-                laddr: local.addr(),
-                lkey: kl,
-                len: 8,
-            },
-            false,
-        );
+        qp.post(&write, false);
         qp.post(
             &Op::Read {
                 raddr: data.addr(),
@@ -533,16 +520,7 @@ fn relaxed_writes_need_a_read_to_be_seen_before_the_signal() {
             },
             false,
         );
-        qp.post(
-            &Op::FetchAdd {
-                raddr: signal.addr(),
-                rkey: ks,
-                add: 1,
-                result: local.addr() + 64,
-                lkey: kl,
-            },
-            true,
-        );
+        qp.post(&bump, true);
         qp.ring();
         qp.poll();
         assert_eq!(

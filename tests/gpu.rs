@@ -14,28 +14,22 @@ use std::sync::Arc;
 use std::time::Duration;
 
 mod common;
-use common::{count_wrong, fill, launch_cfg, pattern, rank_counts, run_case, spawned_case};
+use common::{count_wrong, fill, launch_cfg, pattern, rank_counts, rank_main, run_case};
 
 /// The rank side of every case. Does nothing unless spawned by `run_case`.
 #[test]
 #[ignore = "needs GPU"]
 fn gpu_rank() {
-    let Some(case) = spawned_case() else {
-        return;
-    };
-    let comm = Communicator::from_env().expect("communicator");
-    let stream = comm.gpu().new_stream().expect("stream");
-    match case.as_str() {
-        "export_import" => export_import(&comm, &stream),
-        "put" => exchange(&comm, &stream, false),
-        "get" => exchange(&comm, &stream, true),
-        "ll8" => packets(&comm, &stream, false),
-        "ll16" => packets(&comm, &stream, true),
-        "timeout" => forced_timeout(&comm, &stream, false),
-        "packet_timeout" => forced_timeout(&comm, &stream, true),
+    rank_main(|case, comm, stream| match case {
+        "export_import" => export_import(comm, stream),
+        "put" => exchange(comm, stream, false),
+        "get" => exchange(comm, stream, true),
+        "ll8" => packets(comm, stream, false),
+        "ll16" => packets(comm, stream, true),
+        "timeout" => forced_timeout(comm, stream, false),
+        "packet_timeout" => forced_timeout(comm, stream, true),
         other => panic!("unknown case {other}"),
-    }
-    comm.bootstrap().barrier().expect("final barrier");
+    });
 }
 
 #[test]

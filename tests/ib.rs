@@ -13,7 +13,7 @@ mod common;
 mod ib_puts;
 
 use bytemuck::{Pod, Zeroable};
-use common::{count_wrong, fill, rank_counts, run_case, spawned_case};
+use common::{count_wrong, fill, rank_counts, rank_main, run_case};
 use cudarc::driver::{DevicePtr, LaunchConfig, PushKernelArg};
 use doorbell::host::cuda::Gpu;
 use doorbell::rdma::wqe::{opcode, Op, SendQueue, CQ_UPDATE, FENCE, MAX_INLINE, SOLICITED, WQEBB};
@@ -401,18 +401,12 @@ fn gpu_posting_rate_through_the_emulated_nic() {
 #[test]
 #[ignore = "needs GPU"]
 fn gpu_rank() {
-    let Some(case) = spawned_case() else {
-        return;
-    };
-    let comm = doorbell::host::communicator::Communicator::from_env().expect("communicator");
-    let s = comm.gpu().new_stream().expect("stream");
-    match case.as_str() {
-        "ring" => ring(&comm, &s, false),
-        "ring_relaxed" => ring(&comm, &s, true),
-        "error_cqe" => error_cqe(&comm, &s),
+    rank_main(|case, comm, stream| match case {
+        "ring" => ring(comm, stream, false),
+        "ring_relaxed" => ring(comm, stream, true),
+        "error_cqe" => error_cqe(comm, stream),
         other => panic!("unknown case {other}"),
-    }
-    comm.bootstrap().barrier().expect("final barrier");
+    });
 }
 
 #[test]

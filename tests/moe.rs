@@ -9,7 +9,7 @@
 
 mod common;
 
-use common::{rank_counts, run_case, spawned_case};
+use common::{rank_counts, rank_main, run_case};
 use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, PushKernelArg};
 use doorbell::collectives::moe::{reference_layout, MoeConfig, MoeDispatcher};
@@ -20,17 +20,11 @@ use std::sync::Arc;
 #[test]
 #[ignore = "needs GPU"]
 fn gpu_rank() {
-    let Some(case) = spawned_case() else {
-        return;
-    };
-    let comm = Arc::new(Communicator::from_env().expect("communicator"));
-    let stream = comm.gpu().new_stream().expect("stream");
-    match case.as_str() {
-        "exchange" => exchange(&comm, &stream),
-        "low_latency" => low_latency(&comm, &stream),
+    rank_main(|case, comm, stream| match case {
+        "exchange" => exchange(comm, stream),
+        "low_latency" => low_latency(comm, stream),
         other => panic!("unknown case {other}"),
-    }
-    comm.bootstrap().barrier().expect("final barrier");
+    });
 }
 
 #[test]

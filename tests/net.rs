@@ -9,7 +9,7 @@
 
 mod common;
 
-use common::{count_wrong, fill, rank_counts, run_case, spawned_case};
+use common::{count_wrong, fill, rank_counts, rank_main, run_case};
 use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
 use cudarc::driver::{CudaStream, DevicePtr};
 use doorbell::collectives::net::NetCollectives;
@@ -21,16 +21,10 @@ use std::sync::Arc;
 #[test]
 #[ignore = "needs GPU"]
 fn gpu_rank() {
-    let Some(case) = spawned_case() else {
-        return;
-    };
-    let comm = Arc::new(Communicator::from_env().expect("communicator"));
-    let s = comm.gpu().new_stream().expect("stream");
-    match case.as_str() {
-        "net" => net(&comm, &s),
+    rank_main(|case, comm, stream| match case {
+        "net" => net(comm, stream),
         other => panic!("unknown case {other}"),
-    }
-    comm.bootstrap().barrier().expect("final barrier");
+    });
 }
 
 fn variants() -> Vec<(&'static str, Vec<(&'static str, &'static str)>)> {

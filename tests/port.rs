@@ -6,7 +6,7 @@
 
 mod common;
 
-use common::{count_wrong, fill, rank_counts, run_case, spawned_case};
+use common::{count_wrong, fill, rank_counts, rank_main, run_case};
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, LaunchConfig, PushKernelArg};
 use doorbell::device_api::PortChannelHandle;
 use doorbell::host::communicator::{Communicator, Transport};
@@ -17,20 +17,14 @@ use std::time::Duration;
 #[test]
 #[ignore = "needs GPU"]
 fn gpu_rank() {
-    let Some(case) = spawned_case() else {
-        return;
-    };
-    let comm = Arc::new(Communicator::from_env().expect("communicator"));
-    let stream = comm.gpu().new_stream().expect("stream");
-    match case.as_str() {
-        "ops" => ops(&comm, &stream),
-        "huge" => huge(&comm, &stream),
-        "stop" => stop(&comm, &stream),
-        "storm" => storm(&comm, &stream),
-        "allgather" => allgather(&comm, &stream),
+    rank_main(|case, comm, stream| match case {
+        "ops" => ops(comm, stream),
+        "huge" => huge(comm, stream),
+        "stop" => stop(comm, stream),
+        "storm" => storm(comm, stream),
+        "allgather" => allgather(comm, stream),
         other => panic!("unknown case {other}"),
-    }
-    comm.bootstrap().barrier().expect("final barrier");
+    });
 }
 
 #[test]

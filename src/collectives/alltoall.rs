@@ -158,19 +158,18 @@ impl AllToAll {
         let sms = gpu.sm_count()?;
         let peers = world as u32 - 1;
         let (lanes, own_lanes) = match (opts.lanes, opts.own_lanes) {
-            (Some(l), Some(o)) => (l, o),
-            (Some(l), None) => (l, l),
-            (None, Some(o)) => (sms.saturating_sub(o) / peers.max(1), o),
+            (Some(l), o) => (l, o.unwrap_or(l)),
+            // Alone: no peers, every block copies.
+            (None, o) if peers == 0 => (1, o.unwrap_or(sms)),
+            (None, Some(o)) => (sms.saturating_sub(o) / peers, o),
             // A local copy needs far fewer SMs than an NVLink stream: 4 blocks copy the own
             // block and the peers share the rest (measured on 4 x H200: 1 GiB 6% faster than
             // one peer's share, docs/performance.md).
-            (None, None) if peers > 0 => {
+            (None, None) => {
                 let o = (sms / world as u32).clamp(1, 4);
                 ((sms - o) / peers, o)
             }
-            (None, None) => (1, sms),
         };
-        let lanes = lanes.max(u32::from(peers == 0));
         if lanes == 0 || own_lanes == 0 || peers * lanes + own_lanes > sms {
             return Err(Error::invalid(
                 "lanes",

@@ -673,19 +673,19 @@ impl MoeLowLatency {
         topk_weights: u64,
         num_tokens: usize,
     ) -> Result<()> {
-        let (args, grid) = self.prepare_send(x, topk_idx, topk_weights, num_tokens)?;
-        self.launch(stream, 0, grid, 512, &args)
+        let args = self.prepare_send(x, topk_idx, topk_weights, num_tokens)?;
+        self.launch(stream, 0, self.base.blocks, 512, &args)
     }
 
-    /// Checks a dispatch's inputs, counts it, and returns its send arguments and grid: every
-    /// block (each takes a run of (token, rank) items and splits their rows over its warps).
+    /// Checks a dispatch's inputs, counts it, and returns its send arguments (the send kernels
+    /// run on every block: a warp per (token, rank) item, items dealt round-robin over blocks).
     fn prepare_send(
         &self,
         x: u64,
         topk_idx: u64,
         topk_weights: u64,
         num_tokens: usize,
-    ) -> Result<(crate::device_api::MoeLlArgs, u32)> {
+    ) -> Result<crate::device_api::MoeLlArgs> {
         if num_tokens > self.cfg.max_tokens
             || x % 16 != 0
             || topk_idx % 4 != 0
@@ -710,7 +710,7 @@ impl MoeLowLatency {
             num_tokens: num_tokens as u32,
             ..self.base
         };
-        Ok((args, self.base.blocks))
+        Ok(args)
     }
 
     /// Prepares a dispatch whose send half runs in the caller's own kernel (fused dispatch):
@@ -770,8 +770,8 @@ impl MoeLowLatency {
         topk_weights: u64,
         num_tokens: usize,
     ) -> Result<()> {
-        let (args, grid) = self.prepare_send(x, topk_idx, topk_weights, num_tokens)?;
-        self.launch(stream, 2, grid, 512, &args)
+        let args = self.prepare_send(x, topk_idx, topk_weights, num_tokens)?;
+        self.launch(stream, 2, self.base.blocks, 512, &args)
     }
 
     /// Where the last dispatch issued from the host left its results (the half its epoch

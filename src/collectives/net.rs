@@ -417,6 +417,20 @@ impl NetCollectives {
         let (send, recv) = (self.send_buffer(), self.recv_buffer());
         let (stride_elems, mine_elems) = (stride / es, mine / es);
         let (me, node) = (h.me as u64, h.node as u64);
+        // My shard summed over `nslots` slots of `stride` bytes from `base` (slot `own_slot`
+        // read at `own` instead) into the head of my send buffer and `dst2`.
+        let sum_into = |base: u64, nslots: u32, own_slot: u32, own: u64, dst2: u64| -> Result<()> {
+            let mut b = stream.launch_builder(sum);
+            b.arg(&base)
+                .arg(&stride_elems)
+                .arg(&nslots)
+                .arg(&own_slot)
+                .arg(&own)
+                .arg(&mine_elems)
+                .arg(&send)
+                .arg(&dst2);
+            Self::launch_1d(&mut b, mine_elems)
+        };
         // 1: reduce-scatter inside the node.
         self.phase(
             h,
@@ -429,21 +443,13 @@ impl NetCollectives {
             shard,
             total,
         )?;
-        {
-            let (base, nslots, own_slot, own) =
-                (recv + a, h.local as u32, h.me as u32, send + start);
-            let dst2 = recv + bb + node * stride;
-            let mut b = stream.launch_builder(sum);
-            b.arg(&base)
-                .arg(&stride_elems)
-                .arg(&nslots)
-                .arg(&own_slot)
-                .arg(&own)
-                .arg(&mine_elems)
-                .arg(&send)
-                .arg(&dst2);
-            Self::launch_1d(&mut b, mine_elems)?;
-        }
+        sum_into(
+            recv + a,
+            h.local as u32,
+            h.me as u32,
+            send + start,
+            recv + bb + node * stride,
+        )?;
         // 2: allreduce of my shard between nodes.
         self.phase(
             h,
@@ -456,20 +462,7 @@ impl NetCollectives {
             shard,
             total,
         )?;
-        {
-            let (base, nslots, own_slot, own) = (recv + bb, h.nodes as u32, u32::MAX, 0u64);
-            let dst2 = recv + c;
-            let mut b = stream.launch_builder(sum);
-            b.arg(&base)
-                .arg(&stride_elems)
-                .arg(&nslots)
-                .arg(&own_slot)
-                .arg(&own)
-                .arg(&mine_elems)
-                .arg(&send)
-                .arg(&dst2);
-            Self::launch_1d(&mut b, mine_elems)?;
-        }
+        sum_into(recv + bb, h.nodes as u32, u32::MAX, 0, recv + c)?;
         // 3: all-gather inside the node.
         self.phase(
             h,

@@ -74,6 +74,19 @@ pub fn spawned_case() -> Option<String> {
     std::env::var(CASE_VAR).ok()
 }
 
+/// The body of every test binary's `gpu_rank` entry: in a spawned rank, opens the communicator
+/// and a stream, runs the named case (`run(case, comm, stream)`), and meets the other ranks at a
+/// final barrier; outside one, does nothing.
+pub fn rank_main(run: impl FnOnce(&str, &Arc<Communicator>, &Arc<CudaStream>)) {
+    let Some(case) = spawned_case() else {
+        return;
+    };
+    let comm = Arc::new(Communicator::from_env().expect("communicator"));
+    let stream = comm.gpu().new_stream().expect("stream");
+    run(&case, &comm, &stream);
+    comm.bootstrap().barrier().expect("final barrier");
+}
+
 /// Byte `j` of the message `from` sends to `to` in `round` (twin of `pattern` in selftest.cu).
 pub fn pattern(from: u32, to: u32, round: u32, j: u64) -> u8 {
     let h = (j as u32)
