@@ -30,6 +30,9 @@ pub enum WaitKind {
     /// An error completion from the NIC (reported like a wait): 'expected' is the WQE's index,
     /// 'seen' the mlx5 syndrome.
     IbError,
+    /// A peer made a different collective call (reported like a wait): 'expected' is this
+    /// rank's call word, 'seen' the peer's (see [`crate::host::signature`]).
+    ArgumentMismatch,
     /// A kind this build does not know (a newer header wrote it).
     Other(u32),
 }
@@ -47,6 +50,7 @@ impl WaitKind {
             7 => WaitKind::BadInput,
             8 => WaitKind::IbProgress,
             9 => WaitKind::IbError,
+            10 => WaitKind::ArgumentMismatch,
             c => WaitKind::Other(c),
         }
     }
@@ -72,6 +76,7 @@ impl fmt::Display for WaitKind {
                 f,
                 "a successful completion (the NIC reported an error: 'expected' is the WQE index, 'seen' the mlx5 syndrome)"
             ),
+            WaitKind::ArgumentMismatch => write!(f, "the same collective call (a peer made another)"),
             WaitKind::Other(c) => write!(f, "wait kind {c}"),
         }
     }
@@ -126,6 +131,35 @@ pub enum Error {
         block: u32,
         /// The thread in that block.
         thread: u32,
+    },
+    /// Another rank of the job failed, and this rank's communicator aborted because of it: the
+    /// rank died (its bootstrap connection closed without a goodbye), stopped sending heartbeats,
+    /// relayed a failure of its own (a device wait that gave up, an error completion, a proxy
+    /// that stopped), or called [`crate::host::communicator::Communicator::abort`]. `rank` may be
+    /// this rank (it aborted). The communicator is unusable: drop it, and build a new one among
+    /// the survivors ([`crate::host::communicator::Communicator::shrink`]).
+    #[error("rank {me}: rank {rank} failed: {cause}")]
+    PeerFailed {
+        /// The rank reporting the error.
+        me: usize,
+        /// The rank that failed (or aborted, or was blamed by the rank that relayed the failure).
+        rank: usize,
+        /// What happened, as this rank learnt it (a relayed report is quoted whole).
+        cause: String,
+    },
+    /// Ranks made different collective calls (count, data type, operation, algorithm or call
+    /// index differ), detected on the device by comparing the call words every call carries.
+    /// Every rank of the call reports it; the communicator is unusable afterwards.
+    #[error("argument mismatch: rank {rank} made {mine}, while rank {peer} made {theirs}")]
+    ArgumentMismatch {
+        /// This rank.
+        rank: usize,
+        /// This rank's call.
+        mine: String,
+        /// A rank whose call differs.
+        peer: usize,
+        /// That rank's call.
+        theirs: String,
     },
     /// A transport cannot be used here; `why` says what to install or set.
     #[error("transport {transport} unavailable: {why}")]

@@ -23,6 +23,7 @@ fn config(rank: usize, world_size: usize, port: u16, timeout: Duration) -> Boots
         master_port: port,
         secret: format!("test-secret-{port}").into_bytes(),
         timeout,
+        heartbeat: Duration::from_secs(5),
     }
 }
 

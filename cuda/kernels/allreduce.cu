@@ -462,27 +462,36 @@ DOORBELL_DEVICE_INLINE void pipelined(const AllReduceArgs& a) {
   }
 }
 
+// Every allreduce kernel runs its body between the call check's announce and check
+// (call_check.cuh): a rank that makes another call (count, type, algorithm) is named on every rank.
+template <typename Body>
+DOORBELL_DEVICE_INLINE void checked(const AllReduceArgs& a, Body body) {
+  announce_call(a.call, a.rank, a.world);
+  body();
+  check_call(a.call, a.rank, a.world, a.site);
+}
+
 #define DOORBELL_ALLREDUCE_KERNELS(T, NAME)                                                                          \
   extern "C" __global__ void __launch_bounds__(512) allreduce_oneshot_ll8_##NAME(AllReduceArgs a) {                \
-    oneshot<T, LL8Packet>(a);                                                                                        \
+    checked(a, [&] { oneshot<T, LL8Packet>(a); });                                                                   \
   }                                                                                                                  \
   extern "C" __global__ void __launch_bounds__(512) allreduce_oneshot_ll16_##NAME(AllReduceArgs a) {               \
-    oneshot<T, LL16Packet>(a);                                                                                       \
+    checked(a, [&] { oneshot<T, LL16Packet>(a); });                                                                  \
   }                                                                                                                  \
   extern "C" __global__ void __launch_bounds__(512) allreduce_twoshot_ll8_##NAME(AllReduceArgs a) {                \
-    twoshot<T, LL8Packet>(a);                                                                                        \
+    checked(a, [&] { twoshot<T, LL8Packet>(a); });                                                                   \
   }                                                                                                                  \
   extern "C" __global__ void __launch_bounds__(512) allreduce_twoshot_ll16_##NAME(AllReduceArgs a) {               \
-    twoshot<T, LL16Packet>(a);                                                                                       \
+    checked(a, [&] { twoshot<T, LL16Packet>(a); });                                                                  \
   }                                                                                                                  \
   extern "C" __global__ void __launch_bounds__(512) allreduce_twoshot_sentinel_##NAME(AllReduceArgs a) {           \
-    twoshot_sentinel<T>(a);                                                                                          \
+    checked(a, [&] { twoshot_sentinel<T>(a); });                                                                     \
   }                                                                                                                  \
   extern "C" __global__ void __launch_bounds__(512) allreduce_pipelined_vec_##NAME(AllReduceArgs a) {              \
-    pipelined<T, true>(a);                                                                                           \
+    checked(a, [&] { pipelined<T, true>(a); });                                                                      \
   }                                                                                                                  \
   extern "C" __global__ void __launch_bounds__(512) allreduce_pipelined_scalar_##NAME(AllReduceArgs a) {           \
-    pipelined<T, false>(a);                                                                                          \
+    checked(a, [&] { pipelined<T, false>(a); });                                                                     \
   }
 
 DOORBELL_ALLREDUCE_KERNELS(__nv_bfloat16, bf16)

@@ -23,6 +23,12 @@ int main() {
   FIELD(WaitReport, expected);
   FIELD(WaitReport, seen);
   FIELD(WaitReport, waited_ns);
+  FIELD(WaitReport, abort);
+  FIELD(WaitReport, mismatch_peer);
+  FIELD(WaitReport, mismatch_mine);
+  FIELD(WaitReport, mismatch_theirs);
+  FIELD(WaitReport, mismatch_valid);
+  FIELD(WaitReport, mismatch_reserved);
 
   STRUCT(WaitSite);
   FIELD(WaitSite, report);
@@ -126,6 +132,11 @@ int main() {
   FIELD(AllReduceArgs, rank);
   FIELD(AllReduceArgs, world);
   FIELD(AllReduceArgs, site);
+  FIELD(AllReduceArgs, call);
+
+  STRUCT(CallCheck);
+  FIELD(CallCheck, word);
+  FIELD(CallCheck, inbox);
 
   STRUCT(AllToAllArgs);
   FIELD(AllToAllArgs, input);
@@ -145,6 +156,7 @@ int main() {
   FIELD(AllToAllArgs, ll_offset);
   FIELD(AllToAllArgs, ll_slot_bytes);
   FIELD(AllToAllArgs, epochs);
+  FIELD(AllToAllArgs, call);
 
   STRUCT(MoeArgs);
   FIELD(MoeArgs, x);

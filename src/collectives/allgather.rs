@@ -171,6 +171,7 @@ impl PortAllGather {
         input: u64,
         shard_bytes: usize,
     ) -> Result<()> {
+        self.comm.check_health()?;
         if shard_bytes == 0 || shard_bytes > self.max_shard {
             return Err(Error::invalid(
                 "shard_bytes",

@@ -25,6 +25,7 @@ use crate::error::{Error, Result};
 use crate::host::communicator::{Communicator, RegisteredMemory, Semaphores};
 use crate::host::cuda::cuda_err;
 use crate::host::memory::{Buffer, RemoteMemory};
+use crate::host::signature::{self, CallChecker, CallKind};
 use cudarc::driver::{
     CudaFunction, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig,
     PushKernelArg,
@@ -67,6 +68,11 @@ impl Algorithm {
         Algorithm::TwoShotSentinel,
         Algorithm::Pipelined,
     ];
+
+    /// The code call words carry (its index in [`Algorithm::ALL`]).
+    pub fn code(self) -> u32 {
+        Algorithm::ALL.iter().position(|&a| a == self).unwrap_or(15) as u32
+    }
 
     /// The name used in settings, options and tables.
     pub fn name(self) -> &'static str {
@@ -239,7 +245,8 @@ pub struct AllReduce {
     _sems_dev: CudaSlice<SemaphoreHandle>,
     _epochs: CudaSlice<u32>,
     _sentinel_state: CudaSlice<u8>,
-    calls: std::sync::atomic::AtomicU64,
+    /// Counts calls and makes each call's word (the call check, `call_check.cuh`).
+    calls: CallChecker,
 }
 
 impl AllReduce {
@@ -315,7 +322,9 @@ impl AllReduce {
         let lane_bytes = PIPE_DEPTH * 2 * world * max_tile_bytes;
         let sentinel_buf = 2 * world * opts.sentinel_slot_bytes;
         let sentinel_offset = ll_bytes + lanes * lane_bytes;
-        let scratch = comm.alloc(sentinel_offset + 3 * sentinel_buf)?;
+        // The call check's inbox sits after the sentinel buffers (zeroed, never filled).
+        let inbox_offset = sentinel_offset + 3 * sentinel_buf;
+        let scratch = comm.alloc(inbox_offset + signature::INBOX_BYTES)?;
         // The sentinel region starts empty: all ones.
         scratch.fill(sentinel_offset, 3 * sentinel_buf, 0xFF)?;
         let scratch_reg = comm.register(&scratch)?;
@@ -347,6 +356,10 @@ impl AllReduce {
                     })?
                     .device_ptr()
             };
+        }
+        let mut inbox = [0u64; MAX_RANKS];
+        for (i, p) in inbox.iter_mut().zip(&scratch_ptrs).take(world) {
+            *i = p + inbox_offset as u64;
         }
         let sems_ptr = sems_dev.device_ptr(&stream).0;
         let base = AllReduceArgs {
@@ -414,7 +427,7 @@ impl AllReduce {
             _sems_dev: sems_dev,
             _epochs: epochs,
             _sentinel_state: sentinel_state,
-            calls: std::sync::atomic::AtomicU64::new(0),
+            calls: CallChecker::new(inbox),
         })
     }
 
@@ -523,11 +536,20 @@ impl AllReduce {
         count: usize,
         dtype: DataType,
     ) -> Result<()> {
+        self.comm.check_health()?;
         if self.check_args {
             self.agree(count, dtype)?;
         }
-        self.calls
-            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let aligned = input % 16 == 0 && output % 16 == 0;
+        // Every call takes the next index, launched or not, so ranks stay in step.
+        let plan = self.plan_for(count.max(1), dtype, aligned);
+        let call = self.calls.next(
+            CallKind::AllReduce,
+            dtype.code(),
+            plan.as_ref().map_or(15, |p| p.algorithm.code()),
+            ReduceOp::Sum.code(),
+            count as u64,
+        );
         if count == 0 {
             return Ok(());
         }
@@ -553,8 +575,7 @@ impl AllReduce {
             }
             return Ok(());
         }
-        let aligned = input % 16 == 0 && output % 16 == 0;
-        let plan = self.plan_for(count, dtype, aligned)?;
+        let plan = plan?;
         let vec = plan.algorithm == Algorithm::Pipelined && aligned;
         let f = self
             .kernels
@@ -565,6 +586,7 @@ impl AllReduce {
             output,
             count: count as u64,
             tile_elems: plan.tile_elems,
+            call,
             ..self.base
         };
         let mut b = stream.launch_builder(f);
@@ -616,7 +638,7 @@ impl AllReduce {
     /// Checks that every rank makes the same call; names the ranks that differ from the
     /// majority (or from rank 0 on a tie).
     fn agree(&self, count: usize, dtype: DataType) -> Result<()> {
-        let call = self.calls.load(std::sync::atomic::Ordering::Relaxed);
+        let call = self.calls.calls();
         let mut mine = Vec::with_capacity(24);
         mine.extend_from_slice(&call.to_le_bytes());
         mine.extend_from_slice(&(count as u64).to_le_bytes());
@@ -700,6 +722,13 @@ mod tests {
                 want,
                 "{world} ranks, {bytes} bytes"
             );
+        }
+    }
+
+    #[test]
+    fn call_words_name_the_algorithms_as_they_are_called() {
+        for a in Algorithm::ALL {
+            assert_eq!(signature::ALLREDUCE_VARIANTS[a.code() as usize], a.name());
         }
     }
 

@@ -13,6 +13,7 @@ use crate::error::{Error, Result};
 use crate::host::communicator::{Communicator, RegisteredMemory, Semaphores};
 use crate::host::cuda::cuda_err;
 use crate::host::memory::{Buffer, RemoteMemory};
+use crate::host::signature::{self, CallChecker, CallKind};
 use cudarc::driver::{
     CudaFunction, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig,
     PushKernelArg,
@@ -106,6 +107,8 @@ pub struct AllToAll {
     ll_kernel: CudaFunction,
     /// Blocks of the tile kernel that copy this rank's own block.
     own_lanes: u32,
+    /// Counts calls and makes each call's word (the call check, `call_check.cuh`).
+    calls: CallChecker,
     _epochs: CudaSlice<u32>,
     /// Device `[4][world]` byte counts for [`AllToAll::run_v`].
     counts: Mutex<CudaSlice<u64>>,
@@ -188,7 +191,9 @@ impl AllToAll {
         let ring_bytes = world * lanes as usize * opts.depth as usize * opts.tile_bytes;
         // LL16 packets carry 8 bytes in 16.
         let ll_slot_bytes = (opts.ll_max_bytes.div_ceil(8) * 16).max(16);
-        let scratch = comm.alloc(ring_bytes + 2 * world * ll_slot_bytes)?;
+        // The call check's inbox sits after the LL area.
+        let inbox_offset = ring_bytes + 2 * world * ll_slot_bytes;
+        let scratch = comm.alloc(inbox_offset + signature::INBOX_BYTES)?;
         let registered = comm.register(&scratch)?;
         let peers = comm.exchange(&registered)?;
         let lanes_us = lanes as usize;
@@ -217,6 +222,10 @@ impl AllToAll {
                     })?
                     .device_ptr()
             };
+        }
+        let mut inbox = [0u64; MAX_RANKS];
+        for (i, p) in inbox.iter_mut().zip(&scratch_ptrs).take(world) {
+            *i = p + inbox_offset as u64;
         }
         let sems_ptr = sems.device_ptr(&stream).0;
         let base = AllToAllArgs {
@@ -248,6 +257,7 @@ impl AllToAll {
             kernel,
             ll_kernel,
             own_lanes,
+            calls: CallChecker::new(inbox),
             _epochs: epochs,
             counts: Mutex::new(counts),
             _scratch: scratch,
@@ -277,7 +287,20 @@ impl AllToAll {
         args: AllToAllArgs,
         largest: Option<usize>,
     ) -> Result<()> {
+        self.comm.check_health()?;
         let ll = largest.is_some_and(|b| b <= self.opts.ll_max_bytes);
+        // Equal blocks name their size; variable ones only their kind (counts differ by rank).
+        let (kind, count) = if args.counts == 0 {
+            (CallKind::AllToAll, args.equal_bytes)
+        } else {
+            (CallKind::AllToAllV, 0)
+        };
+        let args = AllToAllArgs {
+            call: self
+                .calls
+                .next(kind, signature::BYTES, u32::from(ll), 0, count),
+            ..args
+        };
         let mut b = stream.launch_builder(if ll { &self.ll_kernel } else { &self.kernel });
         b.arg(&args);
         let cfg = LaunchConfig {

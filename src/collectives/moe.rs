@@ -90,6 +90,7 @@ fn launch<A: DeviceRepr>(
     threads: u32,
     args: &A,
 ) -> Result<()> {
+    comm.check_health()?;
     let mut b = stream.launch_builder(f);
     b.arg(args);
     let cfg = LaunchConfig {

@@ -206,6 +206,7 @@ impl NetCollectives {
 
     /// An error if this collective's proxy stopped (its kernels would wait for it in vain).
     fn proxy_alive(&self) -> Result<()> {
+        self.comm.check_health()?;
         match self.proxy.failure() {
             Some(why) => Err(Error::invalid(
                 "net collective",

@@ -35,6 +35,18 @@ pub struct WaitReport {
     pub seen: u64,
     /// Nanoseconds it waited.
     pub waited_ns: u64,
+    /// Nonzero once the communicator aborted: every device wait leaves.
+    pub abort: u32,
+    /// The first peer found making another collective call.
+    pub mismatch_peer: i32,
+    /// This rank's call word.
+    pub mismatch_mine: u64,
+    /// That peer's call word.
+    pub mismatch_theirs: u64,
+    /// 1 once the mismatch fields are written.
+    pub mismatch_valid: u32,
+    /// Zero.
+    pub mismatch_reserved: u32,
 }
 
 /// Who is waiting, copied into every handle that can wait.
@@ -271,6 +283,17 @@ pub struct IbPortLink {
 /// Most ranks a single-node collective kernel handles (`kMaxRanks`).
 pub const MAX_RANKS: usize = 8;
 
+/// A call's word and every rank's call-check inbox (`call_check.cuh`); a zero word runs the
+/// kernel unchecked.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Pod, Zeroable)]
+pub struct CallCheck {
+    /// This call's word ([`crate::host::signature::CallWord`]).
+    pub word: u64,
+    /// Every rank's inbox (`[2][MAX_RANKS]` words), mapped here (own at `rank`).
+    pub inbox: [u64; MAX_RANKS],
+}
+
 /// Launch arguments of the allreduce kernels (`collective_args.cuh`).
 #[repr(C)]
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Pod, Zeroable)]
@@ -315,6 +338,8 @@ pub struct AllReduceArgs {
     pub world: u32,
     /// Wait site for LL waits.
     pub site: WaitSite,
+    /// The call check.
+    pub call: CallCheck,
 }
 
 /// Launch arguments of the all-to-all kernel (`collective_args.cuh`).
@@ -356,6 +381,8 @@ pub struct AllToAllArgs {
     pub ll_slot_bytes: u64,
     /// Per-block epochs of the LL grid (device).
     pub epochs: u64,
+    /// The call check.
+    pub call: CallCheck,
 }
 
 /// Launch arguments of the MoE dispatch/combine kernels (`collective_args.cuh`; field meanings
@@ -532,8 +559,23 @@ mod layout {
                 "WaitReport",
                 WaitReport,
                 [
-                    valid, what, rank, peer, channel, block, thread, reserved, expected, seen,
-                    waited_ns
+                    valid,
+                    what,
+                    rank,
+                    peer,
+                    channel,
+                    block,
+                    thread,
+                    reserved,
+                    expected,
+                    seen,
+                    waited_ns,
+                    abort,
+                    mismatch_peer,
+                    mismatch_mine,
+                    mismatch_theirs,
+                    mismatch_valid,
+                    mismatch_reserved
                 ]
             ),
             layout!(
@@ -583,9 +625,11 @@ mod layout {
                     lamport_state,
                     rank,
                     world,
-                    site
+                    site,
+                    call
                 ]
             ),
+            layout!("CallCheck", CallCheck, [word, inbox]),
             layout!(
                 "AllToAllArgs",
                 AllToAllArgs,
@@ -606,7 +650,8 @@ mod layout {
                     reserved,
                     ll_offset,
                     ll_slot_bytes,
-                    epochs
+                    epochs,
+                    call
                 ]
             ),
             layout!(

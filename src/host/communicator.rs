@@ -260,13 +260,24 @@ impl Semaphores {
 }
 
 /// One rank's view of the job: bootstrap, GPU, and the shared state channels are built from.
+///
+/// # Faults
+/// Each communicator runs a watchdog thread ([`crate::host::watchdog`]): when a peer dies, falls
+/// silent, or relays a failure, or when [`abort`](Self::abort) is called, every device wait of
+/// this communicator leaves (no trap: the CUDA context stays usable), and every later call
+/// returns [`Error::PeerFailed`] naming the rank and the cause (or the device's own report:
+/// [`Error::Timeout`], [`Error::ArgumentMismatch`]). An aborted communicator stays aborted: drop
+/// it, and build a new one among the survivors with [`shrink`](Self::shrink).
 pub struct Communicator {
-    bootstrap: Bootstrap,
+    // Dropped first: the watchdog reads the bootstrap and the diagnostics.
+    _watchdog: Option<crate::host::watchdog::Watchdog>,
+    bootstrap: Arc<Bootstrap>,
+    device: usize,
     gpu: Arc<Gpu>,
     fd_server: Arc<FdServer>,
     host_ids: Vec<u64>,
     tokens: Arc<TokenPool>,
-    diagnostics: WaitDiagnostics,
+    diagnostics: Arc<WaitDiagnostics>,
     next_export: AtomicU64,
     next_channel: AtomicU32,
     ib: Option<IbFabric>,
@@ -416,14 +427,26 @@ impl Communicator {
             None
         };
         let claim = pool.device_ptr() + (TOKEN_SLOTS * 8) as u64;
-        let diagnostics = WaitDiagnostics::new(&gpu, claim, settings.wait_timeout, rank)?;
+        let diagnostics = Arc::new(WaitDiagnostics::new(
+            &gpu,
+            claim,
+            settings.wait_timeout,
+            rank,
+        )?);
+        let bootstrap = Arc::new(bootstrap);
+        let watchdog = crate::host::watchdog::Watchdog::start(
+            Arc::clone(&bootstrap),
+            Arc::clone(&diagnostics),
+        )?;
         let tokens = Arc::new(TokenPool {
             local: pool,
             peers: comm_peers,
             next: Mutex::new(FIRST_TOKEN_SLOT),
         });
         Ok(Communicator {
+            _watchdog: Some(watchdog),
             bootstrap,
+            device,
             gpu,
             fd_server,
             host_ids,
@@ -457,9 +480,58 @@ impl Communicator {
         &self.gpu
     }
 
-    /// The wait diagnostics of this process.
+    /// The wait diagnostics of this communicator.
     pub fn diagnostics(&self) -> &WaitDiagnostics {
         &self.diagnostics
+    }
+
+    /// Aborts the job from this rank, like `ncclCommAbort`: every device wait of this
+    /// communicator leaves at once (kernels run on to their ends without waiting; results are
+    /// garbage), every later call here returns [`Error::PeerFailed`] naming this rank, and every
+    /// other rank is told, so their waits leave too and their calls name this rank. Any thread
+    /// may call it, also while another thread waits in a doorbell call. Then drop the
+    /// communicator (or [`shrink`](Self::shrink) it).
+    pub fn abort(&self) {
+        let me = self.rank();
+        let why = "aborted by the user (Communicator::abort)";
+        self.diagnostics.abort(crate::host::wait::Fault {
+            rank: me,
+            cause: why.into(),
+        });
+        self.bootstrap.abort(Some(me), why);
+    }
+
+    /// `Err` if this communicator aborted or a device wait of it failed: the error that names
+    /// the rank and the cause. Every collective checks it before launching; costs a read of host
+    /// memory.
+    pub fn check_health(&self) -> Result<()> {
+        if !self.diagnostics.aborted() {
+            return Ok(());
+        }
+        Err(self.diagnostics.error().unwrap_or(Error::PeerFailed {
+            me: self.rank(),
+            rank: self.rank(),
+            cause: "the communicator aborted".into(),
+        }))
+    }
+
+    /// Builds a new communicator of the ranks not in `failed`, renumbered in order (collective
+    /// among the survivors; the failed ranks take no part), on the same GPU, like NCCL's
+    /// `ncclCommShrink`. Call it after a fault (this communicator may be aborted), then drop this
+    /// one; channels and collectives are built anew on the result.
+    pub fn shrink(&self, failed: &[usize]) -> Result<Communicator> {
+        let me = self.rank();
+        let survivors: Vec<usize> = (0..self.world_size())
+            .filter(|r| !failed.contains(r))
+            .collect();
+        let local: Vec<usize> = survivors
+            .iter()
+            .copied()
+            .filter(|&r| self.same_host(r))
+            .collect();
+        let local_rank = local.iter().position(|&r| r == me).unwrap_or(0);
+        let bootstrap = self.bootstrap.shrink(failed, (local_rank, local.len()))?;
+        Communicator::new(bootstrap, self.device)
     }
 
     /// Whether PortChannels to `peer` take the Ib transport (emulated NIC).
@@ -1011,7 +1083,8 @@ impl Communicator {
         Ok(PortChannels { channels })
     }
 
-    /// Waits for `stream`; a device wait that gave up becomes [`Error::Timeout`].
+    /// Waits for `stream`; a device wait that gave up becomes [`Error::Timeout`], a fault of the
+    /// job [`Error::PeerFailed`], a call check that failed [`Error::ArgumentMismatch`].
     pub fn synchronize(&self, stream: &CudaStream) -> Result<()> {
         match stream.synchronize() {
             Ok(()) => self.diagnostics.check(),
@@ -1034,6 +1107,18 @@ impl Communicator {
                 code: e.to_string(),
             })
         })
+    }
+}
+
+impl Drop for Communicator {
+    fn drop(&mut self) {
+        // A rank that unwinds from a panic tells the others now, instead of leaving them to
+        // their wait budgets.
+        if std::thread::panicking() {
+            let me = self.rank();
+            self.bootstrap
+                .abort(Some(me), &format!("rank {me} panicked"));
+        }
     }
 }
 

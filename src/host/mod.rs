@@ -10,4 +10,6 @@ pub mod launch;
 pub mod memory;
 mod net;
 pub mod proxy;
+pub mod signature;
 pub mod wait;
+pub mod watchdog;

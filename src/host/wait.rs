@@ -1,24 +1,43 @@
-//! Host side of bounded device waits (see `cuda/include/doorbell/wait.cuh` for the protocol).
+//! Host side of bounded device waits and of the abort word (see `cuda/include/doorbell/wait.cuh`
+//! for the protocol).
 //!
-//! Each process has one [`WaitDiagnostics`]: the host-mapped [`WaitReport`] the first giving-up
-//! waiter fills, the device-memory claim word that elects it, and the budget every wait gets.
-//! Handles that can wait carry a [`WaitSite`] built here. When a CUDA call fails after a device
-//! wait gave up (the waiter traps, so the launch fails), [`WaitDiagnostics::explain`] turns the
-//! failure into [`Error::Timeout`] with the waiter's fields.
+//! Each communicator has one [`WaitDiagnostics`]: the host-mapped [`WaitReport`] that the first
+//! giving-up waiter fills (and the first call-check mismatch), the device-memory claim word that
+//! elects them, the abort word every device wait polls, the budget every wait gets, and the first
+//! failure of another rank this rank learnt of. Handles that can wait carry a [`WaitSite`] built
+//! here. [`WaitDiagnostics::error`] turns what is known into the one error a host call returns.
+//!
+//! This module never talks to peers: the communicator's watchdog feeds it faults and relays what
+//! it reports.
 
 use crate::device_api::{WaitReport, WaitSite};
 use crate::error::{Error, Result, WaitKind};
 use crate::host::cuda::{Gpu, HostArray};
-use std::sync::Arc;
-use std::time::Duration;
+use crate::host::signature::describe;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
-/// The process's wait report and budget.
+/// A failure of another rank (or of this one, when it aborted), as this rank learnt it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Fault {
+    /// The rank that failed, aborted, or was blamed.
+    pub rank: usize,
+    /// What happened.
+    pub cause: String,
+}
+
+/// The communicator's wait report, abort word and budget.
 pub struct WaitDiagnostics {
     report: HostArray<WaitReport>,
     claim: u64,
     budget: Duration,
     rank: i32,
+    fault: Mutex<Option<Fault>>,
 }
+
+/// How long a failed CUDA call waits for the watchdog to learn why, before it is returned as it
+/// is: a peer's death can fail this rank's kernel (MPS) a moment before its socket closes.
+const EXPLAIN_GRACE: Duration = Duration::from_millis(1500);
 
 impl WaitDiagnostics {
     /// `claim` is the device address of a zeroed u32 in device memory that nothing else uses.
@@ -28,6 +47,7 @@ impl WaitDiagnostics {
             claim,
             budget,
             rank: rank as i32,
+            fault: Mutex::new(None),
         })
     }
 
@@ -49,7 +69,44 @@ impl WaitDiagnostics {
         self.budget
     }
 
-    /// The recorded device timeout, if a wait of this process gave up.
+    /// Reads one u32 field of the report with a volatile load (the GPU writes it concurrently).
+    fn field(&self, pick: impl Fn(*mut WaitReport) -> *mut u32) -> u32 {
+        // SAFETY: the report is one live, pinned WaitReport; the field pointer stays inside it
+        // and is 4-byte aligned (repr(C), layout-tested).
+        unsafe { std::ptr::read_volatile(pick(self.report.host_ptr())) }
+    }
+
+    /// Whether the abort word is set (by this host or by a device giver-up).
+    pub fn aborted(&self) -> bool {
+        self.field(|r| unsafe { std::ptr::addr_of_mut!((*r).abort) }) != 0
+    }
+
+    /// Records `fault` as the reason this communicator stops (the first one recorded wins) and
+    /// sets the abort word, so every device wait leaves. Returns true for the first fault.
+    pub fn abort(&self, fault: Fault) -> bool {
+        let first = {
+            let mut f = self.fault.lock().unwrap_or_else(|p| p.into_inner());
+            let first = f.is_none();
+            if first {
+                *f = Some(fault);
+            }
+            first
+        };
+        // SAFETY: as in `field`; a plain 4-byte store that the GPU reads with an acquire load.
+        unsafe {
+            std::ptr::write_volatile(std::ptr::addr_of_mut!((*self.report.host_ptr()).abort), 1)
+        };
+        std::sync::atomic::fence(std::sync::atomic::Ordering::SeqCst);
+        first
+    }
+
+    /// The fault recorded so far, if any.
+    pub fn fault(&self) -> Option<Fault> {
+        self.fault.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
+    /// The device's own report, if a wait of this communicator gave up: the timeout (or error
+    /// completion, proxy stop, bad input) it recorded.
     pub fn timeout(&self) -> Option<Error> {
         let r = self.report.read(0);
         if r.valid != 1 {
@@ -68,17 +125,104 @@ impl WaitDiagnostics {
         })
     }
 
-    /// The error to report for a failed CUDA call: the device timeout when a wait gave up
-    /// (that is why the call failed), the call's own error otherwise.
-    pub fn explain(&self, e: Error) -> Error {
-        self.timeout().unwrap_or(e)
+    /// The call-check mismatch the device found, if any.
+    pub fn mismatch(&self) -> Option<Error> {
+        let r = self.report.read(0);
+        if r.mismatch_valid != 1 {
+            return None;
+        }
+        Some(Error::ArgumentMismatch {
+            rank: self.rank.max(0) as usize,
+            mine: describe(r.mismatch_mine),
+            peer: r.mismatch_peer.max(0) as usize,
+            theirs: describe(r.mismatch_theirs),
+        })
     }
 
-    /// `Err(timeout)` if a wait gave up, else `Ok`.
+    /// The error a host call should return now, if this communicator failed: a call-check
+    /// mismatch first (the root cause wherever it appears), then another rank's failure, then
+    /// this rank's own device report.
+    pub fn error(&self) -> Option<Error> {
+        if let Some(e) = self.mismatch() {
+            return Some(e);
+        }
+        if let Some(f) = self.fault() {
+            // A peer relays a mismatch it found as text; it is still a mismatch here (this rank
+            // may not have reached the call yet).
+            if let Some(e) = parse_mismatch(&f.cause) {
+                return Some(e);
+            }
+            return Some(Error::PeerFailed {
+                me: self.rank.max(0) as usize,
+                rank: f.rank,
+                cause: f.cause,
+            });
+        }
+        self.timeout()
+    }
+
+    /// The error to report for a failed CUDA call: what [`error`](Self::error) knows, waiting a
+    /// moment for the watchdog to learn of a peer's failure if nothing is known yet (the failure
+    /// then says what CUDA reported too); the call's own error otherwise.
+    pub fn explain(&self, e: Error) -> Error {
+        let until = Instant::now() + EXPLAIN_GRACE;
+        loop {
+            if let Some(known) = self.error() {
+                return match known {
+                    Error::PeerFailed { me, rank, cause } => Error::PeerFailed {
+                        me,
+                        rank,
+                        cause: format!("{cause} (CUDA then reported: {e})"),
+                    },
+                    other => other,
+                };
+            }
+            if Instant::now() >= until {
+                return e;
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+
+    /// `Err` if this communicator failed (see [`error`](Self::error)), else `Ok`.
     pub fn check(&self) -> Result<()> {
-        match self.timeout() {
+        match self.error() {
             Some(e) => Err(e),
             None => Ok(()),
         }
+    }
+}
+
+/// The [`Error::ArgumentMismatch`] a relayed cause quotes, if it quotes one (the error's own
+/// display text: "argument mismatch: rank R made ..., while rank P made ...").
+pub fn parse_mismatch(cause: &str) -> Option<Error> {
+    let rest = &cause[cause.find("argument mismatch: rank ")? + "argument mismatch: rank ".len()..];
+    let (rank, rest) = rest.split_once(" made ")?;
+    let (mine, rest) = rest.split_once(", while rank ")?;
+    let (peer, theirs) = rest.split_once(" made ")?;
+    Some(Error::ArgumentMismatch {
+        rank: rank.parse().ok()?,
+        mine: mine.to_string(),
+        peer: peer.parse().ok()?,
+        theirs: theirs.to_string(),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_relayed_mismatch_is_a_mismatch_again() {
+        let e = Error::ArgumentMismatch {
+            rank: 0,
+            mine: "call #3 (mod 65536): allreduce of 1024 x f32 (sum, oneshot-ll16)".into(),
+            peer: 2,
+            theirs: "call #3 (mod 65536): allreduce of 2048 x f32 (sum, oneshot-ll16)".into(),
+        };
+        let relayed = format!("rank 0 reported: {e}");
+        let back = parse_mismatch(&relayed).unwrap();
+        assert_eq!(back.to_string(), e.to_string());
+        assert!(parse_mismatch("rank 1 reported: timeout on rank 1").is_none());
     }
 }

@@ -3,12 +3,10 @@
 // other handle.
 #pragma once
 
+#include "call_check.cuh"
 #include "semaphore.cuh"
 
 namespace doorbell {
-
-// Most ranks a single-node collective kernel handles.
-constexpr uint32_t kMaxRanks = 8;
 
 // Per-block state of the sentinel ("Lamport") two-shot: which of the three buffers the next call
 // uses, and how many elements the previous call had (this block clears what it consumed then).
@@ -41,8 +39,9 @@ struct AllReduceArgs {
   uint32_t rank;
   uint32_t world;
   WaitSite site;                 // for LL waits (peer filled in per wait)
+  CallCheck call;                // this call's word and every rank's inbox (call_check.cuh)
 };
-DOORBELL_CHECK_SIZE(AllReduceArgs, 240);
+DOORBELL_CHECK_SIZE(AllReduceArgs, 312);
 
 // Launch arguments of the all-to-all kernel (cuda/kernels/alltoall.cu).
 struct AllToAllArgs {
@@ -65,8 +64,9 @@ struct AllToAllArgs {
   uint64_t ll_offset;
   uint64_t ll_slot_bytes;
   uint32_t* epochs;
+  CallCheck call;  // this call's word and every rank's inbox (call_check.cuh)
 };
-DOORBELL_CHECK_SIZE(AllToAllArgs, 168);
+DOORBELL_CHECK_SIZE(AllToAllArgs, 240);
 
 // Launch arguments of the MoE dispatch/combine kernels (cuda/kernels/moe.cu); one struct for all
 // of them, most fields fixed per dispatcher, the inputs per call.

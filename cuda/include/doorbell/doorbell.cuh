@@ -2,6 +2,7 @@
 #pragma once
 
 #include "atomics.cuh"
+#include "call_check.cuh"
 #include "collective_args.cuh"
 #include "copy.cuh"
 #include "fifo.cuh"

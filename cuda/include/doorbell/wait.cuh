@@ -1,18 +1,33 @@
-// doorbell device API: bounded waits.
+// doorbell device API: bounded waits and the abort word.
 //
-// No spin loop in doorbell is unbounded. Each one polls a condition, and after the first miss
-// starts a clock (the GPU's global timer, nanoseconds). When the budget runs out, the first waiter
-// of the process to give up claims the process's WaitReport, writes who waited (rank, peer,
-// channel, block, thread) for what (kind, expected and last seen value, time waited) into
-// host-mapped memory, fences, and traps. The trap ends every kernel of the context; the host sees
-// the launch fail, reads the report (host memory stays readable after a trap) and returns
-// Error::Timeout with those fields. Peers that were waiting on this rank time out in turn and report
-// their own side, so every rank of a broken job says what it was stuck on.
+// No spin loop in doorbell is unbounded, and none outlives a failed job. Each one polls a
+// condition; after the first miss it starts a clock (the GPU's global timer, nanoseconds) and, every
+// 64 polls, looks at the clock and, about every 65 us of waiting, at the communicator's abort word.
+// Two things end a wait early:
+//   - the abort word is set: the host's watchdog sets it when a peer died, stopped answering, or
+//     relayed its own failure, or the user called Communicator::abort(). The wait returns at once,
+//     with its condition unmet; the kernel runs on to its end without waiting again (every later
+//     wait sees the word after at most 64 polls). Results are garbage and the host call that
+//     follows returns Error::PeerFailed.
+//   - the budget runs out: the first waiter of the communicator to give up claims its WaitReport,
+//     writes who waited (rank, peer, channel, block, thread) for what (kind, expected and last seen
+//     value, time waited), then sets the abort word itself, so every other wait of the
+//     communicator leaves too, and returns. The host reads the report and returns Error::Timeout
+//     with those fields; its watchdog relays the report to the other ranks, whose waits leave in
+//     turn and whose calls name this rank and its report.
+// Nothing traps: the CUDA context stays usable, so survivors can drop the communicator and build a
+// new one (Communicator::shrink) in the same process.
 //
-// Protocol of the report (one per process):
-//   claim word (device memory): 0 = free; the giver-up CASes it 0 -> 1, so exactly one writes.
-//   WaitReport (host-mapped): fields written with plain stores, then __threadfence_system(), then
-//   `valid` = 1 with a release store. The host trusts the fields only when `valid` == 1.
+// Protocol of the report (one per communicator, host-mapped):
+//   claim word (device memory): bit 0 clear = free; the giver-up sets it with atomicOr, so exactly
+//   one writes.
+//   fields written with plain stores, then __threadfence_system(), then `valid` = 1 with a release
+//   store. The host trusts the fields only when `valid` == 1.
+//   mismatch record: the same, claimed by bit 1 of the claim word, so a call found to differ is
+//   named even after a wait of the same call timed out (a mismatch often makes waits time out).
+//   `abort`: 0 while the job is healthy; nonzero once anyone (host or device) gave up. Written by
+//   the host with a plain store, or by a device giver-up after `valid`; read here with an acquire
+//   load. Never cleared: an aborted communicator is dropped, not reused.
 #pragma once
 
 #include "atomics.cuh"
@@ -30,6 +45,7 @@ enum WaitKindCode : uint32_t {
   kWaitBadInput = 7,      // a kernel input out of range: expected = the limit, seen = the value
   kWaitIbProgress = 8,    // a queue pair's progress: room in its send queue, in-order publishing, CQEs
   kWaitIbError = 9,       // an error CQE (not a wait): expected = the WQE's index, seen = the syndrome
+  kWaitArgMismatch = 10,  // a peer made another call (not a wait): expected = my call word, seen = the peer's
 };
 
 // Written once, by the first waiter of the process that gives up. Lives in host-mapped pinned memory.
@@ -45,8 +61,14 @@ struct WaitReport {
   uint64_t expected;
   uint64_t seen;
   uint64_t waited_ns;
+  uint32_t abort;             // nonzero: leave every wait (see the protocol above)
+  int32_t mismatch_peer;      // the first peer found making another call (see call_check.cuh)
+  uint64_t mismatch_mine;     // this rank's call word
+  uint64_t mismatch_theirs;   // that peer's call word
+  uint32_t mismatch_valid;    // 1 once the three fields above are written
+  uint32_t mismatch_reserved;
 };
-DOORBELL_CHECK_SIZE(WaitReport, 56);
+DOORBELL_CHECK_SIZE(WaitReport, 88);
 
 // Who is waiting: copied into every handle that can wait, so a report names its wait site.
 struct WaitSite {
@@ -62,10 +84,17 @@ DOORBELL_CHECK_SIZE(WaitSite, 40);
 
 #if DOORBELL_CUDA
 
-// Records the failed wait (if this thread is the first to give up in the process) and traps.
-static __noinline__ __device__ void wait_gave_up(const WaitSite& site, uint32_t what, uint64_t expected, uint64_t seen,
-                                          uint64_t waited_ns) {
-  if (site.claim != nullptr && site.report != nullptr && cas_relaxed_gpu(site.claim, 0u, 1u) == 0u) {
+// True once the communicator of `site` aborted. A PCIe read: call it rarely.
+DOORBELL_DEVICE_INLINE bool aborted(const WaitSite& site) {
+  return site.report != nullptr && load_acquire_sys(const_cast<const uint32_t*>(&site.report->abort)) != 0u;
+}
+
+// Records a failure (if this thread is the first to give up in the communicator) and sets the
+// abort word, so every other wait of the communicator leaves. Returns.
+static __noinline__ __device__ void report_failure(const WaitSite& site, uint32_t what, uint64_t expected, uint64_t seen,
+                                                   uint64_t waited_ns) {
+  if (site.report == nullptr) return;
+  if (site.claim != nullptr && (atomicOr(site.claim, 1u) & 1u) == 0u) {
     volatile WaitReport* r = site.report;
     r->what = what;
     r->rank = site.rank;
@@ -79,24 +108,62 @@ static __noinline__ __device__ void wait_gave_up(const WaitSite& site, uint32_t 
     r->waited_ns = waited_ns;
     __threadfence_system();
     store_release_sys(const_cast<uint32_t*>(&site.report->valid), 1u);
-    __threadfence_system();
   }
-  __trap();
+  store_release_sys(const_cast<uint32_t*>(&site.report->abort), 1u);
+  __threadfence_system();
 }
 
-// Spins until `poll(seen)` returns true. `poll` writes the last value it saw into `seen`, which
-// goes into the report if the budget runs out. The clock starts after the first miss, so a wait
-// that is already satisfied costs one poll.
+// Records that `peer` made another call than this rank (the first such finding of the
+// communicator) and aborts, like report_failure.
+static __noinline__ __device__ void report_mismatch(const WaitSite& site, int32_t peer, uint64_t mine,
+                                                    uint64_t theirs) {
+  if (site.report == nullptr) return;
+  if (site.claim != nullptr && (atomicOr(site.claim, 2u) & 2u) == 0u) {
+    volatile WaitReport* r = site.report;
+    r->mismatch_peer = peer;
+    r->mismatch_mine = mine;
+    r->mismatch_theirs = theirs;
+    __threadfence_system();
+    store_release_sys(const_cast<uint32_t*>(&site.report->mismatch_valid), 1u);
+  }
+  store_release_sys(const_cast<uint32_t*>(&site.report->abort), 1u);
+  __threadfence_system();
+}
+
+// For checks after which the thread cannot go on (an index out of range, an error completion):
+// reports as above and ends this thread. Other threads of the block are not held up: a thread
+// that exits counts as arrived at every later __syncthreads. Nothing traps.
+static __noinline__ __device__ void wait_gave_up(const WaitSite& site, uint32_t what, uint64_t expected, uint64_t seen,
+                                                 uint64_t waited_ns) {
+  report_failure(site, what, expected, seen, waited_ns);
+  asm volatile("exit;");
+}
+
+// Spins until `poll(seen)` returns true, and returns true; returns false when the wait gave up (its
+// budget ran out, reported) or the communicator aborted. `poll` writes the last value it saw into
+// `seen`, which goes into the report. The clock starts after the first miss, so a wait that is
+// already satisfied costs one poll. Callers may ignore the result: after a false return the kernel
+// only has to reach its end without touching memory out of range, and every later wait returns
+// within 64 polls.
 template <typename Poll>
-DOORBELL_DEVICE_INLINE void spin_until(const WaitSite& site, uint32_t what, uint64_t expected, Poll poll) {
+DOORBELL_DEVICE_INLINE bool spin_until(const WaitSite& site, uint32_t what, uint64_t expected, Poll poll) {
   uint64_t seen = 0;
-  if (poll(seen)) return;
+  if (poll(seen)) return true;
   const uint64_t start = global_timer_ns();
+  uint64_t next_abort_check = 0;
   for (uint32_t i = 1;; ++i) {
-    if (poll(seen)) return;
+    if (poll(seen)) return true;
     if ((i & 63) == 0) {
       const uint64_t waited = global_timer_ns() - start;
-      if (waited > site.budget_ns) wait_gave_up(site, what, expected, seen, waited);
+      if (waited >= next_abort_check) {
+        // About every 65 us of waiting (and at the first check): the abort word is in host memory.
+        next_abort_check = waited + (uint64_t(1) << 16);
+        if (aborted(site)) return false;
+      }
+      if (waited > site.budget_ns) {
+        report_failure(site, what, expected, seen, waited);
+        return false;
+      }
     }
   }
 }

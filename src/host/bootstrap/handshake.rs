@@ -419,6 +419,7 @@ mod tests {
             master_port: 1,
             secret: b"s3cret".to_vec(),
             timeout: Duration::from_secs(1),
+            heartbeat: Duration::ZERO,
         };
         AcceptCtx::new(&cfg, from, Instant::now())
     }

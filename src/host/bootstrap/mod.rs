@@ -56,8 +56,9 @@ mod wire;
 
 use crate::config::{LaunchEnv, Settings};
 use crate::error::{Error, Result};
+pub use queues::PeerFailure;
 use queues::{read_link, Abort, Chan, Failure, Shared};
-use rendezvous::{rendezvous_member, rendezvous_root};
+use rendezvous::{rendezvous_member, rendezvous_root, rendezvous_root_on};
 use std::fmt;
 use std::net::{Shutdown, TcpStream};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -92,6 +93,9 @@ pub struct BootstrapConfig {
     pub secret: Vec<u8>,
     /// Deadline of every bootstrap wait.
     pub timeout: Duration,
+    /// A peer silent this long counts as failed ([`Bootstrap::health`]); heartbeats go out at a
+    /// tenth of it. Zero: no heartbeats.
+    pub heartbeat: Duration,
 }
 
 impl fmt::Debug for BootstrapConfig {
@@ -105,6 +109,7 @@ impl fmt::Debug for BootstrapConfig {
             .field("master_port", &self.master_port)
             .field("secret", &format_args!("<{} bytes>", self.secret.len()))
             .field("timeout", &self.timeout)
+            .field("heartbeat", &self.heartbeat)
             .finish()
     }
 }
@@ -135,6 +140,7 @@ impl BootstrapConfig {
             master_port: env.master_port,
             secret: env.secret.clone(),
             timeout: settings.bootstrap_timeout,
+            heartbeat: settings.heartbeat_timeout,
         }
     }
 
@@ -190,10 +196,21 @@ pub struct Bootstrap {
     shared: Arc<Shared>,
     /// Indexed by peer rank; `None` at this rank's own index.
     links: Vec<Option<Link>>,
+    /// Silence after which a peer counts as failed (zero: never).
+    heartbeat: Duration,
+    heartbeat_thread: Option<Heartbeat>,
+    /// Shrinks made from this job so far (each gets its own secret and port message).
+    shrinks: AtomicU64,
+}
+
+/// The thread that sends heartbeats, and how to stop it.
+struct Heartbeat {
+    stop: Arc<(Mutex<bool>, std::sync::Condvar)>,
+    thread: JoinHandle<()>,
 }
 
 struct Link {
-    writer: Mutex<TcpStream>,
+    writer: Arc<Mutex<TcpStream>>,
     reader: Option<JoinHandle<()>>,
 }
 
@@ -232,7 +249,7 @@ impl Bootstrap {
         Ok(bootstrap)
     }
 
-    /// Wraps the mesh links and starts one reader thread per link.
+    /// Wraps the mesh links and starts one reader thread per link (and the heartbeat thread).
     fn start(cfg: BootstrapConfig, streams: Vec<Option<TcpStream>>) -> Result<Bootstrap> {
         let me = cfg.rank;
         let shared = Arc::new(Shared::new(me, cfg.world_size));
@@ -252,7 +269,7 @@ impl Bootstrap {
                     let reader = setup.map_err(|e| Error::io("preparing a bootstrap link", e))?;
                     readers.push(Some(reader));
                     links.push(Some(Link {
-                        writer: Mutex::new(stream),
+                        writer: Arc::new(Mutex::new(stream)),
                         reader: None,
                     }));
                 }
@@ -268,6 +285,9 @@ impl Bootstrap {
             next_gather: AtomicU64::new(0),
             shared,
             links,
+            heartbeat: cfg.heartbeat,
+            heartbeat_thread: None,
+            shrinks: AtomicU64::new(0),
         };
         // On error the partly built Bootstrap drops here: goodbyes, shutdowns, joins.
         for (peer, reader) in readers.into_iter().enumerate() {
@@ -281,7 +301,178 @@ impl Bootstrap {
                 link.reader = Some(handle);
             }
         }
+        if !cfg.heartbeat.is_zero() && cfg.world_size > 1 {
+            bootstrap.heartbeat_thread = Some(bootstrap.start_heartbeat(cfg.heartbeat / 10)?);
+        }
         Ok(bootstrap)
+    }
+
+    /// Sends a heartbeat on every link every `every` until stopped, so that a peer can tell a
+    /// frozen rank (or a cut network) from a busy one. Each link's writer is shared with the
+    /// callers' sends through its mutex.
+    fn start_heartbeat(&self, every: Duration) -> Result<Heartbeat> {
+        let stop = Arc::new((Mutex::new(false), std::sync::Condvar::new()));
+        let writers: Vec<(usize, Arc<Mutex<TcpStream>>)> = self
+            .links
+            .iter()
+            .enumerate()
+            .filter_map(|(p, l)| l.as_ref().map(|l| (p, Arc::clone(&l.writer))))
+            .collect();
+        let shared = Arc::clone(&self.shared);
+        let stop2 = Arc::clone(&stop);
+        let every = every.max(Duration::from_millis(10));
+        let thread = thread::Builder::new()
+            .name(format!("doorbell-bs{}-hb", self.rank))
+            .spawn(move || {
+                let (flag, cv) = &*stop2;
+                let mut stopped = lock(flag);
+                while !*stopped {
+                    drop(stopped);
+                    for (peer, writer) in &writers {
+                        if shared.gone_reason(*peer).is_some() {
+                            continue;
+                        }
+                        // Under the link's writer lock, like every frame: frames never
+                        // interleave.
+                        let mut stream = lock(writer);
+                        let sent = stream
+                            .set_write_timeout(Some(FAREWELL_WRITE_TIMEOUT))
+                            .and_then(|()| write_frame(&mut *stream, Kind::Heartbeat, 0, &[]));
+                        if let Err(e) = sent {
+                            // A partly written frame would corrupt the link: close it for good.
+                            let _ = stream.shutdown(Shutdown::Both);
+                            shared.mark_gone(*peer, true, format!("sending to it failed: {e}"));
+                        }
+                    }
+                    stopped = lock(flag);
+                    if *stopped {
+                        break;
+                    }
+                    stopped = cv
+                        .wait_timeout(stopped, every)
+                        .unwrap_or_else(PoisonError::into_inner)
+                        .0;
+                }
+            })
+            .map_err(|e| Error::io("starting the bootstrap heartbeat thread", e))?;
+        Ok(Heartbeat { stop, thread })
+    }
+
+    /// The first failure this rank knows of, if any: a peer whose connection closed without a
+    /// goodbye, a peer silent for longer than the heartbeat timeout (marked dead by this call),
+    /// or an abort (this rank's own, or one a peer sent with its cause). Cheap; the
+    /// communicator's watchdog calls it in a loop.
+    pub fn health(&self) -> Option<PeerFailure> {
+        let silence = (!self.heartbeat.is_zero()).then_some(self.heartbeat);
+        self.shared.failure(silence)
+    }
+
+    /// Builds a new job of the ranks not in `failed`, renumbered in order (collective among the
+    /// survivors; the failed ranks take no part). The lowest survivor becomes rank 0 of the new
+    /// job: it listens on an ephemeral port and tells the others over this job's links, which
+    /// still work after an abort. `local` is this rank's (local_rank, local_world_size) among the
+    /// survivors. The new job has its own secret (this one's, the generation and the survivors).
+    pub fn shrink(&self, failed: &[usize], local: (usize, usize)) -> Result<Bootstrap> {
+        let survivors: Vec<usize> = (0..self.world_size)
+            .filter(|r| !failed.contains(r))
+            .collect();
+        let Some(new_rank) = survivors.iter().position(|&r| r == self.rank) else {
+            return Err(Error::invalid(
+                "failed",
+                format!("this rank ({}) is in the failed list", self.rank),
+            ));
+        };
+        let generation = self.shrinks.fetch_add(1, Ordering::Relaxed);
+        let mut secret = self.secret.clone();
+        secret.extend_from_slice(format!("/shrink{generation}/{survivors:?}").as_bytes());
+        let root = survivors[0];
+        let mut cfg = BootstrapConfig {
+            rank: new_rank,
+            world_size: survivors.len(),
+            local_rank: local.0,
+            local_world_size: local.1.max(local.0 + 1),
+            master_addr: String::new(),
+            master_port: 0,
+            secret,
+            timeout: self.timeout(),
+            heartbeat: self.heartbeat,
+        };
+        if survivors.len() == 1 {
+            cfg.master_addr = "127.0.0.1".into();
+            return Bootstrap::connect(cfg);
+        }
+        if self.rank == root {
+            let listener = std::net::TcpListener::bind(("0.0.0.0", 0))
+                .map_err(|e| Error::io("opening the shrunk job's rendezvous listener", e))?;
+            let port = listener
+                .local_addr()
+                .map_err(|e| Error::io("reading the shrunk job's rendezvous port", e))?
+                .port();
+            for &peer in &survivors[1..] {
+                let Some(link) = self.links.get(peer).and_then(Option::as_ref) else {
+                    continue;
+                };
+                let mut stream = lock(&link.writer);
+                let sent = stream
+                    .set_write_timeout(Some(self.timeout().max(MIN_WRITE_TIMEOUT)))
+                    .and_then(|()| {
+                        write_frame(&mut *stream, Kind::Shrink, generation, &port.to_le_bytes())
+                    });
+                if let Err(e) = sent {
+                    return Err(Error::Bootstrap {
+                        me: self.rank,
+                        rank: Some(peer),
+                        why: format!("could not send the shrunk job's port: {e}"),
+                    });
+                }
+            }
+            cfg.master_addr = "127.0.0.1".into();
+            let links = rendezvous_root_on(&cfg, listener)?;
+            let bootstrap = Bootstrap::start(cfg, links)?;
+            bootstrap.barrier()?;
+            return Ok(bootstrap);
+        }
+        let timeout = self.timeout();
+        let port = self
+            .shared
+            .take(
+                root,
+                Chan::Shrink(generation),
+                Instant::now() + timeout,
+                timeout,
+            )
+            .map_err(|f| f.into_error(self.rank))?;
+        let port: [u8; 2] = port.as_slice().try_into().map_err(|_| Error::Bootstrap {
+            me: self.rank,
+            rank: Some(root),
+            why: "sent a malformed shrink port".into(),
+        })?;
+        let root_ip = self
+            .links
+            .get(root)
+            .and_then(Option::as_ref)
+            .and_then(|l| lock(&l.writer).peer_addr().ok())
+            .map(|a| a.ip())
+            .ok_or_else(|| Error::Bootstrap {
+                me: self.rank,
+                rank: Some(root),
+                why: "its address is unknown".into(),
+            })?;
+        cfg.master_addr = root_ip.to_string();
+        cfg.master_port = u16::from_le_bytes(port);
+        Bootstrap::connect(cfg)
+    }
+
+    /// Blocks until a message arrives, a peer goes, or the job aborts, or `timeout` passes.
+    pub fn wait_for_change(&self, timeout: Duration) {
+        self.shared.wait_change(timeout);
+    }
+
+    /// Records that this rank failed or gave up, blaming `blamed` (if any) for `why`, and tells
+    /// every reachable peer at once, so their waits and watchdogs learn the cause now instead of
+    /// at their deadlines. Later collectives of this bootstrap fail with the same cause.
+    pub fn abort(&self, blamed: Option<usize>, why: &str) {
+        self.abort_job(blamed, why);
     }
 
     /// This process's global rank.
@@ -458,6 +649,11 @@ impl Bootstrap {
 
 impl Drop for Bootstrap {
     fn drop(&mut self) {
+        if let Some(hb) = self.heartbeat_thread.take() {
+            *lock(&hb.stop.0) = true;
+            hb.stop.1.notify_all();
+            let _ = hb.thread.join();
+        }
         // A rank that leaves a job that was aborted passes the abort on instead of a goodbye, so
         // a peer that notices this rank's departure before the original abort still blames the
         // rank the job failed on, not this one.
@@ -540,6 +736,7 @@ mod tests {
                 master_port: 1,
                 secret: b"s3cret".to_vec(),
                 timeout: Duration::from_secs(1),
+                heartbeat: Duration::ZERO,
             }
         );
         assert!(

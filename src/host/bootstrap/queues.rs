@@ -19,6 +19,8 @@ use std::time::{Duration, Instant};
 pub(super) enum Chan {
     User(u64),
     Gather(u64),
+    /// A shrunk job's rendezvous port, from its new root (tag: the shrink's generation).
+    Shrink(u64),
 }
 
 pub(super) struct Abort {
@@ -63,6 +65,22 @@ struct State {
     queues: HashMap<(usize, Chan), VecDeque<Vec<u8>>>,
     gone: Vec<Option<Gone>>,
     aborted: Option<Abort>,
+    /// When each peer's link last delivered a frame (heartbeats included).
+    last_heard: Vec<Instant>,
+}
+
+/// The first failure a rank knows of: a peer that died or fell silent, or an abort (its own or
+/// one a peer sent), for the communicator's watchdog.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PeerFailure {
+    /// The rank that failed, or was blamed by the rank that aborted (the aborting rank itself
+    /// when it blamed nobody).
+    pub rank: usize,
+    /// What happened, as this rank learnt it.
+    pub cause: String,
+    /// The rank that sent the abort (this rank's own included); `None` for a peer that died or
+    /// fell silent.
+    pub from: Option<usize>,
 }
 
 pub(super) struct Shared {
@@ -79,6 +97,7 @@ impl Shared {
                 queues: HashMap::new(),
                 gone: (0..world_size).map(|_| None).collect(),
                 aborted: None,
+                last_heard: vec![Instant::now(); world_size],
             }),
             arrived: Condvar::new(),
         }
@@ -102,6 +121,70 @@ impl Shared {
         }
         drop(st);
         self.arrived.notify_all();
+    }
+
+    /// Notes that `peer`'s link delivered a frame.
+    pub(super) fn heard(&self, peer: usize) {
+        if let Some(t) = lock(&self.state).last_heard.get_mut(peer) {
+            *t = Instant::now();
+        }
+    }
+
+    /// Marks every peer silent for longer than `silence` as dead (a frozen process or a cut
+    /// network keeps its socket open), then returns the first failure known, if any: an abort
+    /// first (it names the root cause), else the lowest dead peer. A peer that said goodbye has
+    /// left, not failed.
+    pub(super) fn failure(&self, silence: Option<Duration>) -> Option<PeerFailure> {
+        let mut st = lock(&self.state);
+        if let Some(silence) = silence {
+            let now = Instant::now();
+            for peer in 0..st.gone.len() {
+                if peer == self.me || st.gone[peer].is_some() {
+                    continue;
+                }
+                let quiet = now.saturating_duration_since(st.last_heard[peer]);
+                if quiet > silence {
+                    st.gone[peer] = Some(Gone {
+                        died: true,
+                        why: format!(
+                            "sent nothing for {} (no heartbeat): the process is frozen or the \
+                             network to it is down",
+                            fmt_duration(quiet)
+                        ),
+                    });
+                    self.arrived.notify_all();
+                }
+            }
+        }
+        if let Some(a) = &st.aborted {
+            let cause = if a.from == self.me {
+                a.why.clone()
+            } else {
+                format!("rank {} reported: {}", a.from, a.why)
+            };
+            return Some(PeerFailure {
+                rank: a.blamed.unwrap_or(a.from),
+                cause,
+                from: Some(a.from),
+            });
+        }
+        st.gone.iter().enumerate().find_map(|(peer, g)| match g {
+            Some(g) if g.died => Some(PeerFailure {
+                rank: peer,
+                cause: g.why.clone(),
+                from: None,
+            }),
+            _ => None,
+        })
+    }
+
+    /// Waits up to `timeout` for anything to change (a message, a gone peer, an abort).
+    pub(super) fn wait_change(&self, timeout: Duration) {
+        let st = lock(&self.state);
+        let _ = self
+            .arrived
+            .wait_timeout(st, timeout)
+            .unwrap_or_else(PoisonError::into_inner);
     }
 
     pub(super) fn gone_reason(&self, peer: usize) -> Option<String> {
@@ -160,7 +243,8 @@ impl Shared {
         message
     }
 
-    /// Waits for one message; queued messages win over a gone peer or an abort.
+    /// Waits for one message; queued messages win over a gone peer or an abort. A shrink's
+    /// message is awaited even after an abort (the abort is why the job shrinks).
     pub(super) fn take(
         &self,
         peer: usize,
@@ -173,7 +257,7 @@ impl Shared {
             if let Some(message) = Self::pop(&mut st, peer, chan) {
                 return Ok(message);
             }
-            if let Some(abort) = &st.aborted {
+            if let (Some(abort), false) = (&st.aborted, matches!(chan, Chan::Shrink(_))) {
                 return Err(self.abort_failure(abort));
             }
             if let Some(gone) = st.gone.get(peer).and_then(Option::as_ref) {
@@ -188,6 +272,7 @@ impl Shared {
                 let what = match chan {
                     Chan::User(tag) => format!("message with tag {tag}"),
                     Chan::Gather(seq) => format!("all_gather contribution #{seq}"),
+                    Chan::Shrink(_) => "shrink rendezvous port".to_string(),
                 };
                 return Err(Failure {
                     blamed: Some(peer),
@@ -266,9 +351,17 @@ impl Shared {
 /// A link's reader thread: queues frames until the link ends, then records how it ended.
 pub(super) fn read_link(shared: Arc<Shared>, peer: usize, mut stream: TcpStream) {
     let (died, why) = loop {
-        match read_frame(&mut stream) {
+        let frame = read_frame(&mut stream);
+        if frame.is_ok() {
+            shared.heard(peer);
+        }
+        match frame {
+            Ok((Kind::Heartbeat, ..)) => {}
             Ok((Kind::User, tag, data)) => shared.deliver(peer, Chan::User(tag), data),
             Ok((Kind::Gather, seq, data)) => shared.deliver(peer, Chan::Gather(seq), data),
+            Ok((Kind::Shrink, generation, data)) => {
+                shared.deliver(peer, Chan::Shrink(generation), data)
+            }
             Ok((Kind::Abort, _, data)) => {
                 let (blamed, why) = decode_abort(&data);
                 shared.set_aborted(Abort {

@@ -49,8 +49,6 @@ fn master_shown(cfg: &BootstrapConfig) -> String {
 
 /// Rank 0: waits for every rank, then sends each the address table (or an abort).
 pub(super) fn rendezvous_root(cfg: &BootstrapConfig) -> Result<Vec<Option<TcpStream>>> {
-    let n = cfg.world_size;
-    let deadline = Instant::now() + cfg.timeout;
     let v6 = wants_ipv6(&cfg.master_addr, cfg.master_port);
     let bind_addr = SocketAddr::new(unspecified(v6), cfg.master_port);
     // std sets SO_REUSEADDR on Unix listeners, so a previous job's TIME_WAIT does not block us.
@@ -62,6 +60,20 @@ pub(super) fn rendezvous_root(cfg: &BootstrapConfig) -> Result<Vec<Option<TcpStr
             master_shown(cfg)
         ),
     })?;
+    rendezvous_root_on(cfg, listener)
+}
+
+/// Rank 0's rendezvous on a listener already bound (a shrunk job's new root binds an ephemeral
+/// port first and tells the others which).
+pub(super) fn rendezvous_root_on(
+    cfg: &BootstrapConfig,
+    listener: TcpListener,
+) -> Result<Vec<Option<TcpStream>>> {
+    let n = cfg.world_size;
+    let deadline = Instant::now() + cfg.timeout;
+    let bind_addr = listener
+        .local_addr()
+        .map_err(|e| Error::io("reading the rendezvous listener's address", e))?;
     let mut acceptor = Acceptor::start(listener, AcceptCtx::new(cfg, 1..n, deadline))?;
     let mut joined: Vec<Option<Joined>> = (0..n).map(|_| None).collect();
     let mut count = 1;

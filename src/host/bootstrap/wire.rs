@@ -26,6 +26,8 @@ pub(super) enum Kind {
     Table = 3,
     Abort = 4,
     Goodbye = 5,
+    Heartbeat = 6,
+    Shrink = 7,
 }
 
 impl Kind {
@@ -36,6 +38,8 @@ impl Kind {
             3 => Kind::Table,
             4 => Kind::Abort,
             5 => Kind::Goodbye,
+            6 => Kind::Heartbeat,
+            7 => Kind::Shrink,
             _ => return None,
         })
     }

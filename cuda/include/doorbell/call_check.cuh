@@ -1,0 +1,78 @@
+// doorbell device API: call agreement, on by default, at one store and one load per peer and call.
+//
+// Every collective call carries a 64-bit call word that names it: call index, collective, element
+// type, algorithm, operation and count (made by src/host/signature.rs; bit 63 marks a word as
+// written, so a zeroed slot reads as "nothing yet"). Each rank has an inbox of
+// [2 parities][kMaxRanks] words in its collective's scratch, mapped by its peers.
+//
+// Protocol (thread p of block 0, for each peer p != rank):
+//   start of the kernel: store my word into peer p's inbox slot [parity][rank] (relaxed; the
+//     reader only compares it, nothing is read under its protection).
+//   end of the kernel, after the thread's own share of the work: wait (bounded, abort-aware) until
+//     my inbox slot [parity][p] holds a word other than call index - 2 (the previous use of the
+//     slot), and compare it with mine. A different word is reported as a mismatch (WaitReport's
+//     mismatch record) and aborts the communicator, so the host call returns
+//     Error::ArgumentMismatch naming both calls.
+// Why two parities suffice: peer p writes call i+2's word into slot [parity][rank] only after it
+// finished call i+1, which needs this rank's data of call i+1, which this rank sends only after this
+// kernel (call i) ended. So while call i runs, the slot holds call i-2's word (wait), call i's
+// (compare), or a word of another index (p skipped or repeated a call: a mismatch).
+// Cost: the store is fire-and-forget and the load at the end normally finds the word already there
+// (the peer's data arrived, so the peer had started): nothing on the critical path.
+#pragma once
+
+#include "wait.cuh"
+
+namespace doorbell {
+
+// Most ranks a single-node collective kernel handles.
+constexpr uint32_t kMaxRanks = 8;
+
+// Launch-argument member of every checked collective.
+struct CallCheck {
+  uint64_t word;                // this call's word; 0: no check (the kernel runs unchecked)
+  uint64_t* inbox[kMaxRanks];   // every rank's inbox ([2][kMaxRanks] words), mapped here (own at [rank])
+};
+DOORBELL_CHECK_SIZE(CallCheck, 72);
+
+#if DOORBELL_CUDA
+
+DOORBELL_DEVICE_INLINE uint32_t call_index(uint64_t word) { return static_cast<uint32_t>(word) & 0xffffu; }
+
+// Block 0's thread p tells peer p which call this is. Call at the kernel's start.
+DOORBELL_DEVICE_INLINE void announce_call(const CallCheck& c, uint32_t rank, uint32_t world) {
+  const uint32_t p = threadIdx.x;
+  if (c.word == 0 || blockIdx.x != 0 || p >= world || p == rank) return;
+  store_relaxed_sys(c.inbox[p] + (c.word & 1) * kMaxRanks + rank, c.word);
+}
+
+// Block 0's thread p checks that peer p makes the same call. Call at the kernel's end.
+// `every_pair_exchanges`: every rank's call needs data from every other rank (allreduce, all-to-all
+// of equal blocks), so peer p has announced this call by now and any other index is a mismatch.
+// Otherwise (all-to-all of variable blocks, where a pair may exchange nothing and a rank may run
+// calls ahead of a peer it does not depend on) the slot is only compared when it holds this call's
+// index: the check never makes a rank wait for a peer it would not have waited for.
+DOORBELL_DEVICE_INLINE void check_call(const CallCheck& c, uint32_t rank, uint32_t world, WaitSite site,
+                                       bool every_pair_exchanges = true) {
+  const uint32_t p = threadIdx.x;
+  if (c.word == 0 || blockIdx.x != 0 || p >= world || p == rank) return;
+  const uint64_t* slot = c.inbox[rank] + (c.word & 1) * kMaxRanks + p;
+  const uint32_t before = (call_index(c.word) - 2) & 0xffffu;
+  site.peer = static_cast<int32_t>(p);
+  uint64_t theirs = load_relaxed_sys(slot);
+  if (every_pair_exchanges) {
+    spin_until(site, kWaitArgMismatch, c.word, [&](uint64_t& seen) {
+      seen = load_relaxed_sys(slot);
+      theirs = seen;
+      return seen != 0 && call_index(seen) != before;
+    });
+  } else if (call_index(theirs) != call_index(c.word)) {
+    return;
+  }
+  if (theirs != 0 && call_index(theirs) != before && theirs != c.word) {
+    report_mismatch(site, static_cast<int32_t>(p), c.word, theirs);
+  }
+}
+
+#endif  // DOORBELL_CUDA
+}  // namespace doorbell

@@ -1,0 +1,225 @@
+//! Call words: the 64 bits every collective call tells its peers about itself, so that ranks
+//! making different calls are named on the device instead of returning wrong results or timing
+//! out (protocol in `cuda/include/doorbell/call_check.cuh`).
+//!
+//! This module owns the word's layout and its description in errors; it must stay free of any
+//! collective's logic (collectives hand it codes, it hands back words and text).
+//!
+//! Layout (bit ranges, low first):
+//!
+//! ```text
+//! 0..16   call index, modulo 2^16 (counts calls of one collective object; parity picks the inbox half)
+//! 16..20  collective (CallKind)
+//! 20..24  element type code (DataType::code; 15 for bytes)
+//! 24..28  variant: the algorithm (allreduce) or mode
+//! 28..30  operation (0: sum)
+//! 30..63  count (elements or bytes), saturated at 2^33 - 1
+//! 63      1: a written word (a zeroed inbox slot reads as "nothing yet")
+//! ```
+
+use crate::device_api::{CallCheck, MAX_RANKS};
+
+/// Which collective a call word belongs to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u8)]
+pub enum CallKind {
+    /// `collectives::allreduce`.
+    AllReduce = 1,
+    /// `collectives::alltoall`, equal blocks.
+    AllToAll = 2,
+    /// `collectives::alltoall`, variable blocks.
+    AllToAllV = 3,
+    /// MoE high-throughput dispatch.
+    MoeDispatch = 4,
+    /// MoE high-throughput combine.
+    MoeCombine = 5,
+    /// MoE low-latency dispatch.
+    MoeLlDispatch = 6,
+    /// MoE low-latency combine.
+    MoeLlCombine = 7,
+}
+
+impl CallKind {
+    fn name(code: u64) -> &'static str {
+        match code {
+            1 => "allreduce",
+            2 => "alltoall",
+            3 => "alltoallv",
+            4 => "MoE dispatch",
+            5 => "MoE combine",
+            6 => "MoE low-latency dispatch",
+            7 => "MoE low-latency combine",
+            _ => "an unknown collective",
+        }
+    }
+}
+
+/// The element type code for collectives that move bytes.
+pub const BYTES: u32 = 15;
+
+/// Allreduce algorithm names by code (`Algorithm::ALL` order; a test in `collectives::allreduce`
+/// keeps the two in step).
+pub const ALLREDUCE_VARIANTS: [&str; 6] = [
+    "oneshot-ll8",
+    "oneshot-ll16",
+    "twoshot-ll8",
+    "twoshot-ll16",
+    "twoshot-sentinel",
+    "pipelined",
+];
+
+const COUNT_BITS: u32 = 33;
+
+/// The fields of one call.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Call {
+    /// Calls of this collective object before this one (the word keeps it modulo 2^16).
+    pub index: u64,
+    /// The collective.
+    pub kind: CallKind,
+    /// Element type code (`DataType::code`, or [`BYTES`]).
+    pub dtype: u32,
+    /// Algorithm or mode code.
+    pub variant: u32,
+    /// Operation code (0: sum).
+    pub op: u32,
+    /// Elements or bytes.
+    pub count: u64,
+}
+
+impl Call {
+    /// The word that travels.
+    pub fn word(&self) -> u64 {
+        (self.index & 0xffff)
+            | (self.kind as u64) << 16
+            | u64::from(self.dtype & 15) << 20
+            | u64::from(self.variant & 15) << 24
+            | u64::from(self.op & 3) << 28
+            | self.count.min((1 << COUNT_BITS) - 1) << 30
+            | 1 << 63
+    }
+}
+
+/// What a call word says, for errors: "call #5: allreduce of 1048576 x f32 (sum, pipelined)".
+pub fn describe(word: u64) -> String {
+    if word >> 63 == 0 {
+        return "no call".into();
+    }
+    let index = word & 0xffff;
+    let kind = (word >> 16) & 15;
+    let dtype = match (word >> 20) & 15 {
+        0 => "bf16",
+        1 => "f16",
+        2 => "f32",
+        15 => "bytes",
+        _ => "an unknown type",
+    };
+    let variant = ((word >> 24) & 15) as usize;
+    let count = (word >> 30) & ((1 << COUNT_BITS) - 1);
+    let mut text = format!(
+        "call #{index} (mod 65536): {} of {count} x {dtype}",
+        CallKind::name(kind)
+    );
+    if kind == CallKind::AllReduce as u64 {
+        let op = if (word >> 28) & 3 == 0 { "sum" } else { "?" };
+        let algo = ALLREDUCE_VARIANTS.get(variant).copied().unwrap_or("?");
+        text.push_str(&format!(" ({op}, {algo})"));
+    } else if variant != 0 {
+        text.push_str(&format!(" (mode {variant})"));
+    }
+    text
+}
+
+/// Bytes of one rank's inbox: `[2 parities][MAX_RANKS]` words.
+pub const INBOX_BYTES: usize = 2 * MAX_RANKS * 8;
+
+/// The call check of one collective object: every rank's inbox (mapped here) and the count of
+/// calls made so far.
+#[derive(Debug)]
+pub struct CallChecker {
+    inbox: [u64; MAX_RANKS],
+    calls: std::sync::atomic::AtomicU64,
+}
+
+impl CallChecker {
+    /// `inbox[r]`: rank `r`'s inbox as mapped here (zeroed memory of [`INBOX_BYTES`]).
+    pub fn new(inbox: [u64; MAX_RANKS]) -> Self {
+        CallChecker {
+            inbox,
+            calls: std::sync::atomic::AtomicU64::new(0),
+        }
+    }
+
+    /// Calls made so far.
+    pub fn calls(&self) -> u64 {
+        self.calls.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// The launch argument of the next call (counts it): every rank must make the same calls in
+    /// the same order, and the kernel checks that they did.
+    pub fn next(&self, kind: CallKind, dtype: u32, variant: u32, op: u32, count: u64) -> CallCheck {
+        let index = self
+            .calls
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        CallCheck {
+            word: Call {
+                index,
+                kind,
+                dtype,
+                variant,
+                op,
+                count,
+            }
+            .word(),
+            inbox: self.inbox,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn words_keep_their_fields_and_describe_them() {
+        let call = Call {
+            index: 65536 + 5,
+            kind: CallKind::AllReduce,
+            dtype: 2,
+            variant: 5,
+            op: 0,
+            count: 1 << 20,
+        };
+        let w = call.word();
+        assert_eq!(w & 0xffff, 5);
+        assert_eq!(w >> 63, 1);
+        assert_eq!(
+            describe(w),
+            "call #5 (mod 65536): allreduce of 1048576 x f32 (sum, pipelined)"
+        );
+        let other = Call {
+            count: 1 << 19,
+            ..call
+        };
+        assert_ne!(other.word(), w);
+        assert_eq!(describe(0), "no call");
+        // Counts beyond 33 bits saturate instead of spilling into the valid bit.
+        let huge = Call {
+            count: u64::MAX,
+            ..call
+        }
+        .word();
+        assert_eq!(huge >> 63, 1);
+        assert_eq!((huge >> 16) & 15, CallKind::AllReduce as u64);
+    }
+
+    #[test]
+    fn each_call_gets_the_next_index() {
+        let c = CallChecker::new([0; MAX_RANKS]);
+        let a = c.next(CallKind::AllToAll, BYTES, 0, 0, 64);
+        let b = c.next(CallKind::AllToAll, BYTES, 0, 0, 64);
+        assert_eq!(a.word & 0xffff, 0);
+        assert_eq!(b.word & 0xffff, 1);
+        assert!(describe(b.word).contains("alltoall of 64 x bytes"));
+    }
+}

@@ -1,0 +1,750 @@
+//! The fault suite: every fault ends, on every surviving rank, in an error that names the rank and
+//! the cause, promptly, with nothing left running.
+//!
+//! CPU tests (CI) cover the bootstrap side: a killed peer, a frozen peer (heartbeats), an abort
+//! relayed with its cause, a job shrunk to its survivors. GPU tests (`#[ignore = "needs GPU"]`)
+//! run ranks as processes (several may share one GPU): `kill -9` of a rank in the middle of an
+//! allreduce, an all-to-all, a MoE dispatch (low-latency and high-throughput) and a PortChannel
+//! transfer, at every rank count of `DOORBELL_TEST_RANKS` (2, 3, 4); a rank stuck in host code;
+//! ranks that make different calls; `Communicator::abort` from another thread while a kernel
+//! waits; a shrink after a failure followed by correct allreduces. Each surviving rank prints
+//! `fault-to-error: <case> <n> ranks rank <r>: <ms> ms (<error>)`, the numbers in docs/faults.md.
+
+mod common;
+
+use common::rank_counts;
+use cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
+use doorbell::collectives::allreduce::{AllReduce, AllReduceOptions};
+use doorbell::collectives::alltoall::{AllToAll, AllToAllOptions};
+use doorbell::host::bootstrap::{Bootstrap, BootstrapConfig};
+use doorbell::host::communicator::Communicator;
+use doorbell::host::launch::{free_port, spawn_ranks, SpawnOptions};
+use doorbell::Error;
+use std::ffi::OsString;
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+// ------------------------------------------------------------------------------------------------
+// CPU: the bootstrap side.
+
+fn config(rank: usize, world_size: usize, port: u16, heartbeat: Duration) -> BootstrapConfig {
+    BootstrapConfig {
+        rank,
+        world_size,
+        local_rank: rank,
+        local_world_size: world_size,
+        master_addr: "127.0.0.1".into(),
+        master_port: port,
+        secret: format!("fault-secret-{port}").into_bytes(),
+        timeout: Duration::from_secs(20),
+        heartbeat,
+    }
+}
+
+fn threads<T: Send>(n: usize, body: impl Fn(Bootstrap) -> T + Sync) -> Vec<T> {
+    let port = free_port().unwrap();
+    std::thread::scope(|s| {
+        let handles: Vec<_> = (0..n)
+            .map(|r| {
+                let body = &body;
+                s.spawn(move || {
+                    body(Bootstrap::connect(config(r, n, port, Duration::from_secs(5))).unwrap())
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    })
+}
+
+/// Polls `health` until it reports a failure, at most `limit`.
+fn wait_health(
+    b: &Bootstrap,
+    limit: Duration,
+) -> (doorbell::host::bootstrap::PeerFailure, Duration) {
+    let t0 = Instant::now();
+    loop {
+        if let Some(f) = b.health() {
+            return (f, t0.elapsed());
+        }
+        assert!(t0.elapsed() < limit, "no failure seen within {limit:?}");
+        b.wait_for_change(Duration::from_millis(10));
+    }
+}
+
+#[test]
+fn an_abort_reaches_every_rank_with_its_cause() {
+    threads(3, |b| {
+        b.barrier().unwrap();
+        if b.rank() == 1 {
+            b.abort(Some(1), "boom on rank 1");
+        }
+        let (f, waited) = wait_health(&b, Duration::from_secs(2));
+        assert_eq!(f.rank, 1, "{f:?}");
+        assert_eq!(f.from, Some(1), "{f:?}");
+        assert!(f.cause.contains("boom on rank 1"), "{f:?}");
+        assert!(waited < Duration::from_secs(1), "{waited:?}");
+    });
+}
+
+#[test]
+fn a_shrunk_job_gathers_among_the_survivors() {
+    let port = free_port().unwrap();
+    let results: Vec<Option<Vec<Vec<u8>>>> = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..4)
+            .map(|r| {
+                s.spawn(move || {
+                    let b = Bootstrap::connect(config(r, 4, port, Duration::from_secs(5))).unwrap();
+                    b.barrier().unwrap();
+                    if r == 2 {
+                        // Leaves; the others abort (as a watchdog would) and shrink without it.
+                        drop(b);
+                        return None;
+                    }
+                    if r == 0 {
+                        b.abort(Some(2), "rank 2 is gone");
+                    }
+                    let _ = wait_health(&b, Duration::from_secs(5));
+                    let small = b.shrink(&[2], (0, 1)).unwrap();
+                    assert_eq!(small.world_size(), 3);
+                    assert_eq!(small.rank(), [0, 1, 0, 2][r]);
+                    let all = small.all_gather(&[r as u8; 3]).unwrap();
+                    small.barrier().unwrap();
+                    Some(all)
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    for (r, all) in results.iter().enumerate() {
+        if r == 2 {
+            continue;
+        }
+        assert_eq!(
+            all.as_ref().unwrap(),
+            &vec![vec![0u8; 3], vec![1u8; 3], vec![3u8; 3]],
+            "rank {r}"
+        );
+    }
+}
+
+#[test]
+fn shrinking_with_oneself_listed_as_failed_is_refused() {
+    threads(2, |b| {
+        let e = b.shrink(&[b.rank()], (0, 1)).unwrap_err();
+        assert!(e.to_string().contains("failed list"), "{e}");
+        b.barrier().unwrap();
+    });
+}
+
+const SCENARIO: &str = "DOORBELL_FAULT_SCENARIO";
+
+/// Runs `scenario` as `n` processes of this test binary; returns their exits.
+fn spawn(
+    scenario: &str,
+    n: usize,
+    extra: &[(&str, String)],
+) -> Vec<doorbell::host::launch::RankExit> {
+    let exe = std::env::current_exe().unwrap();
+    let (test, ignored) = if scenario.starts_with("gpu_") {
+        ("gpu_rank", true)
+    } else {
+        ("cpu_rank", false)
+    };
+    let mut args: Vec<OsString> = vec![test.into(), "--exact".into(), "--nocapture".into()];
+    if ignored {
+        args.push("--ignored".into());
+    }
+    let mut extra_env = vec![(SCENARIO.to_string(), scenario.to_string())];
+    extra_env.extend(extra.iter().map(|(k, v)| (k.to_string(), v.clone())));
+    spawn_ranks(
+        &exe,
+        &args,
+        &SpawnOptions {
+            nranks: n,
+            extra_env,
+            timeout: Some(Duration::from_secs(120)),
+            grace: Duration::from_secs(30),
+        },
+    )
+    .unwrap()
+}
+
+fn now_ns() -> u128 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap()
+        .as_nanos()
+}
+
+/// The rank side of the CPU process scenarios.
+#[test]
+fn cpu_rank() {
+    let Ok(case) = std::env::var(SCENARIO) else {
+        return;
+    };
+    let cfg = BootstrapConfig::from_env().unwrap();
+    let me = cfg.rank;
+    let b = Bootstrap::connect(cfg).unwrap();
+    let pids = b.all_gather(&std::process::id().to_le_bytes()).unwrap();
+    match case.as_str() {
+        "killed" => {
+            if me == b.world_size() - 1 {
+                // kill -9 of itself: no goodbye, no destructor.
+                unsafe { libc::kill(libc::getpid(), libc::SIGKILL) };
+            }
+            let (f, waited) = wait_health(&b, Duration::from_secs(5));
+            eprintln!("rank {me}: {f:?} after {waited:?}");
+            assert_eq!((f.rank, f.from), (b.world_size() - 1, None), "{f:?}");
+            assert!(f.cause.contains("without a goodbye"), "{f:?}");
+            assert!(waited < Duration::from_secs(1), "{waited:?}");
+        }
+        "frozen" => {
+            if me == 1 {
+                // Alive but frozen: its socket stays open, its heartbeats stop.
+                unsafe { libc::kill(libc::getpid(), libc::SIGSTOP) };
+                return;
+            }
+            let (f, waited) = wait_health(&b, Duration::from_secs(10));
+            eprintln!("rank {me}: {f:?} after {waited:?}");
+            assert_eq!(f.rank, 1, "{f:?}");
+            assert!(f.cause.contains("no heartbeat"), "{f:?}");
+            // DOORBELL_HEARTBEAT_TIMEOUT_MS=1500 below.
+            assert!(
+                waited >= Duration::from_millis(1000) && waited < Duration::from_secs(4),
+                "{waited:?}"
+            );
+            let pid = i32::from_le_bytes(pids[1].as_slice().try_into().unwrap());
+            unsafe { libc::kill(pid, libc::SIGKILL) };
+        }
+        other => panic!("unknown scenario {other}"),
+    }
+}
+
+#[test]
+fn a_killed_peer_is_named_at_once() {
+    for n in [2, 3, 4] {
+        let exits = spawn("killed", n, &[]);
+        for e in &exits {
+            assert_eq!(e.success(), e.rank != n - 1, "{n} ranks: {e}");
+        }
+    }
+}
+
+#[test]
+fn a_frozen_peer_is_named_after_the_heartbeat_timeout() {
+    let exits = spawn(
+        "frozen",
+        3,
+        &[("DOORBELL_HEARTBEAT_TIMEOUT_MS", "1500".into())],
+    );
+    for e in &exits {
+        assert_eq!(e.success(), e.rank != 1, "{e}");
+    }
+}
+
+// ------------------------------------------------------------------------------------------------
+// GPU: collectives of processes sharing GPUs.
+
+/// Where the victim writes when it killed itself (nanoseconds since the epoch), for the survivors'
+/// fault-to-error times.
+const STAMP: &str = "DOORBELL_FAULT_STAMP";
+
+fn stamp_path() -> std::path::PathBuf {
+    std::env::var_os(STAMP).unwrap().into()
+}
+
+fn record_fault() {
+    std::fs::write(stamp_path(), now_ns().to_string()).unwrap();
+}
+
+fn since_fault() -> Duration {
+    let t0: u128 = std::fs::read_to_string(stamp_path())
+        .ok()
+        .and_then(|s| s.trim().parse().ok())
+        .expect("the fault's time stamp");
+    Duration::from_nanos(now_ns().saturating_sub(t0) as u64)
+}
+
+fn gpu_case(
+    scenario: &str,
+    n: usize,
+    extra: &[(&str, String)],
+) -> Vec<doorbell::host::launch::RankExit> {
+    let dir = std::env::temp_dir().join(format!(
+        "doorbell-fault-{}-{scenario}-{n}",
+        std::process::id()
+    ));
+    let mut env: Vec<(&str, String)> = vec![(STAMP, dir.to_string_lossy().into_owned())];
+    env.extend(extra.iter().cloned());
+    let t0 = Instant::now();
+    let exits = spawn(&format!("gpu_{scenario}"), n, &env);
+    eprintln!(
+        "case {scenario} with {n} ranks: all exited after {:?}",
+        t0.elapsed()
+    );
+    let _ = std::fs::remove_file(dir);
+    exits
+}
+
+/// Every rank but `victim` succeeded; `victim` (if any) was killed by a signal.
+fn assert_exits(scenario: &str, exits: &[doorbell::host::launch::RankExit], victim: Option<usize>) {
+    for e in exits {
+        if Some(e.rank) == victim {
+            assert!(!e.success(), "{scenario}: the victim survived: {e}");
+        } else {
+            assert!(e.success(), "{scenario}: {e}");
+        }
+    }
+}
+
+/// Threads of this process that doorbell started and that are still running.
+fn doorbell_threads() -> Vec<String> {
+    let mut names = Vec::new();
+    if let Ok(tasks) = std::fs::read_dir("/proc/self/task") {
+        for t in tasks.flatten() {
+            if let Ok(name) = std::fs::read_to_string(t.path().join("comm")) {
+                if name.starts_with("doorbell") {
+                    names.push(name.trim().to_string());
+                }
+            }
+        }
+    }
+    names
+}
+
+/// One collective step of a kill scenario: launches round `round`; with `sync`, also waits for it.
+type Step<'a> = Box<dyn FnMut(u64, bool) -> doorbell::Result<()> + 'a>;
+
+const KILL_ROUND: u64 = 5;
+
+/// The survivors' side of a kill: run rounds until one fails, then check the error names the
+/// victim, came promptly, and left the GPU usable. The victim launches round KILL_ROUND and dies.
+fn kill_mid(comm: &Arc<Communicator>, s: &Arc<CudaStream>, what: &str, mut step: Step) {
+    let (me, n) = (comm.rank(), comm.world_size());
+    let victim = n - 1;
+    let t0 = Instant::now();
+    for round in 0.. {
+        if me == victim && round == KILL_ROUND {
+            step(round, false).unwrap();
+            std::thread::sleep(Duration::from_millis(20));
+            record_fault();
+            // kill -9 of itself, with its kernel in flight: no goodbye, no destructor.
+            unsafe { libc::kill(libc::getpid(), libc::SIGKILL) };
+        }
+        match step(round, true) {
+            Ok(()) => {
+                assert!(
+                    t0.elapsed() < Duration::from_secs(60),
+                    "{what}: no error after {round} rounds"
+                );
+                continue;
+            }
+            Err(e) => {
+                let waited = since_fault();
+                eprintln!(
+                    "fault-to-error: {what} {n} ranks rank {me}: {} ms ({e})",
+                    waited.as_millis()
+                );
+                match &e {
+                    Error::PeerFailed { rank, .. } => assert_eq!(*rank, victim, "{e}"),
+                    other => {
+                        panic!("{what}: expected PeerFailed naming rank {victim}, got {other}")
+                    }
+                }
+                assert!(waited < Duration::from_secs(2), "{what}: {waited:?}");
+                assert!(round >= KILL_ROUND, "{what}: failed in round {round}: {e}");
+                break;
+            }
+        }
+    }
+    // The context is still usable (nothing trapped), unless ranks share the GPU through MPS,
+    // where the dead client's faults reach the others.
+    if std::env::var("DOORBELL_TEST_MPS").as_deref() != Ok("1") {
+        let fresh = comm.gpu().new_stream().unwrap();
+        let v: CudaSlice<u32> = fresh.alloc_zeros(1024).unwrap();
+        assert_eq!(fresh.clone_dtoh(&v).unwrap(), vec![0u32; 1024]);
+    }
+    let _ = s;
+}
+
+fn allreduce_of(comm: &Arc<Communicator>) -> AllReduce {
+    AllReduce::new(comm, AllReduceOptions::default()).unwrap()
+}
+
+#[test]
+#[ignore = "needs GPU"]
+fn gpu_rank() {
+    let Ok(scenario) = std::env::var(SCENARIO) else {
+        return;
+    };
+    let scenario = scenario.trim_start_matches("gpu_").to_string();
+    let comm = Arc::new(Communicator::from_env().expect("communicator"));
+    gpu_scenario(&scenario, comm);
+    // Nothing of doorbell's is left running once everything is dropped (watchdog, heartbeat,
+    // bootstrap readers, fd server, proxies).
+    let left = doorbell_threads();
+    assert!(left.is_empty(), "{scenario}: threads left: {left:?}");
+}
+
+fn gpu_scenario(scenario: &str, comm: Arc<Communicator>) {
+    let s = comm.gpu().new_stream().unwrap();
+    let (me, n) = (comm.rank(), comm.world_size());
+    match scenario {
+        "kill_allreduce" => {
+            let ar = allreduce_of(&comm);
+            // 4 MiB of f32, as in the report.
+            let mut buf: CudaSlice<f32> = s.alloc_zeros(1 << 20).unwrap();
+            kill_mid(
+                &comm,
+                &s,
+                "allreduce",
+                Box::new(|_, sync| {
+                    ar.run_in_place(&s, &mut buf)?;
+                    if sync {
+                        comm.synchronize(&s)?;
+                    }
+                    Ok(())
+                }),
+            );
+        }
+        "kill_alltoall" => {
+            let a2a = AllToAll::new(&comm, AllToAllOptions::default()).unwrap();
+            let inp: CudaSlice<u8> = s.alloc_zeros(n << 20).unwrap();
+            let mut out: CudaSlice<u8> = s.alloc_zeros(n << 20).unwrap();
+            kill_mid(
+                &comm,
+                &s,
+                "alltoall",
+                Box::new(|_, sync| {
+                    a2a.run(&s, &inp, &mut out)?;
+                    if sync {
+                        comm.synchronize(&s)?;
+                    }
+                    Ok(())
+                }),
+            );
+        }
+        "kill_moe_ll" | "kill_moe_ht" => {
+            use doorbell::collectives::moe::{MoeConfig, MoeDispatcher, MoeLowLatency};
+            let (hidden, topk, tokens) = (256usize, 4usize, 64usize);
+            let experts = 4 * n;
+            let cfg = MoeConfig {
+                hidden,
+                topk,
+                num_experts: experts,
+                max_tokens: tokens,
+                blocks: Some(8),
+            };
+            let x: CudaSlice<u16> = s.alloc_zeros(tokens * hidden).unwrap();
+            let idx_host: Vec<i32> = (0..tokens * topk)
+                .map(|i| ((i / topk + (i % topk) * 3) % experts) as i32)
+                .collect();
+            let idx = s.clone_htod(&idx_host).unwrap();
+            let w = s.clone_htod(&vec![1.0f32; tokens * topk]).unwrap();
+            let (xp, ip, wp) = (x.device_ptr(&s).0, idx.device_ptr(&s).0, w.device_ptr(&s).0);
+            if scenario == "kill_moe_ll" {
+                let ll = MoeLowLatency::new(&comm, cfg).unwrap();
+                let out: CudaSlice<u16> = s.alloc_zeros(tokens * hidden).unwrap();
+                let op = out.device_ptr(&s).0;
+                kill_mid(
+                    &comm,
+                    &s,
+                    "moe-ll-dispatch",
+                    Box::new(|_, sync| {
+                        // SAFETY: the buffers hold `tokens` rows of the configured shape.
+                        unsafe { ll.dispatch(&s, xp, ip, wp, tokens) }?;
+                        if sync {
+                            comm.synchronize(&s)?;
+                            // SAFETY: as above.
+                            unsafe { ll.combine(&s, op) }?;
+                            comm.synchronize(&s)?;
+                        }
+                        Ok(())
+                    }),
+                );
+            } else {
+                let ht = MoeDispatcher::new(&comm, cfg).unwrap();
+                kill_mid(
+                    &comm,
+                    &s,
+                    "moe-ht-dispatch",
+                    Box::new(|_, sync| {
+                        // SAFETY: the buffers hold `tokens` rows of the configured shape.
+                        unsafe { ht.dispatch(&s, xp, ip, wp, tokens) }?;
+                        if sync {
+                            comm.synchronize(&s)?;
+                        }
+                        Ok(())
+                    }),
+                );
+            }
+        }
+        "kill_port" => {
+            let net = doorbell::collectives::net::NetCollectives::new(&comm, n << 20).unwrap();
+            kill_mid(
+                &comm,
+                &s,
+                "portchannel-alltoall",
+                Box::new(|_, sync| {
+                    net.alltoall(&s, 1 << 20)?;
+                    if sync {
+                        comm.synchronize(&s)?;
+                    }
+                    Ok(())
+                }),
+            );
+        }
+        "stuck" => {
+            // The last rank is alive but stuck in host code: the others' waits give up after
+            // their budget (DOORBELL_WAIT_TIMEOUT_MS) and name it; it hears of that on its next
+            // call.
+            let ar = allreduce_of(&comm);
+            let mut buf: CudaSlice<f32> = s.alloc_zeros(4096).unwrap();
+            ar.run_in_place(&s, &mut buf).unwrap();
+            comm.synchronize(&s).unwrap();
+            comm.bootstrap().barrier().unwrap();
+            let t0 = Instant::now();
+            if me == n - 1 {
+                std::thread::sleep(Duration::from_secs(4));
+                let e = ar.run_in_place(&s, &mut buf).unwrap_err();
+                eprintln!("fault-to-error: stuck {n} ranks rank {me} (the stuck one, on its next call): {e}");
+                assert!(
+                    matches!(e, Error::PeerFailed { rank, .. } if rank == n - 1),
+                    "{e}"
+                );
+            } else {
+                let e = ar
+                    .run_in_place(&s, &mut buf)
+                    .and_then(|()| comm.synchronize(&s))
+                    .unwrap_err();
+                let waited = t0.elapsed();
+                eprintln!("fault-to-error: stuck {n} ranks rank {me}: {} ms after the call, budget 1500 ms ({e})", waited.as_millis());
+                let names = match &e {
+                    Error::Timeout { peer, .. } => *peer as usize,
+                    Error::PeerFailed { rank, .. } => *rank,
+                    other => panic!("expected a timeout or peer failure, got {other}"),
+                };
+                assert_eq!(names, n - 1, "{e}");
+                assert!(waited < Duration::from_millis(1500 + 2000), "{waited:?}");
+            }
+        }
+        "abort" => {
+            // Rank 0 aborts from another thread while its kernel waits for ranks that never
+            // come; every rank names rank 0.
+            let ar = allreduce_of(&comm);
+            let mut buf: CudaSlice<f32> = s.alloc_zeros(4096).unwrap();
+            comm.bootstrap().barrier().unwrap();
+            if me == 0 {
+                let c2 = comm.clone();
+                let aborter = std::thread::spawn(move || {
+                    std::thread::sleep(Duration::from_millis(300));
+                    record_fault();
+                    c2.abort();
+                });
+                let e = ar
+                    .run_in_place(&s, &mut buf)
+                    .and_then(|()| comm.synchronize(&s))
+                    .unwrap_err();
+                aborter.join().unwrap();
+                let waited = since_fault();
+                eprintln!(
+                    "fault-to-error: abort {n} ranks rank {me}: {} ms ({e})",
+                    waited.as_millis()
+                );
+                assert!(
+                    matches!(&e, Error::PeerFailed { rank: 0, cause, .. } if cause.contains("Communicator::abort")),
+                    "{e}"
+                );
+                assert!(waited < Duration::from_secs(2), "{waited:?}");
+            } else {
+                let t0 = Instant::now();
+                let e = loop {
+                    if let Err(e) = comm.check_health() {
+                        break e;
+                    }
+                    assert!(
+                        t0.elapsed() < Duration::from_secs(10),
+                        "rank 0's abort never came"
+                    );
+                    std::thread::sleep(Duration::from_millis(1));
+                };
+                let waited = since_fault();
+                eprintln!(
+                    "fault-to-error: abort {n} ranks rank {me}: {} ms ({e})",
+                    waited.as_millis()
+                );
+                assert!(matches!(&e, Error::PeerFailed { rank: 0, .. }), "{e}");
+                assert!(waited < Duration::from_secs(2), "{waited:?}");
+            }
+        }
+        "mismatch_count" | "mismatch_dtype" | "mismatch_algorithm" | "mismatch_alltoall" => {
+            let t0 = Instant::now();
+            let e = match scenario {
+                "mismatch_alltoall" => {
+                    let a2a = AllToAll::new(&comm, AllToAllOptions::default()).unwrap();
+                    let per = if me == 0 { 512 } else { 1024 };
+                    let inp: CudaSlice<u8> = s.alloc_zeros(n * per).unwrap();
+                    let mut out: CudaSlice<u8> = s.alloc_zeros(n * per).unwrap();
+                    a2a.run(&s, &inp, &mut out)
+                        .and_then(|()| comm.synchronize(&s))
+                        .unwrap_err()
+                }
+                "mismatch_dtype" if me == 0 => {
+                    let ar = allreduce_of(&comm);
+                    let mut buf: CudaSlice<half::bf16> = s.alloc_zeros(2048).unwrap();
+                    ar.run_in_place(&s, &mut buf)
+                        .and_then(|()| comm.synchronize(&s))
+                        .unwrap_err()
+                }
+                _ => {
+                    let ar = allreduce_of(&comm);
+                    let count = match (scenario, me) {
+                        ("mismatch_count", 0) => 1024,
+                        ("mismatch_algorithm", 0) => 8 << 20,
+                        _ => 2048,
+                    };
+                    let mut buf: CudaSlice<f32> = s.alloc_zeros(count).unwrap();
+                    ar.run_in_place(&s, &mut buf)
+                        .and_then(|()| comm.synchronize(&s))
+                        .unwrap_err()
+                }
+            };
+            let waited = t0.elapsed();
+            eprintln!(
+                "fault-to-error: {scenario} {n} ranks rank {me}: {} ms after the call ({e})",
+                waited.as_millis()
+            );
+            match &e {
+                Error::ArgumentMismatch { peer, .. } => {
+                    assert!(me == 0 || *peer == 0, "{e}")
+                }
+                other => panic!("expected ArgumentMismatch, got {other}"),
+            }
+            // DOORBELL_WAIT_TIMEOUT_MS=1500 below: calls whose waits cross wait that long.
+            assert!(waited < Duration::from_millis(1500 + 2000), "{waited:?}");
+        }
+        "shrink" => {
+            let ar = allreduce_of(&comm);
+            let mut buf: CudaSlice<f32> = s.alloc_zeros(1 << 16).unwrap();
+            kill_mid(
+                &comm,
+                &s,
+                "allreduce-then-shrink",
+                Box::new(|_, sync| {
+                    ar.run_in_place(&s, &mut buf)?;
+                    if sync {
+                        comm.synchronize(&s)?;
+                    }
+                    Ok(())
+                }),
+            );
+            let small = Arc::new(comm.shrink(&[n - 1]).unwrap());
+            drop(ar);
+            drop(comm);
+            let (me2, n2) = (small.rank(), small.world_size());
+            assert_eq!((me2, n2), (me, n - 1));
+            let s2 = small.gpu().new_stream().unwrap();
+            let ar2 = allreduce_of(&small);
+            for (round, count) in [(1u32, 1000usize), (2, 1 << 18), (3, 3 << 20)] {
+                let host: Vec<f32> = (0..count)
+                    .map(|i| ((i % 7) as u32 * (me2 as u32 + 1) + round) as f32)
+                    .collect();
+                let mut dev = s2.clone_htod(&host).unwrap();
+                ar2.run_in_place(&s2, &mut dev).unwrap();
+                small.synchronize(&s2).unwrap();
+                let got = s2.clone_dtoh(&dev).unwrap();
+                for (i, g) in got.iter().enumerate() {
+                    let want: u32 = (0..n2 as u32)
+                        .map(|r| (i % 7) as u32 * (r + 1) + round)
+                        .sum();
+                    assert_eq!(*g, want as f32, "shrunk allreduce of {count}: element {i}");
+                }
+            }
+            eprintln!("rank {me}: shrunk to rank {me2} of {n2}; allreduces correct");
+            small.bootstrap().barrier().unwrap();
+            drop(ar2);
+            drop(small);
+        }
+        other => panic!("unknown scenario {other}"),
+    }
+}
+
+fn kill_scenario(name: &str) {
+    for n in rank_counts() {
+        let exits = gpu_case(name, n, &[]);
+        assert_exits(name, &exits, Some(n - 1));
+    }
+}
+
+#[test]
+#[ignore = "needs GPU"]
+fn kill_mid_allreduce() {
+    kill_scenario("kill_allreduce");
+}
+
+#[test]
+#[ignore = "needs GPU"]
+fn kill_mid_alltoall() {
+    kill_scenario("kill_alltoall");
+}
+
+#[test]
+#[ignore = "needs GPU"]
+fn kill_mid_moe_low_latency_dispatch() {
+    kill_scenario("kill_moe_ll");
+}
+
+#[test]
+#[ignore = "needs GPU"]
+fn kill_mid_moe_high_throughput_dispatch() {
+    kill_scenario("kill_moe_ht");
+}
+
+#[test]
+#[ignore = "needs GPU"]
+fn kill_mid_port_channel_transfer() {
+    kill_scenario("kill_port");
+}
+
+#[test]
+#[ignore = "needs GPU"]
+fn a_rank_stuck_in_host_code_is_named_after_the_budget() {
+    for n in rank_counts() {
+        let exits = gpu_case("stuck", n, &[("DOORBELL_WAIT_TIMEOUT_MS", "1500".into())]);
+        assert_exits("stuck", &exits, None);
+    }
+}
+
+#[test]
+#[ignore = "needs GPU"]
+fn abort_from_another_thread_while_a_kernel_waits() {
+    for n in rank_counts() {
+        let exits = gpu_case("abort", n, &[]);
+        assert_exits("abort", &exits, None);
+    }
+}
+
+#[test]
+#[ignore = "needs GPU"]
+fn mismatched_calls_are_named_on_every_rank() {
+    for scenario in [
+        "mismatch_count",
+        "mismatch_dtype",
+        "mismatch_algorithm",
+        "mismatch_alltoall",
+    ] {
+        for n in rank_counts() {
+            let exits = gpu_case(scenario, n, &[("DOORBELL_WAIT_TIMEOUT_MS", "1500".into())]);
+            assert_exits(scenario, &exits, None);
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs GPU"]
+fn shrink_after_a_failure_then_correct_allreduces() {
+    for n in rank_counts() {
+        let exits = gpu_case("shrink", n, &[]);
+        assert_exits("shrink", &exits, Some(n - 1));
+    }
+}
