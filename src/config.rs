@@ -11,6 +11,7 @@
 //! | `DOORBELL_JOB_SECRET` | per-job secret every rank must share; connections that cannot prove it are dropped | derived from the launcher's job id, see [`LaunchEnv::secret`] |
 //! | `DOORBELL_WAIT_TIMEOUT_MS` | budget of every device-side spin loop, milliseconds | `30000` |
 //! | `DOORBELL_HEARTBEAT_TIMEOUT_MS` | a peer that sends nothing on its bootstrap link for this long (heartbeats go out at a tenth of it) is declared failed and every communicator of the job aborts; `0` turns heartbeats off (a peer that dies is still noticed at once, by its closed connection) | `5000` |
+//! | `DOORBELL_CALL_CHECK` | `0`: collective kernels skip the call check (every call's word compared with the peers' on the device, naming ranks that make different calls as `Error::ArgumentMismatch`); for measuring what the check costs, nothing else | `1` |
 //! | `DOORBELL_CHECK` | `1`: collectives verify that every rank called with the same arguments and fail naming the odd rank instead of hanging (one bootstrap exchange per call) | `0` |
 //! | `DOORBELL_ALLREDUCE_ALGO` | force an allreduce algorithm: `oneshot-ll8`, `oneshot-ll16`, `twoshot-ll8`, `twoshot-ll16`, `twoshot-sentinel`, `pipelined` | chosen by size and rank count |
 //! | `DOORBELL_PROXY_CPU` | where proxy threads run: `auto` pins each to a core of its GPU's NUMA node (from `/sys/bus/pci/devices/*/local_cpulist`, spread by GPU and proxy), `off` leaves them to the scheduler, a number pins every proxy of the process to that CPU. Pinning did not shorten the FIFO round trip on 4 x H200 (4.71 us pinned, 4.18 us not), hence the default | `off` |
@@ -83,6 +84,8 @@ pub struct Settings {
     pub heartbeat_timeout: Duration,
     /// `DOORBELL_CHECK`.
     pub check_args: bool,
+    /// `DOORBELL_CALL_CHECK`.
+    pub call_check: bool,
     /// `DOORBELL_ALLREDUCE_ALGO`, as given (parsed by the allreduce).
     pub allreduce_algo: Option<String>,
     /// `DOORBELL_PROXY_CPU`.
@@ -180,6 +183,8 @@ impl Settings {
             wait_timeout,
             heartbeat_timeout,
             check_args,
+            call_check: env.get("DOORBELL_CALL_CHECK").is_none()
+                || flag(env, "DOORBELL_CALL_CHECK")?,
             allreduce_algo: env
                 .get("DOORBELL_ALLREDUCE_ALGO")
                 .filter(|s| !s.trim().is_empty()),
@@ -437,6 +442,7 @@ mod tests {
         assert_eq!(s.bootstrap_timeout, DEFAULT_BOOTSTRAP_TIMEOUT);
         assert_eq!(s.wait_timeout, DEFAULT_WAIT_TIMEOUT);
         assert_eq!(s.heartbeat_timeout, DEFAULT_HEARTBEAT_TIMEOUT);
+        assert!(s.call_check);
         assert_eq!(s.log_filter, "warn");
         assert!(!s.check_args);
         assert_eq!(s.allreduce_algo, None);

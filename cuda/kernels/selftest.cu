@@ -116,7 +116,7 @@ extern "C" __global__ void selftest_packets(PacketArgs a) {
 }
 
 // Waits for a signal that never comes (nobody signals this channel): the bounded wait must give
-// up, write the report and trap.
+// up, write the report and leave (the host reports Error::Timeout).
 extern "C" __global__ void selftest_wait_forever(MemoryChannelHandle ch) {
   if (threadIdx.x == 0 && blockIdx.x == 0) ch.wait();
 }

@@ -427,7 +427,7 @@ impl AllReduce {
             _sems_dev: sems_dev,
             _epochs: epochs,
             _sentinel_state: sentinel_state,
-            calls: CallChecker::new(inbox),
+            calls: CallChecker::new(inbox, settings.call_check),
         })
     }
 

@@ -8,6 +8,7 @@
 //! bytes: one NVLink crossing, no semaphores). Sizes
 //! are bytes underneath: any element type works, raw bytes included.
 
+use crate::config::Settings;
 use crate::device_api::{AllToAllArgs, SemaphoreHandle, MAX_RANKS};
 use crate::error::{Error, Result};
 use crate::host::communicator::{Communicator, RegisteredMemory, Semaphores};
@@ -257,7 +258,7 @@ impl AllToAll {
             kernel,
             ll_kernel,
             own_lanes,
-            calls: CallChecker::new(inbox),
+            calls: CallChecker::new(inbox, Settings::from_env()?.call_check),
             _epochs: epochs,
             counts: Mutex::new(counts),
             _scratch: scratch,

@@ -61,18 +61,7 @@ fn watch(bootstrap: &Bootstrap, diagnostics: &WaitDiagnostics, stop: &AtomicBool
     let me = bootstrap.rank();
     let mut relayed = false;
     while !stop.load(Ordering::Relaxed) {
-        // This rank's own device failure: relay it once, blaming the rank it names.
-        if !relayed && diagnostics.aborted() {
-            let own = diagnostics
-                .mismatch()
-                .map(|e| (blamed(&e, me), e))
-                .or_else(|| diagnostics.timeout().map(|e| (blamed(&e, me), e)));
-            if let Some((rank, e)) = own {
-                tracing::error!("rank {me}: {e}; telling the other ranks");
-                bootstrap.abort(Some(rank), &e.to_string());
-                relayed = true;
-            }
-        }
+        relay_own(bootstrap, diagnostics, &mut relayed);
         // A peer's failure (or this rank's own bootstrap abort): abort the device waits.
         if let Some(f) = bootstrap.health() {
             let own_relay = relayed && f.from == Some(me);
@@ -86,6 +75,26 @@ fn watch(bootstrap: &Bootstrap, diagnostics: &WaitDiagnostics, stop: &AtomicBool
             }
         }
         bootstrap.wait_for_change(POLL);
+    }
+    // The communicator is going: a failure its rank returned a moment ago (before the last poll)
+    // must still reach the others, or they would take this rank's departure for a clean goodbye.
+    relay_own(bootstrap, diagnostics, &mut relayed);
+}
+
+/// Relays this rank's own device failure once, blaming the rank it names.
+fn relay_own(bootstrap: &Bootstrap, diagnostics: &WaitDiagnostics, relayed: &mut bool) {
+    if *relayed || !diagnostics.aborted() {
+        return;
+    }
+    let me = bootstrap.rank();
+    let own = diagnostics
+        .mismatch()
+        .or_else(|| diagnostics.timeout())
+        .map(|e| (blamed(&e, me), e));
+    if let Some((rank, e)) = own {
+        tracing::error!("rank {me}: {e}; telling the other ranks");
+        bootstrap.abort(Some(rank), &e.to_string());
+        *relayed = true;
     }
 }
 
