@@ -367,6 +367,18 @@ fn kill_mid(comm: &Arc<Communicator>, s: &Arc<CudaStream>, what: &str, mut step:
     let _ = s;
 }
 
+/// `bytes`, or 64 KiB when ranks share the GPU through MPS: there the large-message kernels of
+/// several ranks (each sized to fill the GPU, and waiting on the others' blocks) cannot all be
+/// resident at once, so they wait on blocks that never run until the budget names the wait; the
+/// small-message kernels fit beside each other.
+fn message_bytes(bytes: usize) -> usize {
+    if std::env::var("DOORBELL_TEST_MPS").as_deref() == Ok("1") {
+        bytes.min(64 << 10)
+    } else {
+        bytes
+    }
+}
+
 fn allreduce_of(comm: &Arc<Communicator>) -> AllReduce {
     AllReduce::new(comm, AllReduceOptions::default()).unwrap()
 }
@@ -392,8 +404,8 @@ fn gpu_scenario(scenario: &str, comm: Arc<Communicator>) {
     match scenario {
         "kill_allreduce" => {
             let ar = allreduce_of(&comm);
-            // 4 MiB of f32, as in the report.
-            let mut buf: CudaSlice<f32> = s.alloc_zeros(1 << 20).unwrap();
+            // 4 MiB of f32, as in the report; under MPS 64 KiB (see `message_bytes`).
+            let mut buf: CudaSlice<f32> = s.alloc_zeros(message_bytes(4 << 20) / 4).unwrap();
             kill_mid(
                 &comm,
                 &s,
@@ -409,8 +421,8 @@ fn gpu_scenario(scenario: &str, comm: Arc<Communicator>) {
         }
         "kill_alltoall" => {
             let a2a = AllToAll::new(&comm, AllToAllOptions::default()).unwrap();
-            let inp: CudaSlice<u8> = s.alloc_zeros(n << 20).unwrap();
-            let mut out: CudaSlice<u8> = s.alloc_zeros(n << 20).unwrap();
+            let inp: CudaSlice<u8> = s.alloc_zeros(n * message_bytes(1 << 20)).unwrap();
+            let mut out: CudaSlice<u8> = s.alloc_zeros(n * message_bytes(1 << 20)).unwrap();
             kill_mid(
                 &comm,
                 &s,
@@ -623,6 +635,65 @@ fn gpu_scenario(scenario: &str, comm: Arc<Communicator>) {
             // DOORBELL_WAIT_TIMEOUT_MS=1500 below: calls whose waits cross wait that long.
             assert!(waited < Duration::from_millis(1500 + 2000), "{waited:?}");
         }
+        "mismatch_moe_ll" | "mismatch_moe_ht" => {
+            use doorbell::collectives::moe::{MoeConfig, MoeDispatcher, MoeLowLatency};
+            let (hidden, topk, tokens) = (256usize, 4usize, 32usize);
+            let experts = 4 * n;
+            let cfg = MoeConfig {
+                hidden,
+                topk,
+                num_experts: experts,
+                max_tokens: tokens,
+                blocks: Some(8),
+            };
+            let x: CudaSlice<u16> = s.alloc_zeros(tokens * hidden).unwrap();
+            let scales: CudaSlice<f32> = s.alloc_zeros(tokens * hidden / 128).unwrap();
+            let idx_host: Vec<i32> = (0..tokens * topk)
+                .map(|i| ((i / topk + (i % topk) * 3) % experts) as i32)
+                .collect();
+            let idx = s.clone_htod(&idx_host).unwrap();
+            let w = s.clone_htod(&vec![1.0f32; tokens * topk]).unwrap();
+            let out: CudaSlice<u16> = s.alloc_zeros(tokens * hidden).unwrap();
+            let (xp, ip, wp) = (x.device_ptr(&s).0, idx.device_ptr(&s).0, w.device_ptr(&s).0);
+            let (sp, op) = (scales.device_ptr(&s).0, out.device_ptr(&s).0);
+            let t0;
+            // SAFETY (every call below): the buffers hold `tokens` rows of the configured shape.
+            let e = if scenario == "mismatch_moe_ll" {
+                // Rank 0 dispatches twice; the others dispatch, then combine.
+                let ll = MoeLowLatency::new(&comm, cfg).unwrap();
+                unsafe { ll.dispatch(&s, xp, ip, wp, tokens) }.unwrap();
+                comm.synchronize(&s).unwrap();
+                t0 = Instant::now();
+                if me == 0 {
+                    unsafe { ll.dispatch(&s, xp, ip, wp, tokens) }
+                } else {
+                    unsafe { ll.combine(&s, op) }
+                }
+                .and_then(|()| comm.synchronize(&s))
+                .unwrap_err()
+            } else {
+                // Rank 0 dispatches FP8 rows; the others bf16.
+                let ht = MoeDispatcher::new(&comm, cfg).unwrap();
+                t0 = Instant::now();
+                if me == 0 {
+                    unsafe { ht.dispatch_fp8(&s, xp, sp, ip, wp, tokens) }
+                } else {
+                    unsafe { ht.dispatch(&s, xp, ip, wp, tokens) }
+                }
+                .and_then(|()| comm.synchronize(&s))
+                .unwrap_err()
+            };
+            let waited = t0.elapsed();
+            eprintln!(
+                "fault-to-error: {scenario} {n} ranks rank {me}: {} ms after the call ({e})",
+                waited.as_millis()
+            );
+            match &e {
+                Error::ArgumentMismatch { peer, .. } => assert!(me == 0 || *peer == 0, "{e}"),
+                other => panic!("expected ArgumentMismatch, got {other}"),
+            }
+            assert!(waited < Duration::from_millis(1500 + 2000), "{waited:?}");
+        }
         "shrink" => {
             let ar = allreduce_of(&comm);
             let mut buf: CudaSlice<f32> = s.alloc_zeros(1 << 16).unwrap();
@@ -645,7 +716,12 @@ fn gpu_scenario(scenario: &str, comm: Arc<Communicator>) {
             assert_eq!((me2, n2), (me, n - 1));
             let s2 = small.gpu().new_stream().unwrap();
             let ar2 = allreduce_of(&small);
-            for (round, count) in [(1u32, 1000usize), (2, 1 << 18), (3, 3 << 20)] {
+            let counts = [
+                1000usize,
+                message_bytes(1 << 20) / 4,
+                message_bytes(12 << 20) / 4,
+            ];
+            for (round, count) in (1u32..).zip(counts) {
                 let host: Vec<f32> = (0..count)
                     .map(|i| ((i % 7) as u32 * (me2 as u32 + 1) + round) as f32)
                     .collect();
@@ -732,6 +808,8 @@ fn mismatched_calls_are_named_on_every_rank() {
         "mismatch_dtype",
         "mismatch_algorithm",
         "mismatch_alltoall",
+        "mismatch_moe_ll",
+        "mismatch_moe_ht",
     ] {
         for n in rank_counts() {
             let exits = gpu_case(scenario, n, &[("DOORBELL_WAIT_TIMEOUT_MS", "1500".into())]);

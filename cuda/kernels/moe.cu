@@ -123,7 +123,14 @@ extern "C" __global__ void __launch_bounds__(1024) moe_dispatch_layout(MoeArgs a
   if (tid == 0) a.send_counts[r] = base;
 }
 
+// The call check (call_check.cuh): the counts kernel and the combine's free handshake announce
+// the call, the last kernel of each checks every peer made the same one.
+DOORBELL_DEVICE_INLINE void check_moe_call(const MoeArgs& a) {
+  check_call(a.call, a.rank, a.world, a.sems[threadIdx.x < a.world ? threadIdx.x : 0].site);
+}
+
 extern "C" __global__ void moe_dispatch_counts(MoeArgs a) {
+  announce_call(a.call, a.rank, a.world);
   const uint32_t r = threadIdx.x;
   if (r >= a.world) return;
   uint32_t* row = count_matrix(a, r) + uint64_t(a.rank) * a.world;
@@ -237,9 +244,11 @@ extern "C" __global__ void __launch_bounds__(512) moe_dispatch_finish(MoeArgs a)
   for (uint32_t e = threadIdx.x; e < a.experts_per_rank; e += blockDim.x) {
     if (hist[e]) atomicAdd(&a.expert_counts[e], hist[e]);
   }
+  check_moe_call(a);
 }
 
 extern "C" __global__ void moe_combine_free(MoeArgs a) {
+  announce_call(a.call, a.rank, a.world);
   if (threadIdx.x == 0) a.calls[1] += 1;
   free_handshake(a, 2, threadIdx.x);
 }
@@ -294,4 +303,5 @@ extern "C" __global__ void __launch_bounds__(512) moe_combine_reduce(MoeArgs a) 
     for (int q = 0; q < 4; ++q) h[q] = __floats2bfloat162_rn(acc[2 * q], acc[2 * q + 1]);
     reinterpret_cast<int4*>(a.out)[uint64_t(t) * chunks + c] = o;
   }
+  check_moe_call(a);
 }

@@ -206,11 +206,18 @@ extern "C" __global__ void __launch_bounds__(512) moe_ll_send(MoeLlArgs a) {
   moe_ll::finish_send(a);
 }
 
+// The call check (call_check.cuh): the send halves announce the call (finish_send, combine_send),
+// the receive halves check every peer made the same one.
+DOORBELL_DEVICE_INLINE void check_moe_call(const MoeLlArgs& a) {
+  check_call(a.call, a.rank, a.world, moe_ll::site(a, threadIdx.x < a.world ? threadIdx.x : 0));
+}
+
 extern "C" __global__ void __launch_bounds__(512) moe_ll_recv(MoeLlArgs a) {
   const uint64_t epoch = a.epochs[0];
   const uint32_t nwarps = blockDim.x / kWarp;
   copy_announced(a, epoch, threadIdx.x / kWarp * gridDim.x + blockIdx.x, nwarps * gridDim.x);
   if (blockIdx.x == 0) write_layout(a, epoch);
+  check_moe_call(a);
 }
 
 extern "C" __global__ void __launch_bounds__(512) moe_ll_dispatch(MoeLlArgs a) {
@@ -223,16 +230,25 @@ extern "C" __global__ void __launch_bounds__(512) moe_ll_dispatch(MoeLlArgs a) {
   }
   moe_ll::finish_send(a);
   if (blockIdx.x == 0) write_layout(a, epoch);
+  check_moe_call(a);
 }
 
-extern "C" __global__ void __launch_bounds__(512) moe_ll_combine_send(MoeLlArgs a) { combine_send(a, a.epochs[1] + 1); }
+extern "C" __global__ void __launch_bounds__(512) moe_ll_combine_send(MoeLlArgs a) {
+  announce_call(a.call, a.rank, a.world);
+  combine_send(a, a.epochs[1] + 1);
+}
 
-extern "C" __global__ void __launch_bounds__(512) moe_ll_combine_recv(MoeLlArgs a) { combine_recv(a, a.epochs[1]); }
+extern "C" __global__ void __launch_bounds__(512) moe_ll_combine_recv(MoeLlArgs a) {
+  combine_recv(a, a.epochs[1]);
+  check_moe_call(a);
+}
 
 extern "C" __global__ void __launch_bounds__(512) moe_ll_combine(MoeLlArgs a) {
   const uint64_t call = a.epochs[1] + 1;
+  announce_call(a.call, a.rank, a.world);
   combine_send(a, call);
   combine_recv(a, call);
+  check_moe_call(a);
 }
 
 

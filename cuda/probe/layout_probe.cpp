@@ -186,6 +186,7 @@ int main() {
   FIELD(MoeArgs, expert_counts);
   FIELD(MoeArgs, calls);
   FIELD(MoeArgs, sems);
+  FIELD(MoeArgs, call);
 
   STRUCT(MoeLlArgs);
   FIELD(MoeLlArgs, x);
@@ -216,6 +217,7 @@ int main() {
   FIELD(MoeLlArgs, layout);
   FIELD(MoeLlArgs, recv_count);
   FIELD(MoeLlArgs, ready);
+  FIELD(MoeLlArgs, call);
 
   STRUCT(LamportState);
   FIELD(LamportState, call);

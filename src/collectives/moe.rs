@@ -21,11 +21,13 @@
 //! Not yet: the low-latency (decode) layout with per-expert buffers and separate send/receive
 //! halves, device-side entry points for fused kernels.
 
-use crate::device_api::{MoeArgs, MAX_RANKS};
+use crate::config::Settings;
+use crate::device_api::{CallCheck, MoeArgs, MAX_RANKS};
 use crate::error::{Error, Result};
 use crate::host::communicator::{Communicator, RegisteredMemory, Semaphores};
 use crate::host::cuda::cuda_err;
 use crate::host::memory::{Buffer, RemoteMemory};
+use crate::host::signature::{self, CallChecker, CallKind};
 use cudarc::driver::{
     CudaFunction, CudaSlice, CudaStream, DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg,
 };
@@ -56,6 +58,8 @@ pub struct MoeDispatcher {
     base: MoeArgs,
     blocks: u32,
     last_tokens: std::sync::atomic::AtomicU32,
+    /// Counts calls and makes each call's word (the call check, `call_check.cuh`).
+    calls: CallChecker,
     kernels: [CudaFunction; 8],
     _recv: (
         Arc<Buffer>,
@@ -101,6 +105,20 @@ fn launch<A: DeviceRepr>(
     // SAFETY: the argument struct matches the kernel's (layout-tested); every buffer it names
     // lives as long as the dispatcher that calls this; its caller vouches for per-call inputs.
     comm.check(unsafe { b.launch(cfg) }.map(|_| ()), "cuLaunchKernel")
+}
+
+/// A landing area of `bytes` followed by the call check's inbox ([`signature::INBOX_BYTES`]):
+/// returns the area, every rank's copy as mapped here, and every rank's inbox.
+fn landing_with_inbox(
+    comm: &Communicator,
+    bytes: usize,
+) -> Result<(Landing, [u64; MAX_RANKS], [u64; MAX_RANKS])> {
+    let (area, ptrs) = landing(comm, bytes + signature::INBOX_BYTES)?;
+    let mut inbox = [0u64; MAX_RANKS];
+    for (i, p) in inbox.iter_mut().zip(&ptrs).take(comm.world_size()) {
+        *i = p + bytes as u64;
+    }
+    Ok((area, ptrs, inbox))
 }
 
 fn landing(comm: &Communicator, bytes: usize) -> Result<(Landing, [u64; MAX_RANKS])> {
@@ -177,7 +195,7 @@ impl MoeDispatcher {
         let off_matrix = off_src + section(rows * 8);
         let off_scales = off_matrix + section(world * world * 4);
         let land_bytes = off_scales + section(rows * (cfg.hidden / 128) * 4);
-        let (recv, land_ptrs) = landing(comm, land_bytes)?;
+        let (recv, land_ptrs, inbox) = landing_with_inbox(comm, land_bytes)?;
         let (comb, comb_ptrs) = landing(comm, rows * cfg.hidden * 2)?;
         let semaphores = comm.semaphores(4)?;
         let stream = gpu.new_stream()?;
@@ -243,6 +261,7 @@ impl MoeDispatcher {
             base,
             blocks,
             last_tokens: std::sync::atomic::AtomicU32::new(0),
+            calls: CallChecker::new(inbox, Settings::from_env()?.call_check),
             kernels,
             _recv: recv,
             _comb: comb,
@@ -313,12 +332,15 @@ impl MoeDispatcher {
         }
         self.last_tokens
             .store(num_tokens as u32, std::sync::atomic::Ordering::Relaxed);
+        // Token counts differ by rank; the word names the call and its element type.
+        let dtype = if scales == 0 { 0 } else { signature::E4M3 };
         let args = MoeArgs {
             x,
             scales,
             topk_idx,
             topk_weights,
             num_tokens: num_tokens as u32,
+            call: self.calls.next(CallKind::MoeDispatch, dtype, 0, 0, 0),
             ..self.base
         };
         let world = self.comm.world_size() as u32;
@@ -384,6 +406,7 @@ impl MoeDispatcher {
             y,
             out,
             num_tokens: self.last_tokens.load(std::sync::atomic::Ordering::Relaxed),
+            call: self.calls.next(CallKind::MoeCombine, 0, 0, 0, 0),
             ..self.base
         };
         let world = self.comm.world_size() as u32;
@@ -506,6 +529,10 @@ pub struct MoeLowLatency {
     kernels: [CudaFunction; 6],
     dispatches: std::sync::atomic::AtomicU64,
     last: std::sync::Mutex<(u64, u32)>,
+    /// Counts calls and makes each call's word (the call check, `call_check.cuh`).
+    calls: CallChecker,
+    /// The words of the last dispatch and the last combine, for their receive halves.
+    last_calls: std::sync::Mutex<(CallCheck, CallCheck)>,
     _area: Landing,
     _semaphores: Semaphores,
     _device: Vec<CudaSlice<u8>>,
@@ -572,7 +599,7 @@ impl MoeLowLatency {
         let off_queue = off_part + section(2 * world * cfg.max_tokens * cfg.hidden * 2);
         let off_sent = off_queue + section(2 * world * cfg.max_tokens * 8);
         let area_bytes = off_sent + section(2 * world * 8);
-        let (area, area_ptrs) = landing(comm, area_bytes)?;
+        let (area, area_ptrs, inbox) = landing_with_inbox(comm, area_bytes)?;
         let semaphores = comm.semaphores(1)?;
         let stream = gpu.new_stream()?;
         let alloc = |bytes: usize| -> Result<CudaSlice<u8>> {
@@ -640,6 +667,8 @@ impl MoeLowLatency {
             kernels,
             dispatches: std::sync::atomic::AtomicU64::new(0),
             last: std::sync::Mutex::new((0, 0)),
+            calls: CallChecker::new(inbox, Settings::from_env()?.call_check),
+            last_calls: std::sync::Mutex::new((CallCheck::default(), CallCheck::default())),
             _area: area,
             _semaphores: semaphores,
             _device: device,
@@ -709,6 +738,7 @@ impl MoeLowLatency {
             topk_idx,
             topk_weights,
             num_tokens: num_tokens as u32,
+            call: self.next_call(CallKind::MoeLlDispatch),
             ..self.base
         };
         Ok(args)
@@ -747,6 +777,7 @@ impl MoeLowLatency {
             topk_idx,
             topk_weights,
             num_tokens: num_tokens as u32,
+            call: self.next_call(CallKind::MoeLlDispatch),
             ..self.base
         };
         Ok(args)
@@ -756,7 +787,28 @@ impl MoeLowLatency {
     /// each row that crossed once into the slots of its token's other selections here, and
     /// writes the per-(expert, source) and per-expert counts.
     pub fn dispatch_recv(&self, stream: &CudaStream) -> Result<()> {
-        self.launch(stream, 1, self.base.blocks, 512, &self.base)
+        let args = crate::device_api::MoeLlArgs {
+            call: self.last_call().0,
+            ..self.base
+        };
+        self.launch(stream, 1, self.base.blocks, 512, &args)
+    }
+
+    /// The next call's word, kept for its receive half.
+    fn next_call(&self, kind: CallKind) -> CallCheck {
+        let call = self.calls.next(kind, 0, 0, 0, 0);
+        let mut last = self.last_calls.lock().unwrap_or_else(|p| p.into_inner());
+        if kind == CallKind::MoeLlDispatch {
+            last.0 = call;
+        } else {
+            last.1 = call;
+        }
+        call
+    }
+
+    /// The words of the last dispatch and the last combine.
+    fn last_call(&self) -> (CallCheck, CallCheck) {
+        *self.last_calls.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     /// Both halves, in one kernel.
@@ -806,7 +858,11 @@ impl MoeLowLatency {
     /// same stream or one ordered after them): for each token that sent rows here, the sum of
     /// its selections' weight x output goes back to its rank; then every peer is signalled.
     pub fn combine_send(&self, stream: &CudaStream) -> Result<()> {
-        self.launch(stream, 3, self.base.blocks, 512, &self.base)
+        let args = crate::device_api::MoeLlArgs {
+            call: self.next_call(CallKind::MoeLlCombine),
+            ..self.base
+        };
+        self.launch(stream, 3, self.base.blocks, 512, &args)
     }
 
     /// The receive half (on the stream of the send half, or one ordered after it): waits for
@@ -817,7 +873,10 @@ impl MoeLowLatency {
     /// `out` holds `num_tokens * hidden` bf16 (16-byte aligned) of the last dispatch, device
     /// memory of this GPU valid until `stream` has run it.
     pub unsafe fn combine_recv(&self, stream: &CudaStream, out: u64) -> Result<()> {
-        let args = self.combine_args(out)?;
+        let args = crate::device_api::MoeLlArgs {
+            call: self.last_call().1,
+            ..self.combine_args(out)?
+        };
         self.launch(stream, 4, self.base.blocks, 512, &args)
     }
 
@@ -840,7 +899,10 @@ impl MoeLowLatency {
     /// # Safety
     /// As for [`MoeLowLatency::combine_recv`].
     pub unsafe fn combine(&self, stream: &CudaStream, out: u64) -> Result<()> {
-        let args = self.combine_args(out)?;
+        let args = crate::device_api::MoeLlArgs {
+            call: self.next_call(CallKind::MoeLlCombine),
+            ..self.combine_args(out)?
+        };
         self.launch(stream, 5, self.base.blocks, 512, &args)
     }
 }

@@ -418,6 +418,8 @@ pub struct MoeArgs {
     pub expert_counts: u64,
     pub calls: u64,
     pub sems: u64,
+    /// The call check.
+    pub call: CallCheck,
 }
 
 /// Launch arguments of the low-latency MoE kernels (`collective_args.cuh`; field meanings there).
@@ -453,6 +455,8 @@ pub struct MoeLlArgs {
     pub layout: u64,
     pub recv_count: u64,
     pub ready: u64,
+    /// The call check.
+    pub call: CallCheck,
 }
 
 /// Per-block state of the sentinel two-shot (`collective_args.cuh`).
@@ -684,7 +688,8 @@ mod layout {
                     num_recv,
                     expert_counts,
                     calls,
-                    sems
+                    sems,
+                    call
                 ]
             ),
             layout!(
@@ -718,7 +723,8 @@ mod layout {
                     epochs,
                     layout,
                     recv_count,
-                    ready
+                    ready,
+                    call
                 ]
             ),
             layout!("LamportState", LamportState, [call, reserved, prev_count]),

@@ -433,10 +433,39 @@ impl Communicator {
             settings.wait_timeout,
             rank,
         )?);
+        // Peers whose processes this one can see (same pid namespace on the same boot), for the
+        // watchdog to notice a killed peer before its sockets close.
+        use crate::host::watchdog::ProcessId;
+        let me = ProcessId::current();
+        let key = ProcessId::namespace_key().unwrap_or_default();
+        let mut ident = me.map_or(vec![0u8; 12], |p| {
+            let mut v = p.pid.to_le_bytes().to_vec();
+            v.extend_from_slice(&p.start.to_le_bytes());
+            v
+        });
+        ident.extend_from_slice(key.as_bytes());
+        let idents = bootstrap.all_gather(&ident)?;
+        let local: Vec<(usize, ProcessId)> = idents
+            .iter()
+            .enumerate()
+            .filter(|(r, b)| {
+                *r != rank && me.is_some() && !key.is_empty() && b.get(12..) == Some(key.as_bytes())
+            })
+            .filter_map(|(r, b)| {
+                Some((
+                    r,
+                    ProcessId {
+                        pid: u32::from_le_bytes(b.get(0..4)?.try_into().ok()?),
+                        start: u64::from_le_bytes(b.get(4..12)?.try_into().ok()?),
+                    },
+                ))
+            })
+            .collect();
         let bootstrap = Arc::new(bootstrap);
         let watchdog = crate::host::watchdog::Watchdog::start(
             Arc::clone(&bootstrap),
             Arc::clone(&diagnostics),
+            local,
         )?;
         let tokens = Arc::new(TokenPool {
             local: pool,

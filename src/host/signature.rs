@@ -56,6 +56,8 @@ impl CallKind {
 
 /// The element type code for collectives that move bytes.
 pub const BYTES: u32 = 15;
+/// The element type code of FP8 (e4m3) rows.
+pub const E4M3: u32 = 3;
 
 /// Allreduce algorithm names by code (`Algorithm::ALL` order; a test in `collectives::allreduce`
 /// keeps the two in step).
@@ -111,6 +113,7 @@ pub fn describe(word: u64) -> String {
         0 => "bf16",
         1 => "f16",
         2 => "f32",
+        3 => "e4m3",
         15 => "bytes",
         _ => "an unknown type",
     };

@@ -9,6 +9,11 @@
 //! mismatch) as a bootstrap abort naming the rank it blames, so the other ranks' waits leave and
 //! their calls name the cause, within milliseconds instead of at their own budgets.
 //!
+//! Peers on this host are also watched through `/proc`: a process that is killed starts exiting at
+//! once, but its sockets close only at the end of its exit, after the driver has torn down its GPU
+//! context (measured: up to 1.9 s for a rank killed in the middle of a kernel on a shared GPU). A
+//! peer seen exiting that has not said goodbye 100 ms later has failed.
+//!
 //! It never touches the GPU (no CUDA call: it cannot disturb a stream capture) and never blocks
 //! for longer than one poll period.
 
@@ -20,8 +25,73 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::Duration;
 
-/// How often the watchdog looks at the device report (the bootstrap wakes it at once for peers).
+/// How often the watchdog looks at the device report and at same-host peers' processes (the
+/// bootstrap wakes it at once for peers' messages and closed links).
 const POLL: Duration = Duration::from_millis(10);
+/// How long a same-host peer may be seen exiting before its goodbye arrives (a clean exit says
+/// goodbye before its process starts exiting; this covers the reader thread's delay).
+const GOODBYE_GRACE: Duration = Duration::from_millis(100);
+
+/// A process on this host: its pid and its start time (clock ticks after boot, field 22 of
+/// `/proc/PID/stat`), which tell a reused pid apart.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ProcessId {
+    /// The pid, in this process's pid namespace.
+    pub pid: u32,
+    /// Its start time.
+    pub start: u64,
+}
+
+impl ProcessId {
+    /// This process, if `/proc` can tell.
+    pub fn current() -> Option<ProcessId> {
+        let stat = std::fs::read_to_string("/proc/self/stat").ok()?;
+        let (_, _, start) = parse_stat(&stat)?;
+        Some(ProcessId {
+            pid: std::process::id(),
+            start,
+        })
+    }
+
+    /// This process's pid namespace and boot: two processes whose keys are equal can see each
+    /// other's pids.
+    pub fn namespace_key() -> Option<String> {
+        let ns = std::fs::read_link("/proc/self/ns/pid").ok()?;
+        let boot = std::fs::read_to_string("/proc/sys/kernel/random/boot_id").ok()?;
+        Some(format!("{}|{}", ns.display(), boot.trim()))
+    }
+
+    /// Why this process is going, if it is: gone, a zombie, exiting, or a new process on its pid.
+    fn going(&self) -> Option<String> {
+        let Ok(stat) = std::fs::read_to_string(format!("/proc/{}/stat", self.pid)) else {
+            return Some(format!("its process (pid {}) is gone", self.pid));
+        };
+        let (state, flags, start) = parse_stat(&stat)?;
+        if start != self.start {
+            return Some(format!("its process (pid {}) is gone", self.pid));
+        }
+        // PF_EXITING: set at the start of the kernel's exit path (a SIGKILL sets it at once).
+        if matches!(state, 'Z' | 'X' | 'x') || flags & 0x4 != 0 {
+            return Some(format!(
+                "its process (pid {}) is exiting without a goodbye: killed or crashed",
+                self.pid
+            ));
+        }
+        None
+    }
+}
+
+/// (state, flags, start time) from a `/proc/PID/stat` line; the command name may hold spaces
+/// and parentheses, so fields are counted from the last ')'.
+fn parse_stat(stat: &str) -> Option<(char, u64, u64)> {
+    let rest = &stat[stat.rfind(')')? + 1..];
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    // rest starts at field 3 (state); flags is field 9, start time field 22.
+    let state = fields.first()?.chars().next()?;
+    let flags = fields.get(6)?.parse().ok()?;
+    let start = fields.get(19)?.parse().ok()?;
+    Some((state, flags, start))
+}
 
 /// A running watchdog; dropping it stops the thread.
 pub(crate) struct Watchdog {
@@ -30,16 +100,18 @@ pub(crate) struct Watchdog {
 }
 
 impl Watchdog {
+    /// `local`: the peers whose processes this one can see (same host and pid namespace).
     pub(crate) fn start(
         bootstrap: Arc<Bootstrap>,
         diagnostics: Arc<WaitDiagnostics>,
+        local: Vec<(usize, ProcessId)>,
     ) -> crate::Result<Watchdog> {
         let stop = Arc::new(AtomicBool::new(false));
         let stop2 = stop.clone();
         let me = bootstrap.rank();
         let thread = std::thread::Builder::new()
             .name(format!("doorbell-wd{me}"))
-            .spawn(move || watch(&bootstrap, &diagnostics, &stop2))
+            .spawn(move || watch(&bootstrap, &diagnostics, &local, &stop2))
             .map_err(|e| Error::io("starting the communicator's watchdog thread", e))?;
         Ok(Watchdog {
             stop,
@@ -57,11 +129,31 @@ impl Drop for Watchdog {
     }
 }
 
-fn watch(bootstrap: &Bootstrap, diagnostics: &WaitDiagnostics, stop: &AtomicBool) {
+fn watch(
+    bootstrap: &Bootstrap,
+    diagnostics: &WaitDiagnostics,
+    local: &[(usize, ProcessId)],
+    stop: &AtomicBool,
+) {
     let me = bootstrap.rank();
     let mut relayed = false;
+    let mut going_since: Vec<Option<std::time::Instant>> = vec![None; local.len()];
     while !stop.load(Ordering::Relaxed) {
         relay_own(bootstrap, diagnostics, &mut relayed);
+        for ((rank, process), since) in local.iter().zip(going_since.iter_mut()) {
+            if bootstrap.said_goodbye(*rank) {
+                continue;
+            }
+            match process.going() {
+                None => *since = None,
+                Some(why) => {
+                    let t0 = *since.get_or_insert_with(std::time::Instant::now);
+                    if t0.elapsed() >= GOODBYE_GRACE {
+                        bootstrap.mark_failed(*rank, why);
+                    }
+                }
+            }
+        }
         // A peer's failure (or this rank's own bootstrap abort): abort the device waits.
         if let Some(f) = bootstrap.health() {
             let own_relay = relayed && f.from == Some(me);
@@ -105,5 +197,44 @@ fn blamed(e: &Error, me: usize) -> usize {
         Error::Timeout { peer, .. } if *peer >= 0 => *peer as usize,
         Error::ArgumentMismatch { peer, .. } => *peer,
         _ => me,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn stat_lines_parse_even_with_odd_command_names() {
+        let line =
+            "4242 (a (b) c) S 1 4242 4242 0 -1 4194560 100 0 0 0 1 2 0 0 20 0 3 0 987654 1000 10";
+        assert_eq!(parse_stat(line), Some(('S', 4194560, 987654)));
+        assert_eq!(parse_stat("garbage"), None);
+    }
+
+    #[test]
+    fn a_live_process_is_not_going_and_a_killed_one_is() {
+        let me = ProcessId::current().expect("/proc");
+        assert_eq!(me.going(), None);
+        let mut child = std::process::Command::new("sleep")
+            .arg("30")
+            .spawn()
+            .unwrap();
+        let stat = std::fs::read_to_string(format!("/proc/{}/stat", child.id())).unwrap();
+        let start = parse_stat(&stat).unwrap().2;
+        let peer = ProcessId {
+            pid: child.id(),
+            start,
+        };
+        assert_eq!(peer.going(), None);
+        child.kill().unwrap();
+        let _ = child.wait();
+        let why = peer.going().expect("a reaped child is gone");
+        assert!(why.contains("is gone"), "{why}");
+        let reused = ProcessId {
+            pid: me.pid,
+            start: me.start + 1,
+        };
+        assert!(reused.going().is_some());
     }
 }

@@ -105,8 +105,9 @@ struct MoeArgs {
   uint32_t* expert_counts;     // mine: [experts_per_rank]
   uint64_t* calls;             // mine: [2] dispatch and combine calls so far
   const SemaphoreHandle* sems; // [4][world]: dispatch counts, dispatch data, combine free, combine ready
+  CallCheck call;              // this call's word and every rank's inbox (call_check.cuh)
 };
-DOORBELL_CHECK_SIZE(MoeArgs, 296);
+DOORBELL_CHECK_SIZE(MoeArgs, 368);
 
 // Launch arguments of the low-latency MoE kernels (cuda/kernels/moe_ll.cu).
 struct MoeLlArgs {
@@ -155,7 +156,8 @@ struct MoeLlArgs {
   uint32_t* layout;             // mine: [local expert][source] rows received
   uint32_t* recv_count;         // mine: [local expert] rows received
   const SemaphoreHandle* ready; // [world]: "my partial sums for you are written"
+  CallCheck call;               // this call's word and every rank's inbox (call_check.cuh)
 };
-DOORBELL_CHECK_SIZE(MoeLlArgs, 248);
+DOORBELL_CHECK_SIZE(MoeLlArgs, 320);
 
 }  // namespace doorbell

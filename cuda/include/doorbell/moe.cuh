@@ -187,6 +187,7 @@ DOORBELL_DEVICE_INLINE void put_token(const MoeLlArgs& a, uint32_t t, const void
 // (zero) counts, since no item did (a kernel that also receives must publish them earlier: see
 // send_items in moe_ll.cu).
 DOORBELL_DEVICE_INLINE void finish_send(const MoeLlArgs& a) {
+  announce_call(a.call, a.rank, a.world);  // the receive half checks it (call_check.cuh)
   __shared__ bool last;
   __syncthreads();
   if (threadIdx.x == 0) {

@@ -463,6 +463,20 @@ impl Bootstrap {
         Bootstrap::connect(cfg)
     }
 
+    /// Marks `peer` dead for `why` (a failure found outside the bootstrap, such as its process
+    /// seen exiting), unless it already left; later waits on it fail, and [`health`](Self::health)
+    /// reports it.
+    pub fn mark_failed(&self, peer: usize, why: String) {
+        if peer != self.rank && peer < self.world_size {
+            self.shared.mark_gone(peer, true, why);
+        }
+    }
+
+    /// True once `peer` left the job with a goodbye (dropped its bootstrap cleanly).
+    pub fn said_goodbye(&self, peer: usize) -> bool {
+        self.shared.said_goodbye(peer)
+    }
+
     /// Blocks until a message arrives, a peer goes, or the job aborts, or `timeout` passes.
     pub fn wait_for_change(&self, timeout: Duration) {
         self.shared.wait_change(timeout);

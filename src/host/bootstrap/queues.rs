@@ -187,6 +187,14 @@ impl Shared {
             .unwrap_or_else(PoisonError::into_inner);
     }
 
+    /// True once `peer` left with a goodbye (a clean departure, not a failure).
+    pub(super) fn said_goodbye(&self, peer: usize) -> bool {
+        lock(&self.state)
+            .gone
+            .get(peer)
+            .is_some_and(|g| g.as_ref().is_some_and(|g| !g.died))
+    }
+
     pub(super) fn gone_reason(&self, peer: usize) -> Option<String> {
         lock(&self.state)
             .gone
