@@ -162,7 +162,7 @@ template <typename Body>
 DOORBELL_DEVICE_INLINE void checked(const AllToAllArgs& a, Body body) {
   announce_call(a.call, a.rank, a.world);
   body();
-  check_call(a.call, a.rank, a.world, a.data[threadIdx.x < a.world ? threadIdx.x : 0].site,
+  check_call(a.call, a.rank, a.world, a.data[checked_peer(a.world) % a.world].site,
              a.counts == nullptr && a.equal_bytes > 0);
 }
 

@@ -126,7 +126,7 @@ extern "C" __global__ void __launch_bounds__(1024) moe_dispatch_layout(MoeArgs a
 // The call check (call_check.cuh): the counts kernel and the combine's free handshake announce
 // the call, the last kernel of each checks every peer made the same one.
 DOORBELL_DEVICE_INLINE void check_moe_call(const MoeArgs& a) {
-  check_call(a.call, a.rank, a.world, a.sems[threadIdx.x < a.world ? threadIdx.x : 0].site);
+  check_call(a.call, a.rank, a.world, a.sems[checked_peer(a.world) % a.world].site);
 }
 
 extern "C" __global__ void moe_dispatch_counts(MoeArgs a) {

@@ -209,7 +209,7 @@ extern "C" __global__ void __launch_bounds__(512) moe_ll_send(MoeLlArgs a) {
 // The call check (call_check.cuh): the send halves announce the call (finish_send, combine_send),
 // the receive halves check every peer made the same one.
 DOORBELL_DEVICE_INLINE void check_moe_call(const MoeLlArgs& a) {
-  check_call(a.call, a.rank, a.world, moe_ll::site(a, threadIdx.x < a.world ? threadIdx.x : 0));
+  check_call(a.call, a.rank, a.world, moe_ll::site(a, checked_peer(a.world) % a.world));
 }
 
 extern "C" __global__ void __launch_bounds__(512) moe_ll_recv(MoeLlArgs a) {

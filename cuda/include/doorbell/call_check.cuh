@@ -5,7 +5,11 @@
 // written, so a zeroed slot reads as "nothing yet"). Each rank has an inbox of
 // [2 parities][kMaxRanks] words in its collective's scratch, mapped by its peers.
 //
-// Protocol (thread p of block 0, for each peer p != rank):
+// Who checks: the last `world` threads of the kernel's last block, thread p for peer p (the
+// "checker" threads). Small messages give those threads no data to move, so their check runs
+// beside the data path instead of after it; large ones hide its one load in their length.
+//
+// Protocol (checker thread p, for each peer p != rank):
 //   start of the kernel: store my word into peer p's inbox slot [parity][rank] (relaxed; the
 //     reader only compares it, nothing is read under its protection).
 //   end of the kernel, after the thread's own share of the work: wait (bounded, abort-aware) until
@@ -39,14 +43,27 @@ DOORBELL_CHECK_SIZE(CallCheck, 72);
 
 DOORBELL_DEVICE_INLINE uint32_t call_index(uint64_t word) { return static_cast<uint32_t>(word) & 0xffffu; }
 
-// Block 0's thread p tells peer p which call this is. Call at the kernel's start.
+// Whether this thread is a checker thread, and for which peer.
+DOORBELL_DEVICE_INLINE bool call_checker(uint32_t world, uint32_t& p) {
+  if (blockIdx.x != gridDim.x - 1 || threadIdx.x + world < blockDim.x) return false;
+  p = threadIdx.x + world - blockDim.x;
+  return true;
+}
+
+// Checker thread p tells peer p which call this is. Call at the kernel's start.
 DOORBELL_DEVICE_INLINE void announce_call(const CallCheck& c, uint32_t rank, uint32_t world) {
-  const uint32_t p = threadIdx.x;
-  if (c.word == 0 || blockIdx.x != 0 || p >= world || p == rank) return;
+  uint32_t p;
+  if (c.word == 0 || !call_checker(world, p) || p == rank) return;
   store_relaxed_sys(c.inbox[p] + (c.word & 1) * kMaxRanks + rank, c.word);
 }
 
-// Block 0's thread p checks that peer p makes the same call. Call at the kernel's end.
+// The peer a checker thread checks (world: none). For picking a wait site before check_call.
+DOORBELL_DEVICE_INLINE uint32_t checked_peer(uint32_t world) {
+  uint32_t p;
+  return call_checker(world, p) ? p : world;
+}
+
+// Checker thread p checks that peer p makes the same call. Call at the kernel's end.
 // `every_pair_exchanges`: every rank's call needs data from every other rank (allreduce, all-to-all
 // of equal blocks), so peer p has announced this call by now and any other index is a mismatch.
 // Otherwise (all-to-all of variable blocks, where a pair may exchange nothing and a rank may run
@@ -54,8 +71,8 @@ DOORBELL_DEVICE_INLINE void announce_call(const CallCheck& c, uint32_t rank, uin
 // index: the check never makes a rank wait for a peer it would not have waited for.
 DOORBELL_DEVICE_INLINE void check_call(const CallCheck& c, uint32_t rank, uint32_t world, WaitSite site,
                                        bool every_pair_exchanges = true) {
-  const uint32_t p = threadIdx.x;
-  if (c.word == 0 || blockIdx.x != 0 || p >= world || p == rank) return;
+  uint32_t p;
+  if (c.word == 0 || !call_checker(world, p) || p == rank) return;
   const uint64_t* slot = c.inbox[rank] + (c.word & 1) * kMaxRanks + p;
   const uint32_t before = (call_index(c.word) - 2) & 0xffffu;
   site.peer = static_cast<int32_t>(p);

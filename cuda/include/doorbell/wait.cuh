@@ -5,9 +5,10 @@
 // 64 polls, looks at the clock and, about every 65 us of waiting, at the communicator's abort word.
 // Two things end a wait early:
 //   - the abort word is set: the host's watchdog sets it when a peer died, stopped answering, or
-//     relayed its own failure, or the user called Communicator::abort(). The wait returns at once,
-//     with its condition unmet; the kernel runs on to its end without waiting again (every later
-//     wait sees the word after at most 64 polls). Results are garbage and the host call that
+//     relayed its own failure, or the user called Communicator::abort(). A wait reads it once it
+//     has waited 33 us, then every 66 us (a host-memory read costs a PCIe round trip, which
+//     healthy short waits must not pay), and returns with its condition unmet; the kernel runs on
+//     to its end (every later wait leaves after 33 us). Results are garbage and the host call that
 //     follows returns Error::PeerFailed.
 //   - the budget runs out: the first waiter of the communicator to give up claims its WaitReport,
 //     writes who waited (rank, peer, channel, block, thread) for what (kind, expected and last seen
@@ -139,6 +140,10 @@ static __noinline__ __device__ void wait_gave_up(const WaitSite& site, uint32_t 
   asm volatile("exit;");
 }
 
+// A wait reads the abort word after this long, then every kAbortCheckPeriodNs.
+constexpr uint64_t kFirstAbortCheckNs = uint64_t(1) << 15;  // 33 us
+constexpr uint64_t kAbortCheckPeriodNs = uint64_t(1) << 16; // 66 us
+
 // Spins until `poll(seen)` returns true, and returns true; returns false when the wait gave up (its
 // budget ran out, reported) or the communicator aborted. `poll` writes the last value it saw into
 // `seen`, which goes into the report. The clock starts after the first miss, so a wait that is
@@ -150,14 +155,15 @@ DOORBELL_DEVICE_INLINE bool spin_until(const WaitSite& site, uint32_t what, uint
   uint64_t seen = 0;
   if (poll(seen)) return true;
   const uint64_t start = global_timer_ns();
-  uint64_t next_abort_check = 0;
+  // The abort word is in host memory: a read costs a PCIe round trip (1-2 us) during which the
+  // thread does not see its condition come true, so healthy short waits never read it.
+  uint64_t next_abort_check = kFirstAbortCheckNs;
   for (uint32_t i = 1;; ++i) {
     if (poll(seen)) return true;
     if ((i & 63) == 0) {
       const uint64_t waited = global_timer_ns() - start;
       if (waited >= next_abort_check) {
-        // About every 65 us of waiting (and at the first check): the abort word is in host memory.
-        next_abort_check = waited + (uint64_t(1) << 16);
+        next_abort_check = waited + kAbortCheckPeriodNs;
         if (aborted(site)) return false;
       }
       if (waited > site.budget_ns) {
