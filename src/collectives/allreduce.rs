@@ -549,6 +549,7 @@ impl AllReduce {
             plan.as_ref().map_or(15, |p| p.algorithm.code()),
             ReduceOp::Sum.code(),
             count as u64,
+            signature::capturing(stream),
         );
         if count == 0 {
             return Ok(());

@@ -297,9 +297,14 @@ impl AllToAll {
             (CallKind::AllToAllV, 0)
         };
         let args = AllToAllArgs {
-            call: self
-                .calls
-                .next(kind, signature::BYTES, u32::from(ll), 0, count),
+            call: self.calls.next(
+                kind,
+                signature::BYTES,
+                u32::from(ll),
+                0,
+                count,
+                signature::capturing(stream),
+            ),
             ..args
         };
         let mut b = stream.launch_builder(if ll { &self.ll_kernel } else { &self.kernel });

@@ -340,7 +340,14 @@ impl MoeDispatcher {
             topk_idx,
             topk_weights,
             num_tokens: num_tokens as u32,
-            call: self.calls.next(CallKind::MoeDispatch, dtype, 0, 0, 0),
+            call: self.calls.next(
+                CallKind::MoeDispatch,
+                dtype,
+                0,
+                0,
+                0,
+                signature::capturing(stream),
+            ),
             ..self.base
         };
         let world = self.comm.world_size() as u32;
@@ -406,7 +413,14 @@ impl MoeDispatcher {
             y,
             out,
             num_tokens: self.last_tokens.load(std::sync::atomic::Ordering::Relaxed),
-            call: self.calls.next(CallKind::MoeCombine, 0, 0, 0, 0),
+            call: self.calls.next(
+                CallKind::MoeCombine,
+                0,
+                0,
+                0,
+                0,
+                signature::capturing(stream),
+            ),
             ..self.base
         };
         let world = self.comm.world_size() as u32;
@@ -703,7 +717,7 @@ impl MoeLowLatency {
         topk_weights: u64,
         num_tokens: usize,
     ) -> Result<()> {
-        let args = self.prepare_send(x, topk_idx, topk_weights, num_tokens)?;
+        let args = self.prepare_send(stream, x, topk_idx, topk_weights, num_tokens)?;
         self.launch(stream, 0, self.base.blocks, 512, &args)
     }
 
@@ -711,6 +725,7 @@ impl MoeLowLatency {
     /// run on every block: a warp per (token, rank) item, items dealt round-robin over blocks).
     fn prepare_send(
         &self,
+        stream: &CudaStream,
         x: u64,
         topk_idx: u64,
         topk_weights: u64,
@@ -738,7 +753,7 @@ impl MoeLowLatency {
             topk_idx,
             topk_weights,
             num_tokens: num_tokens as u32,
-            call: self.next_call(CallKind::MoeLlDispatch),
+            call: self.next_call(CallKind::MoeLlDispatch, Some(stream)),
             ..self.base
         };
         Ok(args)
@@ -777,7 +792,7 @@ impl MoeLowLatency {
             topk_idx,
             topk_weights,
             num_tokens: num_tokens as u32,
-            call: self.next_call(CallKind::MoeLlDispatch),
+            call: self.next_call(CallKind::MoeLlDispatch, None),
             ..self.base
         };
         Ok(args)
@@ -795,8 +810,11 @@ impl MoeLowLatency {
     }
 
     /// The next call's word, kept for its receive half.
-    fn next_call(&self, kind: CallKind) -> CallCheck {
-        let call = self.calls.next(kind, 0, 0, 0, 0);
+    /// (`stream`: where the call is issued; `None` for a fused send, whose stream only the
+    /// caller's kernel knows, taken as not captured.)
+    fn next_call(&self, kind: CallKind, stream: Option<&CudaStream>) -> CallCheck {
+        let graph = stream.is_some_and(signature::capturing);
+        let call = self.calls.next(kind, 0, 0, 0, 0, graph);
         let mut last = self.last_calls.lock().unwrap_or_else(|p| p.into_inner());
         if kind == CallKind::MoeLlDispatch {
             last.0 = call;
@@ -823,7 +841,7 @@ impl MoeLowLatency {
         topk_weights: u64,
         num_tokens: usize,
     ) -> Result<()> {
-        let args = self.prepare_send(x, topk_idx, topk_weights, num_tokens)?;
+        let args = self.prepare_send(stream, x, topk_idx, topk_weights, num_tokens)?;
         self.launch(stream, 2, self.base.blocks, 512, &args)
     }
 
@@ -859,7 +877,7 @@ impl MoeLowLatency {
     /// its selections' weight x output goes back to its rank; then every peer is signalled.
     pub fn combine_send(&self, stream: &CudaStream) -> Result<()> {
         let args = crate::device_api::MoeLlArgs {
-            call: self.next_call(CallKind::MoeLlCombine),
+            call: self.next_call(CallKind::MoeLlCombine, Some(stream)),
             ..self.base
         };
         self.launch(stream, 3, self.base.blocks, 512, &args)
@@ -900,7 +918,7 @@ impl MoeLowLatency {
     /// As for [`MoeLowLatency::combine_recv`].
     pub unsafe fn combine(&self, stream: &CudaStream, out: u64) -> Result<()> {
         let args = crate::device_api::MoeLlArgs {
-            call: self.next_call(CallKind::MoeLlCombine),
+            call: self.next_call(CallKind::MoeLlCombine, Some(stream)),
             ..self.combine_args(out)?
         };
         self.launch(stream, 5, self.base.blocks, 512, &args)

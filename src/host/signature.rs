@@ -13,9 +13,15 @@
 //! 20..24  element type code (DataType::code; 15 for bytes)
 //! 24..28  variant: the algorithm (allreduce) or mode
 //! 28..30  operation (0: sum)
-//! 30..63  count (elements or bytes), saturated at 2^33 - 1
+//! 30..62  count (elements or bytes), saturated at 2^32 - 1
+//! 62      1: issued while the stream was being captured into a CUDA graph
 //! 63      1: a written word (a zeroed inbox slot reads as "nothing yet")
 //! ```
+//!
+//! The call index and the graph bit form the call's key: a peer's word is compared only once it
+//! has this call's key. Replays of a captured graph reuse the indices they were captured with, so
+//! without the graph bit an eager call could meet a replayed word of the same index (once every
+//! 65536 calls) and take it for a different call.
 
 use crate::device_api::{CallCheck, MAX_RANKS};
 
@@ -70,7 +76,7 @@ pub const ALLREDUCE_VARIANTS: [&str; 6] = [
     "pipelined",
 ];
 
-const COUNT_BITS: u32 = 33;
+const COUNT_BITS: u32 = 32;
 
 /// The fields of one call.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -87,6 +93,8 @@ pub struct Call {
     pub op: u32,
     /// Elements or bytes.
     pub count: u64,
+    /// Issued while the stream was being captured into a CUDA graph.
+    pub graph: bool,
 }
 
 impl Call {
@@ -98,6 +106,7 @@ impl Call {
             | u64::from(self.variant & 15) << 24
             | u64::from(self.op & 3) << 28
             | self.count.min((1 << COUNT_BITS) - 1) << 30
+            | u64::from(self.graph) << 62
             | 1 << 63
     }
 }
@@ -129,6 +138,9 @@ pub fn describe(word: u64) -> String {
         text.push_str(&format!(" ({op}, {algo})"));
     } else if variant != 0 {
         text.push_str(&format!(" (mode {variant})"));
+    }
+    if (word >> 62) & 1 == 1 {
+        text.push_str(" in a CUDA graph");
     }
     text
 }
@@ -163,7 +175,15 @@ impl CallChecker {
 
     /// The launch argument of the next call (counts it): every rank must make the same calls in
     /// the same order, and the kernel checks that they did.
-    pub fn next(&self, kind: CallKind, dtype: u32, variant: u32, op: u32, count: u64) -> CallCheck {
+    pub fn next(
+        &self,
+        kind: CallKind,
+        dtype: u32,
+        variant: u32,
+        op: u32,
+        count: u64,
+        graph: bool,
+    ) -> CallCheck {
         let index = self
             .calls
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
@@ -174,6 +194,7 @@ impl CallChecker {
             variant,
             op,
             count,
+            graph,
         }
         .word();
         CallCheck {
@@ -181,6 +202,14 @@ impl CallChecker {
             inbox: self.inbox,
         }
     }
+}
+
+/// Whether `stream` is being captured into a CUDA graph (its calls' words say so).
+pub fn capturing(stream: &cudarc::driver::CudaStream) -> bool {
+    matches!(
+        stream.capture_status(),
+        Ok(cudarc::driver::sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_ACTIVE)
+    )
 }
 
 #[cfg(test)]
@@ -196,6 +225,7 @@ mod tests {
             variant: 5,
             op: 0,
             count: 1 << 20,
+            graph: false,
         };
         let w = call.word();
         assert_eq!(w & 0xffff, 5);
@@ -210,25 +240,27 @@ mod tests {
         };
         assert_ne!(other.word(), w);
         assert_eq!(describe(0), "no call");
-        // Counts beyond 33 bits saturate instead of spilling into the valid bit.
+        // Counts beyond 32 bits saturate instead of spilling into the graph and valid bits.
         let huge = Call {
             count: u64::MAX,
             ..call
         }
         .word();
-        assert_eq!(huge >> 63, 1);
+        assert_eq!(huge >> 62, 2);
         assert_eq!((huge >> 16) & 15, CallKind::AllReduce as u64);
     }
 
     #[test]
     fn each_call_gets_the_next_index() {
         let c = CallChecker::new([0; MAX_RANKS], true);
-        let a = c.next(CallKind::AllToAll, BYTES, 0, 0, 64);
-        let b = c.next(CallKind::AllToAll, BYTES, 0, 0, 64);
+        let a = c.next(CallKind::AllToAll, BYTES, 0, 0, 64, false);
+        let b = c.next(CallKind::AllToAll, BYTES, 0, 0, 64, true);
         assert_eq!(a.word & 0xffff, 0);
         assert_eq!(b.word & 0xffff, 1);
         assert!(describe(b.word).contains("alltoall of 64 x bytes"));
+        assert!(describe(b.word).ends_with("in a CUDA graph"));
+        assert_eq!((b.word >> 62) & 1, 1);
         let off = CallChecker::new([0; MAX_RANKS], false);
-        assert_eq!(off.next(CallKind::AllToAll, BYTES, 0, 0, 64).word, 0);
+        assert_eq!(off.next(CallKind::AllToAll, BYTES, 0, 0, 64, false).word, 0);
     }
 }

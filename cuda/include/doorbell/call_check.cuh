@@ -13,14 +13,16 @@
 //   start of the kernel: store my word into peer p's inbox slot [parity][rank] (relaxed; the
 //     reader only compares it, nothing is read under its protection).
 //   end of the kernel, after the thread's own share of the work: wait (bounded, abort-aware) until
-//     my inbox slot [parity][p] holds a word other than call index - 2 (the previous use of the
-//     slot), and compare it with mine. A different word is reported as a mismatch (WaitReport's
-//     mismatch record) and aborts the communicator, so the host call returns
-//     Error::ArgumentMismatch naming both calls.
+//     my inbox slot [parity][p] holds a word with this call's key (index and graph bit), and
+//     compare it with mine. A different word is reported as a mismatch (WaitReport's mismatch
+//     record) and aborts the communicator, so the host call returns Error::ArgumentMismatch
+//     naming both calls. A peer that skipped or repeated a call never shows this key: its waits
+//     and this one give up at the budget (Error::Timeout naming it).
 // Why two parities suffice: peer p writes call i+2's word into slot [parity][rank] only after it
 // finished call i+1, which needs this rank's data of call i+1, which this rank sends only after this
-// kernel (call i) ended. So while call i runs, the slot holds call i-2's word (wait), call i's
-// (compare), or a word of another index (p skipped or repeated a call: a mismatch).
+// kernel (call i) ended. So while call i runs, the slot holds an older word (wait) or call i's.
+// Graph replays reuse their captured words; a replayed slot already holding this call's word from
+// the previous replay makes the check pass at once (the words were compared at the first replay).
 // Cost: the store is fire-and-forget and the load at the end normally finds the word already there
 // (the peer's data arrived, so the peer had started): nothing on the critical path.
 #pragma once
@@ -41,7 +43,9 @@ DOORBELL_CHECK_SIZE(CallCheck, 72);
 
 #if DOORBELL_CUDA
 
-DOORBELL_DEVICE_INLINE uint32_t call_index(uint64_t word) { return static_cast<uint32_t>(word) & 0xffffu; }
+// A call's key: its index and whether it was captured in a graph (bit 62). Replays reuse the
+// indices they were captured with, so words are compared only when their keys are equal.
+DOORBELL_DEVICE_INLINE uint64_t call_key(uint64_t word) { return word & (0xffffull | (1ull << 62)); }
 
 // Whether this thread is a checker thread, and for which peer.
 DOORBELL_DEVICE_INLINE bool call_checker(uint32_t world, uint32_t& p) {
@@ -68,25 +72,22 @@ DOORBELL_DEVICE_INLINE uint32_t checked_peer(uint32_t world) {
 // of equal blocks), so peer p has announced this call by now and any other index is a mismatch.
 // Otherwise (all-to-all of variable blocks, where a pair may exchange nothing and a rank may run
 // calls ahead of a peer it does not depend on) the slot is only compared when it holds this call's
-// index: the check never makes a rank wait for a peer it would not have waited for.
+// key: the check never makes a rank wait for a peer it would not have waited for.
 DOORBELL_DEVICE_INLINE void check_call(const CallCheck& c, uint32_t rank, uint32_t world, WaitSite site,
                                        bool every_pair_exchanges = true) {
   uint32_t p;
   if (c.word == 0 || !call_checker(world, p) || p == rank) return;
   const uint64_t* slot = c.inbox[rank] + (c.word & 1) * kMaxRanks + p;
-  const uint32_t before = (call_index(c.word) - 2) & 0xffffu;
   site.peer = static_cast<int32_t>(p);
   uint64_t theirs = load_relaxed_sys(slot);
   if (every_pair_exchanges) {
     spin_until(site, kWaitArgMismatch, c.word, [&](uint64_t& seen) {
       seen = load_relaxed_sys(slot);
       theirs = seen;
-      return seen != 0 && call_index(seen) != before;
+      return call_key(seen) == call_key(c.word);
     });
-  } else if (call_index(theirs) != call_index(c.word)) {
-    return;
   }
-  if (theirs != 0 && call_index(theirs) != before && theirs != c.word) {
+  if (call_key(theirs) == call_key(c.word) && theirs != c.word) {
     report_mismatch(site, static_cast<int32_t>(p), c.word, theirs);
   }
 }
