@@ -131,6 +131,9 @@ fn matrix(comm: &Arc<Communicator>, s: &Arc<CudaStream>) {
                         unsafe {
                             checker.fill(s, inp, count, dtype, rank, seed).unwrap();
                             ar.run_raw(s, inp, out, count, dtype).unwrap();
+                            // A wait that gave up ends the kernel without a CUDA error: ask
+                            // the communicator before trusting the result.
+                            comm.synchronize(s).unwrap();
                             let wrong = checker
                                 .count_wrong(s, out, count, dtype, world, seed)
                                 .unwrap();
@@ -199,6 +202,7 @@ fn pressure(comm: &Arc<Communicator>, s: &Arc<CudaStream>) {
             let h = unsafe {
                 checker.fill_random(s, i, count, dtype, rank, iter).unwrap();
                 ar.run_raw(s, i, o, count, dtype).unwrap();
+                comm.synchronize(s).unwrap();
                 checker.hash(s, o, count, dtype).unwrap()
             };
             let all = comm.bootstrap().all_gather(&h.to_le_bytes()).unwrap();
