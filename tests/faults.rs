@@ -390,6 +390,33 @@ fn gpu_rank() {
         return;
     };
     let scenario = scenario.trim_start_matches("gpu_").to_string();
+    if scenario == "kill_setup" {
+        // The last rank dies while the others build their communicators: they fail naming it.
+        let cfg = BootstrapConfig::from_env().unwrap();
+        let (me, n) = (cfg.rank, cfg.world_size);
+        if me == n - 1 {
+            // Joins the job, then dies while the others open their GPUs and exchange handles.
+            let _joined = Bootstrap::connect(cfg).unwrap();
+            std::thread::sleep(Duration::from_millis(300));
+            record_fault();
+            unsafe { libc::kill(libc::getpid(), libc::SIGKILL) };
+        }
+        let e = match Communicator::from_env() {
+            Ok(_) => panic!("rank {me}: a communicator was built without rank {}", n - 1),
+            Err(e) => e,
+        };
+        let waited = since_fault();
+        eprintln!(
+            "fault-to-error: setup {n} ranks rank {me}: {} ms ({e})",
+            waited.as_millis()
+        );
+        assert!(
+            matches!(&e, Error::Bootstrap { rank: Some(r), .. } if *r == n - 1),
+            "{e}"
+        );
+        assert!(waited < Duration::from_secs(2), "{waited:?}");
+        return;
+    }
     let comm = Arc::new(Communicator::from_env().expect("communicator"));
     gpu_scenario(&scenario, comm);
     // Nothing of doorbell's is left running once everything is dropped (watchdog, heartbeat,
@@ -750,6 +777,12 @@ fn kill_scenario(name: &str) {
         let exits = gpu_case(name, n, &[]);
         assert_exits(name, &exits, Some(n - 1));
     }
+}
+
+#[test]
+#[ignore = "needs GPU"]
+fn kill_during_setup() {
+    kill_scenario("kill_setup");
 }
 
 #[test]

@@ -431,6 +431,23 @@ fn stop(comm: &Communicator, s: &Arc<CudaStream>) {
         }
     } else {
         proxy.stop().unwrap();
+        // Rank 0's report reaches this rank too, naming the rank it waited for and the cause.
+        let started = std::time::Instant::now();
+        let err = loop {
+            if let Err(e) = comm.check_health() {
+                break e;
+            }
+            assert!(
+                started.elapsed() < Duration::from_secs(30),
+                "rank 0's report never came"
+            );
+            std::thread::sleep(Duration::from_millis(5));
+        };
+        eprintln!("relayed: {err}");
+        assert!(
+            matches!(&err, Error::PeerFailed { rank: 1, cause, .. } if cause.contains("proxy service")),
+            "{err}"
+        );
     }
 }
 

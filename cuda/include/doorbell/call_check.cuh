@@ -43,9 +43,10 @@ DOORBELL_CHECK_SIZE(CallCheck, 72);
 
 #if DOORBELL_CUDA
 
-// A call's key: its index and whether it was captured in a graph (bit 62). Replays reuse the
-// indices they were captured with, so words are compared only when their keys are equal.
-DOORBELL_DEVICE_INLINE uint64_t call_key(uint64_t word) { return word & (0xffffull | (1ull << 62)); }
+// A call's key: its index, whether it was captured in a graph (bit 62), and the written bit (63:
+// an empty slot has no key). Replays reuse the indices they were captured with, so words are
+// compared only when their keys are equal.
+DOORBELL_DEVICE_INLINE uint64_t call_key(uint64_t word) { return word & (0xffffull | (3ull << 62)); }
 
 // Whether this thread is a checker thread, and for which peer.
 DOORBELL_DEVICE_INLINE bool call_checker(uint32_t world, uint32_t& p) {
@@ -54,17 +55,35 @@ DOORBELL_DEVICE_INLINE bool call_checker(uint32_t world, uint32_t& p) {
   return true;
 }
 
+// The slow halves live out of line and take scalars: every thread of every collective kernel
+// runs the inline test below, but only the checker threads call these, and keeping their code (a
+// bounded wait, a report) out of the kernel body keeps the body's instructions as compact as
+// without the check (inlined, the check cost 1 us per small allreduce, measured). Passing the
+// launch arguments by reference instead would make the compiler copy them to local memory.
+static __noinline__ __device__ void announce_call_to(uint64_t* slot, uint64_t word) { store_relaxed_sys(slot, word); }
+
+static __noinline__ __device__ void check_call_of(const uint64_t* slot, uint64_t word, uint32_t p, WaitSite site,
+                                                  bool every_pair_exchanges) {
+  site.peer = static_cast<int32_t>(p);
+  uint64_t theirs = load_relaxed_sys(slot);
+  if (every_pair_exchanges) {
+    spin_until(site, kWaitArgMismatch, word, [&](uint64_t& seen) {
+      seen = load_relaxed_sys(slot);
+      theirs = seen;
+      return call_key(seen) == call_key(word);
+    });
+  }
+  if (call_key(theirs) == call_key(word) && theirs != word) {
+    report_mismatch(site, static_cast<int32_t>(p), word, theirs);
+  }
+}
+
 // Checker thread p tells peer p which call this is. Call at the kernel's start.
 DOORBELL_DEVICE_INLINE void announce_call(const CallCheck& c, uint32_t rank, uint32_t world) {
   uint32_t p;
-  if (c.word == 0 || !call_checker(world, p) || p == rank) return;
-  store_relaxed_sys(c.inbox[p] + (c.word & 1) * kMaxRanks + rank, c.word);
-}
-
-// The peer a checker thread checks (world: none). For picking a wait site before check_call.
-DOORBELL_DEVICE_INLINE uint32_t checked_peer(uint32_t world) {
-  uint32_t p;
-  return call_checker(world, p) ? p : world;
+  if (c.word != 0 && call_checker(world, p) && p != rank) {
+    announce_call_to(c.inbox[p] + (c.word & 1) * kMaxRanks + rank, c.word);
+  }
 }
 
 // Checker thread p checks that peer p makes the same call. Call at the kernel's end.
@@ -73,22 +92,11 @@ DOORBELL_DEVICE_INLINE uint32_t checked_peer(uint32_t world) {
 // Otherwise (all-to-all of variable blocks, where a pair may exchange nothing and a rank may run
 // calls ahead of a peer it does not depend on) the slot is only compared when it holds this call's
 // key: the check never makes a rank wait for a peer it would not have waited for.
-DOORBELL_DEVICE_INLINE void check_call(const CallCheck& c, uint32_t rank, uint32_t world, WaitSite site,
+DOORBELL_DEVICE_INLINE void check_call(const CallCheck& c, uint32_t rank, uint32_t world, const WaitSite& site,
                                        bool every_pair_exchanges = true) {
   uint32_t p;
-  if (c.word == 0 || !call_checker(world, p) || p == rank) return;
-  const uint64_t* slot = c.inbox[rank] + (c.word & 1) * kMaxRanks + p;
-  site.peer = static_cast<int32_t>(p);
-  uint64_t theirs = load_relaxed_sys(slot);
-  if (every_pair_exchanges) {
-    spin_until(site, kWaitArgMismatch, c.word, [&](uint64_t& seen) {
-      seen = load_relaxed_sys(slot);
-      theirs = seen;
-      return call_key(seen) == call_key(c.word);
-    });
-  }
-  if (call_key(theirs) == call_key(c.word) && theirs != c.word) {
-    report_mismatch(site, static_cast<int32_t>(p), c.word, theirs);
+  if (c.word != 0 && call_checker(world, p) && p != rank) {
+    check_call_of(c.inbox[rank] + (c.word & 1) * kMaxRanks + p, c.word, p, site, every_pair_exchanges);
   }
 }
 
