@@ -55,6 +55,12 @@ DOORBELL_DEVICE_INLINE bool call_checker(uint32_t world, uint32_t& p) {
   return true;
 }
 
+// The peer a checker thread checks (world: none), for picking a wait site before check_call.
+DOORBELL_DEVICE_INLINE uint32_t checked_peer(uint32_t world) {
+  uint32_t p;
+  return call_checker(world, p) ? p : world;
+}
+
 // The slow halves live out of line and take scalars: every thread of every collective kernel
 // runs the inline test below, but only the checker threads call these, and keeping their code (a
 // bounded wait, a report) out of the kernel body keeps the body's instructions as compact as
