@@ -201,7 +201,10 @@ __device__ void combine_recv(const MoeLlArgs& a, uint64_t call) {
 // block's warps send while the other half copy what arrives). The kernels that wait on peers
 // have grids of at most one block per SM, all resident at once. Epochs are read at kernel
 // start, before the last block stores the new ones.
+// The send kernels announce the call at their start too (finish_send announces it for fused sends,
+// after the rows): a send that waits (for queue room, say) must not keep the peers' checks waiting.
 extern "C" __global__ void __launch_bounds__(512) moe_ll_send(MoeLlArgs a) {
+  announce_call(a.call, a.rank, a.world);
   send_items(a, threadIdx.x / kWarp, blockDim.x / kWarp);
   moe_ll::finish_send(a);
 }
@@ -221,6 +224,7 @@ extern "C" __global__ void __launch_bounds__(512) moe_ll_recv(MoeLlArgs a) {
 }
 
 extern "C" __global__ void __launch_bounds__(512) moe_ll_dispatch(MoeLlArgs a) {
+  announce_call(a.call, a.rank, a.world);
   const uint64_t epoch = moe_ll::send_epoch(a);
   const uint32_t warp = threadIdx.x / kWarp, nwarps = blockDim.x / kWarp, nsend = nwarps / 2;
   if (warp < nsend) {

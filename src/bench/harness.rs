@@ -104,6 +104,9 @@ pub fn measure(
     let g = time(
         &|| {
             for _ in 0..r {
+                // A replay runs no doorbell host code: ask the communicator between replays, so
+                // a fault stops the loop instead of queueing replays that cannot succeed.
+                comm.check_health()?;
                 graph.launch().map_err(cuda("cuGraphLaunch"))?;
             }
             Ok(())

@@ -23,6 +23,12 @@ DOORBELL_DEVICE_INLINE uint64_t load_relaxed_sys(const uint64_t* p) {
   return v;
 }
 
+DOORBELL_DEVICE_INLINE uint32_t load_relaxed_gpu(const uint32_t* p) {
+  uint32_t v;
+  asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
 DOORBELL_DEVICE_INLINE uint32_t load_acquire_sys(const uint32_t* p) {
   uint32_t v;
   asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");

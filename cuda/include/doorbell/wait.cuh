@@ -7,8 +7,10 @@
 //   - the abort word is set: the host's watchdog sets it when a peer died, stopped answering, or
 //     relayed its own failure, or the user called Communicator::abort(). A wait reads it once it
 //     has waited 33 us, then every 66 us (a host-memory read costs a PCIe round trip, which
-//     healthy short waits must not pay), and returns with its condition unmet; the kernel runs on
-//     to its end (every later wait leaves after 33 us). Results are garbage and the host call that
+//     healthy short waits must not pay), and returns with its condition unmet; it also copies it
+//     into the claim word in device memory, which every wait reads beside its first poll, so
+//     every later wait of the communicator (queued kernels and graph replays too) leaves at its
+//     first miss. The kernel runs on to its end. Results are garbage and the host call that
 //     follows returns Error::PeerFailed.
 //   - the budget runs out: the first waiter of the communicator to give up claims its WaitReport,
 //     writes who waited (rank, peer, channel, block, thread) for what (kind, expected and last seen
@@ -21,7 +23,7 @@
 //
 // Protocol of the report (one per communicator, host-mapped):
 //   claim word (device memory): bit 0 clear = free; the giver-up sets it with atomicOr, so exactly
-//   one writes.
+//   one writes (bit 1 claims the mismatch record, bit 2 is the device's copy of the abort word).
 //   fields written with plain stores, then __threadfence_system(), then `valid` = 1 with a release
 //   store. The host trusts the fields only when `valid` == 1.
 //   mismatch record: the same, claimed by bit 1 of the claim word, so a call found to differ is
@@ -85,6 +87,14 @@ DOORBELL_CHECK_SIZE(WaitSite, 40);
 
 #if DOORBELL_CUDA
 
+// Bits of the claim word (device memory): the report's claim, the mismatch record's claim, and
+// the device's copy of the abort word, which every wait reads at its first miss (an L2 read,
+// issued beside the first poll) so that once one wait has seen the abort, every later wait of the
+// communicator, in this kernel or in kernels queued behind it, leaves at once.
+constexpr uint32_t kClaimReport = 1u;
+constexpr uint32_t kClaimMismatch = 2u;
+constexpr uint32_t kClaimAborted = 4u;
+
 // True once the communicator of `site` aborted. A PCIe read: call it rarely.
 DOORBELL_DEVICE_INLINE bool aborted(const WaitSite& site) {
   return site.report != nullptr && load_acquire_sys(const_cast<const uint32_t*>(&site.report->abort)) != 0u;
@@ -95,7 +105,7 @@ DOORBELL_DEVICE_INLINE bool aborted(const WaitSite& site) {
 static __noinline__ __device__ void report_failure(const WaitSite& site, uint32_t what, uint64_t expected, uint64_t seen,
                                                    uint64_t waited_ns) {
   if (site.report == nullptr) return;
-  if (site.claim != nullptr && (atomicOr(site.claim, 1u) & 1u) == 0u) {
+  if (site.claim != nullptr && (atomicOr(site.claim, kClaimReport | kClaimAborted) & kClaimReport) == 0u) {
     volatile WaitReport* r = site.report;
     r->what = what;
     r->rank = site.rank;
@@ -119,7 +129,7 @@ static __noinline__ __device__ void report_failure(const WaitSite& site, uint32_
 static __noinline__ __device__ void report_mismatch(const WaitSite& site, int32_t peer, uint64_t mine,
                                                     uint64_t theirs) {
   if (site.report == nullptr) return;
-  if (site.claim != nullptr && (atomicOr(site.claim, 2u) & 2u) == 0u) {
+  if (site.claim != nullptr && (atomicOr(site.claim, kClaimMismatch | kClaimAborted) & kClaimMismatch) == 0u) {
     volatile WaitReport* r = site.report;
     r->mismatch_peer = peer;
     r->mismatch_mine = mine;
@@ -153,7 +163,10 @@ constexpr uint64_t kAbortCheckPeriodNs = uint64_t(1) << 16; // 66 us
 template <typename Poll>
 DOORBELL_DEVICE_INLINE bool spin_until(const WaitSite& site, uint32_t what, uint64_t expected, Poll poll) {
   uint64_t seen = 0;
+  // Issued before the first poll and used only after a miss: a satisfied wait never waits for it.
+  const uint32_t claim = site.claim != nullptr ? load_relaxed_gpu(site.claim) : 0u;
   if (poll(seen)) return true;
+  if (claim & kClaimAborted) return false;
   const uint64_t start = global_timer_ns();
   // The abort word is in host memory: a read costs a PCIe round trip (1-2 us) during which the
   // thread does not see its condition come true, so healthy short waits never read it.
@@ -164,7 +177,10 @@ DOORBELL_DEVICE_INLINE bool spin_until(const WaitSite& site, uint32_t what, uint
       const uint64_t waited = global_timer_ns() - start;
       if (waited >= next_abort_check) {
         next_abort_check = waited + kAbortCheckPeriodNs;
-        if (aborted(site)) return false;
+        if (aborted(site)) {
+          if (site.claim != nullptr) atomicOr(site.claim, kClaimAborted);
+          return false;
+        }
       }
       if (waited > site.budget_ns) {
         report_failure(site, what, expected, seen, waited);
