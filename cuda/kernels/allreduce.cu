@@ -464,34 +464,28 @@ DOORBELL_DEVICE_INLINE void pipelined(const AllReduceArgs& a) {
 
 // Every allreduce kernel runs its body between the call check's announce and check
 // (call_check.cuh): a rank that makes another call (count, type, algorithm) is named on every rank.
-template <typename Body>
-DOORBELL_DEVICE_INLINE void checked(const AllReduceArgs& a, Body body) {
-  announce_call(a.call, a.rank, a.world);
-  body();
-  check_call(a.call, a.rank, a.world, a.site);
-}
-
+// (Written out in each kernel, not through a lambda: the launch arguments stay in parameter space.)
 #define DOORBELL_ALLREDUCE_KERNELS(T, NAME)                                                                          \
   extern "C" __global__ void __launch_bounds__(512) allreduce_oneshot_ll8_##NAME(AllReduceArgs a) {                \
-    checked(a, [&] { oneshot<T, LL8Packet>(a); });                                                                   \
+    announce_call(a.call, a.rank, a.world); oneshot<T, LL8Packet>(a); check_call(a.call, a.rank, a.world, a.site);   \
   }                                                                                                                  \
   extern "C" __global__ void __launch_bounds__(512) allreduce_oneshot_ll16_##NAME(AllReduceArgs a) {               \
-    checked(a, [&] { oneshot<T, LL16Packet>(a); });                                                                  \
+    announce_call(a.call, a.rank, a.world); oneshot<T, LL16Packet>(a); check_call(a.call, a.rank, a.world, a.site);  \
   }                                                                                                                  \
   extern "C" __global__ void __launch_bounds__(512) allreduce_twoshot_ll8_##NAME(AllReduceArgs a) {                \
-    checked(a, [&] { twoshot<T, LL8Packet>(a); });                                                                   \
+    announce_call(a.call, a.rank, a.world); twoshot<T, LL8Packet>(a); check_call(a.call, a.rank, a.world, a.site);   \
   }                                                                                                                  \
   extern "C" __global__ void __launch_bounds__(512) allreduce_twoshot_ll16_##NAME(AllReduceArgs a) {               \
-    checked(a, [&] { twoshot<T, LL16Packet>(a); });                                                                  \
+    announce_call(a.call, a.rank, a.world); twoshot<T, LL16Packet>(a); check_call(a.call, a.rank, a.world, a.site);  \
   }                                                                                                                  \
   extern "C" __global__ void __launch_bounds__(512) allreduce_twoshot_sentinel_##NAME(AllReduceArgs a) {           \
-    checked(a, [&] { twoshot_sentinel<T>(a); });                                                                     \
+    announce_call(a.call, a.rank, a.world); twoshot_sentinel<T>(a); check_call(a.call, a.rank, a.world, a.site);     \
   }                                                                                                                  \
   extern "C" __global__ void __launch_bounds__(512) allreduce_pipelined_vec_##NAME(AllReduceArgs a) {              \
-    checked(a, [&] { pipelined<T, true>(a); });                                                                      \
+    announce_call(a.call, a.rank, a.world); pipelined<T, true>(a); check_call(a.call, a.rank, a.world, a.site);      \
   }                                                                                                                  \
   extern "C" __global__ void __launch_bounds__(512) allreduce_pipelined_scalar_##NAME(AllReduceArgs a) {           \
-    checked(a, [&] { pipelined<T, false>(a); });                                                                     \
+    announce_call(a.call, a.rank, a.world); pipelined<T, false>(a); check_call(a.call, a.rank, a.world, a.site);     \
   }
 
 DOORBELL_ALLREDUCE_KERNELS(__nv_bfloat16, bf16)

@@ -42,7 +42,7 @@ DOORBELL_DEVICE_INLINE uint64_t lane_tiles(uint64_t bytes, uint64_t tile, uint32
   return tiles > lane ? (tiles - lane + lanes - 1) / lanes : 0;
 }
 
-DOORBELL_DEVICE_INLINE void tiles(AllToAllArgs a) {
+DOORBELL_DEVICE_INLINE void tiles(const AllToAllArgs& a) {
   const uint32_t w = a.world;
   // Blocks [0, (w - 1) x lanes) serve the peers in rank order, `lanes` each; the rest of the
   // grid copies this rank's own block (a local copy needs fewer SMs than an NVLink stream).
@@ -115,7 +115,7 @@ DOORBELL_DEVICE_INLINE void tiles(AllToAllArgs a) {
 // halves of the area alternate by epoch, so a call never overwrites packets a slow peer has not
 // read yet (to start call N+2 a rank needs the peer's packets of N+1, sent after the peer had
 // read everything of N).
-DOORBELL_DEVICE_INLINE void ll16(AllToAllArgs a) {
+DOORBELL_DEVICE_INLINE void ll16(const AllToAllArgs& a) {
   const uint32_t w = a.world;
   const uint32_t epoch = a.epochs[blockIdx.x] + 1;
   const uint64_t half = uint64_t(epoch & 1) * w * a.ll_slot_bytes;
@@ -158,18 +158,17 @@ DOORBELL_DEVICE_INLINE void ll16(AllToAllArgs a) {
 
 // Both kernels run between the call check's announce and check (call_check.cuh): a rank that makes
 // another call (equal blocks of another size, alltoallv against alltoall) is named on every rank.
-template <typename Body>
-DOORBELL_DEVICE_INLINE void checked(const AllToAllArgs& a, Body body) {
+// (Written out, not through a lambda: the launch arguments must stay in parameter space.)
+extern "C" __global__ void __launch_bounds__(512) alltoall_tiles(AllToAllArgs a) {
   announce_call(a.call, a.rank, a.world);
-  body();
+  tiles(a);
   check_call(a.call, a.rank, a.world, a.data[checked_peer(a.world) % a.world].site,
              a.counts == nullptr && a.equal_bytes > 0);
 }
 
-extern "C" __global__ void __launch_bounds__(512) alltoall_tiles(AllToAllArgs a) {
-  checked(a, [&] { tiles(a); });
-}
-
 extern "C" __global__ void __launch_bounds__(512) alltoall_ll16(AllToAllArgs a) {
-  checked(a, [&] { ll16(a); });
+  announce_call(a.call, a.rank, a.world);
+  ll16(a);
+  check_call(a.call, a.rank, a.world, a.data[checked_peer(a.world) % a.world].site,
+             a.counts == nullptr && a.equal_bytes > 0);
 }
