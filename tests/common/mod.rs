@@ -84,13 +84,21 @@ pub fn rank_main(run: impl FnOnce(&str, &Arc<Communicator>, &Arc<CudaStream>)) {
     let comm = Arc::new(Communicator::from_env().expect("communicator"));
     let stream = comm.gpu().new_stream().expect("stream");
     run(&case, &comm, &stream);
-    // A case that provoked a fault on purpose (and checked the errors it got) leaves the job
-    // aborted: there is no barrier to meet then.
-    if let Err(e) = comm.check_health() {
-        eprintln!("rank {}: the job ended aborted: {e}", comm.rank());
-        return;
+    // A case that provoked a fault on purpose (and checked the errors it got on the ranks it
+    // concerns) leaves the job aborted: the other ranks may learn of it only in this barrier.
+    if let Err(e) = comm.bootstrap().barrier() {
+        let started = std::time::Instant::now();
+        let fault = loop {
+            match comm.check_health() {
+                Err(f) => break f,
+                Ok(()) if started.elapsed() > Duration::from_secs(2) => {
+                    panic!("final barrier: {e}")
+                }
+                Ok(()) => std::thread::sleep(Duration::from_millis(5)),
+            }
+        };
+        eprintln!("rank {}: the job ended aborted: {fault}", comm.rank());
     }
-    comm.bootstrap().barrier().expect("final barrier");
 }
 
 /// Byte `j` of the message `from` sends to `to` in `round` (twin of `pattern` in selftest.cu).

@@ -5,16 +5,18 @@
 // written, so a zeroed slot reads as "nothing yet"). Each rank has an inbox of
 // [2 parities][kMaxRanks] words in its collective's scratch, mapped by its peers.
 //
-// Who checks: the last `world` threads of the kernel's last block, thread p for peer p (the
-// "checker" threads). Small messages give those threads no data to move, so their check runs
-// beside the data path instead of after it; large ones hide its one load in their length.
+// Who: block 0's thread p announces (block 0 is scheduled first, so a peer sees the word even
+// where the grids of ranks sharing a GPU cannot all be resident); the last `world` threads of the
+// last block check, thread p for peer p (the "checker" threads): small messages give them no
+// data to move, so their check runs beside the data path instead of after it, and large ones
+// hide its one load in their length.
 //
-// Protocol (checker thread p, for each peer p != rank):
-//   start of the kernel: store my word into peer p's inbox slot [parity][rank] (relaxed; the
-//     reader only compares it, nothing is read under its protection).
-//   end of the kernel, after the thread's own share of the work: wait (bounded, abort-aware) until
-//     my inbox slot [parity][p] holds a word with this call's key (index and graph bit), and
-//     compare it with mine. A different word is reported as a mismatch (WaitReport's mismatch
+// Protocol (for each peer p != rank):
+//   start of the kernel, block 0's thread p: store my word into peer p's inbox slot
+//     [parity][rank] (relaxed; the reader only compares it, nothing is read under its protection).
+//   end of the kernel, checker thread p, after its own share of the work: wait (bounded,
+//     abort-aware) until my inbox slot [parity][p] holds a word with this call's key (index and
+//     graph bit), and compare it with mine. A different word is reported as a mismatch (WaitReport's mismatch
 //     record) and aborts the communicator, so the host call returns Error::ArgumentMismatch
 //     naming both calls. A peer that skipped or repeated a call never shows this key: its waits
 //     and this one give up at the budget (Error::Timeout naming it).
@@ -84,10 +86,11 @@ static __noinline__ __device__ void check_call_of(const uint64_t* slot, uint64_t
   }
 }
 
-// Checker thread p tells peer p which call this is. Call at the kernel's start.
+// Block 0's thread p tells peer p which call this is (block 0 runs first, even where the grids of
+// ranks sharing a GPU cannot all be resident). Call at the kernel's start.
 DOORBELL_DEVICE_INLINE void announce_call(const CallCheck& c, uint32_t rank, uint32_t world) {
-  uint32_t p;
-  if (c.word != 0 && call_checker(world, p) && p != rank) {
+  const uint32_t p = threadIdx.x;
+  if (c.word != 0 && blockIdx.x == 0 && p < world && p != rank) {
     announce_call_to(c.inbox[p] + (c.word & 1) * kMaxRanks + rank, c.word);
   }
 }
