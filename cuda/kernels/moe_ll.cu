@@ -86,7 +86,7 @@ __device__ void copy_announced(const MoeLlArgs& a, uint64_t epoch, uint32_t w, u
     const uint64_t* sent = moe_ll::sent_word(a, a.rank, half, src);
     uint64_t got = 0;
     bool none = false;
-    spin_until(moe_ll::site(a, src), kWaitPacket, epoch, [&](uint64_t& seen) {
+    const bool arrived = spin_until(moe_ll::site(a, src), kWaitPacket, epoch, [&](uint64_t& seen) {
       got = load_acquire_sys(entry);
       if ((got >> 32) == epoch) return true;
       const uint64_t n = load_acquire_sys(sent);
@@ -94,7 +94,8 @@ __device__ void copy_announced(const MoeLlArgs& a, uint64_t epoch, uint32_t w, u
       none = seen == epoch && j >= uint32_t(n);
       return none;
     });
-    if (none) continue;
+    // A wait that left (abort, budget) has no entry: its stale carrier row would index garbage.
+    if (none || !arrived) continue;
     const uint64_t carrier = uint32_t(got);
     const uint32_t n = uint32_t(-from[carrier]);  // the pair's selections; rec lists the carrier first
     const int32_t slot = lane < n ? rec[carrier * a.topk + lane] : 0;
@@ -128,11 +129,13 @@ __device__ void write_layout(const MoeLlArgs& a, uint64_t epoch) {
     const uint32_t src = q % a.world;
     const uint64_t* word = moe_ll::count_word(a, a.rank, half, q / a.world, src);
     uint64_t got = 0;
-    spin_until(moe_ll::site(a, src), kWaitPacket, epoch, [&](uint64_t& seen) {
-      got = load_acquire_sys(word);
-      seen = got >> 32;
-      return seen == epoch;
-    });
+    if (!spin_until(moe_ll::site(a, src), kWaitPacket, epoch, [&](uint64_t& seen) {
+          got = load_acquire_sys(word);
+          seen = got >> 32;
+          return seen == epoch;
+        })) {
+      got = 0;  // the wait left: no rows (a stale count would index the other half's rows)
+    }
     rows_of[q] = uint32_t(got);
     a.layout[q] = uint32_t(got);
   }

@@ -95,9 +95,14 @@ DOORBELL_DEVICE_INLINE uint64_t reserve(const MoeLlArgs& a, uint32_t t, uint32_t
   const uint32_t first = __ffs(mask) - 1;
   uint64_t at = 0;
   if (here) {
-    const uint32_t i = atomicAdd(&a.fill[e], 1u);
-    // More rows for one expert than tokens per rank: the token listed that expert twice.
-    if (i >= a.max_tokens) wait_gave_up(site(a, r), kWaitBadInput, a.max_tokens, i, 0);
+    uint32_t i = atomicAdd(&a.fill[e], 1u);
+    // More rows for one expert than tokens per rank: the token listed that expert twice. Report
+    // and abort; the lane stays (the warp's shuffles below need every lane) on the last row,
+    // whose contents no longer matter.
+    if (i >= a.max_tokens) {
+      report_failure(site(a, r), kWaitBadInput, a.max_tokens, i, 0);
+      i = a.max_tokens - 1;
+    }
     at = row_index(a, half, uint32_t(e) % a.experts_per_rank, a.rank, i);
   }
   const uint64_t carrier = __shfl_sync(0xffffffffu, at, first);
