@@ -205,9 +205,14 @@ impl CallChecker {
 }
 
 /// Whether `stream` is being captured into a CUDA graph (its calls' words say so).
+/// One driver call, without re-binding the context: the caller is about to launch on `stream`
+/// from this thread, so its context is current (if it is not, the call fails and the word says
+/// "not captured", which only weakens the check for that call).
 pub fn capturing(stream: &cudarc::driver::CudaStream) -> bool {
+    // SAFETY: `stream` is a live stream; cuStreamIsCapturing only reads its state.
+    let status = unsafe { cudarc::driver::result::stream::is_capturing(stream.cu_stream()) };
     matches!(
-        stream.capture_status(),
+        status,
         Ok(cudarc::driver::sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_ACTIVE)
     )
 }
