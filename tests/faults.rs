@@ -95,6 +95,8 @@ fn a_shrunk_job_gathers_among_the_survivors() {
                 s.spawn(move || {
                     let b = Bootstrap::connect(config(r, 4, port, Duration::from_secs(5))).unwrap();
                     b.barrier().unwrap();
+                    // Every rank leaves that barrier before rank 2 goes and rank 0 aborts.
+                    std::thread::sleep(Duration::from_millis(300));
                     if r == 2 {
                         // Leaves; the others abort (as a watchdog would) and shrink without it.
                         drop(b);
@@ -213,8 +215,12 @@ fn cpu_rank() {
                 waited >= Duration::from_millis(1000) && waited < Duration::from_secs(4),
                 "{waited:?}"
             );
-            let pid = i32::from_le_bytes(pids[1].as_slice().try_into().unwrap());
-            unsafe { libc::kill(pid, libc::SIGKILL) };
+            if me == 0 {
+                // Every survivor names it by its silence first; then rank 0 ends it.
+                std::thread::sleep(Duration::from_secs(1));
+                let pid = i32::from_le_bytes(pids[1].as_slice().try_into().unwrap());
+                unsafe { libc::kill(pid, libc::SIGKILL) };
+            }
         }
         other => panic!("unknown scenario {other}"),
     }
