@@ -423,12 +423,45 @@ fn gpu_rank() {
         assert!(waited < Duration::from_secs(2), "{waited:?}");
         return;
     }
+    // The files the process holds before the communicator, its GPU context open (kept here, so
+    // the driver's own files are counted in).
+    let local = BootstrapConfig::from_env().unwrap().local_rank;
+    let _gpu =
+        doorbell::host::cuda::Gpu::open(local % doorbell::host::cuda::device_count().unwrap())
+            .unwrap();
+    let files = || -> Vec<String> {
+        std::fs::read_dir("/proc/self/fd")
+            .unwrap()
+            .flatten()
+            .map(|e| {
+                let target = std::fs::read_link(e.path()).unwrap_or_default();
+                format!(
+                    "{} -> {}",
+                    e.file_name().to_string_lossy(),
+                    target.display()
+                )
+            })
+            .collect()
+    };
+    let fds0 = files();
     let comm = Arc::new(Communicator::from_env().expect("communicator"));
     gpu_scenario(&scenario, comm);
-    // Nothing of doorbell's is left running once everything is dropped (watchdog, heartbeat,
-    // bootstrap readers, fd server, proxies).
+    // Nothing of doorbell's is left once everything is dropped: no thread (watchdog, heartbeat,
+    // bootstrap readers, fd server, proxies), no file (sockets, exported memory).
     let left = doorbell_threads();
     assert!(left.is_empty(), "{scenario}: threads left: {left:?}");
+    let fds1 = files();
+    eprintln!(
+        "left after the drop: {scenario}: {} files open, {} before the communicator",
+        fds1.len(),
+        fds0.len()
+    );
+    // (The listing's own directory handle is not the process's.)
+    let new: Vec<&String> = fds1
+        .iter()
+        .filter(|f| !fds0.contains(f) && !f.contains("/fd"))
+        .collect();
+    assert!(new.is_empty(), "{scenario}: files left open: {new:?}");
 }
 
 fn gpu_scenario(scenario: &str, comm: Arc<Communicator>) {
