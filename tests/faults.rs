@@ -390,6 +390,47 @@ fn message_bytes(bytes: usize) -> usize {
     }
 }
 
+/// A MoE layer of `tokens` tokens per rank (hidden 256, top-4 of 4 experts per rank, 8 blocks)
+/// and its inputs on `s`: the config, then x (bf16 rows), FP8 scales, top-k ids, weights and the
+/// combine output, as device addresses (the slices are kept alive by the returned vector).
+fn moe_inputs(
+    s: &Arc<CudaStream>,
+    world: usize,
+    tokens: usize,
+) -> (
+    doorbell::collectives::moe::MoeConfig,
+    [u64; 5],
+    Vec<CudaSlice<u8>>,
+) {
+    let (hidden, topk, experts) = (256usize, 4usize, 4 * world);
+    let cfg = doorbell::collectives::moe::MoeConfig {
+        hidden,
+        topk,
+        num_experts: experts,
+        max_tokens: tokens,
+        blocks: Some(8),
+    };
+    let ids: Vec<i32> = (0..tokens * topk)
+        .map(|i| ((i / topk + (i % topk) * 3) % experts) as i32)
+        .collect();
+    let bufs: Vec<CudaSlice<u8>> = vec![
+        s.alloc_zeros(tokens * hidden * 2).unwrap(),
+        s.alloc_zeros(tokens * hidden / 128 * 4).unwrap(),
+        s.clone_htod(bytemuck::cast_slice::<i32, u8>(&ids)).unwrap(),
+        s.clone_htod(bytemuck::cast_slice::<f32, u8>(&vec![
+            1.0f32;
+            tokens * topk
+        ]))
+        .unwrap(),
+        s.alloc_zeros(tokens * hidden * 2).unwrap(),
+    ];
+    let mut ptrs = [0u64; 5];
+    for (p, b) in ptrs.iter_mut().zip(&bufs) {
+        *p = b.device_ptr(s).0;
+    }
+    (cfg, ptrs, bufs)
+}
+
 fn allreduce_of(comm: &Arc<Communicator>) -> AllReduce {
     AllReduce::new(comm, AllReduceOptions::default()).unwrap()
 }
@@ -508,27 +549,11 @@ fn gpu_scenario(scenario: &str, comm: Arc<Communicator>) {
             );
         }
         "kill_moe_ll" | "kill_moe_ht" => {
-            use doorbell::collectives::moe::{MoeConfig, MoeDispatcher, MoeLowLatency};
-            let (hidden, topk, tokens) = (256usize, 4usize, 64usize);
-            let experts = 4 * n;
-            let cfg = MoeConfig {
-                hidden,
-                topk,
-                num_experts: experts,
-                max_tokens: tokens,
-                blocks: Some(8),
-            };
-            let x: CudaSlice<u16> = s.alloc_zeros(tokens * hidden).unwrap();
-            let idx_host: Vec<i32> = (0..tokens * topk)
-                .map(|i| ((i / topk + (i % topk) * 3) % experts) as i32)
-                .collect();
-            let idx = s.clone_htod(&idx_host).unwrap();
-            let w = s.clone_htod(&vec![1.0f32; tokens * topk]).unwrap();
-            let (xp, ip, wp) = (x.device_ptr(&s).0, idx.device_ptr(&s).0, w.device_ptr(&s).0);
+            use doorbell::collectives::moe::{MoeDispatcher, MoeLowLatency};
+            let tokens = 64;
+            let (cfg, [xp, _, ip, wp, op], _bufs) = moe_inputs(&s, n, tokens);
             if scenario == "kill_moe_ll" {
                 let ll = MoeLowLatency::new(&comm, cfg).unwrap();
-                let out: CudaSlice<u16> = s.alloc_zeros(tokens * hidden).unwrap();
-                let op = out.device_ptr(&s).0;
                 kill_mid(
                     &comm,
                     &s,
@@ -707,26 +732,9 @@ fn gpu_scenario(scenario: &str, comm: Arc<Communicator>) {
             assert!(waited < Duration::from_millis(1500 + 2000), "{waited:?}");
         }
         "mismatch_moe_ll" | "mismatch_moe_ht" => {
-            use doorbell::collectives::moe::{MoeConfig, MoeDispatcher, MoeLowLatency};
-            let (hidden, topk, tokens) = (256usize, 4usize, 32usize);
-            let experts = 4 * n;
-            let cfg = MoeConfig {
-                hidden,
-                topk,
-                num_experts: experts,
-                max_tokens: tokens,
-                blocks: Some(8),
-            };
-            let x: CudaSlice<u16> = s.alloc_zeros(tokens * hidden).unwrap();
-            let scales: CudaSlice<f32> = s.alloc_zeros(tokens * hidden / 128).unwrap();
-            let idx_host: Vec<i32> = (0..tokens * topk)
-                .map(|i| ((i / topk + (i % topk) * 3) % experts) as i32)
-                .collect();
-            let idx = s.clone_htod(&idx_host).unwrap();
-            let w = s.clone_htod(&vec![1.0f32; tokens * topk]).unwrap();
-            let out: CudaSlice<u16> = s.alloc_zeros(tokens * hidden).unwrap();
-            let (xp, ip, wp) = (x.device_ptr(&s).0, idx.device_ptr(&s).0, w.device_ptr(&s).0);
-            let (sp, op) = (scales.device_ptr(&s).0, out.device_ptr(&s).0);
+            use doorbell::collectives::moe::{MoeDispatcher, MoeLowLatency};
+            let tokens = 32;
+            let (cfg, [xp, sp, ip, wp, op], _bufs) = moe_inputs(&s, n, tokens);
             let t0;
             // SAFETY (every call below): the buffers hold `tokens` rows of the configured shape.
             let e = if scenario == "mismatch_moe_ll" {
