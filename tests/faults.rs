@@ -74,7 +74,10 @@ fn wait_health(
 #[test]
 fn an_abort_reaches_every_rank_with_its_cause() {
     threads(3, |b| {
-        b.barrier().unwrap();
+        // A rank still in this barrier when rank 1 aborts fails it, which is fine: the abort is
+        // what is tested. The pause only makes that rare.
+        let _ = b.barrier();
+        std::thread::sleep(Duration::from_millis(300));
         if b.rank() == 1 {
             b.abort(Some(1), "boom on rank 1");
         }
@@ -94,8 +97,9 @@ fn a_shrunk_job_gathers_among_the_survivors() {
             .map(|r| {
                 s.spawn(move || {
                     let b = Bootstrap::connect(config(r, 4, port, Duration::from_secs(5))).unwrap();
-                    b.barrier().unwrap();
-                    // Every rank leaves that barrier before rank 2 goes and rank 0 aborts.
+                    // A rank still in this barrier when rank 2 goes fails it, which is fine (the
+                    // shrink is what is tested); the pause only makes that rare.
+                    let _ = b.barrier();
                     std::thread::sleep(Duration::from_millis(300));
                     if r == 2 {
                         // Leaves; the others abort (as a watchdog would) and shrink without it.
