@@ -165,7 +165,14 @@ impl WaitDiagnostics {
     /// moment for the watchdog to learn of a peer's failure if nothing is known yet (the failure
     /// then says what CUDA reported too); the call's own error otherwise.
     pub fn explain(&self, e: Error) -> Error {
-        let until = Instant::now() + EXPLAIN_GRACE;
+        // Only a kernel that failed can have been failed by a peer: other errors (a bad launch
+        // argument, out of memory) are returned at once.
+        let grace = if kernel_failed(&e) {
+            EXPLAIN_GRACE
+        } else {
+            Duration::ZERO
+        };
+        let until = Instant::now() + grace;
         loop {
             if let Some(known) = self.error() {
                 return match known {
@@ -191,6 +198,27 @@ impl WaitDiagnostics {
             None => Ok(()),
         }
     }
+}
+
+/// Whether `e` says a kernel failed on the device (the errors a dead peer can cause: its memory
+/// gone under MPS, a context torn down), as opposed to a call refused on the host.
+fn kernel_failed(e: &Error) -> bool {
+    let Error::Cuda { code, .. } = e else {
+        return false;
+    };
+    [
+        "LAUNCH_FAILED",
+        "ILLEGAL_ADDRESS",
+        "ILLEGAL_INSTRUCTION",
+        "MISALIGNED_ADDRESS",
+        "HARDWARE_STACK_ERROR",
+        "LAUNCH_TIMEOUT",
+        "ECC_UNCORRECTABLE",
+        "CONTEXT_IS_DESTROYED",
+        "MPS_",
+    ]
+    .iter()
+    .any(|k| code.contains(k))
 }
 
 /// The [`Error::ArgumentMismatch`] a relayed cause quotes, if it quotes one (the error's own
@@ -224,5 +252,26 @@ mod tests {
         let back = parse_mismatch(&relayed).unwrap();
         assert_eq!(back.to_string(), e.to_string());
         assert!(parse_mismatch("rank 1 reported: timeout on rank 1").is_none());
+    }
+
+    #[test]
+    fn only_failed_kernels_wait_for_the_watchdog() {
+        let cuda = |code: &str| Error::Cuda {
+            call: "cuStreamSynchronize",
+            code: code.into(),
+        };
+        assert!(kernel_failed(&cuda(
+            "DriverError(CUDA_ERROR_LAUNCH_FAILED, \"unspecified launch failure\")"
+        )));
+        assert!(kernel_failed(&cuda(
+            "DriverError(CUDA_ERROR_ILLEGAL_ADDRESS, \"...\")"
+        )));
+        assert!(!kernel_failed(&cuda(
+            "DriverError(CUDA_ERROR_INVALID_VALUE, \"...\")"
+        )));
+        assert!(!kernel_failed(&cuda(
+            "DriverError(CUDA_ERROR_OUT_OF_MEMORY, \"...\")"
+        )));
+        assert!(!kernel_failed(&Error::invalid("x", "y")));
     }
 }
