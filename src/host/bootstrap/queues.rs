@@ -397,6 +397,14 @@ pub(super) fn read_link(shared: Arc<Shared>, peer: usize, mut stream: TcpStream)
                         .to_string(),
                 )
             }
+            // A process that dies with unread bytes in its socket (a heartbeat, say) resets the
+            // connection instead of closing it.
+            Err(e) if e.kind() == io::ErrorKind::ConnectionReset => {
+                break (
+                    true,
+                    "connection reset without a goodbye: the process exited or crashed".to_string(),
+                )
+            }
             Err(e) => break (true, format!("connection failed: {e}")),
         }
     };
