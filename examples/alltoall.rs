@@ -13,9 +13,9 @@ use doorbell::bench::nccl::Nccl;
 use doorbell::collectives::alltoall::{AllToAll, AllToAllOptions};
 use doorbell::collectives::check::Checker;
 use doorbell::collectives::DataType;
-use doorbell::host::communicator::Communicator;
-use doorbell::host::cuda::device_count;
-use doorbell::host::launch::run_job;
+use doorbell::communicator::Communicator;
+use doorbell::gpu::cuda::device_count;
+use doorbell::job::launch::run_job;
 use doorbell::{Error, Result};
 use std::sync::Arc;
 

@@ -16,9 +16,9 @@ use doorbell::bench::harness::{measure, Repeat, Timing};
 use doorbell::bench::nccl::Nccl;
 use doorbell::collectives::moe::{reference_layout, MoeConfig, MoeDispatcher, MoeLowLatency};
 use doorbell::collectives::DataType;
-use doorbell::host::communicator::Communicator;
-use doorbell::host::cuda::device_count;
-use doorbell::host::launch::run_job;
+use doorbell::communicator::Communicator;
+use doorbell::gpu::cuda::device_count;
+use doorbell::job::launch::run_job;
 use doorbell::{Error, Result};
 use std::sync::Arc;
 

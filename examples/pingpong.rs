@@ -10,9 +10,9 @@
 use clap::Parser;
 use cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT;
 use cudarc::driver::{CudaFunction, CudaStream, LaunchConfig, PushKernelArg};
+use doorbell::communicator::Communicator;
 use doorbell::device_api::MemoryChannelHandle;
-use doorbell::host::communicator::Communicator;
-use doorbell::host::launch::run_job;
+use doorbell::job::launch::run_job;
 use doorbell::{Error, Result};
 use std::sync::Arc;
 

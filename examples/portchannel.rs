@@ -8,8 +8,8 @@
 use clap::Parser;
 use cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT;
 use cudarc::driver::{CudaStream, LaunchConfig, PushKernelArg};
-use doorbell::host::communicator::Communicator;
-use doorbell::host::launch::run_job;
+use doorbell::communicator::Communicator;
+use doorbell::job::launch::run_job;
 use doorbell::{Error, Result};
 use std::sync::Arc;
 
@@ -94,9 +94,9 @@ fn measure(
     comm: &Communicator,
     s: &Arc<CudaStream>,
     args: &Args,
-    chans: &doorbell::host::communicator::PortChannels,
-    remote: &[Option<Arc<doorbell::host::memory::RemoteMemory>>],
-    buf: &doorbell::host::memory::Buffer,
+    chans: &doorbell::channel::port_channel::PortChannels,
+    remote: &[Option<Arc<doorbell::transport::ipc::RemoteMemory>>],
+    buf: &doorbell::gpu::memory::Buffer,
     rank: usize,
 ) -> Result<()> {
     let gpu = comm.gpu().clone();
@@ -258,7 +258,7 @@ fn measure(
                 let t = timed(comm, s, &|st| {
                     for _ in 0..reps {
                         // SAFETY: both ranges hold `bytes` (the peer's buffer is mapped here).
-                        doorbell::host::cuda::check("cuMemcpyDtoDAsync", unsafe {
+                        doorbell::gpu::cuda::check("cuMemcpyDtoDAsync", unsafe {
                             cudarc::driver::sys::cuMemcpyDtoDAsync_v2(
                                 peer_buf,
                                 buf.device_ptr(),

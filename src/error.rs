@@ -31,7 +31,7 @@ pub enum WaitKind {
     /// 'seen' the mlx5 syndrome.
     IbError,
     /// A peer made a different collective call (reported like a wait): 'expected' is this
-    /// rank's call word, 'seen' the peer's (see [`crate::host::signature`]).
+    /// rank's call word, 'seen' the peer's (see [`crate::gpu::signature`]).
     ArgumentMismatch,
     /// A kind this build does not know (a newer header wrote it).
     Other(u32),
@@ -135,9 +135,9 @@ pub enum Error {
     /// Another rank of the job failed, and this rank's communicator aborted because of it: the
     /// rank died (its bootstrap connection closed without a goodbye), stopped sending heartbeats,
     /// relayed a failure of its own (a device wait that gave up, an error completion, a proxy
-    /// that stopped), or called [`crate::host::communicator::Communicator::abort`]. `rank` may be
+    /// that stopped), or called [`crate::communicator::Communicator::abort`]. `rank` may be
     /// this rank (it aborted). The communicator is unusable: drop it, and build a new one among
-    /// the survivors ([`crate::host::communicator::Communicator::shrink`]).
+    /// the survivors ([`crate::communicator::Communicator::shrink`]).
     #[error("rank {me}: rank {rank} failed: {cause}")]
     PeerFailed {
         /// The rank reporting the error.

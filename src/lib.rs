@@ -6,13 +6,16 @@
 
 #![warn(missing_docs)]
 
+// Layers, bottom to top; a module imports only from layers below it (tests/layers.rs checks).
 pub mod bench;
+pub mod channel;
 pub mod collectives;
-pub mod config;
+pub mod communicator;
 pub mod device_api;
 pub mod error;
-pub mod host;
-pub mod rdma;
+pub mod gpu;
+pub mod job;
+pub mod transport;
 
 pub use error::{Error, Result, WaitKind};
 
@@ -21,7 +24,7 @@ pub use error::{Error, Result, WaitKind};
 /// their own (the examples call it); a second call, or one after another subscriber was set, does
 /// nothing.
 pub fn init_logging() {
-    let filter = config::Settings::from_env()
+    let filter = job::config::Settings::from_env()
         .map(|s| s.log_filter)
         .unwrap_or_else(|_| "warn".into());
     let _ = tracing_subscriber::fmt()

@@ -12,7 +12,7 @@ use cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
 use doorbell::collectives::allreduce::{Algorithm, AllReduce, AllReduceOptions};
 use doorbell::collectives::check::Checker;
 use doorbell::collectives::DataType;
-use doorbell::host::communicator::Communicator;
+use doorbell::communicator::Communicator;
 use doorbell::Error;
 use std::sync::Arc;
 

@@ -11,7 +11,7 @@ use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
 use doorbell::collectives::alltoall::{AllToAll, AllToAllOptions, Counts};
 use doorbell::collectives::check::Checker;
-use doorbell::host::communicator::Communicator;
+use doorbell::communicator::Communicator;
 use std::sync::Arc;
 
 #[test]

@@ -3,8 +3,8 @@
 //! rank as a process of this same test binary, started with `launch::spawn_ranks` and running
 //! `child_entry` with the case in `DOORBELL_TEST_SCENARIO`.
 
-use doorbell::host::bootstrap::{Bootstrap, BootstrapConfig};
-use doorbell::host::launch::{free_port, spawn_ranks, SpawnOptions};
+use doorbell::job::bootstrap::{Bootstrap, BootstrapConfig};
+use doorbell::job::launch::{free_port, spawn_ranks, SpawnOptions};
 use doorbell::Error;
 use std::ffi::OsString;
 use std::io::{Read, Write};

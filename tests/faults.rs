@@ -16,9 +16,9 @@ use common::rank_counts;
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
 use doorbell::collectives::allreduce::{AllReduce, AllReduceOptions};
 use doorbell::collectives::alltoall::{AllToAll, AllToAllOptions};
-use doorbell::host::bootstrap::{Bootstrap, BootstrapConfig};
-use doorbell::host::communicator::Communicator;
-use doorbell::host::launch::{free_port, spawn_ranks, SpawnOptions};
+use doorbell::communicator::Communicator;
+use doorbell::job::bootstrap::{Bootstrap, BootstrapConfig};
+use doorbell::job::launch::{free_port, spawn_ranks, SpawnOptions};
 use doorbell::Error;
 use std::ffi::OsString;
 use std::sync::Arc;
@@ -60,7 +60,7 @@ fn threads<T: Send>(n: usize, body: impl Fn(Bootstrap) -> T + Sync) -> Vec<T> {
 fn wait_health(
     b: &Bootstrap,
     limit: Duration,
-) -> (doorbell::host::bootstrap::PeerFailure, Duration) {
+) -> (doorbell::job::bootstrap::PeerFailure, Duration) {
     let t0 = Instant::now();
     loop {
         if let Some(f) = b.health() {
@@ -149,7 +149,7 @@ fn spawn(
     scenario: &str,
     n: usize,
     extra: &[(&str, String)],
-) -> Vec<doorbell::host::launch::RankExit> {
+) -> Vec<doorbell::job::launch::RankExit> {
     let exe = std::env::current_exe().unwrap();
     let (test, ignored) = if scenario.starts_with("gpu_") {
         ("gpu_rank", true)
@@ -279,7 +279,7 @@ fn gpu_case(
     scenario: &str,
     n: usize,
     extra: &[(&str, String)],
-) -> Vec<doorbell::host::launch::RankExit> {
+) -> Vec<doorbell::job::launch::RankExit> {
     let dir = std::env::temp_dir().join(format!(
         "doorbell-fault-{}-{scenario}-{n}",
         std::process::id()
@@ -297,7 +297,7 @@ fn gpu_case(
 }
 
 /// Every rank but `victim` succeeded; `victim` (if any) was killed by a signal.
-fn assert_exits(scenario: &str, exits: &[doorbell::host::launch::RankExit], victim: Option<usize>) {
+fn assert_exits(scenario: &str, exits: &[doorbell::job::launch::RankExit], victim: Option<usize>) {
     for e in exits {
         if Some(e.rank) == victim {
             assert!(!e.success(), "{scenario}: the victim survived: {e}");
@@ -476,9 +476,8 @@ fn gpu_rank() {
     // The files the process holds before the communicator, its GPU context open (kept here, so
     // the driver's own files are counted in).
     let local = BootstrapConfig::from_env().unwrap().local_rank;
-    let _gpu =
-        doorbell::host::cuda::Gpu::open(local % doorbell::host::cuda::device_count().unwrap())
-            .unwrap();
+    let _gpu = doorbell::gpu::cuda::Gpu::open(local % doorbell::gpu::cuda::device_count().unwrap())
+        .unwrap();
     let files = || -> Vec<String> {
         std::fs::read_dir("/proc/self/fd")
             .unwrap()

@@ -2,7 +2,7 @@
 //! side is either this process or a child process of this same test binary (`child_entry` with
 //! `DOORBELL_FD_TEST` set), which reads the bytes behind the descriptor it received.
 
-use doorbell::host::fd_passing::{fetch_fd, server_name, FdServer};
+use doorbell::gpu::fd_passing::{fetch_fd, server_name, FdServer};
 use doorbell::Error;
 use std::fs::File;
 use std::io::{Read, Write};

@@ -7,8 +7,9 @@
 //! receiver, round, byte index): a wrong byte says who sent it.
 
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DeviceRepr, PushKernelArg};
+use doorbell::channel::memory_channel::MemoryChannels;
+use doorbell::communicator::Communicator;
 use doorbell::device_api::MemoryChannelHandle;
-use doorbell::host::communicator::{Communicator, MemoryChannels};
 use doorbell::{Error, WaitKind};
 use std::sync::Arc;
 use std::time::Duration;
@@ -87,7 +88,7 @@ fn forced_packet_timeout_is_reported_with_its_fields() {
 #[test]
 #[ignore = "needs GPU"]
 fn no_such_gpu_is_an_error_not_a_panic() {
-    match doorbell::host::cuda::Gpu::open(1 << 20) {
+    match doorbell::gpu::cuda::Gpu::open(1 << 20) {
         Err(Error::InvalidArgument { why, .. }) => assert!(why.contains("sees"), "{why}"),
         other => panic!("expected InvalidArgument, got {other:?}"),
     }

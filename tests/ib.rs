@@ -15,8 +15,10 @@ mod ib_puts;
 use bytemuck::{Pod, Zeroable};
 use common::{count_wrong, fill, rank_counts, rank_main, run_case};
 use cudarc::driver::{DevicePtr, LaunchConfig, PushKernelArg};
-use doorbell::host::cuda::Gpu;
-use doorbell::rdma::wqe::{opcode, Op, SendQueue, CQ_UPDATE, FENCE, MAX_INLINE, SOLICITED, WQEBB};
+use doorbell::gpu::cuda::Gpu;
+use doorbell::transport::ib::wqe::{
+    opcode, Op, SendQueue, CQ_UPDATE, FENCE, MAX_INLINE, SOLICITED, WQEBB,
+};
 use ib_puts::device_bytes;
 
 /// Mirror of `WqeCase` in `cuda/kernels/ib.cu`.
@@ -288,8 +290,8 @@ fn gpu_built_wqes_equal_the_cpu_builders() {
 #[ignore = "needs GPU"]
 fn gpu_posted_writes_and_atomics_through_the_emulated_nic() {
     use doorbell::device_api::WaitSite;
-    use doorbell::rdma::emulator::{Delivery, EmulatedNic};
-    use doorbell::rdma::gpu_qp::{CudaDma, GpuQp, Posting};
+    use doorbell::transport::ib::emulator::{Delivery, EmulatedNic};
+    use doorbell::transport::ib::gpu_qp::{CudaDma, GpuQp, Posting};
     use std::sync::Arc;
     let gpu = Gpu::open(0).expect("GPU 0");
     let s = gpu.new_stream().unwrap();
@@ -335,8 +337,8 @@ fn gpu_posted_writes_and_atomics_through_the_emulated_nic() {
 #[ignore = "needs GPU"]
 fn gpu_posting_rate_through_the_emulated_nic() {
     use doorbell::device_api::WaitSite;
-    use doorbell::rdma::emulator::{Delivery, EmulatedNic, NullDma};
-    use doorbell::rdma::gpu_qp::{GpuQp, Posting};
+    use doorbell::transport::ib::emulator::{Delivery, EmulatedNic, NullDma};
+    use doorbell::transport::ib::gpu_qp::{GpuQp, Posting};
     use std::sync::Arc;
     let gpu = Gpu::open(0).expect("GPU 0");
     let s = gpu.new_stream().unwrap();
@@ -419,12 +421,12 @@ fn gpu_initiated_rdma_between_ranks_over_the_emulated_nic() {
 }
 
 fn ring(
-    comm: &doorbell::host::communicator::Communicator,
+    comm: &doorbell::communicator::Communicator,
     s: &std::sync::Arc<cudarc::driver::CudaStream>,
     relaxed: bool,
 ) {
-    use doorbell::rdma::emulator::{Delivery, EmulatedNic};
-    use doorbell::rdma::gpu_qp::{CudaDma, GpuQp, Posting};
+    use doorbell::transport::ib::emulator::{Delivery, EmulatedNic};
+    use doorbell::transport::ib::gpu_qp::{CudaDma, GpuQp, Posting};
     use std::sync::Arc;
     let (me, n) = (comm.rank(), comm.world_size());
     let (right, left) = ((me + 1) % n, (me + n - 1) % n);
@@ -589,11 +591,11 @@ fn an_error_completion_is_reported_not_hung() {
 }
 
 fn error_cqe(
-    comm: &doorbell::host::communicator::Communicator,
+    comm: &doorbell::communicator::Communicator,
     s: &std::sync::Arc<cudarc::driver::CudaStream>,
 ) {
-    use doorbell::rdma::emulator::{Delivery, EmulatedNic};
-    use doorbell::rdma::gpu_qp::{CudaDma, GpuQp, Posting};
+    use doorbell::transport::ib::emulator::{Delivery, EmulatedNic};
+    use doorbell::transport::ib::gpu_qp::{CudaDma, GpuQp, Posting};
     use doorbell::{Error, WaitKind};
     use std::sync::Arc;
     if comm.rank() != 0 {
@@ -653,7 +655,10 @@ fn error_cqe(
         } => {
             assert_eq!(rank, 0);
             assert_eq!(what, WaitKind::IbError);
-            assert_eq!(seen, u64::from(doorbell::rdma::cq::syndrome::REMOTE_ACCESS));
+            assert_eq!(
+                seen,
+                u64::from(doorbell::transport::ib::cq::syndrome::REMOTE_ACCESS)
+            );
         }
         other => panic!("expected Timeout with IbError, got {other:?}"),
     }

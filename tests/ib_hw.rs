@@ -19,12 +19,12 @@ mod ib_puts;
 
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
 use doorbell::device_api::WaitSite;
-use doorbell::host::cuda::Gpu;
-use doorbell::rdma::host_qp::HostQp;
-use doorbell::rdma::hw::HwPort;
-use doorbell::rdma::rc::{access, Mr};
-use doorbell::rdma::verbs::Verbs;
-use doorbell::rdma::wqe::Op;
+use doorbell::gpu::cuda::Gpu;
+use doorbell::transport::ib::host_qp::HostQp;
+use doorbell::transport::ib::hw::HwPort;
+use doorbell::transport::ib::rc::{access, Mr};
+use doorbell::transport::ib::verbs::Verbs;
+use doorbell::transport::ib::wqe::Op;
 use ib_puts::device_bytes;
 use std::sync::Arc;
 use std::time::{Duration, Instant};

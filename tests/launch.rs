@@ -3,7 +3,7 @@
 //! launcher printed. Supervision (grace period, overall timeout) is checked directly with
 //! `/bin/sh` ranks.
 
-use doorbell::host::launch::{exit_code, rank_or_spawn, spawn_ranks, Launched, SpawnOptions};
+use doorbell::job::launch::{exit_code, rank_or_spawn, spawn_ranks, Launched, SpawnOptions};
 use std::collections::HashSet;
 use std::ffi::OsString;
 use std::path::Path;

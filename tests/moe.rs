@@ -13,7 +13,7 @@ use common::{rank_counts, rank_main, run_case};
 use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, PushKernelArg};
 use doorbell::collectives::moe::{reference_layout, MoeConfig, MoeDispatcher};
-use doorbell::host::communicator::Communicator;
+use doorbell::communicator::Communicator;
 use half::bf16;
 use std::sync::Arc;
 

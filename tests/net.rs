@@ -12,9 +12,10 @@ mod common;
 use common::{count_wrong, fill, rank_counts, rank_main, run_case};
 use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
 use cudarc::driver::{CudaStream, DevicePtr};
+use doorbell::channel::port_channel::Transport;
 use doorbell::collectives::net::NetCollectives;
 use doorbell::collectives::DataType;
-use doorbell::host::communicator::{Communicator, Transport};
+use doorbell::communicator::Communicator;
 use half::bf16;
 use std::sync::Arc;
 

@@ -8,8 +8,9 @@ mod common;
 
 use common::{count_wrong, fill, rank_counts, rank_main, run_case};
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, LaunchConfig, PushKernelArg};
+use doorbell::channel::port_channel::Transport;
+use doorbell::communicator::Communicator;
 use doorbell::device_api::PortChannelHandle;
-use doorbell::host::communicator::{Communicator, Transport};
 use doorbell::{Error, WaitKind};
 use std::sync::Arc;
 use std::time::Duration;

@@ -4,8 +4,8 @@
 //! headers: `apt install libibverbs-dev`, as `scripts/install-test-deps.sh` does), and loading
 //! libibverbs at run time where it is installed.
 
-use doorbell::rdma::hw::{DvCq, DvObj, DvQp};
-use doorbell::rdma::verbs::{
+use doorbell::transport::ib::hw::{DvCq, DvObj, DvQp};
+use doorbell::transport::ib::verbs::{
     AhAttr, DeviceAttr, GidEntry, GlobalRoute, MrRaw, PortAttr, QpAttr, QpCap, QpInitAttr, QpRaw,
     Verbs,
 };
@@ -298,7 +298,7 @@ fn a_hardware_port_opens_or_says_why_not() {
     let Ok(verbs) = Verbs::load() else {
         return; // covered by the test above: the error says what to install
     };
-    match doorbell::rdma::hw::HwPort::open(&std::sync::Arc::new(verbs), None, None) {
+    match doorbell::transport::ib::hw::HwPort::open(&std::sync::Arc::new(verbs), None, None) {
         Ok(_) => eprintln!("an mlx5 NIC with an active port is present"),
         Err(doorbell::Error::TransportUnavailable { why, .. }) => {
             assert!(!why.is_empty());

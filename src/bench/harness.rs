@@ -1,8 +1,8 @@
 //! Timing shared by the benchmark examples: eager and CUDA-graph timing of one operation, the
 //! maximum over ranks, and byte-count parsing and printing.
 
+use crate::communicator::Communicator;
 use crate::error::{Error, Result};
-use crate::host::communicator::Communicator;
 use cudarc::driver::sys::{
     CUevent_flags::CU_EVENT_DEFAULT, CUgraphInstantiate_flags, CUstreamCaptureMode,
 };

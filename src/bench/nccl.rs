@@ -11,8 +11,8 @@
 
 use crate::collectives::DataType;
 use crate::error::{Error, Result};
-use crate::host::bootstrap::Bootstrap;
-use crate::host::cuda::Gpu;
+use crate::gpu::cuda::Gpu;
+use crate::job::bootstrap::Bootstrap;
 use cudarc::driver::CudaStream;
 use cudarc::nccl::sys;
 use std::ffi::{c_char, c_int, c_void, CStr};

@@ -3,10 +3,10 @@
 //! each pair of local GPUs the transport and (between nodes) the RDMA posting mode.
 
 use cudarc::driver::sys;
-use doorbell::config::{IbPosting, Settings};
-use doorbell::host::cuda::{check, device_count, Gpu};
-use doorbell::rdma::select::{choose_posting, gpu_registration, Platform};
-use doorbell::rdma::verbs::{choose_gid, Verbs};
+use doorbell::gpu::cuda::{check, device_count, Gpu};
+use doorbell::job::config::{IbPosting, Settings};
+use doorbell::transport::ib::select::{choose_posting, gpu_registration, Platform};
+use doorbell::transport::ib::verbs::{choose_gid, Verbs};
 
 const HELP: &str = "doorbell-info: GPUs, peer access, RDMA NICs, IBGDA prerequisites, and the \
 transport and posting mode doorbell would use between each pair of ranks on this host, with the \

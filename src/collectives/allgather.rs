@@ -12,12 +12,14 @@
 //! Algorithm and protocol: `cuda/kernels/allgather.cu` (a ring, because copy engines sending to
 //! every peer at once lose half their rate).
 
+use crate::channel::memory_channel::RegisteredMemory;
+use crate::channel::port_channel::PortChannels;
+use crate::channel::proxy::ProxyService;
+use crate::communicator::Communicator;
 use crate::device_api::PortChannelHandle;
 use crate::error::{Error, Result};
-use crate::host::communicator::{Communicator, PortChannels, RegisteredMemory};
-use crate::host::cuda::{check, cuda_err};
-use crate::host::memory::Buffer;
-use crate::host::proxy::ProxyService;
+use crate::gpu::cuda::{check, cuda_err};
+use crate::gpu::memory::Buffer;
 use cudarc::driver::sys::CUevent_flags;
 use cudarc::driver::{
     CudaEvent, CudaFunction, CudaStream, DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg,

@@ -18,14 +18,17 @@
 //! order. `DOORBELL_CHECK=1` (or [`AllReduceOptions::check_args`]) verifies that on every call
 //! and names the odd rank instead of hanging.
 
+use crate::channel::memory_channel::RegisteredMemory;
+use crate::channel::semaphore::Semaphores;
 use crate::collectives::{DataType, ReduceOp};
-use crate::config::Settings;
+use crate::communicator::Communicator;
 use crate::device_api::{AllReduceArgs, LamportState, SemaphoreHandle, MAX_RANKS};
 use crate::error::{Error, Result};
-use crate::host::communicator::{Communicator, RegisteredMemory, Semaphores};
-use crate::host::cuda::cuda_err;
-use crate::host::memory::{Buffer, RemoteMemory};
-use crate::host::signature::{self, CallChecker, CallKind};
+use crate::gpu::cuda::cuda_err;
+use crate::gpu::memory::Buffer;
+use crate::gpu::signature::{self, CallChecker, CallKind};
+use crate::job::config::Settings;
+use crate::transport::ipc::RemoteMemory;
 use cudarc::driver::{
     CudaFunction, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig,
     PushKernelArg,
@@ -565,7 +568,7 @@ impl AllReduce {
             if input != output {
                 self.comm.gpu().bind()?;
                 // SAFETY: the caller guarantees both ranges hold `count` elements.
-                crate::host::cuda::check("cuMemcpyDtoDAsync", unsafe {
+                crate::gpu::cuda::check("cuMemcpyDtoDAsync", unsafe {
                     cudarc::driver::sys::cuMemcpyDtoDAsync_v2(
                         output,
                         input,

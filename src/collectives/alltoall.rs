@@ -8,13 +8,16 @@
 //! bytes: one NVLink crossing, no semaphores). Sizes
 //! are bytes underneath: any element type works, raw bytes included.
 
-use crate::config::Settings;
+use crate::channel::memory_channel::RegisteredMemory;
+use crate::channel::semaphore::Semaphores;
+use crate::communicator::Communicator;
 use crate::device_api::{AllToAllArgs, SemaphoreHandle, MAX_RANKS};
 use crate::error::{Error, Result};
-use crate::host::communicator::{Communicator, RegisteredMemory, Semaphores};
-use crate::host::cuda::cuda_err;
-use crate::host::memory::{Buffer, RemoteMemory};
-use crate::host::signature::{self, CallChecker, CallKind};
+use crate::gpu::cuda::cuda_err;
+use crate::gpu::memory::Buffer;
+use crate::gpu::signature::{self, CallChecker, CallKind};
+use crate::job::config::Settings;
+use crate::transport::ipc::RemoteMemory;
 use cudarc::driver::{
     CudaFunction, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig,
     PushKernelArg,

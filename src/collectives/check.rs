@@ -8,7 +8,7 @@
 
 use crate::collectives::DataType;
 use crate::error::Result;
-use crate::host::cuda::{cuda_err, Gpu};
+use crate::gpu::cuda::{cuda_err, Gpu};
 use cudarc::driver::{CudaFunction, CudaStream, DevicePtr, LaunchConfig, PushKernelArg};
 use std::sync::Arc;
 

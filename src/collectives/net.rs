@@ -19,12 +19,14 @@
 //! the send buffer as scratch. Kernels: `cuda/kernels/net.cu`.
 
 use super::DataType;
+use crate::channel::memory_channel::RegisteredMemory;
+use crate::channel::port_channel::{PortChannels, Transport};
+use crate::channel::proxy::ProxyService;
+use crate::communicator::Communicator;
 use crate::device_api::PortChannelHandle;
 use crate::error::{Error, Result};
-use crate::host::communicator::{Communicator, PortChannels, RegisteredMemory, Transport};
-use crate::host::cuda::cuda_err;
-use crate::host::memory::Buffer;
-use crate::host::proxy::ProxyService;
+use crate::gpu::cuda::cuda_err;
+use crate::gpu::memory::Buffer;
 use cudarc::driver::{CudaFunction, CudaSlice, CudaStream, DevicePtr, LaunchConfig, PushKernelArg};
 use std::sync::Arc;
 

@@ -6,8 +6,8 @@
 #![allow(dead_code)] // each test binary uses part of it
 
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, LaunchConfig, PushKernelArg};
-use doorbell::host::communicator::Communicator;
-use doorbell::host::launch::{spawn_ranks, SpawnOptions};
+use doorbell::communicator::Communicator;
+use doorbell::job::launch::{spawn_ranks, SpawnOptions};
 use std::ffi::OsString;
 use std::sync::Arc;
 use std::time::Duration;

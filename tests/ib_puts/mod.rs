@@ -6,7 +6,7 @@
 
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, LaunchConfig, PushKernelArg};
 use doorbell::device_api::IbQpHandle;
-use doorbell::host::cuda::Gpu;
+use doorbell::gpu::cuda::Gpu;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 

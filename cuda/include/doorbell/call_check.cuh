@@ -1,7 +1,7 @@
 // doorbell device API: call agreement, on by default, at one store and one load per peer and call.
 //
 // Every collective call carries a 64-bit call word that names it: call index, collective, element
-// type, algorithm, operation and count (made by src/host/signature.rs; bit 63 marks a word as
+// type, algorithm, operation and count (made by src/gpu/signature.rs; bit 63 marks a word as
 // written, so a zeroed slot reads as "nothing yet"). Each rank has an inbox of
 // [2 parities][kMaxRanks] words in its collective's scratch, mapped by its peers.
 //

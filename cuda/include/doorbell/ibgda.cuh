@@ -1,5 +1,5 @@
 // doorbell device API: mlx5 work requests built on the GPU (the IBGDA path). Byte layouts follow
-// rdma-core's providers/mlx5/mlx5dv.h, exactly as src/rdma/wqe.rs builds them on the CPU (tests
+// rdma-core's providers/mlx5/mlx5dv.h, exactly as src/transport/ib/wqe.rs builds them on the CPU (tests
 // compare the two byte for byte; the CPU builder is itself compared with rdma-core's helpers).
 //
 // A send queue is a ring of 2^depth_log2 WQEBBs (64 bytes); a WQE is 16-byte DS units: control,

@@ -10,7 +10,7 @@
 
 use super::verbs::{QpAttr, QpCap, QpInitAttr, Verbs};
 use crate::error::{Error, Result};
-use crate::host::cuda::Gpu;
+use crate::gpu::cuda::Gpu;
 use std::ffi::{c_void, CString};
 use std::marker::PhantomData;
 use std::sync::Arc;

@@ -12,7 +12,7 @@ use super::wire::{
 };
 use super::{fmt_ranks, BootstrapConfig, FAREWELL_WRITE_TIMEOUT};
 use crate::error::{Error, Result};
-use crate::host::net::fmt_duration;
+use crate::job::net::fmt_duration;
 use std::io;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
 use std::time::{Duration, Instant};

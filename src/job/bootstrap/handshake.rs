@@ -13,8 +13,8 @@ use super::wire::{
 };
 use super::{lock, BootstrapConfig};
 use crate::error::{Error, Result};
-use crate::host::auth::{auth_digest, ct_eq, random_bytes, NONCE_LEN};
-use crate::host::net::{fmt_duration, wait_readable};
+use crate::job::auth::{auth_digest, ct_eq, random_bytes, NONCE_LEN};
+use crate::job::net::{fmt_duration, wait_readable};
 use std::io::{self, Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::ops::Range;

@@ -5,7 +5,7 @@
 //! documentation). It must never change a socket's settings, never trust a length a peer announced
 //! for an allocation, and never panic on malformed input: a decoder returns an error instead.
 
-use crate::host::auth::DIGEST_LEN;
+use crate::job::auth::DIGEST_LEN;
 use std::io::{self, Read, Write};
 use std::net::SocketAddr;
 use std::ops::Range;

@@ -268,7 +268,7 @@ impl Drop for HostQp {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::rdma::emulator::{Delivery, HostDma};
+    use crate::transport::ib::emulator::{Delivery, HostDma};
 
     #[test]
     fn posts_wraps_and_reports_errors() {

@@ -8,7 +8,7 @@
 use super::wire::{decode_abort, read_frame, Kind};
 use super::{fmt_ranks, lock};
 use crate::error::Error;
-use crate::host::net::fmt_duration;
+use crate::job::net::fmt_duration;
 use std::collections::{HashMap, VecDeque};
 use std::io;
 use std::net::TcpStream;

@@ -3,8 +3,8 @@
 //! `doorbell-info`; the Ib transport will use the same answers.
 
 use super::verbs::Nic;
-use crate::config::IbPosting;
 use crate::error::{Error, Result};
+use crate::job::config::IbPosting;
 
 /// How work requests reach the NIC.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

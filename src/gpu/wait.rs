@@ -12,8 +12,8 @@
 
 use crate::device_api::{WaitReport, WaitSite};
 use crate::error::{Error, Result, WaitKind};
-use crate::host::cuda::{Gpu, HostArray};
-use crate::host::signature::describe;
+use crate::gpu::cuda::{Gpu, HostArray};
+use crate::gpu::signature::describe;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 

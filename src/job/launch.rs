@@ -7,11 +7,11 @@
 //! period, everything is killed at the optional overall timeout, and children die with the thread
 //! that spawned them), and it knows nothing about GPUs: ranks may outnumber them.
 
-use crate::config::{LaunchEnv, Settings};
 use crate::error::{Error, Result};
-use crate::host::auth::{hex, random_bytes};
-use crate::host::bootstrap::BootstrapConfig;
-use crate::host::net::fmt_duration;
+use crate::job::auth::{hex, random_bytes};
+use crate::job::bootstrap::BootstrapConfig;
+use crate::job::config::{LaunchEnv, Settings};
+use crate::job::net::fmt_duration;
 use std::ffi::OsString;
 use std::fmt;
 use std::io::{self, BufRead, BufReader, Read, Write};

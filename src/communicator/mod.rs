@@ -7,262 +7,31 @@
 //! with each exchange) and fails with a message naming the odd rank instead of wiring
 //! mismatched channels.
 
-use crate::config::Settings;
+pub mod watchdog;
+
+use crate::channel::memory_channel::{MemoryChannel, MemoryChannels, RegisteredMemory};
+use crate::channel::port_channel::{GpuLink, PortChannel, PortChannels, Transport};
+use crate::channel::proxy::{ProxyBuilder, DEFAULT_FIFO_SIZE};
+use crate::channel::semaphore::{Semaphores, TokenPool, FIRST_TOKEN_SLOT, TOKEN_SLOTS};
 use crate::device_api::{MemoryChannelHandle, PortChannelHandle, SemaphoreHandle};
 use crate::error::{Error, Result};
-use crate::host::bootstrap::{Bootstrap, BootstrapConfig};
-use crate::host::cuda::{device_count, Gpu};
-use crate::host::ethernet::{self, Landing, NetReceiver};
-use crate::host::fd_passing::{fetch_fd, FdServer};
-use crate::host::memory::{
-    host_id, ipc_handle_for, Buffer, MemoryDescriptor, RemoteMemory, ShareHandle,
-};
-use crate::host::proxy::{ProxyBuilder, DEFAULT_FIFO_SIZE};
-use crate::host::wait::WaitDiagnostics;
+use crate::gpu::cuda::{device_count, Gpu};
+use crate::gpu::fd_passing::{fetch_fd, FdServer};
+use crate::gpu::memory::{host_id, Buffer};
+use crate::gpu::wait::WaitDiagnostics;
+use crate::job::bootstrap::{Bootstrap, BootstrapConfig};
+use crate::job::config::Settings;
+use crate::transport::ethernet::NetReceiver;
+use crate::transport::ethernet::{self, Landing};
+use crate::transport::ipc::{ipc_handle_for, MemoryDescriptor, RemoteMemory, ShareHandle};
 use cudarc::driver::CudaStream;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
-/// Tokens in one token pool. Each set of channels takes `world_size` of them.
-const TOKEN_SLOTS: usize = 64 * 1024;
-/// Slot 0 of the private half holds the wait diagnostics' claim word.
-const FIRST_TOKEN_SLOT: usize = 1;
-
-/// Semaphore tokens of one rank, in one VMM buffer that every same-host peer maps:
-/// `[inbound tokens: TOKEN_SLOTS x u64][private expected counters: TOKEN_SLOTS x u64]`.
-/// Peers add to inbound tokens; the private half is touched by this rank only. Nothing is ever
-/// reset (tokens are monotonic), so slots are handed out once, bump-style.
-struct TokenPool {
-    local: Buffer,
-    peers: Vec<Option<RemoteMemory>>,
-    next: Mutex<usize>,
-}
-
-impl TokenPool {
-    fn inbound(&self, slot: usize) -> u64 {
-        self.local.device_ptr() + (slot * 8) as u64
-    }
-    fn private(&self, slot: usize) -> u64 {
-        self.local.device_ptr() + ((TOKEN_SLOTS + slot) * 8) as u64
-    }
-    fn remote_inbound(&self, peer: usize, slot: usize) -> Option<u64> {
-        self.peers[peer]
-            .as_ref()
-            .map(|m| m.device_ptr() + (slot * 8) as u64)
-    }
-    fn take(&self, n: usize) -> Result<usize> {
-        let mut next = self.next.lock().unwrap_or_else(|p| p.into_inner());
-        if *next + n > TOKEN_SLOTS {
-            return Err(Error::invalid(
-                "channels",
-                format!("token pool exhausted ({TOKEN_SLOTS} semaphores per communicator)"),
-            ));
-        }
-        let base = *next;
-        *next += n;
-        Ok(base)
-    }
-}
-
-/// Memory registered with the communicator: a descriptor peers can map, and what keeps the
-/// memory alive while it is registered.
-pub struct RegisteredMemory {
-    descriptor: MemoryDescriptor,
-    ptr: u64,
-    bytes: usize,
-    _buffer: Option<Arc<Buffer>>,
-    server: Arc<FdServer>,
-}
-
-impl std::fmt::Debug for RegisteredMemory {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("RegisteredMemory")
-            .field("ptr", &format_args!("{:#x}", self.ptr))
-            .field("bytes", &self.bytes)
-            .field("descriptor", &self.descriptor)
-            .finish()
-    }
-}
-
-impl RegisteredMemory {
-    /// What a peer needs to map this memory.
-    pub fn descriptor(&self) -> &MemoryDescriptor {
-        &self.descriptor
-    }
-    /// Device address in this process.
-    pub fn device_ptr(&self) -> u64 {
-        self.ptr
-    }
-    /// Registered bytes.
-    pub fn len(&self) -> usize {
-        self.bytes
-    }
-    /// True for an empty registration (never produced by the communicator).
-    pub fn is_empty(&self) -> bool {
-        self.bytes == 0
-    }
-}
-
-impl Drop for RegisteredMemory {
-    fn drop(&mut self) {
-        if let ShareHandle::PosixFd { export_id, .. } = self.descriptor.handle {
-            self.server.withdraw(export_id);
-        }
-    }
-}
-
-/// A MemoryChannel to one peer: the device handle and the mappings it points into.
-pub struct MemoryChannel {
-    peer: usize,
-    handle: MemoryChannelHandle,
-    _src: Arc<RegisteredMemory>,
-    _dst: Arc<RemoteMemory>,
-    _packets: Option<(Arc<RegisteredMemory>, Arc<RemoteMemory>)>,
-    _tokens: Arc<TokenPool>,
-}
-
-impl MemoryChannel {
-    /// The peer's rank.
-    pub fn peer(&self) -> usize {
-        self.peer
-    }
-    /// The handle kernels take (by value or in a device array).
-    pub fn device_handle(&self) -> MemoryChannelHandle {
-        self.handle
-    }
-}
-
-/// One MemoryChannel per peer, in rank order (this rank skipped).
-pub struct MemoryChannels {
-    channels: Vec<MemoryChannel>,
-}
-
-impl MemoryChannels {
-    /// The channels, in peer order.
-    pub fn iter(&self) -> impl Iterator<Item = &MemoryChannel> {
-        self.channels.iter()
-    }
-    /// The channel to `peer`.
-    pub fn to(&self, peer: usize) -> Option<&MemoryChannel> {
-        self.channels.iter().find(|c| c.peer == peer)
-    }
-    /// The device handles, in peer order.
-    pub fn handles(&self) -> Vec<MemoryChannelHandle> {
-        self.channels.iter().map(|c| c.handle).collect()
-    }
-    /// Number of channels (peers).
-    pub fn len(&self) -> usize {
-        self.channels.len()
-    }
-    /// True with no peers (a job of one rank).
-    pub fn is_empty(&self) -> bool {
-        self.channels.is_empty()
-    }
-}
-
-/// A PortChannel to one peer: the device handle and what its proxy entries point into.
-pub struct PortChannel {
-    peer: usize,
-    handle: PortChannelHandle,
-    transport: Transport,
-    // Kernels posting their own RDMA work (DOORBELL_IB_POSTING=ibgda|cpu): dropped before the
-    // memories it names.
-    _link: Option<GpuLink>,
-    // Dropped first: the receiver writes into the destination and the token pool.
-    _receiver: Option<NetReceiver>,
-    _src: Arc<RegisteredMemory>,
-    /// The peer's destination mapped here (CUDA IPC), or my own destination (Ethernet: my
-    /// receiver writes what the peer puts into it).
-    _dst: Result<Arc<RemoteMemory>, Arc<RegisteredMemory>>,
-    _tokens: Arc<TokenPool>,
-}
-
-/// What a PortChannel whose kernels post RDMA work keeps alive: its queue pair, the link kernels
-/// read, the scratch words the NIC writes.
-struct GpuLink {
-    _qps: Vec<crate::rdma::gpu_qp::GpuQp>,
-    _link: cudarc::driver::CudaSlice<u8>,
-    _scratch: cudarc::driver::CudaSlice<u8>,
-}
-
-/// How a channel's bytes travel.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Transport {
-    /// Copy engines into the peer's memory mapped by CUDA IPC (same host).
-    CudaIpc,
-    /// The proxies over TCP (another host, or `DOORBELL_SEPARATE_NODES=1`).
-    Ethernet,
-    /// RDMA work requests posted by the proxy to this rank's emulated mlx5 NIC
-    /// (`DOORBELL_IB_EMULATE=1`, ranks of one physical host acting as separate nodes).
-    Ib,
-}
-
-impl PortChannel {
-    /// The peer's rank.
-    pub fn peer(&self) -> usize {
-        self.peer
-    }
-    /// The handle kernels take.
-    pub fn device_handle(&self) -> PortChannelHandle {
-        self.handle
-    }
-    /// How its bytes travel.
-    pub fn transport(&self) -> Transport {
-        self.transport
-    }
-}
-
-/// One PortChannel per peer, in rank order (this rank skipped).
-pub struct PortChannels {
-    channels: Vec<PortChannel>,
-}
-
-impl PortChannels {
-    /// The channel to `peer`.
-    pub fn to(&self, peer: usize) -> Option<&PortChannel> {
-        self.channels.iter().find(|c| c.peer == peer)
-    }
-    /// The device handles, in peer order.
-    pub fn handles(&self) -> Vec<PortChannelHandle> {
-        self.channels.iter().map(|c| c.handle).collect()
-    }
-    /// Number of channels.
-    pub fn len(&self) -> usize {
-        self.channels.len()
-    }
-    /// True with no peers.
-    pub fn is_empty(&self) -> bool {
-        self.channels.is_empty()
-    }
-}
-
-/// Semaphores to every peer, in `sets` independent sets (collective kernels give each block its
-/// own set). `handle(set, peer)`; the entry for this rank is zeroed and must not be used.
-pub struct Semaphores {
-    handles: Vec<SemaphoreHandle>,
-    world: usize,
-    _tokens: Arc<TokenPool>,
-}
-
-impl Semaphores {
-    /// The handles, `[set * world + peer]`, ready to upload as one device array.
-    pub fn handles(&self) -> &[SemaphoreHandle] {
-        &self.handles
-    }
-    /// The handle of `set` to `peer`.
-    pub fn handle(&self, set: usize, peer: usize) -> Option<SemaphoreHandle> {
-        self.handles.get(set * self.world + peer).copied()
-    }
-    /// Number of sets.
-    pub fn sets(&self) -> usize {
-        self.handles.len() / self.world.max(1)
-    }
-}
-
 /// One rank's view of the job: bootstrap, GPU, and the shared state channels are built from.
 ///
 /// # Faults
-/// Each communicator runs a watchdog thread ([`crate::host::watchdog`]): when a peer dies, falls
+/// Each communicator runs a watchdog thread ([`crate::communicator::watchdog`]): when a peer dies, falls
 /// silent, or relays a failure, or when [`abort`](Self::abort) is called, every device wait of
 /// this communicator leaves (no trap: the CUDA context stays usable), and every later call
 /// returns [`Error::PeerFailed`] naming the rank and the cause (or the device's own report:
@@ -270,7 +39,7 @@ impl Semaphores {
 /// it, and build a new one among the survivors with [`shrink`](Self::shrink).
 pub struct Communicator {
     // Dropped first: the watchdog reads the bootstrap and the diagnostics.
-    _watchdog: Option<crate::host::watchdog::Watchdog>,
+    _watchdog: Option<crate::communicator::watchdog::Watchdog>,
     bootstrap: Arc<Bootstrap>,
     device: usize,
     gpu: Arc<Gpu>,
@@ -281,14 +50,14 @@ pub struct Communicator {
     next_export: AtomicU64,
     next_channel: AtomicU32,
     ib: Option<IbFabric>,
-    ib_posting: crate::config::IbPosting,
+    ib_posting: crate::job::config::IbPosting,
     ib_qps_per_peer: u32,
 }
 
 /// `DOORBELL_IB_EMULATE=1`: this rank's emulated NIC, its token pool's key there, and how to
 /// reach each peer's token pool (its address and key; mapped here for the NIC).
 struct IbFabric {
-    nic: Arc<crate::rdma::emulator::EmulatedNic>,
+    nic: Arc<crate::transport::ib::emulator::EmulatedNic>,
     /// Peers on this physical host but another (logical) node: (their pool's address, its key).
     peer_pools: Vec<Option<(u64, u32)>>,
     /// Those pools mapped here (kept alive for the NIC).
@@ -353,7 +122,7 @@ impl Communicator {
             handle: ShareHandle::PosixFd {
                 export_id,
                 alloc_bytes: pool.len() as u64,
-                granularity: crate::host::memory::granularity(&gpu)? as u64,
+                granularity: crate::gpu::memory::granularity(&gpu)? as u64,
             },
         };
         let mut comm_peers = Vec::with_capacity(world);
@@ -384,9 +153,9 @@ impl Communicator {
         fd_server.withdraw(export_id);
 
         let ib = if emulate {
-            use crate::rdma::emulator::{Delivery, EmulatedNic};
+            use crate::transport::ib::emulator::{Delivery, EmulatedNic};
             let nic = Arc::new(EmulatedNic::start_for_rank(
-                Box::new(crate::rdma::gpu_qp::CudaDma::new(&gpu)),
+                Box::new(crate::transport::ib::gpu_qp::CudaDma::new(&gpu)),
                 Delivery::Strict,
                 rank,
             )?);
@@ -435,7 +204,7 @@ impl Communicator {
         )?);
         // Peers whose processes this one can see (same pid namespace on the same boot), for the
         // watchdog to notice a killed peer before its sockets close.
-        use crate::host::watchdog::ProcessId;
+        use crate::communicator::watchdog::ProcessId;
         let me = ProcessId::current();
         let key = ProcessId::namespace_key().unwrap_or_default();
         let mut ident = me.map_or(vec![0u8; 12], |p| {
@@ -462,7 +231,7 @@ impl Communicator {
             })
             .collect();
         let bootstrap = Arc::new(bootstrap);
-        let watchdog = crate::host::watchdog::Watchdog::start(
+        let watchdog = crate::communicator::watchdog::Watchdog::start(
             Arc::clone(&bootstrap),
             Arc::clone(&diagnostics),
             local,
@@ -523,7 +292,7 @@ impl Communicator {
     pub fn abort(&self) {
         let me = self.rank();
         let why = "aborted by the user (Communicator::abort)";
-        self.diagnostics.abort(crate::host::wait::Fault {
+        self.diagnostics.abort(crate::gpu::wait::Fault {
             rank: me,
             cause: why.into(),
         });
@@ -590,7 +359,7 @@ impl Communicator {
     pub fn register(&self, buffer: &Arc<Buffer>) -> Result<Arc<RegisteredMemory>> {
         let export_id = self.next_export.fetch_add(1, Ordering::Relaxed);
         self.fd_server.publish(export_id, buffer.export_fd()?)?;
-        let granularity = crate::host::memory::granularity(&self.gpu)? as u64;
+        let granularity = crate::gpu::memory::granularity(&self.gpu)? as u64;
         Ok(Arc::new(RegisteredMemory {
             descriptor: MemoryDescriptor {
                 owner_rank: self.rank() as u32,
@@ -811,7 +580,7 @@ impl Communicator {
     /// For the channel to peer `p`: puts copy from my `src` into `p`'s `dst`, and signals land in
     /// `p`'s inbound token after the data. Same-host peers: copy engines on a stream of this
     /// rank's proxy into `p`'s memory mapped by CUDA IPC. Peers on other hosts (every peer, with
-    /// `DOORBELL_SEPARATE_NODES=1`): the proxies over TCP ([`crate::host::ethernet`]), or with
+    /// `DOORBELL_SEPARATE_NODES=1`): the proxies over TCP ([`crate::transport::ethernet`]), or with
     /// `DOORBELL_IB_EMULATE=1` RDMA work requests the proxy posts to this rank's emulated NIC,
     /// which reaches `p`'s memory by `p`'s addresses and keys ([`Transport::Ib`]).
     pub fn port_channels(
@@ -898,193 +667,194 @@ impl Communicator {
         for peer in (0..world).filter(|&p| p != rank) {
             let inbound_token = self.tokens.inbound(base + peer);
             let expected_inbound = self.tokens.private(base + peer);
-            let (transport, dst_id, conn, flush_done, remote_token, receiver, keep) = if self
-                .same_host(peer)
-            {
-                let remote = dsts[peer].clone().ok_or_else(|| Error::Bootstrap {
-                    me: rank,
-                    rank: Some(peer),
-                    why: "its memory could not be mapped".into(),
-                })?;
-                let dst_id = proxy.add_memory(remote.device_ptr(), remote.len() as u64)?;
-                let (conn, flush_done) = proxy.add_connection()?;
-                let sem = self.semaphore(base, peer, channel)?;
-                (
-                    Transport::CudaIpc,
-                    dst_id,
-                    conn,
-                    flush_done,
-                    sem.remote_inbound_token,
-                    None,
-                    Ok(remote),
-                )
-            } else if let (Some(ib), Some((_, peers))) = (&self.ib, &ib_dst) {
-                let (addr, rkey, len, mapped) =
-                    peers[peer]
-                        .clone()
-                        .ok_or_else(|| Error::TransportUnavailable {
-                            transport: "ib",
-                            why: format!(
+            let (transport, dst_id, conn, flush_done, remote_token, receiver, keep) =
+                if self.same_host(peer) {
+                    let remote = dsts[peer].clone().ok_or_else(|| Error::Bootstrap {
+                        me: rank,
+                        rank: Some(peer),
+                        why: "its memory could not be mapped".into(),
+                    })?;
+                    let dst_id = proxy.add_memory(remote.device_ptr(), remote.len() as u64)?;
+                    let (conn, flush_done) = proxy.add_connection()?;
+                    let sem = self.semaphore(base, peer, channel)?;
+                    (
+                        Transport::CudaIpc,
+                        dst_id,
+                        conn,
+                        flush_done,
+                        sem.remote_inbound_token,
+                        None,
+                        Ok(remote),
+                    )
+                } else if let (Some(ib), Some((_, peers))) = (&self.ib, &ib_dst) {
+                    let (addr, rkey, len, mapped) =
+                        peers[peer]
+                            .clone()
+                            .ok_or_else(|| Error::TransportUnavailable {
+                                transport: "ib",
+                                why: format!(
                                 "rank {peer} is on another machine: the emulated NIC reaches only \
                                  ranks of this host (DOORBELL_IB_EMULATE)"
                             ),
-                        })?;
-                let (pool_addr, pool_key) = ib.peer_pools[peer].ok_or_else(|| {
-                    Error::invalid("ib", format!("rank {peer}'s token pool is not reachable"))
-                })?;
-                let qpn = (rank as u32) << 16 | ib.next_qpn.fetch_add(1, Ordering::Relaxed);
-                let qp = crate::rdma::host_qp::HostQp::new(&ib.nic, qpn, 10)?;
-                let stream = self.gpu.new_stream()?;
-                let scratch = stream
-                    .alloc_zeros::<u8>(16)
-                    .map_err(crate::host::cuda::cuda_err("cuMemAlloc"))?;
-                let scratch_key = {
-                    use cudarc::driver::DevicePtr;
-                    ib.nic.register(scratch.device_ptr(&stream).0, 16, true)?
-                };
-                let dst_id = proxy.add_ib_memory(addr, len, rkey)?;
-                let (conn, flush_done) = proxy.add_ib_connection(qp, scratch, scratch_key)?;
-                // The peer's inbound token for me, at the peer's own address.
-                let token = pool_addr + ((base + rank) * 8) as u64;
-                let sem = proxy.add_ib_semaphore(conn, token, pool_key)?;
-                let site = self.diagnostics.site(peer as i32, channel);
-                // DOORBELL_IB_POSTING=ibgda or cpu: kernels post their own work requests on
-                // a queue pair of their own; otherwise the proxy posts (the connection above).
-                let gpu_posting = match self.ib_posting {
-                    crate::config::IbPosting::Ibgda => Some(crate::rdma::gpu_qp::Posting::Ibgda),
-                    crate::config::IbPosting::CpuAssisted => {
-                        Some(crate::rdma::gpu_qp::Posting::CpuAssisted)
-                    }
-                    _ => None,
-                };
-                let link = match gpu_posting {
-                    Some(posting) => {
+                            })?;
+                    let (pool_addr, pool_key) = ib.peer_pools[peer].ok_or_else(|| {
+                        Error::invalid("ib", format!("rank {peer}'s token pool is not reachable"))
+                    })?;
+                    let qpn = (rank as u32) << 16 | ib.next_qpn.fetch_add(1, Ordering::Relaxed);
+                    let qp = crate::transport::ib::host_qp::HostQp::new(&ib.nic, qpn, 10)?;
+                    let stream = self.gpu.new_stream()?;
+                    let scratch = stream
+                        .alloc_zeros::<u8>(16)
+                        .map_err(crate::gpu::cuda::cuda_err("cuMemAlloc"))?;
+                    let scratch_key = {
                         use cudarc::driver::DevicePtr;
-                        // The first QP, then the stripes' (DOORBELL_IB_QPS_PER_PEER).
-                        let mut qps = vec![crate::rdma::gpu_qp::GpuQp::new(
-                            &self.gpu,
-                            &ib.nic,
-                            qpn | 0x8000,
-                            10,
-                            posting,
-                            site,
-                        )?];
-                        for _ in 1..self.ib_qps_per_peer {
-                            let n =
-                                (rank as u32) << 16 | ib.next_qpn.fetch_add(1, Ordering::Relaxed);
-                            qps.push(crate::rdma::gpu_qp::GpuQp::new(
+                        ib.nic.register(scratch.device_ptr(&stream).0, 16, true)?
+                    };
+                    let dst_id = proxy.add_ib_memory(addr, len, rkey)?;
+                    let (conn, flush_done) = proxy.add_ib_connection(qp, scratch, scratch_key)?;
+                    // The peer's inbound token for me, at the peer's own address.
+                    let token = pool_addr + ((base + rank) * 8) as u64;
+                    let sem = proxy.add_ib_semaphore(conn, token, pool_key)?;
+                    let site = self.diagnostics.site(peer as i32, channel);
+                    // DOORBELL_IB_POSTING=ibgda or cpu: kernels post their own work requests on
+                    // a queue pair of their own; otherwise the proxy posts (the connection above).
+                    let gpu_posting = match self.ib_posting {
+                        crate::job::config::IbPosting::Ibgda => {
+                            Some(crate::transport::ib::gpu_qp::Posting::Ibgda)
+                        }
+                        crate::job::config::IbPosting::CpuAssisted => {
+                            Some(crate::transport::ib::gpu_qp::Posting::CpuAssisted)
+                        }
+                        _ => None,
+                    };
+                    let link = match gpu_posting {
+                        Some(posting) => {
+                            use cudarc::driver::DevicePtr;
+                            // The first QP, then the stripes' (DOORBELL_IB_QPS_PER_PEER).
+                            let mut qps = vec![crate::transport::ib::gpu_qp::GpuQp::new(
                                 &self.gpu,
                                 &ib.nic,
-                                n | 0x8000,
+                                qpn | 0x8000,
                                 10,
                                 posting,
                                 site,
-                            )?);
+                            )?];
+                            for _ in 1..self.ib_qps_per_peer {
+                                let n = (rank as u32) << 16
+                                    | ib.next_qpn.fetch_add(1, Ordering::Relaxed);
+                                qps.push(crate::transport::ib::gpu_qp::GpuQp::new(
+                                    &self.gpu,
+                                    &ib.nic,
+                                    n | 0x8000,
+                                    10,
+                                    posting,
+                                    site,
+                                )?);
+                            }
+                            let mut more = [crate::device_api::IbQpHandle::default(); 3];
+                            for (m, q) in more.iter_mut().zip(&qps[1..]) {
+                                *m = q.handle();
+                            }
+                            let scratch = stream
+                                .alloc_zeros::<u8>(16)
+                                .map_err(crate::gpu::cuda::cuda_err("cuMemAlloc"))?;
+                            let scratch_addr = scratch.device_ptr(&stream).0;
+                            let scratch_key = ib.nic.register(scratch_addr, 16, true)?;
+                            let l = crate::device_api::IbPortLink {
+                                qp: qps[0].handle(),
+                                stripes: qps.len() as u32,
+                                reserved: 0,
+                                more,
+                                src: src.device_ptr(),
+                                dst: addr,
+                                token,
+                                scratch: scratch_addr,
+                                src_key: ib_dst.as_ref().map_or(0, |(k, _)| *k),
+                                dst_key: rkey,
+                                token_key: pool_key,
+                                scratch_key,
+                            };
+                            let on_device = stream
+                                .clone_htod(bytemuck::bytes_of(&l))
+                                .map_err(crate::gpu::cuda::cuda_err("cuMemcpyHtoD"))?;
+                            stream
+                                .synchronize()
+                                .map_err(crate::gpu::cuda::cuda_err("cuStreamSynchronize"))?;
+                            let ptr = on_device.device_ptr(&stream).0;
+                            Some((
+                                ptr,
+                                GpuLink {
+                                    _qps: qps,
+                                    _link: on_device,
+                                    _scratch: scratch,
+                                },
+                            ))
                         }
-                        let mut more = [crate::device_api::IbQpHandle::default(); 3];
-                        for (m, q) in more.iter_mut().zip(&qps[1..]) {
-                            *m = q.handle();
-                        }
-                        let scratch = stream
-                            .alloc_zeros::<u8>(16)
-                            .map_err(crate::host::cuda::cuda_err("cuMemAlloc"))?;
-                        let scratch_addr = scratch.device_ptr(&stream).0;
-                        let scratch_key = ib.nic.register(scratch_addr, 16, true)?;
-                        let l = crate::device_api::IbPortLink {
-                            qp: qps[0].handle(),
-                            stripes: qps.len() as u32,
+                        None => None,
+                    };
+                    let mut f = fifo;
+                    f.site = site;
+                    channels.push(PortChannel {
+                        peer,
+                        handle: PortChannelHandle {
+                            fifo: f,
+                            inbound_token,
+                            expected_inbound,
+                            flush_done,
+                            semaphore: sem.0,
+                            dst_mem: dst_id.0,
+                            src_mem: src_id.0,
                             reserved: 0,
-                            more,
-                            src: src.device_ptr(),
-                            dst: addr,
-                            token,
-                            scratch: scratch_addr,
-                            src_key: ib_dst.as_ref().map_or(0, |(k, _)| *k),
-                            dst_key: rkey,
-                            token_key: pool_key,
-                            scratch_key,
-                        };
-                        let on_device = stream
-                            .clone_htod(bytemuck::bytes_of(&l))
-                            .map_err(crate::host::cuda::cuda_err("cuMemcpyHtoD"))?;
-                        stream
-                            .synchronize()
-                            .map_err(crate::host::cuda::cuda_err("cuStreamSynchronize"))?;
-                        let ptr = on_device.device_ptr(&stream).0;
-                        Some((
-                            ptr,
-                            GpuLink {
-                                _qps: qps,
-                                _link: on_device,
-                                _scratch: scratch,
-                            },
-                        ))
-                    }
-                    None => None,
-                };
-                let mut f = fifo;
-                f.site = site;
-                channels.push(PortChannel {
-                    peer,
-                    handle: PortChannelHandle {
-                        fifo: f,
-                        inbound_token,
-                        expected_inbound,
+                            ib: link.as_ref().map_or(0, |(p, _)| *p),
+                        },
+                        transport: Transport::Ib,
+                        _link: link.map(|(_, l)| l),
+                        _receiver: None,
+                        _src: src.clone(),
+                        _dst: Ok(mapped),
+                        _tokens: self.tokens.clone(),
+                    });
+                    continue;
+                } else {
+                    let socket = sockets
+                        .next()
+                        .ok_or_else(|| Error::invalid("ethernet", "a connection is missing"))?;
+                    let peer_len = lens[peer]
+                        .as_slice()
+                        .try_into()
+                        .map(u64::from_le_bytes)
+                        .map_err(|_| Error::Bootstrap {
+                            me: rank,
+                            rank: Some(peer),
+                            why: "sent a malformed buffer length".into(),
+                        })?;
+                    // Offsets into the peer's destination: the peer's receiver checks them again.
+                    let dst_id = proxy.add_memory(0, peer_len)?;
+                    let writer = socket
+                        .try_clone()
+                        .map_err(|e| Error::io("cloning a socket", e))?;
+                    let (conn, flush_done) = proxy.add_net_connection(writer, peer)?;
+                    let receiver = NetReceiver::spawn(
+                        &self.gpu,
+                        socket,
+                        Landing {
+                            dst: dst.device_ptr(),
+                            dst_bytes: dst.len() as u64,
+                            token: inbound_token,
+                        },
+                        proxy.failure_sink(),
+                        peer,
+                    )?;
+                    (
+                        Transport::Ethernet,
+                        dst_id,
+                        conn,
                         flush_done,
-                        semaphore: sem.0,
-                        dst_mem: dst_id.0,
-                        src_mem: src_id.0,
-                        reserved: 0,
-                        ib: link.as_ref().map_or(0, |(p, _)| *p),
-                    },
-                    transport: Transport::Ib,
-                    _link: link.map(|(_, l)| l),
-                    _receiver: None,
-                    _src: src.clone(),
-                    _dst: Ok(mapped),
-                    _tokens: self.tokens.clone(),
-                });
-                continue;
-            } else {
-                let socket = sockets
-                    .next()
-                    .ok_or_else(|| Error::invalid("ethernet", "a connection is missing"))?;
-                let peer_len = lens[peer]
-                    .as_slice()
-                    .try_into()
-                    .map(u64::from_le_bytes)
-                    .map_err(|_| Error::Bootstrap {
-                        me: rank,
-                        rank: Some(peer),
-                        why: "sent a malformed buffer length".into(),
-                    })?;
-                // Offsets into the peer's destination: the peer's receiver checks them again.
-                let dst_id = proxy.add_memory(0, peer_len)?;
-                let writer = socket
-                    .try_clone()
-                    .map_err(|e| Error::io("cloning a socket", e))?;
-                let (conn, flush_done) = proxy.add_net_connection(writer, peer)?;
-                let receiver = NetReceiver::spawn(
-                    &self.gpu,
-                    socket,
-                    Landing {
-                        dst: dst.device_ptr(),
-                        dst_bytes: dst.len() as u64,
-                        token: inbound_token,
-                    },
-                    proxy.failure_sink(),
-                    peer,
-                )?;
-                (
-                    Transport::Ethernet,
-                    dst_id,
-                    conn,
-                    flush_done,
-                    0,
-                    Some(receiver),
-                    Err(dst.clone()),
-                )
-            };
+                        0,
+                        Some(receiver),
+                        Err(dst.clone()),
+                    )
+                };
             let sem_id = proxy.add_semaphore(conn, remote_token)?;
             let mut f = fifo;
             f.site = self.diagnostics.site(peer as i32, channel);

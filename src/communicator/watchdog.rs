@@ -18,8 +18,8 @@
 //! for longer than one poll period.
 
 use crate::error::Error;
-use crate::host::bootstrap::Bootstrap;
-use crate::host::wait::{Fault, WaitDiagnostics};
+use crate::gpu::wait::{Fault, WaitDiagnostics};
+use crate::job::bootstrap::Bootstrap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;

@@ -54,8 +54,8 @@ mod queues;
 mod rendezvous;
 mod wire;
 
-use crate::config::{LaunchEnv, Settings};
 use crate::error::{Error, Result};
+use crate::job::config::{LaunchEnv, Settings};
 pub use queues::PeerFailure;
 use queues::{read_link, Abort, Chan, Failure, Shared};
 use rendezvous::{rendezvous_member, rendezvous_root, rendezvous_root_on};

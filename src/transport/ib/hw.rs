@@ -18,7 +18,7 @@ use super::rc::{access, Cq, Device, Endpoint, Pd, Qp, Rts};
 use super::verbs::{choose_gid, QpCap, Verbs};
 use crate::device_api::{IbQpHandle, WaitSite};
 use crate::error::{Error, Result};
-use crate::host::cuda::{check, Gpu};
+use crate::gpu::cuda::{check, Gpu};
 use cudarc::driver::sys;
 use std::ffi::{c_int, c_void};
 use std::sync::atomic::{fence, Ordering};

@@ -17,7 +17,7 @@ use super::emulator::{Dma, EmulatedNic, QpRings};
 use super::wqe::WQEBB;
 use crate::device_api::{IbQpHandle, WaitSite};
 use crate::error::{Error, Result};
-use crate::host::cuda::{check, cuda_err, Gpu, HostArray};
+use crate::gpu::cuda::{check, cuda_err, Gpu, HostArray};
 use cudarc::driver::sys;
 use cudarc::driver::{CudaSlice, DevicePtr};
 use std::sync::atomic::{fence, AtomicBool, Ordering};

@@ -20,9 +20,9 @@
 //! waiting on it with a report, as everywhere else.
 
 use crate::error::{Error, Result};
-use crate::host::auth::{auth_digest, ct_eq, DIGEST_LEN};
-use crate::host::bootstrap::Bootstrap;
-use crate::host::cuda::{check, cuda_err, Gpu, HostArray};
+use crate::gpu::cuda::{check, cuda_err, Gpu, HostArray};
+use crate::job::auth::{auth_digest, ct_eq, DIGEST_LEN};
+use crate::job::bootstrap::Bootstrap;
 use cudarc::driver::{sys, CudaStream};
 use std::io::{Read, Write};
 use std::net::{IpAddr, Ipv4Addr, SocketAddr, TcpListener, TcpStream};

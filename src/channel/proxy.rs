@@ -16,8 +16,8 @@
 
 use crate::device_api::{trigger, FifoHandle, ProxyTrigger, WaitSite};
 use crate::error::{Error, Result};
-use crate::host::cuda::{check, cuda_err, Gpu, HostArray};
-use crate::host::ethernet::{FailureSink, NetOp, NetSender};
+use crate::gpu::cuda::{check, cuda_err, Gpu, HostArray};
+use crate::transport::ethernet::{FailureSink, NetOp, NetSender};
 use cudarc::driver::{sys, CudaEvent, CudaSlice, CudaStream, DevicePtr};
 use std::collections::VecDeque;
 use std::sync::atomic::{fence, AtomicBool, Ordering};
@@ -56,7 +56,7 @@ struct Semaphore {
 /// READ of the peer's token (the flush that makes the writes before it visible) then a
 /// fetch-add of 1 on it, a flush as the position reported once every WQE before it completed.
 struct IbConn {
-    qp: crate::rdma::host_qp::HostQp,
+    qp: crate::transport::ib::host_qp::HostQp,
     /// 16 bytes of device memory the NIC may write (READ and fetch-add results), and its key.
     scratch: u64,
     scratch_key: u32,
@@ -192,7 +192,7 @@ impl ProxyBuilder {
         Ok((ConnectionId(self.tables.connections.len() as u32 - 1), ptr))
     }
 
-    /// An Ethernet connection to `peer` over `socket` (see [`crate::host::ethernet`]): puts,
+    /// An Ethernet connection to `peer` over `socket` (see [`crate::transport::ethernet`]): puts,
     /// signals and flushes of its semaphores go to a sender thread. Destination memories of such
     /// a connection are registered with base 0 (offsets into the peer's buffer). Returns its id
     /// and the flush word's device address.
@@ -228,7 +228,7 @@ impl ProxyBuilder {
     /// device address.
     pub(crate) fn add_ib_connection(
         &mut self,
-        qp: crate::rdma::host_qp::HostQp,
+        qp: crate::transport::ib::host_qp::HostQp,
         scratch: CudaSlice<u8>,
         scratch_key: u32,
     ) -> Result<(ConnectionId, u64)> {
@@ -369,7 +369,7 @@ static PROXIES_STARTED: std::sync::atomic::AtomicUsize = std::sync::atomic::Atom
 /// ranks' main threads tend to run), offset by the GPU's ordinal and this process's proxy count
 /// so proxies of different GPUs and of one GPU do not spin on one core. `None` when unknown.
 fn proxy_cpu(gpu: &Gpu) -> Result<Option<usize>> {
-    use crate::config::{ProxyCpu, Settings};
+    use crate::job::config::{ProxyCpu, Settings};
     let nth = PROXIES_STARTED.fetch_add(1, Ordering::Relaxed);
     match Settings::from_env()?.proxy_cpu {
         ProxyCpu::Off => Ok(None),
@@ -625,7 +625,7 @@ impl Worker {
 
     /// A trigger of an Ib connection, as work requests on its queue pair (see [`IbConn`]).
     fn perform_ib(&mut self, pos: u64, t: &ProxyTrigger, conn: usize, sem: usize) -> Result<()> {
-        use crate::rdma::wqe::Op;
+        use crate::transport::ib::wqe::Op;
         let m = ProxyTrigger::unpack(t.meta);
         let patience = std::time::Duration::from_secs(30);
         let key_of = |mem: u32| -> Result<u32> {
