@@ -43,8 +43,12 @@ pub mod syndrome {
     pub const WR_FLUSH: u8 = 0x05;
     /// Remote invalid request (for example a misaligned atomic).
     pub const REMOTE_INVALID_REQUEST: u8 = 0x12;
-    /// Remote access error (bad rkey, or the remote range is outside its region).
+    /// Remote access error (bad rkey, the remote range is outside its region, or the region or
+    /// the responder's QP lacks the remote access the operation needs).
     pub const REMOTE_ACCESS: u8 = 0x13;
+    /// Transport retry counter exceeded: the responder never acknowledged (no such QP, not
+    /// connected back to this one, or a GID or path MTU that does not match).
+    pub const TRANSPORT_RETRY_EXCEEDED: u8 = 0x15;
 }
 
 /// One completion, decoded.

@@ -117,6 +117,35 @@ pub struct Region {
     /// First byte as this process reaches it (equal to `addr` for its own memory; where a peer's
     /// memory is mapped into this process otherwise).
     pub local: u64,
+    /// `IBV_ACCESS_*` flags it was registered with ([`access::ALL`] through [`EmulatedNic::register`]).
+    pub access: u32,
+}
+
+/// `IBV_ACCESS_*` flags (verbs.h) the emulated NIC checks.
+pub mod access {
+    /// The NIC may write the region for local work (a READ's or atomic's destination).
+    pub const LOCAL_WRITE: u32 = 1;
+    /// Peers may RDMA WRITE into it.
+    pub const REMOTE_WRITE: u32 = 1 << 1;
+    /// Peers may RDMA READ from it.
+    pub const REMOTE_READ: u32 = 1 << 2;
+    /// Peers may run atomics on it.
+    pub const REMOTE_ATOMIC: u32 = 1 << 3;
+    /// Writes into it may be delivered out of order (PCIe relaxed ordering).
+    pub const RELAXED_ORDERING: u32 = 1 << 20;
+    /// Everything but relaxed ordering.
+    pub const ALL: u32 = LOCAL_WRITE | REMOTE_WRITE | REMOTE_READ | REMOTE_ATOMIC;
+}
+
+/// What a connected queue pair's far end decides, consulted before each of its work requests
+/// executes: the verbs provider ([`super::emulated`]) implements it from both ends' QP state.
+pub trait Gate: Send + Sync {
+    /// `Ok` to go on, or the mlx5 syndrome and the reason the work request fails with. `op` is
+    /// the WQE opcode; `rd_in_flight` counts READs and atomics outstanding at the responder,
+    /// this one included (0 for other operations).
+    fn admit(&self, op: u8, rd_in_flight: u32) -> std::result::Result<(), (u8, String)>;
+    /// READs and atomics the requester keeps outstanding (`max_rd_atomic`).
+    fn max_rd_atomic(&self) -> u32;
 }
 
 impl Region {
@@ -177,6 +206,9 @@ struct Qp {
     qpn: u32,
     rings: QpRings,
     responder: Option<Responder>,
+    gate: Option<Arc<dyn Gate>>,
+    /// READs and atomics executed since the QP last went idle (outstanding at the responder).
+    rd_in_flight: u32,
     /// WQEBBs consumed (64-bit).
     ci: u64,
     /// CQEs written.
@@ -194,6 +226,7 @@ struct Qp {
 
 struct Shared {
     key_prefix: u32,
+    next_key: std::sync::atomic::AtomicU32,
     stop: AtomicBool,
     regions: Mutex<Vec<Region>>,
     qps: Mutex<Vec<Qp>>,
@@ -233,6 +266,7 @@ impl EmulatedNic {
         }
         let shared = Arc::new(Shared {
             key_prefix: (rank as u32 + 1) << 20,
+            next_key: std::sync::atomic::AtomicU32::new(1),
             stop: AtomicBool::new(false),
             regions: Mutex::new(Vec::new()),
             qps: Mutex::new(Vec::new()),
@@ -260,25 +294,43 @@ impl EmulatedNic {
             ));
         }
         let mut regions = lock(&self.shared.regions);
-        let n = regions
-            .iter()
-            .filter(|r| r.key & 0xfff0_0000 == self.shared.key_prefix)
-            .count() as u32;
-        if n >= 0xfff {
+        // Keys are never reused while the NIC lives (a peer may still hold an old one).
+        let n = self.shared.next_key.fetch_add(1, Ordering::Relaxed);
+        if n >= 0xf_ffff {
             return Err(Error::invalid(
                 "memory region",
-                "at most 4095 regions per emulated NIC",
+                "at most 2^20 - 1 registrations per emulated NIC",
             ));
         }
-        let key = self.shared.key_prefix | (n + 1) << 8 | 0x5a;
+        let key = self.shared.key_prefix | n;
         regions.push(Region {
             key,
             addr,
             len,
             strict,
             local: addr,
+            access: access::ALL,
         });
         Ok(key)
+    }
+
+    /// Registers `len` bytes at `addr` with `access` (`IBV_ACCESS_*`; relaxed ordering makes it
+    /// a relaxed region); returns its key.
+    pub fn register_with_access(&self, addr: u64, len: u64, access: u32) -> Result<u32> {
+        let key = self.register(addr, len, access & access::RELAXED_ORDERING == 0)?;
+        let mut regions = lock(&self.shared.regions);
+        if let Some(r) = regions.iter_mut().find(|r| r.key == key) {
+            r.access = access;
+        }
+        Ok(key)
+    }
+
+    /// Forgets the region of `key` (its memory may go once this returns).
+    pub fn deregister(&self, key: u32) -> bool {
+        let mut regions = lock(&self.shared.regions);
+        let before = regions.len();
+        regions.retain(|r| r.key != key);
+        regions.len() != before
     }
 
     /// Makes another rank's region, registered there with `key` at its address `addr`, reachable
@@ -292,10 +344,10 @@ impl EmulatedNic {
         local: u64,
     ) -> Result<()> {
         let mut regions = lock(&self.shared.regions);
-        if key & 0xfff0_0000 == self.shared.key_prefix || regions.iter().any(|r| r.key == key) {
+        if key & 0xfff0_0000 == self.shared.key_prefix {
             return Err(Error::invalid(
                 "memory region",
-                format!("key {key:#x} is already this NIC's or registered"),
+                format!("key {key:#x} is this NIC's own"),
             ));
         }
         if len == 0 || addr.checked_add(len).is_none() || local.checked_add(len).is_none() {
@@ -304,13 +356,33 @@ impl EmulatedNic {
                 format!("{len} bytes at {addr:#x}"),
             ));
         }
+        // The owner may have registered the key anew: the newest description wins.
+        regions.retain(|r| r.key != key);
         regions.push(Region {
             key,
             addr,
             len,
             strict,
             local,
+            access: access::ALL,
         });
+        Ok(())
+    }
+
+    /// [`EmulatedNic::register_remote`] for a region its owner registered with `access`.
+    pub fn register_remote_with_access(
+        &self,
+        key: u32,
+        addr: u64,
+        len: u64,
+        local: u64,
+        access: u32,
+    ) -> Result<()> {
+        self.register_remote(key, addr, len, access & access::RELAXED_ORDERING == 0, local)?;
+        let mut regions = lock(&self.shared.regions);
+        if let Some(r) = regions.iter_mut().find(|r| r.key == key) {
+            r.access = access;
+        }
         Ok(())
     }
 
@@ -325,6 +397,22 @@ impl EmulatedNic {
         qpn: u32,
         rings: QpRings,
         responder: Option<Responder>,
+    ) -> Result<()> {
+        // SAFETY: the caller's contract, passed on.
+        unsafe { self.add_gated_qp(qpn, rings, responder, None) }
+    }
+
+    /// [`EmulatedNic::add_qp`] for a queue pair whose work requests `gate` admits first (a QP
+    /// made through the verbs provider: its state and its far end are checked).
+    ///
+    /// # Safety
+    /// As for [`EmulatedNic::add_qp`].
+    pub unsafe fn add_gated_qp(
+        &self,
+        qpn: u32,
+        rings: QpRings,
+        responder: Option<Responder>,
+        gate: Option<Arc<dyn Gate>>,
     ) -> Result<()> {
         let pow2 = |n: u64| n > 0 && n.is_power_of_two();
         if !pow2(rings.sq_wqebbs) || !pow2(rings.cq_entries) || qpn >> 24 != 0 {
@@ -345,6 +433,8 @@ impl EmulatedNic {
             qpn,
             rings,
             responder,
+            gate,
+            rd_in_flight: 0,
             ci: 0,
             cq_pi: 0,
             ops: 0,
@@ -460,6 +550,7 @@ fn step(s: &Shared, regions: &[Region], qp: &mut Qp) -> bool {
             );
             return false;
         }
+        qp.rd_in_flight = 0;
         while db_idx != qp.ci as u16 {
             match execute(s, regions, qp) {
                 Some(n) => {
@@ -566,6 +657,26 @@ fn execute(s: &Shared, regions: &[Region], qp: &mut Qp) -> Option<u64> {
         complete(s, qp, op, cq::opcode::REQ_ERR, cq::syndrome::LOCAL_QP_OP, 0);
         return Some(blocks);
     }
+    if let Some(gate) = qp.gate.clone() {
+        let reads = matches!(
+            op,
+            opcode::RDMA_READ | opcode::ATOMIC_FA | opcode::ATOMIC_CS
+        );
+        if reads {
+            // The requester keeps at most max_rd_atomic outstanding: past that it waits for
+            // the earlier ones, which the emulator has completed.
+            qp.rd_in_flight += 1;
+            if qp.rd_in_flight > gate.max_rd_atomic().max(1) {
+                qp.rd_in_flight = 1;
+            }
+        }
+        if let Err((syndrome, why)) = gate.admit(op, if reads { qp.rd_in_flight } else { 0 }) {
+            fault(s, qp, format!("WQE at {}: {why}", qp.ci));
+            qp.error = true;
+            complete(s, qp, op, cq::opcode::REQ_ERR, syndrome, 0);
+            return Some(blocks);
+        }
+    }
     let result = perform(s, regions, qp, op, &w[..ds * DS]);
     let moved = match result {
         Ok(Some(bytes)) => bytes,
@@ -611,6 +722,34 @@ fn perform(
             .map(|r| (r.at(addr), r.strict))
             .ok_or(syndrome)
     };
+    // The remote access the operation needs, checked on the region of `rkey` (a ConnectX answers
+    // a region registered without it with a remote access error).
+    let allowed = |key: u32, flag: u32, syndrome: u8| {
+        match regions.iter().find(|r| r.key == key) {
+            Some(r) if r.access & flag == 0 => Err(syndrome),
+            _ => Ok(()),
+        }
+    };
+    match op {
+        opcode::RDMA_WRITE | opcode::RDMA_WRITE_IMM => {
+            if w.len() >= 3 * DS {
+                allowed(be32_at(w, 24), access::REMOTE_WRITE, REMOTE_ACCESS)?;
+            }
+        }
+        opcode::RDMA_READ => {
+            if w.len() >= 3 * DS {
+                allowed(be32_at(w, 24), access::REMOTE_READ, REMOTE_ACCESS)?;
+                allowed(be32_at(w, 36), access::LOCAL_WRITE, LOCAL_PROTECTION)?;
+            }
+        }
+        opcode::ATOMIC_FA | opcode::ATOMIC_CS => {
+            if w.len() >= 4 * DS {
+                allowed(be32_at(w, 24), access::REMOTE_ATOMIC, REMOTE_ACCESS)?;
+                allowed(be32_at(w, 52), access::LOCAL_WRITE, LOCAL_PROTECTION)?;
+            }
+        }
+        _ => {}
+    }
     match op {
         opcode::NOP => Ok(Some(0)),
         opcode::RDMA_WRITE | opcode::RDMA_WRITE_IMM | opcode::RDMA_READ => {

@@ -33,6 +33,8 @@ enum Backing {
     },
     /// A real mlx5 NIC (rings in libmlx5's memory, kept alive by the QP).
     Hardware { _qp: Box<HwQp> },
+    /// A queue pair of a verbs provider, which owns the rings and outlives this value.
+    Provider,
 }
 
 /// A CPU-posted queue pair, served by an [`EmulatedNic`] ([`HostQp::new`]) or a real mlx5 NIC
@@ -122,6 +124,26 @@ impl HostQp {
     pub fn on_hardware(qp: HwQp) -> HostQp {
         let rings = qp.rings();
         HostQp::with(Backing::Hardware { _qp: Box::new(qp) }, rings)
+    }
+
+    /// Posts to the rings of a provider's queue pair (see [`super::provider::Provider::rings`]).
+    ///
+    /// # Safety
+    /// The rings stay valid while this value lives, and nothing else posts to them.
+    pub unsafe fn on_rings(r: &super::provider::Rings) -> HostQp {
+        HostQp::with(
+            Backing::Provider,
+            Rings {
+                qpn: r.qpn,
+                sq: r.sq,
+                sq_wqebbs: r.sq_wqebbs,
+                dbr: r.dbr,
+                doorbell: r.doorbell,
+                cq: r.cq,
+                cq_entries: r.cq_entries,
+                cq_ci: r.cq_ci,
+            },
+        )
     }
 
     fn with(backing: Backing, r: Rings) -> HostQp {
@@ -221,6 +243,28 @@ impl HostQp {
     /// Consumes the CQEs that arrived; returns the WQEBBs known complete. An error CQE is an
     /// error naming the WQE and the mlx5 syndrome.
     pub fn poll(&mut self) -> Result<u64> {
+        let mut failed = None;
+        self.poll_each(|start, c| {
+            if c.is_error() && failed.is_none() {
+                failed = Some((start, *c));
+            }
+            !c.is_error()
+        });
+        if let Some((start, c)) = failed {
+            return Err(Error::TransportUnavailable {
+                transport: "ib",
+                why: format!(
+                    "QP {:#x}: work request at index {start} (opcode {:#x}) failed with mlx5 syndrome {:#x}",
+                    self.qpn, c.wqe_opcode, c.syndrome
+                ),
+            });
+        }
+        Ok(self.completed)
+    }
+
+    /// Consumes the CQEs that arrived, calling `f(index of the completed WQE, CQE)` for each
+    /// (errors included) until it returns false; returns the WQEBBs known complete.
+    pub fn poll_each(&mut self, mut f: impl FnMut(u64, &Cqe) -> bool) -> u64 {
         loop {
             let at = (self.polled & (self.cq_depth - 1)) as usize * CQE_BYTES;
             // SAFETY: an aligned word inside the CQ; the NIC writes it last.
@@ -243,17 +287,15 @@ impl HostQp {
             let start =
                 self.completed + u64::from(c.wqe_counter.wrapping_sub(self.completed as u16));
             if c.is_error() {
-                return Err(Error::TransportUnavailable {
-                    transport: "ib",
-                    why: format!(
-                        "QP {:#x}: work request at index {start} (opcode {:#x}) failed with mlx5 syndrome {:#x}",
-                        self.qpn, c.wqe_opcode, c.syndrome
-                    ),
-                });
+                f(start, &c);
+                return self.completed;
             }
             self.completed = start + u64::from(self.sizes[(start & (self.depth - 1)) as usize]);
+            if !f(start, &c) {
+                break;
+            }
         }
-        Ok(self.completed)
+        self.completed
     }
 }
 

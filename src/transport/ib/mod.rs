@@ -9,12 +9,16 @@
 //! ([`rc`], never run on one); queue pairs of a real mlx5 NIC whose rings the same posters drive
 //! ([`hw`], never run on one). Nothing here has run on a NIC.
 
+pub mod conn;
 pub mod cq;
+pub mod emulated;
 pub mod emulator;
 pub mod gpu_qp;
 pub mod host_qp;
 pub mod hw;
+pub mod provider;
 pub mod rc;
 pub mod select;
+pub mod topology;
 pub mod verbs;
 pub mod wqe;
