@@ -17,6 +17,8 @@ pub struct PortChannel {
     // Kernels posting their own RDMA work (DOORBELL_IB_POSTING=ibgda|cpu): dropped before the
     // memories it names.
     pub(crate) _link: Option<GpuLink>,
+    /// RDMA registrations its work requests name (Ib): dropped after the queue pairs above.
+    pub(crate) _registrations: Vec<Arc<crate::transport::ib::conn::Registration>>,
     // Dropped first: the receiver writes into the destination and the token pool.
     pub(crate) _receiver: Option<NetReceiver>,
     pub(crate) _src: Arc<RegisteredMemory>,
@@ -29,7 +31,7 @@ pub struct PortChannel {
 /// What a PortChannel whose kernels post RDMA work keeps alive: its queue pair, the link kernels
 /// read, the scratch words the NIC writes.
 pub(crate) struct GpuLink {
-    pub(crate) _qps: Vec<crate::transport::ib::gpu_qp::GpuQp>,
+    pub(crate) _qps: Vec<crate::transport::ib::gpu_qp::MappedQp>,
     pub(crate) _link: cudarc::driver::CudaSlice<u8>,
     pub(crate) _scratch: cudarc::driver::CudaSlice<u8>,
 }

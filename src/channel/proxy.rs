@@ -51,12 +51,12 @@ struct Semaphore {
     key: Option<u32>,
 }
 
-/// An Ib connection: the proxy posts each trigger as RDMA work requests on a queue pair of the
-/// emulated NIC (the verbs-proxy posting mode): a put as RDMA WRITEs, a signal as an 8-byte
+/// An Ib connection: the proxy posts each trigger as RDMA work requests on a connected queue
+/// pair, as mlx5 WQEs it writes itself or through `ibv_post_send` (the host posting modes): a put as RDMA WRITEs, a signal as an 8-byte
 /// READ of the peer's token (the flush that makes the writes before it visible) then a
 /// fetch-add of 1 on it, a flush as the position reported once every WQE before it completed.
 struct IbConn {
-    qp: crate::transport::ib::host_qp::HostQp,
+    qp: crate::transport::ib::poster::HostPoster,
     /// 16 bytes of device memory the NIC may write (READ and fetch-add results), and its key.
     scratch: u64,
     scratch_key: u32,
@@ -228,7 +228,7 @@ impl ProxyBuilder {
     /// device address.
     pub(crate) fn add_ib_connection(
         &mut self,
-        qp: crate::transport::ib::host_qp::HostQp,
+        qp: crate::transport::ib::poster::HostPoster,
         scratch: CudaSlice<u8>,
         scratch_key: u32,
     ) -> Result<(ConnectionId, u64)> {
@@ -695,7 +695,7 @@ impl Worker {
         for (op, signaled) in &ops {
             ib.qp.post(op, *signaled, patience)?;
         }
-        ib.qp.ring();
+        ib.qp.ring()?;
         if m.kind & trigger::FLUSH != 0 {
             if ib.qp.completed() >= ib.qp.posted() && ib.pending.is_empty() {
                 self.tables.connections[conn].flush_done.write(0, pos + 1);

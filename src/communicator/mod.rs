@@ -23,6 +23,15 @@ use crate::job::bootstrap::{Bootstrap, BootstrapConfig};
 use crate::job::config::Settings;
 use crate::transport::ethernet::NetReceiver;
 use crate::transport::ethernet::{self, Landing};
+use crate::transport::ib::conn::{
+    connect_peers, exchange_regions, IbDevice, QueuePair, Registration,
+};
+use crate::transport::ib::emulated::{Emulated, Fabric, PortConfig};
+use crate::transport::ib::emulator::{Delivery, EmulatedNic};
+use crate::transport::ib::gpu_qp::{CudaDma, MappedQp, Posting};
+use crate::transport::ib::poster::HostPoster;
+use crate::transport::ib::provider::{access, Memory, Provider};
+use crate::transport::ib::select::{posting_for, Platform, PostingMode};
 use crate::transport::ipc::{ipc_handle_for, MemoryDescriptor, RemoteMemory, ShareHandle};
 use cudarc::driver::CudaStream;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
@@ -45,24 +54,37 @@ pub struct Communicator {
     gpu: Arc<Gpu>,
     fd_server: Arc<FdServer>,
     host_ids: Vec<u64>,
+    // Before the token pool: its registration with the NIC goes first.
+    ib: Option<IbFabric>,
     tokens: Arc<TokenPool>,
     diagnostics: Arc<WaitDiagnostics>,
     next_export: AtomicU64,
     next_channel: AtomicU32,
-    ib: Option<IbFabric>,
-    ib_posting: crate::job::config::IbPosting,
     ib_qps_per_peer: u32,
 }
 
-/// `DOORBELL_IB_EMULATE=1`: this rank's emulated NIC, its token pool's key there, and how to
-/// reach each peer's token pool (its address and key; mapped here for the NIC).
+/// The RDMA NIC this rank's PortChannels to other nodes use, reached only through the verbs
+/// boundary (`DOORBELL_IB_EMULATE=1`: the emulated provider), its token pool's registration, and
+/// how to reach each peer's token pool (its address and rkey).
 struct IbFabric {
-    nic: Arc<crate::transport::ib::emulator::EmulatedNic>,
-    /// Peers on this physical host but another (logical) node: (their pool's address, its key).
+    dev: Arc<IbDevice>,
+    posting: PostingMode,
+    _pool: Registration,
+    /// Peers on another node the NIC reaches: (their pool's address, its rkey).
     peer_pools: Vec<Option<(u64, u32)>>,
-    /// Those pools mapped here (kept alive for the NIC).
+    /// The emulated wire: peers' pools mapped here (kept alive for the NIC).
     _mapped: Vec<RemoteMemory>,
-    next_qpn: AtomicU32,
+}
+
+/// Remote access a registration grants peers: writes, reads (the flush) and atomics (signals).
+const IB_REMOTE: u32 =
+    access::LOCAL_WRITE | access::REMOTE_WRITE | access::REMOTE_READ | access::REMOTE_ATOMIC;
+
+/// The emulated fabric's name for this job: the same on every rank, different across jobs.
+fn job_tag(secret: &[u8]) -> String {
+    use sha2::Digest;
+    let d = sha2::Sha256::digest([b"doorbell-emulated-fabric".as_slice(), secret].concat());
+    d[..8].iter().map(|b| format!("{b:02x}")).collect()
 }
 
 impl Communicator {
@@ -153,44 +175,56 @@ impl Communicator {
         fd_server.withdraw(export_id);
 
         let ib = if emulate {
-            use crate::transport::ib::emulator::{Delivery, EmulatedNic};
             let nic = Arc::new(EmulatedNic::start_for_rank(
-                Box::new(crate::transport::ib::gpu_qp::CudaDma::new(&gpu)),
+                Box::new(CudaDma::new(&gpu)),
                 Delivery::Strict,
                 rank,
             )?);
-            let key = nic.register(pool.device_ptr(), (TOKEN_SLOTS * 8) as u64, true)?;
-            let mine: Vec<u8> = [pool.device_ptr(), u64::from(key)]
-                .iter()
-                .flat_map(|v| v.to_le_bytes())
-                .collect();
-            let all = bootstrap.all_gather(&mine)?;
+            let fabric = Fabric::for_job(&job_tag(bootstrap.secret()))?;
+            let provider: Arc<dyn Provider> = Arc::new(Emulated::new(
+                nic,
+                rank as u32 + 1,
+                fabric,
+                PortConfig::default(),
+            )?);
+            let dev = IbDevice::open(provider.clone(), 1, settings.ib_gid_index)?;
+            // SAFETY: the pool is the token pool's buffer, which outlives the registration
+            // (IbFabric drops before the token pool).
+            let pool_mr = unsafe {
+                dev.register(
+                    pool.device_ptr(),
+                    TOKEN_SLOTS * 8,
+                    IB_REMOTE,
+                    Memory::Gpu(&gpu),
+                )
+            }?;
+            let regions = exchange_regions(&bootstrap, Some(&pool_mr))?;
             let mut peer_pools = vec![None; world];
             for (r, m) in &ib_mapped {
-                let w = |i: usize| {
-                    all[*r]
-                        .get(8 * i..8 * i + 8)
-                        .and_then(|b| b.try_into().ok())
-                        .map(u64::from_le_bytes)
-                        .ok_or_else(|| Error::Bootstrap {
-                            me: rank,
-                            rank: Some(*r),
-                            why: "sent a malformed token-pool key".into(),
-                        })
-                };
-                let (addr, key) = (w(0)?, w(1)? as u32);
-                nic.register_remote(key, addr, (TOKEN_SLOTS * 8) as u64, true, m.device_ptr())?;
-                peer_pools[*r] = Some((addr, key));
+                let region = regions[*r].ok_or_else(|| Error::Bootstrap {
+                    me: rank,
+                    rank: Some(*r),
+                    why: "registered no token pool with its NIC".into(),
+                })?;
+                provider.attach_remote(region.rkey, region.addr, region.len, m.device_ptr())?;
+                peer_pools[*r] = Some((region.addr, region.rkey));
             }
+            let (posting, why) = posting_for(
+                provider.as_ref(),
+                &Platform::probe(false),
+                settings.ib_posting,
+            );
             tracing::info!(
-                "rank {rank}: PortChannels to other nodes take the Ib transport over the emulated NIC \
-                 (DOORBELL_IB_EMULATE=1), posted by the proxy"
+                "rank {rank}: PortChannels to other nodes take the Ib transport on {} \
+                 (DOORBELL_IB_EMULATE=1), posting {posting:?}: {why}",
+                provider.device_name()
             );
             Some(IbFabric {
-                nic,
+                dev,
+                posting,
+                _pool: pool_mr,
                 peer_pools,
                 _mapped: ib_mapped.into_iter().map(|(_, m)| m).collect(),
-                next_qpn: AtomicU32::new(1),
             })
         } else {
             None
@@ -253,7 +287,6 @@ impl Communicator {
             next_export: AtomicU64::new(1),
             next_channel: AtomicU32::new(0),
             ib,
-            ib_posting: settings.ib_posting,
             ib_qps_per_peer: settings.ib_qps_per_peer,
         })
     }
@@ -599,15 +632,27 @@ impl Communicator {
             .all_gather(&(dst.len() as u64).to_le_bytes())?;
         // Emulated RDMA: every rank registers its destination with its NIC and tells the others
         // its address and key; peers on this machine but another node map it for their NIC.
-        let ib_dst = match &self.ib {
+        let mut ib_dst = match &self.ib {
             Some(ib) => {
-                let key = ib.nic.register(dst.device_ptr(), dst.len() as u64, false)?;
-                let src_key = ib.nic.register(src.device_ptr(), src.len() as u64, false)?;
-                let mine: Vec<u8> = [dst.device_ptr(), u64::from(key), dst.len() as u64]
-                    .iter()
-                    .flat_map(|v| v.to_le_bytes())
-                    .collect();
-                let all = self.bootstrap.all_gather(&mine)?;
+                // SAFETY: `dst` and `src` are kept alive by the channels, which keep these
+                // registrations and drop them first.
+                let (dst_mr, src_mr) = unsafe {
+                    (
+                        ib.dev.register(
+                            dst.device_ptr(),
+                            dst.len(),
+                            IB_REMOTE | access::RELAXED_ORDERING,
+                            Memory::Gpu(&self.gpu),
+                        )?,
+                        ib.dev.register(
+                            src.device_ptr(),
+                            src.len(),
+                            access::LOCAL_WRITE,
+                            Memory::Gpu(&self.gpu),
+                        )?,
+                    )
+                };
+                let regions = exchange_regions(&self.bootstrap, Some(&dst_mr))?;
                 let descs = self.bootstrap.all_gather(&dst.descriptor.to_bytes())?;
                 let mut peers = Vec::with_capacity(world);
                 for r in 0..world {
@@ -615,25 +660,38 @@ impl Communicator {
                         peers.push(None);
                         continue;
                     }
-                    let w = |i: usize| {
-                        all[r]
-                            .get(8 * i..8 * i + 8)
-                            .and_then(|b| b.try_into().ok())
-                            .map(u64::from_le_bytes)
-                            .ok_or_else(|| Error::Bootstrap {
-                                me: rank,
-                                rank: Some(r),
-                                why: "sent a malformed RDMA key".into(),
-                            })
-                    };
-                    let (addr, rkey, len) = (w(0)?, w(1)? as u32, w(2)?);
+                    let region = regions[r].ok_or_else(|| Error::Bootstrap {
+                        me: rank,
+                        rank: Some(r),
+                        why: "registered no destination with its NIC".into(),
+                    })?;
+                    // The emulated wire reaches the peer's memory through its mapping here.
                     let mapped = Arc::new(self.import(r, &descs[r])?);
-                    ib.nic
-                        .register_remote(rkey, addr, len, false, mapped.device_ptr())?;
-                    peers.push(Some((addr, rkey, len, mapped)));
+                    ib.dev.provider().attach_remote(
+                        region.rkey,
+                        region.addr,
+                        region.len,
+                        mapped.device_ptr(),
+                    )?;
+                    peers.push(Some((region.addr, region.rkey, region.len, mapped)));
+                }
+                // Queue pairs to every Ib peer: one the proxy posts to, and with kernels posting
+                // their own work one per stripe for them. Collective.
+                let ib_peers: Vec<usize> = (0..world).filter(|&r| peers[r].is_some()).collect();
+                let gpu_posting =
+                    matches!(ib.posting, PostingMode::Ibgda | PostingMode::CpuAssisted);
+                let per_peer = 1 + if gpu_posting {
+                    self.ib_qps_per_peer as usize
+                } else {
+                    0
+                };
+                let qps = connect_peers(&self.bootstrap, &ib.dev, &ib_peers, per_peer, 256)?;
+                let mut by_peer: Vec<Vec<QueuePair>> = (0..world).map(|_| Vec::new()).collect();
+                for (p, q) in ib_peers.iter().zip(qps) {
+                    by_peer[*p] = q;
                 }
                 self.bootstrap.barrier()?;
-                Some((src_key, peers))
+                Some((Arc::new(src_mr), Arc::new(dst_mr), peers, by_peer))
             }
             None => None,
         };
@@ -657,8 +715,8 @@ impl Communicator {
         }
         .into_iter();
         let src_id = match &ib_dst {
-            Some((src_key, _)) => {
-                proxy.add_ib_memory(src.device_ptr(), src.len() as u64, *src_key)?
+            Some((src_mr, ..)) => {
+                proxy.add_ib_memory(src.device_ptr(), src.len() as u64, src_mr.lkey())?
             }
             None => proxy.add_memory(src.device_ptr(), src.len() as u64)?,
         };
@@ -686,93 +744,102 @@ impl Communicator {
                         None,
                         Ok(remote),
                     )
-                } else if let (Some(ib), Some((_, peers))) = (&self.ib, &ib_dst) {
-                    let (addr, rkey, len, mapped) =
-                        peers[peer]
-                            .clone()
-                            .ok_or_else(|| Error::TransportUnavailable {
-                                transport: "ib",
-                                why: format!(
+                } else if let (Some(ib), Some((src_mr, dst_mr, peers, by_peer))) =
+                    (&self.ib, ib_dst.as_mut())
+                {
+                    let (addr, rkey, len, mapped) = peers[peer].clone().ok_or_else(|| {
+                        Error::TransportUnavailable {
+                            transport: "ib",
+                            why: format!(
                                 "rank {peer} is on another machine: the emulated NIC reaches only \
-                                 ranks of this host (DOORBELL_IB_EMULATE)"
+                                     ranks of this host (DOORBELL_IB_EMULATE)"
                             ),
-                            })?;
+                        }
+                    })?;
                     let (pool_addr, pool_key) = ib.peer_pools[peer].ok_or_else(|| {
                         Error::invalid("ib", format!("rank {peer}'s token pool is not reachable"))
                     })?;
-                    let qpn = (rank as u32) << 16 | ib.next_qpn.fetch_add(1, Ordering::Relaxed);
-                    let qp = crate::transport::ib::host_qp::HostQp::new(&ib.nic, qpn, 10)?;
+                    let mut qps = std::mem::take(&mut by_peer[peer]).into_iter();
+                    let proxy_qp = qps.next().ok_or_else(|| {
+                        Error::invalid("ib", format!("no queue pair to rank {peer}"))
+                    })?;
+                    let poster = match ib.posting {
+                        PostingMode::VerbsProxy => HostPoster::verbs(proxy_qp, 256),
+                        _ => HostPoster::mlx5(proxy_qp)?,
+                    };
                     let stream = self.gpu.new_stream()?;
                     let scratch = stream
                         .alloc_zeros::<u8>(16)
                         .map_err(crate::gpu::cuda::cuda_err("cuMemAlloc"))?;
-                    let scratch_key = {
+                    let mut registrations = vec![src_mr.clone(), dst_mr.clone()];
+                    let scratch_mr = {
                         use cudarc::driver::DevicePtr;
-                        ib.nic.register(scratch.device_ptr(&stream).0, 16, true)?
+                        // SAFETY: the scratch words live in the proxy's connection, which outlives
+                        // the work requests naming them; the channel keeps the registration.
+                        Arc::new(unsafe {
+                            ib.dev.register(
+                                scratch.device_ptr(&stream).0,
+                                16,
+                                access::LOCAL_WRITE,
+                                Memory::Gpu(&self.gpu),
+                            )
+                        }?)
                     };
+                    registrations.push(scratch_mr.clone());
                     let dst_id = proxy.add_ib_memory(addr, len, rkey)?;
-                    let (conn, flush_done) = proxy.add_ib_connection(qp, scratch, scratch_key)?;
+                    let (conn, flush_done) =
+                        proxy.add_ib_connection(poster, scratch, scratch_mr.lkey())?;
                     // The peer's inbound token for me, at the peer's own address.
                     let token = pool_addr + ((base + rank) * 8) as u64;
                     let sem = proxy.add_ib_semaphore(conn, token, pool_key)?;
                     let site = self.diagnostics.site(peer as i32, channel);
-                    // DOORBELL_IB_POSTING=ibgda or cpu: kernels post their own work requests on
-                    // a queue pair of their own; otherwise the proxy posts (the connection above).
-                    let gpu_posting = match self.ib_posting {
-                        crate::job::config::IbPosting::Ibgda => {
-                            Some(crate::transport::ib::gpu_qp::Posting::Ibgda)
-                        }
-                        crate::job::config::IbPosting::CpuAssisted => {
-                            Some(crate::transport::ib::gpu_qp::Posting::CpuAssisted)
-                        }
+                    // Kernels posting their own work requests: the stripes' queue pairs mapped
+                    // into the GPU; otherwise the proxy posts (the connection above).
+                    let gpu_posting = match ib.posting {
+                        PostingMode::Ibgda => Some(Posting::Ibgda),
+                        PostingMode::CpuAssisted => Some(Posting::CpuAssisted),
                         _ => None,
                     };
                     let link = match gpu_posting {
                         Some(posting) => {
                             use cudarc::driver::DevicePtr;
-                            // The first QP, then the stripes' (DOORBELL_IB_QPS_PER_PEER).
-                            let mut qps = vec![crate::transport::ib::gpu_qp::GpuQp::new(
-                                &self.gpu,
-                                &ib.nic,
-                                qpn | 0x8000,
-                                10,
-                                posting,
-                                site,
-                            )?];
-                            for _ in 1..self.ib_qps_per_peer {
-                                let n = (rank as u32) << 16
-                                    | ib.next_qpn.fetch_add(1, Ordering::Relaxed);
-                                qps.push(crate::transport::ib::gpu_qp::GpuQp::new(
-                                    &self.gpu,
-                                    &ib.nic,
-                                    n | 0x8000,
-                                    10,
-                                    posting,
-                                    site,
-                                )?);
+                            let mapped_qps: Vec<MappedQp> = qps
+                                .map(|q| MappedQp::new(&self.gpu, q, posting, site))
+                                .collect::<Result<_>>()?;
+                            if mapped_qps.is_empty() {
+                                return Err(Error::invalid("ib", "no queue pair for the kernels"));
                             }
                             let mut more = [crate::device_api::IbQpHandle::default(); 3];
-                            for (m, q) in more.iter_mut().zip(&qps[1..]) {
+                            for (m, q) in more.iter_mut().zip(&mapped_qps[1..]) {
                                 *m = q.handle();
                             }
                             let scratch = stream
                                 .alloc_zeros::<u8>(16)
                                 .map_err(crate::gpu::cuda::cuda_err("cuMemAlloc"))?;
                             let scratch_addr = scratch.device_ptr(&stream).0;
-                            let scratch_key = ib.nic.register(scratch_addr, 16, true)?;
+                            // SAFETY: kept by the GpuLink below, dropped after the registration.
+                            let kernel_scratch = Arc::new(unsafe {
+                                ib.dev.register(
+                                    scratch_addr,
+                                    16,
+                                    access::LOCAL_WRITE,
+                                    Memory::Gpu(&self.gpu),
+                                )
+                            }?);
+                            registrations.push(kernel_scratch.clone());
                             let l = crate::device_api::IbPortLink {
-                                qp: qps[0].handle(),
-                                stripes: qps.len() as u32,
+                                qp: mapped_qps[0].handle(),
+                                stripes: mapped_qps.len() as u32,
                                 reserved: 0,
                                 more,
                                 src: src.device_ptr(),
                                 dst: addr,
                                 token,
                                 scratch: scratch_addr,
-                                src_key: ib_dst.as_ref().map_or(0, |(k, _)| *k),
+                                src_key: src_mr.lkey(),
                                 dst_key: rkey,
                                 token_key: pool_key,
-                                scratch_key,
+                                scratch_key: kernel_scratch.lkey(),
                             };
                             let on_device = stream
                                 .clone_htod(bytemuck::bytes_of(&l))
@@ -784,7 +851,7 @@ impl Communicator {
                             Some((
                                 ptr,
                                 GpuLink {
-                                    _qps: qps,
+                                    _qps: mapped_qps,
                                     _link: on_device,
                                     _scratch: scratch,
                                 },
@@ -809,6 +876,7 @@ impl Communicator {
                         },
                         transport: Transport::Ib,
                         _link: link.map(|(_, l)| l),
+                        _registrations: registrations,
                         _receiver: None,
                         _src: src.clone(),
                         _dst: Ok(mapped),
@@ -873,6 +941,7 @@ impl Communicator {
                 },
                 transport,
                 _link: None,
+                _registrations: Vec::new(),
                 _receiver: receiver,
                 _src: src.clone(),
                 _dst: keep,

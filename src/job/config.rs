@@ -18,9 +18,10 @@
 //! | `DOORBELL_SEPARATE_NODES` | `1`: ranks on one host count as different nodes, so PortChannels take the network transport (Ethernet) instead of CUDA IPC; for testing that path on one machine | `0` |
 //! | `DOORBELL_NODE_SIZE` | with `DOORBELL_SEPARATE_NODES=1`: ranks form emulated nodes of this many consecutive ranks (ranks `0..k` one node, `k..2k` the next), PortChannels inside a node taking CUDA IPC and between nodes the network; for testing collectives that span nodes of several GPUs on one machine | `1` |
 //! | `DOORBELL_IB_EMULATE` | `1`: PortChannels between ranks of different nodes take the Ib transport over doorbell's emulated mlx5 NIC (`rdma::emulator`), the proxy posting RDMA work requests; only for ranks that share one physical host (with `DOORBELL_SEPARATE_NODES=1`), to test the RDMA path where there is no NIC | `0` |
-//! | `DOORBELL_IB_POSTING` | who posts RDMA work: `auto` (on a real NIC: IBGDA where the GPU may ring the NIC's doorbell, else CPU-assisted for mlx5 NICs, else the verbs proxy, as `doorbell-info` reports; on the emulated NIC: the proxy), `ibgda` (kernels write WQEs and ring), `cpu` (kernels write WQEs, a host thread rings), `proxy` (the proxy posts PortChannel triggers) | `auto` |
+//! | `DOORBELL_IB_POSTING` | who posts RDMA work: `auto` (on a real NIC: IBGDA where the GPU may ring the NIC's doorbell, else CPU-assisted for mlx5 NICs, else the verbs proxy, as `doorbell-info` reports; on the emulated NIC: the proxy), `ibgda` (kernels write WQEs and ring), `cpu` (kernels write WQEs, a host thread rings), `proxy` (the proxy writes mlx5 WQEs for PortChannel triggers), `verbs` (the proxy posts them with `ibv_post_send` and reaps `ibv_poll_cq`: any NIC, the automatic choice for NICs that are not mlx5) | `auto` |
 //! | `DOORBELL_IB_QPS_PER_PEER` | queue pairs per PortChannel when kernels post RDMA work (`DOORBELL_IB_POSTING=ibgda` or `cpu`): puts of 1 MiB or more are striped over them, 1 to 4 | `1` |
 //! | `DOORBELL_IB_GID_INDEX` | the GID table index RDMA connections use, instead of the automatic choice (InfiniBand: 0; RoCE: the first RoCE v2 GID with an IPv4 address) | automatic |
+//! | `DOORBELL_IB_HCA` | which RDMA NIC ports may be used, NCCL_IB_HCA's syntax: a comma-separated list of `name[:port]`, each name a prefix (`mlx5` matches `mlx5_0`..`mlx5_11`), or exact after a leading `=`; a leading `^` excludes the listed ones. Each GPU takes the nearest allowed active port in the PCIe tree, GPUs spread over equally near ones (`transport::ib::topology`, as `doorbell-info` reports) | every active port |
 //! | `RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `LOCAL_WORLD_SIZE` | this process's place in the job (torchrun's names) | from Slurm or MPI variables when absent |
 //! | `MASTER_ADDR`, `MASTER_PORT` | where rank 0's bootstrap listens | required with more than one rank |
 //! | `SLURM_PROCID`, `SLURM_NTASKS`, `SLURM_LOCALID`, `SLURM_NTASKS_PER_NODE` | srun's rank variables | |
@@ -100,6 +101,8 @@ pub struct Settings {
     pub ib_posting: IbPosting,
     /// `DOORBELL_IB_GID_INDEX`.
     pub ib_gid_index: Option<u32>,
+    /// `DOORBELL_IB_HCA`, as given (parsed by `transport::ib::topology::HcaFilter`).
+    pub ib_hca: Option<String>,
     /// `DOORBELL_IB_QPS_PER_PEER` (1..=4).
     pub ib_qps_per_peer: u32,
 }
@@ -113,8 +116,10 @@ pub enum IbPosting {
     Ibgda,
     /// The GPU writes WQEs, a host thread rings.
     CpuAssisted,
-    /// A host proxy posts through verbs.
+    /// A host proxy writes mlx5 WQEs itself.
     Proxy,
+    /// A host proxy posts with `ibv_post_send` (any NIC).
+    Verbs,
 }
 
 /// Where proxy threads run (`DOORBELL_PROXY_CPU`).
@@ -205,14 +210,19 @@ impl Settings {
                 Some("ibgda") => IbPosting::Ibgda,
                 Some("cpu") => IbPosting::CpuAssisted,
                 Some("proxy") => IbPosting::Proxy,
+                Some("verbs") => IbPosting::Verbs,
                 Some(other) => {
                     return Err(Error::invalid(
                         "DOORBELL_IB_POSTING",
-                        format!("{other:?}: expected auto, ibgda, cpu or proxy"),
+                        format!("{other:?}: expected auto, ibgda, cpu, proxy or verbs"),
                     ))
                 }
             },
             ib_gid_index: parse::<u32>(env, "DOORBELL_IB_GID_INDEX")?,
+            ib_hca: env
+                .get("DOORBELL_IB_HCA")
+                .map(|s| s.trim().to_string())
+                .filter(|s| !s.is_empty()),
             ib_qps_per_peer: match parse::<u32>(env, "DOORBELL_IB_QPS_PER_PEER")? {
                 None => 1,
                 Some(n @ 1..=4) => n,
@@ -501,6 +511,21 @@ mod tests {
             let e = Settings::from_lookup(&env(&[(k, v)])).unwrap_err();
             assert!(e.to_string().contains(k), "{e}");
         }
+    }
+
+    #[test]
+    fn ib_hca_is_kept_as_given() {
+        let get = |v: &str| {
+            Settings::from_lookup(&env(&[("DOORBELL_IB_HCA", v)]))
+                .unwrap()
+                .ib_hca
+        };
+        assert_eq!(
+            get(" ^mlx5_0,mlx5_1:1 ").as_deref(),
+            Some("^mlx5_0,mlx5_1:1")
+        );
+        assert_eq!(get("  "), None);
+        assert_eq!(Settings::from_lookup(&env(&[])).unwrap().ib_hca, None);
     }
 
     #[test]

@@ -392,13 +392,14 @@ pub fn connect_peers(
     }
     let all = bootstrap.all_gather(&table)?;
     for (i, &p) in peers.iter().enumerate() {
-        let theirs = all.get(p).filter(|t| t.len() == table.len()).ok_or_else(|| {
-            Error::Bootstrap {
+        let theirs = all
+            .get(p)
+            .filter(|t| t.len() == table.len())
+            .ok_or_else(|| Error::Bootstrap {
                 me,
                 rank: Some(p),
                 why: "sent a malformed endpoint table".into(),
-            }
-        })?;
+            })?;
         for (k, qp) in qps[i].iter_mut().enumerate() {
             let at = (me * per_peer + k) * Endpoint::BYTES;
             let remote = Endpoint::from_bytes(&theirs[at..at + Endpoint::BYTES])?;
@@ -409,14 +410,15 @@ pub fn connect_peers(
                     why: format!("made no queue pair {k} for this rank (peer lists differ)"),
                 });
             }
-            qp.connect(&remote).map_err(|e| Error::TransportUnavailable {
-                transport: "ib",
-                why: format!(
-                    "rank {me}: connecting QP {:#x} to rank {p}'s QP {:#x}: {e}",
-                    qp.qpn(),
-                    remote.qpn
-                ),
-            })?;
+            qp.connect(&remote)
+                .map_err(|e| Error::TransportUnavailable {
+                    transport: "ib",
+                    why: format!(
+                        "rank {me}: connecting QP {:#x} to rank {p}'s QP {:#x}: {e}",
+                        qp.qpn(),
+                        remote.qpn
+                    ),
+                })?;
         }
     }
     Ok(qps)

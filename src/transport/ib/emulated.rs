@@ -486,10 +486,7 @@ impl Gate for EmuGate {
         use cq::syndrome::*;
         let me = *lock(&self.conf);
         if me.state != QpState::Rts {
-            return Err((
-                LOCAL_QP_OP,
-                format!("the QP is in {:?}, not RTS", me.state),
-            ));
+            return Err((LOCAL_QP_OP, format!("the QP is in {:?}, not RTS", me.state)));
         }
         let peer = {
             let mut cached = lock(&self.peer);
@@ -615,7 +612,10 @@ impl Provider for Emulated {
         _memory: Memory<'_>,
     ) -> Result<MrKeys> {
         if !lock(&self.objects).pds.contains(&pd.0) {
-            return Err(refused("ibv_reg_mr", format!("no protection domain {}", pd.0)));
+            return Err(refused(
+                "ibv_reg_mr",
+                format!("no protection domain {}", pd.0),
+            ));
         }
         if access & (access::REMOTE_WRITE | access::REMOTE_ATOMIC) != 0
             && access & access::LOCAL_WRITE == 0
@@ -653,7 +653,9 @@ impl Provider for Emulated {
     }
 
     fn create_cq(&self, entries: u32) -> Result<Cq> {
-        let n = u64::from(entries.max(1)).next_power_of_two().clamp(128, 1 << 16);
+        let n = u64::from(entries.max(1))
+            .next_power_of_two()
+            .clamp(128, 1 << 16);
         let ring = PageBuf::new(n as usize * CQE_BYTES);
         for i in 0..n as usize {
             // SAFETY: inside the ring, before anyone else knows it.
@@ -684,12 +686,18 @@ impl Provider for Emulated {
     fn create_qp(&self, pd: Pd, cq: Cq, cap: QpCap) -> Result<QpId> {
         let mut o = lock(&self.objects);
         if !o.pds.contains(&pd.0) {
-            return Err(refused("ibv_create_qp", format!("no protection domain {}", pd.0)));
+            return Err(refused(
+                "ibv_create_qp",
+                format!("no protection domain {}", pd.0),
+            ));
         }
         let h = o.next;
         let n = o.qps.len() as u32;
         if n >= 0xfff {
-            return Err(refused("ibv_create_qp", "at most 4095 QPs per emulated NIC"));
+            return Err(refused(
+                "ibv_create_qp",
+                "at most 4095 QPs per emulated NIC",
+            ));
         }
         let cq_entries = match o.cqs.get_mut(&cq.0) {
             None => return Err(refused("ibv_create_qp", format!("no CQ {}", cq.0))),
@@ -832,7 +840,9 @@ impl Provider for Emulated {
     fn post_send(&self, qp: QpId, wrs: &[SendWr]) -> Result<()> {
         let mut o = lock(&self.objects);
         let cq = o.qps.get(&qp.handle).map(|q| q.cq);
-        let cq_ptrs = cq.and_then(|c| o.cqs.get(&c)).map(|c| (c.ring.ptr, c.ci.ptr, c.entries));
+        let cq_ptrs = cq
+            .and_then(|c| o.cqs.get(&c))
+            .map(|c| (c.ring.ptr, c.ci.ptr, c.entries));
         let q = o
             .qps
             .get_mut(&qp.handle)

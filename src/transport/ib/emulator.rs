@@ -378,7 +378,13 @@ impl EmulatedNic {
         local: u64,
         access: u32,
     ) -> Result<()> {
-        self.register_remote(key, addr, len, access & access::RELAXED_ORDERING == 0, local)?;
+        self.register_remote(
+            key,
+            addr,
+            len,
+            access & access::RELAXED_ORDERING == 0,
+            local,
+        )?;
         let mut regions = lock(&self.shared.regions);
         if let Some(r) = regions.iter_mut().find(|r| r.key == key) {
             r.access = access;
@@ -724,29 +730,21 @@ fn perform(
     };
     // The remote access the operation needs, checked on the region of `rkey` (a ConnectX answers
     // a region registered without it with a remote access error).
-    let allowed = |key: u32, flag: u32, syndrome: u8| {
-        match regions.iter().find(|r| r.key == key) {
-            Some(r) if r.access & flag == 0 => Err(syndrome),
-            _ => Ok(()),
-        }
+    let allowed = |key: u32, flag: u32, syndrome: u8| match regions.iter().find(|r| r.key == key) {
+        Some(r) if r.access & flag == 0 => Err(syndrome),
+        _ => Ok(()),
     };
     match op {
-        opcode::RDMA_WRITE | opcode::RDMA_WRITE_IMM => {
-            if w.len() >= 3 * DS {
-                allowed(be32_at(w, 24), access::REMOTE_WRITE, REMOTE_ACCESS)?;
-            }
+        opcode::RDMA_WRITE | opcode::RDMA_WRITE_IMM if w.len() >= 3 * DS => {
+            allowed(be32_at(w, 24), access::REMOTE_WRITE, REMOTE_ACCESS)?;
         }
-        opcode::RDMA_READ => {
-            if w.len() >= 3 * DS {
-                allowed(be32_at(w, 24), access::REMOTE_READ, REMOTE_ACCESS)?;
-                allowed(be32_at(w, 36), access::LOCAL_WRITE, LOCAL_PROTECTION)?;
-            }
+        opcode::RDMA_READ if w.len() >= 3 * DS => {
+            allowed(be32_at(w, 24), access::REMOTE_READ, REMOTE_ACCESS)?;
+            allowed(be32_at(w, 36), access::LOCAL_WRITE, LOCAL_PROTECTION)?;
         }
-        opcode::ATOMIC_FA | opcode::ATOMIC_CS => {
-            if w.len() >= 4 * DS {
-                allowed(be32_at(w, 24), access::REMOTE_ATOMIC, REMOTE_ACCESS)?;
-                allowed(be32_at(w, 52), access::LOCAL_WRITE, LOCAL_PROTECTION)?;
-            }
+        opcode::ATOMIC_FA | opcode::ATOMIC_CS if w.len() >= 4 * DS => {
+            allowed(be32_at(w, 24), access::REMOTE_ATOMIC, REMOTE_ACCESS)?;
+            allowed(be32_at(w, 52), access::LOCAL_WRITE, LOCAL_PROTECTION)?;
         }
         _ => {}
     }

@@ -20,6 +20,7 @@ use crate::error::{Error, Result};
 use crate::gpu::cuda::{check, cuda_err, Gpu, HostArray};
 use cudarc::driver::sys;
 use cudarc::driver::{CudaSlice, DevicePtr};
+use std::ffi::c_void;
 use std::sync::atomic::{fence, AtomicBool, Ordering};
 use std::sync::Arc;
 
@@ -305,5 +306,148 @@ impl Drop for GpuQp {
     fn drop(&mut self) {
         self.poster.stop();
         self.nic.remove_qp(self.handle.qpn);
+    }
+}
+
+pub(crate) struct SendPtr(pub(crate) *mut u8);
+// SAFETY: used only by the ring thread, which the owner stops before the memory goes away.
+unsafe impl Send for SendPtr {}
+
+impl SendPtr {
+    // A method, so closures capture the whole (Send) wrapper rather than its raw field.
+    pub(crate) fn get(&self) -> *mut u8 {
+        self.0
+    }
+}
+
+/// Host pages this process registered with CUDA; unregistered when dropped (also when mapping
+/// fails half way).
+pub(crate) struct Registrations(pub(crate) Vec<u64>);
+
+impl Drop for Registrations {
+    fn drop(&mut self) {
+        for &start in &self.0 {
+            // SAFETY: registered by `register`, unregistered once.
+            unsafe { sys::cuMemHostUnregister(start as *mut c_void) };
+        }
+    }
+}
+
+/// Registers the pages around `[addr, addr + len)` with the current context (IO memory for a
+/// device register) and returns the device address of `addr`. Pages registered before (the
+/// doorbell records of several queues share pages) are reused.
+pub(crate) fn register(regs: &mut Registrations, addr: u64, len: u64, io: bool) -> Result<u64> {
+    let page = 4096u64;
+    let start = addr & !(page - 1);
+    let end = (addr + len).next_multiple_of(page);
+    let mut flags = sys::CU_MEMHOSTREGISTER_DEVICEMAP | sys::CU_MEMHOSTREGISTER_PORTABLE;
+    if io {
+        flags |= sys::CU_MEMHOSTREGISTER_IOMEMORY;
+    }
+    // SAFETY: the pages are libmlx5's (rings) or the mapped UAR page, alive while the QP is;
+    // unregistered by GpuHwQp's Drop before the QP goes.
+    let r =
+        unsafe { sys::cuMemHostRegister_v2(start as *mut c_void, (end - start) as usize, flags) };
+    match r {
+        sys::CUresult::CUDA_SUCCESS => regs.0.push(start),
+        sys::CUresult::CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED => {}
+        other => check("cuMemHostRegister", other)?,
+    }
+    let mut dev = 0u64;
+    // SAFETY: `addr` lies in registered pages.
+    check("cuMemHostGetDevicePointer", unsafe {
+        sys::cuMemHostGetDevicePointer_v2(&mut dev, addr as *mut c_void, 0)
+    })?;
+    Ok(dev)
+}
+
+/// A connected queue pair of any mlx5 provider (the emulated NIC or a ConnectX) mapped into a
+/// GPU for kernels to post: its send queue, doorbell record and CQ registered as mapped host
+/// memory; with [`Posting::Ibgda`] the doorbell register too (as IO memory on a real NIC, which
+/// stock drivers refuse without `PeerMappingOverride=1`), else a host thread rings. Dropping it
+/// stops that thread, unregisters the rings, then destroys the QP.
+pub struct MappedQp {
+    handle: IbQpHandle,
+    poster: GpuPoster,
+    _regs: Registrations,
+    _qp: super::conn::QueuePair,
+}
+
+impl MappedQp {
+    /// Maps `qp`'s rings into `gpu`; device waits report through `site`.
+    pub fn new(
+        gpu: &Arc<Gpu>,
+        qp: super::conn::QueuePair,
+        posting: Posting,
+        site: WaitSite,
+    ) -> Result<MappedQp> {
+        gpu.bind()?;
+        let r = qp.rings()?;
+        let sq_log2 = r.sq_wqebbs.trailing_zeros();
+        let cq_log2 = r.cq_entries.trailing_zeros();
+        if !(7..=15).contains(&sq_log2) {
+            return Err(Error::invalid(
+                "send queue",
+                format!("{} WQEBBs: kernels post to 2^7..=2^15", r.sq_wqebbs),
+            ));
+        }
+        let mut regs = Registrations(Vec::new());
+        let sq = register(&mut regs, r.sq as u64, r.sq_wqebbs * 64, false)?;
+        let dbr = register(&mut regs, r.dbr as u64, 4, false)?;
+        let cq = register(&mut regs, r.cq as u64, r.cq_entries * 64, false)?;
+        let cq_ci = register(&mut regs, r.cq_ci as u64, 4, false)?;
+        let doorbell = if posting == Posting::Ibgda {
+            register(&mut regs, r.doorbell as u64, 8, r.doorbell_is_mmio).map_err(|e| {
+                Error::TransportUnavailable {
+                    transport: "ib",
+                    why: format!(
+                        "the doorbell register cannot be mapped into the GPU ({e}); set \
+                         NVreg_RegistryDwords=PeerMappingOverride=1 for the nvidia module, or use \
+                         DOORBELL_IB_POSTING=cpu"
+                    ),
+                }
+            })?
+        } else {
+            0
+        };
+        let (dbr_host, doorbell_host) = (SendPtr(r.dbr as *mut u8), SendPtr(r.doorbell as *mut u8));
+        let (poster, handle) = GpuPoster::start(
+            gpu,
+            DeviceRings {
+                sq,
+                dbr,
+                doorbell,
+                cq,
+                cq_ci,
+                qpn: r.qpn,
+                sq_log2,
+                cq_log2,
+            },
+            posting,
+            site,
+            // SAFETY: the QP's send record and doorbell register, alive until the poster is
+            // stopped (MappedQp's Drop, before the QP goes).
+            move |v| unsafe { (dbr_host.get() as *mut u32).write_volatile(v) },
+            move |v| unsafe { (doorbell_host.get() as *mut u64).write_volatile(v) },
+        )?;
+        Ok(MappedQp {
+            handle,
+            poster,
+            _regs: regs,
+            _qp: qp,
+        })
+    }
+
+    /// What kernels take.
+    pub fn handle(&self) -> IbQpHandle {
+        self.handle
+    }
+}
+
+impl Drop for MappedQp {
+    fn drop(&mut self) {
+        // The ringing thread first; then (fields, in order) the registrations, then the QP.
+        self.poster.stop();
+        fence(Ordering::SeqCst);
     }
 }

@@ -13,13 +13,12 @@
 //! against `mlx5dv.h` in CI (`tests/verbs_layout.rs`); `tests/ib_hw.rs` is the hardware test
 //! (`docs/rdma.md` gives the command).
 
-use super::gpu_qp::{DeviceRings, GpuPoster, Posting};
+use super::gpu_qp::{register, DeviceRings, GpuPoster, Posting, Registrations, SendPtr};
 use super::rc::{access, Cq, Device, Endpoint, Pd, Qp, Rts};
 use super::verbs::{choose_gid, QpCap, Verbs};
 use crate::device_api::{IbQpHandle, WaitSite};
 use crate::error::{Error, Result};
-use crate::gpu::cuda::{check, Gpu};
-use cudarc::driver::sys;
+use crate::gpu::cuda::Gpu;
 use std::ffi::{c_int, c_void};
 use std::sync::atomic::{fence, Ordering};
 use std::sync::Arc;
@@ -433,58 +432,6 @@ impl HwQp {
             _qp: self,
         })
     }
-}
-
-struct SendPtr(*mut u8);
-// SAFETY: used only by the ring thread, which the owner stops before the memory goes away.
-unsafe impl Send for SendPtr {}
-
-impl SendPtr {
-    // A method, so closures capture the whole (Send) wrapper rather than its raw field.
-    fn get(&self) -> *mut u8 {
-        self.0
-    }
-}
-
-/// Host pages this process registered with CUDA; unregistered when dropped (also when mapping
-/// fails half way).
-struct Registrations(Vec<u64>);
-
-impl Drop for Registrations {
-    fn drop(&mut self) {
-        for &start in &self.0 {
-            // SAFETY: registered by `register`, unregistered once.
-            unsafe { sys::cuMemHostUnregister(start as *mut c_void) };
-        }
-    }
-}
-
-/// Registers the pages around `[addr, addr + len)` with the current context (IO memory for a
-/// device register) and returns the device address of `addr`. Pages registered before (the
-/// doorbell records of several queues share pages) are reused.
-fn register(regs: &mut Registrations, addr: u64, len: u64, io: bool) -> Result<u64> {
-    let page = 4096u64;
-    let start = addr & !(page - 1);
-    let end = (addr + len).next_multiple_of(page);
-    let mut flags = sys::CU_MEMHOSTREGISTER_DEVICEMAP | sys::CU_MEMHOSTREGISTER_PORTABLE;
-    if io {
-        flags |= sys::CU_MEMHOSTREGISTER_IOMEMORY;
-    }
-    // SAFETY: the pages are libmlx5's (rings) or the mapped UAR page, alive while the QP is;
-    // unregistered by GpuHwQp's Drop before the QP goes.
-    let r =
-        unsafe { sys::cuMemHostRegister_v2(start as *mut c_void, (end - start) as usize, flags) };
-    match r {
-        sys::CUresult::CUDA_SUCCESS => regs.0.push(start),
-        sys::CUresult::CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED => {}
-        other => check("cuMemHostRegister", other)?,
-    }
-    let mut dev = 0u64;
-    // SAFETY: `addr` lies in registered pages.
-    check("cuMemHostGetDevicePointer", unsafe {
-        sys::cuMemHostGetDevicePointer_v2(&mut dev, addr as *mut c_void, 0)
-    })?;
-    Ok(dev)
 }
 
 /// A hardware QP mapped into a GPU: what kernels take, and the thread that rings for them in

@@ -16,6 +16,7 @@ pub mod emulator;
 pub mod gpu_qp;
 pub mod host_qp;
 pub mod hw;
+pub mod poster;
 pub mod provider;
 pub mod rc;
 pub mod select;

@@ -61,7 +61,10 @@ pub mod mask {
             (MAX_DEST_RD_ATOMIC, "IBV_QP_MAX_DEST_RD_ATOMIC"),
             (DEST_QPN, "IBV_QP_DEST_QPN"),
         ];
-        ALL.iter().filter(|(b, _)| m & b != 0).map(|(_, n)| *n).collect()
+        ALL.iter()
+            .filter(|(b, _)| m & b != 0)
+            .map(|(_, n)| *n)
+            .collect()
     }
 }
 

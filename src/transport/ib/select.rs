@@ -13,8 +13,50 @@ pub enum PostingMode {
     Ibgda,
     /// The GPU writes WQEs; a host thread writes the doorbell record and rings.
     CpuAssisted,
-    /// PortChannel triggers become `ibv_post_send` on a host proxy.
+    /// PortChannel triggers become mlx5 WQEs the host proxy writes on the QP's rings.
+    ProxyMlx5,
+    /// PortChannel triggers become `ibv_post_send` on a host proxy (any NIC).
     VerbsProxy,
+}
+
+/// The posting mode for a NIC behind the verbs boundary: what [`choose_posting`] picks for a
+/// real one; on the emulated NIC the proxy writes mlx5 WQEs unless a mode is forced (it takes
+/// every mode). NICs that are not mlx5 take the verbs proxy whatever is asked, with the reason.
+pub fn posting_for(
+    provider: &dyn super::provider::Provider,
+    platform: &Platform,
+    forced: IbPosting,
+) -> (PostingMode, String) {
+    if !provider.is_mlx5() {
+        let why = format!(
+            "{} is not an mlx5 NIC: the proxy posts with ibv_post_send",
+            provider.device_name()
+        );
+        return (PostingMode::VerbsProxy, why);
+    }
+    if provider.is_emulated() {
+        let mode = match forced {
+            IbPosting::Auto | IbPosting::Proxy => PostingMode::ProxyMlx5,
+            IbPosting::Ibgda => PostingMode::Ibgda,
+            IbPosting::CpuAssisted => PostingMode::CpuAssisted,
+            IbPosting::Verbs => PostingMode::VerbsProxy,
+        };
+        let why = if forced == IbPosting::Auto {
+            "the emulated NIC: the proxy writes mlx5 WQEs (DOORBELL_IB_POSTING picks another mode)"
+                .to_string()
+        } else {
+            "forced by DOORBELL_IB_POSTING (emulated NIC)".to_string()
+        };
+        return (mode, why);
+    }
+    let nic = Nic {
+        name: provider.device_name().to_string(),
+        firmware: String::new(),
+        vendor_id: 0x15b3,
+        vendor_part_id: 0,
+        ports: Vec::new(),
+    };
+    choose_posting(&nic, platform, forced)
 }
 
 /// What the platform allows, as probed.
@@ -90,7 +132,8 @@ pub fn choose_posting(nic: &Nic, platform: &Platform, forced: IbPosting) -> (Pos
         IbPosting::Auto => return auto,
         IbPosting::Ibgda => PostingMode::Ibgda,
         IbPosting::CpuAssisted => PostingMode::CpuAssisted,
-        IbPosting::Proxy => PostingMode::VerbsProxy,
+        IbPosting::Proxy if nic.is_mlx5() => PostingMode::ProxyMlx5,
+        IbPosting::Proxy | IbPosting::Verbs => PostingMode::VerbsProxy,
     };
     let note = if forced_mode == auto.0 {
         String::new()
