@@ -44,6 +44,10 @@ fn variants() -> Vec<(&'static str, Vec<(&'static str, &'static str)>)> {
             "Ib, CPU-assisted",
             vec![sep, emu, ("DOORBELL_IB_POSTING", "cpu")],
         ),
+        (
+            "Ib, ibv_post_send",
+            vec![sep, emu, ("DOORBELL_IB_POSTING", "verbs")],
+        ),
         // Nodes of two ranks: CUDA IPC inside a node, the network between; with 4 ranks the
         // allreduce is hierarchical.
         ("Ethernet, 2 ranks per node", vec![sep, pair]),
@@ -55,6 +59,10 @@ fn variants() -> Vec<(&'static str, Vec<(&'static str, &'static str)>)> {
         (
             "Ib, CPU-assisted, 2 ranks per node",
             vec![sep, emu, pair, ("DOORBELL_IB_POSTING", "cpu")],
+        ),
+        (
+            "Ib, ibv_post_send, 2 ranks per node",
+            vec![sep, emu, pair, ("DOORBELL_IB_POSTING", "verbs")],
         ),
     ]
 }

@@ -130,6 +130,23 @@ const IB_CPU: &[(&str, &str)] = &[
     ("DOORBELL_IB_POSTING", "cpu"),
 ];
 
+/// The proxy posting through `ibv_post_send` / `ibv_poll_cq` (the mode for NICs that are not
+/// mlx5), on the emulated provider.
+const IB_VERBS: &[(&str, &str)] = &[
+    ("DOORBELL_SEPARATE_NODES", "1"),
+    ("DOORBELL_IB_EMULATE", "1"),
+    ("DOORBELL_IB_POSTING", "verbs"),
+];
+
+#[test]
+#[ignore = "needs GPU"]
+fn every_port_channel_operation_posted_with_ibv_post_send_over_emulated_ib() {
+    for n in rank_counts() {
+        run_case("ops", n, IB_VERBS);
+    }
+    run_case("huge", 2, IB_VERBS);
+}
+
 #[test]
 #[ignore = "needs GPU"]
 fn every_port_channel_operation_posted_by_the_gpu_over_emulated_ib() {

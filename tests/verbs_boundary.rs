@@ -209,10 +209,7 @@ fn ranks_connect_over_the_bootstrap_and_write_read_and_add() {
                         done.iter().all(|c| c.status == wc_status::SUCCESS),
                         "rank {rank} -> {p}: {done:?}"
                     );
-                    assert_eq!(
-                        done.iter().map(|c| c.wr_id).collect::<Vec<_>>(),
-                        [1, 2, 3]
-                    );
+                    assert_eq!(done.iter().map(|c| c.wr_id).collect::<Vec<_>>(), [1, 2, 3]);
                     // The READ came back with what the WRITE put there.
                     // SAFETY: the READ completed.
                     let back = unsafe {
@@ -224,7 +221,11 @@ fn ranks_connect_over_the_bootstrap_and_write_read_and_add() {
                 for p in peers {
                     assert_eq!(inbox.word(p), 0xab00 + p as u64, "rank {rank}: from {p}");
                 }
-                assert_eq!(inbox.word(63), (RANKS - 1) as u64, "rank {rank}: fetch-adds");
+                assert_eq!(
+                    inbox.word(63),
+                    (RANKS - 1) as u64,
+                    "rank {rank}: fetch-adds"
+                );
                 b.barrier().unwrap();
                 drop(qps);
                 drop((inbox_mr, out_mr));
@@ -280,7 +281,12 @@ fn transitions_out_of_order_or_missing_attributes_are_refused() {
     };
     assert!(e.contains("Reset -> Rtr is not a transition"), "{e}");
     // INIT without the port.
-    let e = refusal(modify(&p, &q, &attr(QpState::Init), mask::TO_INIT & !mask::PORT));
+    let e = refusal(modify(
+        &p,
+        &q,
+        &attr(QpState::Init),
+        mask::TO_INIT & !mask::PORT,
+    ));
     assert!(e.contains("needs IBV_QP_PORT"), "{e}");
     // A port that does not exist.
     let mut bad_port = attr(QpState::Init);
@@ -328,7 +334,12 @@ fn transitions_out_of_order_or_missing_attributes_are_refused() {
     assert!(e.contains("not RTS"), "{e}");
     modify(&p, &q, &rtr, mask::TO_RTR).unwrap();
     // RTS without the send PSN; then RTS -> INIT backwards.
-    let e = refusal(modify(&p, &q, &attr(QpState::Rts), mask::TO_RTS & !mask::SQ_PSN));
+    let e = refusal(modify(
+        &p,
+        &q,
+        &attr(QpState::Rts),
+        mask::TO_RTS & !mask::SQ_PSN,
+    ));
     assert!(e.contains("IBV_QP_SQ_PSN"), "{e}");
     modify(&p, &q, &attr(QpState::Rts), mask::TO_RTS).unwrap();
     let e = refusal(modify(&p, &q, &attr(QpState::Init), mask::TO_INIT));
@@ -348,12 +359,7 @@ fn transitions_out_of_order_or_missing_attributes_are_refused() {
 }
 
 /// `ibv_modify_qp` on `qp` through its provider.
-fn modify(
-    p: &Arc<dyn Provider>,
-    qp: &QueuePair,
-    a: &QpAttr,
-    m: u32,
-) -> doorbell::Result<()> {
+fn modify(p: &Arc<dyn Provider>, qp: &QueuePair, a: &QpAttr, m: u32) -> doorbell::Result<()> {
     p.modify_qp(qp.id(), a, m)
 }
 
@@ -379,8 +385,13 @@ fn a_path_mtu_above_the_port_is_refused_and_mismatched_ends_never_answer() {
 
     // The usual connection takes the smaller MTU on both ends and works.
     let (qa, _qb) = pair(&a, &b);
-    qa.post_send(&[write(7, (buf_b.addr(), mr_b.rkey()), (buf_a.addr(), mr_a.lkey()), 64)])
-        .unwrap();
+    qa.post_send(&[write(
+        7,
+        (buf_b.addr(), mr_b.rkey()),
+        (buf_a.addr(), mr_a.lkey()),
+        64,
+    )])
+    .unwrap();
     assert_eq!(completions(&qa, 1)[0].status, wc_status::SUCCESS);
 
     // b cannot take 4096 at all.
@@ -398,7 +409,10 @@ fn a_path_mtu_above_the_port_is_refused_and_mismatched_ends_never_answer() {
     rtr.ah_attr.grh.dgid = ea.gid;
     rtr.ah_attr.grh.sgid_index = b.gid().index as u8;
     let e = refusal(modify(&p, &qb, &rtr, mask::TO_RTR));
-    assert!(e.contains("path MTU 4096 above the port's active MTU 1024"), "{e}");
+    assert!(
+        e.contains("path MTU 4096 above the port's active MTU 1024"),
+        "{e}"
+    );
 
     // Ends that disagree: a at 2048, b at 1024 (both valid for their ports).
     let (mut qa2, mut qb2) = (a.create_qp(16).unwrap(), b.create_qp(16).unwrap());
@@ -408,8 +422,13 @@ fn a_path_mtu_above_the_port_is_refused_and_mismatched_ends_never_answer() {
     qa2.connect(&eb2_big).unwrap();
     ea2.mtu = mtu_code(1024);
     qb2.connect(&ea2).unwrap();
-    qa2.post_send(&[write(8, (buf_b.addr(), mr_b.rkey()), (buf_a.addr(), mr_a.lkey()), 64)])
-        .unwrap();
+    qa2.post_send(&[write(
+        8,
+        (buf_b.addr(), mr_b.rkey()),
+        (buf_a.addr(), mr_a.lkey()),
+        64,
+    )])
+    .unwrap();
     let c = completions(&qa2, 1)[0];
     assert_eq!(c.status, wc_status::RETRY_EXC_ERR, "{c:?}");
     assert_eq!(c.vendor_err & 0x7f, 0x15);
@@ -428,15 +447,25 @@ fn a_path_mtu_above_the_port_is_refused_and_mismatched_ends_never_answer() {
     eb3.gid[15] ^= 0xff;
     qa3.connect(&eb3).unwrap();
     qb3.connect(&ea3).unwrap();
-    qa3.post_send(&[write(9, (buf_b.addr(), mr_b.rkey()), (buf_a.addr(), mr_a.lkey()), 8)])
-        .unwrap();
+    qa3.post_send(&[write(
+        9,
+        (buf_b.addr(), mr_b.rkey()),
+        (buf_a.addr(), mr_a.lkey()),
+        8,
+    )])
+    .unwrap();
     assert_eq!(completions(&qa3, 1)[0].status, wc_status::RETRY_EXC_ERR);
 
     // A far end connected to someone else.
     let (mut qa4, qb4) = (a.create_qp(16).unwrap(), b.create_qp(16).unwrap());
     qa4.connect(&qb4.endpoint()).unwrap();
-    qa4.post_send(&[write(10, (buf_b.addr(), mr_b.rkey()), (buf_a.addr(), mr_a.lkey()), 8)])
-        .unwrap();
+    qa4.post_send(&[write(
+        10,
+        (buf_b.addr(), mr_b.rkey()),
+        (buf_a.addr(), mr_a.lkey()),
+        8,
+    )])
+    .unwrap();
     assert_eq!(completions(&qa4, 1)[0].status, wc_status::RETRY_EXC_ERR);
 }
 
@@ -450,9 +479,18 @@ fn operations_without_the_matching_remote_access_fail_with_a_remote_access_error
     let local = Host::new(4096);
     let mr_local = register(&a, &local, access::LOCAL_WRITE);
     let cases = [
-        ("WRITE", access::LOCAL_WRITE | access::REMOTE_READ | access::REMOTE_ATOMIC),
-        ("READ", access::LOCAL_WRITE | access::REMOTE_WRITE | access::REMOTE_ATOMIC),
-        ("atomic", access::LOCAL_WRITE | access::REMOTE_WRITE | access::REMOTE_READ),
+        (
+            "WRITE",
+            access::LOCAL_WRITE | access::REMOTE_READ | access::REMOTE_ATOMIC,
+        ),
+        (
+            "READ",
+            access::LOCAL_WRITE | access::REMOTE_WRITE | access::REMOTE_ATOMIC,
+        ),
+        (
+            "atomic",
+            access::LOCAL_WRITE | access::REMOTE_WRITE | access::REMOTE_READ,
+        ),
     ];
     for (what, flags) in cases {
         let target = Host::new(4096);
@@ -493,8 +531,13 @@ fn operations_without_the_matching_remote_access_fail_with_a_remote_access_error
         .attach_remote(mr_t.rkey(), target.addr(), 4096, target.addr())
         .unwrap();
     let (qa, _qb) = pair(&a, &b);
-    qa.post_send(&[read(1, (target.addr(), mr_t.rkey()), (ro.addr(), mr_ro.lkey()), 8)])
-        .unwrap();
+    qa.post_send(&[read(
+        1,
+        (target.addr(), mr_t.rkey()),
+        (ro.addr(), mr_ro.lkey()),
+        8,
+    )])
+    .unwrap();
     assert_eq!(completions(&qa, 1)[0].status, wc_status::LOC_PROT_ERR);
     // Registering remote write without local write is refused at registration.
     // SAFETY: `ro` outlives the (refused) registration.
@@ -520,8 +563,13 @@ fn operations_without_the_matching_remote_access_fail_with_a_remote_access_error
     qa2.connect(&qb2.endpoint()).unwrap();
     let scratch = Host::new(4096);
     let mr_s = register(&a, &scratch, access::LOCAL_WRITE);
-    qa2.post_send(&[read(2, (target.addr(), mr_t.rkey()), (scratch.addr(), mr_s.lkey()), 8)])
-        .unwrap();
+    qa2.post_send(&[read(
+        2,
+        (target.addr(), mr_t.rkey()),
+        (scratch.addr(), mr_s.lkey()),
+        8,
+    )])
+    .unwrap();
     assert_eq!(completions(&qa2, 1)[0].status, wc_status::REM_ACCESS_ERR);
 }
 
