@@ -5,6 +5,7 @@
 //! libibverbs at run time where it is installed.
 
 use doorbell::transport::ib::hw::{DvCq, DvObj, DvQp};
+use doorbell::transport::ib::rdma_core::{SendWrRaw, Sge, WcRaw, CTX_POLL_CQ, CTX_POST_SEND};
 use doorbell::transport::ib::verbs::{
     AhAttr, DeviceAttr, GidEntry, GlobalRoute, MrRaw, PortAttr, QpAttr, QpCap, QpInitAttr, QpRaw,
     Verbs,
@@ -57,6 +58,38 @@ fn ours() -> Vec<(&'static str, &'static str, usize, usize)> {
         }};
     }
     [
+        named!("ibv_send_wr", SendWrRaw, [
+            "wr_id" => wr_id, "next" => next, "sg_list" => sg_list, "num_sge" => num_sge,
+            "opcode" => opcode, "send_flags" => send_flags, "imm_data" => imm_data,
+            "wr.rdma.remote_addr" => remote_addr, "wr.atomic.compare_add" => rkey_or_compare_add,
+            "wr.atomic.swap" => swap, "wr.atomic.rkey" => atomic_rkey,
+        ]),
+        fields!("ibv_sge", Sge, full, [addr, length, lkey]),
+        fields!(
+            "ibv_wc",
+            WcRaw,
+            full,
+            [
+                wr_id,
+                status,
+                opcode,
+                vendor_err,
+                byte_len,
+                imm_data,
+                qp_num,
+                src_qp,
+                wc_flags,
+                pkey_index,
+                slid,
+                sl,
+                dlid_path_bits
+            ]
+        ),
+        // ibv_post_send / ibv_poll_cq are inline calls through the context's ops table.
+        vec![
+            ("ibv_context", "ops.poll_cq", CTX_POLL_CQ, 8),
+            ("ibv_context", "ops.post_send", CTX_POST_SEND, 8),
+        ],
         named!("mlx5dv_qp", DvQp, [
             "dbrec" => dbrec, "sq.buf" => sq_buf, "sq.wqe_cnt" => sq_wqe_cnt,
             "sq.stride" => sq_stride, "rq.buf" => rq_buf, "rq.wqe_cnt" => rq_wqe_cnt,

@@ -284,54 +284,16 @@ impl HwPort {
             mtu,
         } = init;
         let qp = qp.rtr(remote, port, gid_index, mtu)?.rts(endpoint.psn)?;
-        let mut dv_qp: DvQp = unsafe_zeroed();
-        let mut dv_cq: DvCq = unsafe_zeroed();
-        let mut obj = DvObj {
-            qp_in: qp.raw() as *mut c_void,
-            qp_out: &mut dv_qp,
-            cq_in: cq.raw(),
-            cq_out: &mut dv_cq,
-            others: [[std::ptr::null_mut(); 2]; 5],
-        };
-        // SAFETY: live QP and CQ of an mlx5 context; outputs point at full mirrors.
-        let r = unsafe { (self.mlx5.init_obj)(&mut obj, OBJ_QP | OBJ_CQ) };
-        if r != 0 {
-            return Err(Error::TransportUnavailable {
-                transport: "ib",
-                why: format!(
-                    "mlx5dv_init_obj failed ({}): not an mlx5 device?",
-                    std::io::Error::from_raw_os_error(r.abs())
-                ),
-            });
-        }
-        if dv_qp.sq_stride != 64 || !dv_qp.sq_wqe_cnt.is_power_of_two() || dv_qp.bf_reg.is_null() {
-            return Err(Error::TransportUnavailable {
-                transport: "ib",
-                why: format!(
-                    "unexpected send queue: stride {}, {} WQEBBs, doorbell register {:?}",
-                    dv_qp.sq_stride, dv_qp.sq_wqe_cnt, dv_qp.bf_reg
-                ),
-            });
-        }
-        if dv_cq.cqe_size != 64 || !dv_cq.cqe_cnt.is_power_of_two() {
-            return Err(Error::TransportUnavailable {
-                transport: "ib",
-                why: format!(
-                    "CQEs of {} bytes ({} of them): doorbell polls 64-byte CQEs (unset MLX5_CQE_SIZE)",
-                    dv_cq.cqe_size, dv_cq.cqe_cnt
-                ),
-            });
-        }
+        let r = dv_rings(&self.mlx5, qp.raw() as *mut c_void, cq.raw(), qp.qpn())?;
         let rings = Rings {
-            qpn: qp.qpn(),
-            sq: dv_qp.sq_buf as *mut u8,
-            sq_wqebbs: u64::from(dv_qp.sq_wqe_cnt),
-            // SAFETY: dbrec is the QP's [receive, send] record pair.
-            dbr: unsafe { dv_qp.dbrec.add(1) },
-            doorbell: dv_qp.bf_reg as *mut u64,
-            cq: dv_cq.buf as *mut u8,
-            cq_entries: u64::from(dv_cq.cqe_cnt),
-            cq_ci: dv_cq.dbrec,
+            qpn: r.qpn,
+            sq: r.sq,
+            sq_wqebbs: r.sq_wqebbs,
+            dbr: r.dbr,
+            doorbell: r.doorbell,
+            cq: r.cq,
+            cq_entries: r.cq_entries,
+            cq_ci: r.cq_ci,
         };
         Ok(HwQp {
             _qp: qp,
@@ -347,6 +309,66 @@ impl HwPort {
         let (ea, eb) = (a.endpoint, b.endpoint);
         Ok((self.connect(a, &eb)?, self.connect(b, &ea)?))
     }
+}
+
+/// `mlx5dv_init_obj` on `qp` (a `struct ibv_qp *`, number `qpn`) and `cq`: where their rings
+/// are, checked to be what doorbell's posters drive (64-byte WQEBBs and CQEs, powers of two).
+pub(crate) fn dv_rings(
+    mlx5: &Mlx5,
+    qp: *mut c_void,
+    cq: *mut c_void,
+    qpn: u32,
+) -> Result<super::provider::Rings> {
+    let mut dv_qp: DvQp = unsafe_zeroed();
+    let mut dv_cq: DvCq = unsafe_zeroed();
+    let mut obj = DvObj {
+        qp_in: qp,
+        qp_out: &mut dv_qp,
+        cq_in: cq,
+        cq_out: &mut dv_cq,
+        others: [[std::ptr::null_mut(); 2]; 5],
+    };
+    // SAFETY: live QP and CQ of an mlx5 context; outputs point at full mirrors.
+    let r = unsafe { (mlx5.init_obj)(&mut obj, OBJ_QP | OBJ_CQ) };
+    if r != 0 {
+        return Err(Error::TransportUnavailable {
+            transport: "ib",
+            why: format!(
+                "mlx5dv_init_obj failed ({}): not an mlx5 device?",
+                std::io::Error::from_raw_os_error(r.abs())
+            ),
+        });
+    }
+    if dv_qp.sq_stride != 64 || !dv_qp.sq_wqe_cnt.is_power_of_two() || dv_qp.bf_reg.is_null() {
+        return Err(Error::TransportUnavailable {
+            transport: "ib",
+            why: format!(
+                "unexpected send queue: stride {}, {} WQEBBs, doorbell register {:?}",
+                dv_qp.sq_stride, dv_qp.sq_wqe_cnt, dv_qp.bf_reg
+            ),
+        });
+    }
+    if dv_cq.cqe_size != 64 || !dv_cq.cqe_cnt.is_power_of_two() {
+        return Err(Error::TransportUnavailable {
+            transport: "ib",
+            why: format!(
+                "CQEs of {} bytes ({} of them): doorbell polls 64-byte CQEs (unset MLX5_CQE_SIZE)",
+                dv_cq.cqe_size, dv_cq.cqe_cnt
+            ),
+        });
+    }
+    Ok(super::provider::Rings {
+        qpn,
+        sq: dv_qp.sq_buf as *mut u8,
+        sq_wqebbs: u64::from(dv_qp.sq_wqe_cnt),
+        // SAFETY: dbrec is the QP's [receive, send] record pair.
+        dbr: unsafe { dv_qp.dbrec.add(1) },
+        doorbell: dv_qp.bf_reg as *mut u64,
+        cq: dv_cq.buf as *mut u8,
+        cq_entries: u64::from(dv_cq.cqe_cnt),
+        cq_ci: dv_cq.dbrec,
+        doorbell_is_mmio: true,
+    })
 }
 
 fn unsafe_zeroed<T: Copy>() -> T {

@@ -19,6 +19,7 @@ pub mod hw;
 pub mod poster;
 pub mod provider;
 pub mod rc;
+pub mod rdma_core;
 pub mod select;
 pub mod topology;
 pub mod verbs;
