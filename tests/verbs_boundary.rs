@@ -635,3 +635,23 @@ fn reads_beyond_max_dest_rd_atomic_are_a_remote_invalid_request() {
     assert_eq!(over[2], wc_status::REM_INV_REQ_ERR, "{over:?}");
     assert_eq!(over[3], wc_status::WR_FLUSH_ERR, "{over:?}");
 }
+
+/// The rdma-core provider where there is no NIC (CI, the GPU machines here): opening the NIC
+/// nearest a GPU fails with the reason, which the communicator logs before taking Ethernet.
+#[test]
+fn the_rdma_core_provider_says_why_it_cannot_open_a_nic() {
+    use doorbell::transport::ib::rdma_core::RdmaCore;
+    match RdmaCore::open_nearest("0000:1b:00.0", None) {
+        Ok((nic, choice)) => {
+            // A machine with a NIC: it opened the one it chose.
+            assert_eq!(nic.device_name(), choice.name);
+        }
+        Err(e) => {
+            let why = e.to_string();
+            assert!(
+                why.contains("libibverbs") || why.contains("RDMA"),
+                "an unhelpful reason: {why}"
+            );
+        }
+    }
+}

@@ -31,6 +31,7 @@ use crate::transport::ib::emulator::{Delivery, EmulatedNic};
 use crate::transport::ib::gpu_qp::{CudaDma, MappedQp, Posting};
 use crate::transport::ib::poster::HostPoster;
 use crate::transport::ib::provider::{access, Memory, Provider};
+use crate::transport::ib::rdma_core::RdmaCore;
 use crate::transport::ib::select::{posting_for, Platform, PostingMode};
 use crate::transport::ipc::{ipc_handle_for, MemoryDescriptor, RemoteMemory, ShareHandle};
 use cudarc::driver::CudaStream;
@@ -226,6 +227,76 @@ impl Communicator {
                 peer_pools,
                 _mapped: ib_mapped.into_iter().map(|(_, m)| m).collect(),
             })
+        } else if host_ids.iter().any(|h| *h != host_ids[rank]) {
+            // Ranks on other hosts: the NIC nearest this GPU, where every rank has one.
+            let mine = if settings.ib_disable {
+                Err("DOORBELL_IB_DISABLE=1".to_string())
+            } else {
+                gpu.pci_bus_id()
+                    .and_then(|bus| RdmaCore::open_nearest(&bus, settings.ib_hca.as_deref()))
+                    .map_err(|e| e.to_string())
+            };
+            let flags = bootstrap.all_gather(&[u8::from(mine.is_ok())])?;
+            let without: Vec<usize> = (0..world)
+                .filter(|&r| flags[r].first() != Some(&1))
+                .collect();
+            match mine {
+                Ok((nic, choice)) if without.is_empty() => {
+                    let provider: Arc<dyn Provider> = Arc::new(nic);
+                    let dev = IbDevice::open(provider.clone(), choice.port, settings.ib_gid_index)?;
+                    // SAFETY: as above.
+                    let pool_mr = unsafe {
+                        dev.register(
+                            pool.device_ptr(),
+                            TOKEN_SLOTS * 8,
+                            IB_REMOTE,
+                            Memory::Gpu(&gpu),
+                        )
+                    }?;
+                    let regions = exchange_regions(&bootstrap, Some(&pool_mr))?;
+                    let mut peer_pools = vec![None; world];
+                    for r in (0..world).filter(|&r| host_ids[r] != host_ids[rank]) {
+                        let region = regions[r].ok_or_else(|| Error::Bootstrap {
+                            me: rank,
+                            rank: Some(r),
+                            why: "registered no token pool with its NIC".into(),
+                        })?;
+                        peer_pools[r] = Some((region.addr, region.rkey));
+                    }
+                    let (posting, why) = posting_for(
+                        provider.as_ref(),
+                        &Platform::probe(true),
+                        settings.ib_posting,
+                    );
+                    tracing::info!(
+                        "rank {rank}: PortChannels to other hosts take {} port {} ({}), posting \
+                         {posting:?}: {why}",
+                        choice.name,
+                        choice.port,
+                        choice.why
+                    );
+                    Some(IbFabric {
+                        dev,
+                        posting,
+                        _pool: pool_mr,
+                        peer_pools,
+                        _mapped: Vec::new(),
+                    })
+                }
+                Ok(_) => {
+                    tracing::info!(
+                        "rank {rank}: PortChannels to other hosts go over Ethernet: ranks \
+                         {without:?} have no RDMA NIC"
+                    );
+                    None
+                }
+                Err(why) => {
+                    tracing::info!(
+                        "rank {rank}: PortChannels to other hosts go over Ethernet: {why}"
+                    );
+                    None
+                }
+            }
         } else {
             None
         };
@@ -665,14 +736,20 @@ impl Communicator {
                         rank: Some(r),
                         why: "registered no destination with its NIC".into(),
                     })?;
-                    // The emulated wire reaches the peer's memory through its mapping here.
-                    let mapped = Arc::new(self.import(r, &descs[r])?);
-                    ib.dev.provider().attach_remote(
-                        region.rkey,
-                        region.addr,
-                        region.len,
-                        mapped.device_ptr(),
-                    )?;
+                    // The emulated wire reaches the peer's memory through its mapping here; a
+                    // NIC reaches it over the network.
+                    let mapped = if ib.dev.provider().is_emulated() {
+                        let m = Arc::new(self.import(r, &descs[r])?);
+                        ib.dev.provider().attach_remote(
+                            region.rkey,
+                            region.addr,
+                            region.len,
+                            m.device_ptr(),
+                        )?;
+                        Some(m)
+                    } else {
+                        None
+                    };
                     peers.push(Some((region.addr, region.rkey, region.len, mapped)));
                 }
                 // Queue pairs to every Ib peer: one the proxy posts to, and with kernels posting
@@ -747,15 +824,16 @@ impl Communicator {
                 } else if let (Some(ib), Some((src_mr, dst_mr, peers, by_peer))) =
                     (&self.ib, ib_dst.as_mut())
                 {
-                    let (addr, rkey, len, mapped) = peers[peer].clone().ok_or_else(|| {
-                        Error::TransportUnavailable {
-                            transport: "ib",
-                            why: format!(
+                    let (addr, rkey, len, mapped) =
+                        peers[peer]
+                            .clone()
+                            .ok_or_else(|| Error::TransportUnavailable {
+                                transport: "ib",
+                                why: format!(
                                 "rank {peer} is on another machine: the emulated NIC reaches only \
                                      ranks of this host (DOORBELL_IB_EMULATE)"
                             ),
-                        }
-                    })?;
+                            })?;
                     let (pool_addr, pool_key) = ib.peer_pools[peer].ok_or_else(|| {
                         Error::invalid("ib", format!("rank {peer}'s token pool is not reachable"))
                     })?;
@@ -879,7 +957,7 @@ impl Communicator {
                         _registrations: registrations,
                         _receiver: None,
                         _src: src.clone(),
-                        _dst: Ok(mapped),
+                        _dst: mapped.map_or_else(|| Err(dst.clone()), Ok),
                         _tokens: self.tokens.clone(),
                     });
                     continue;

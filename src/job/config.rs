@@ -17,6 +17,7 @@
 //! | `DOORBELL_PROXY_CPU` | where proxy threads run: `auto` pins each to a core of its GPU's NUMA node (from `/sys/bus/pci/devices/*/local_cpulist`, spread by GPU and proxy), `off` leaves them to the scheduler, a number pins every proxy of the process to that CPU. Pinning did not shorten the FIFO round trip on 4 x H200 (4.71 us pinned, 4.18 us not), hence the default | `off` |
 //! | `DOORBELL_SEPARATE_NODES` | `1`: ranks on one host count as different nodes, so PortChannels take the network transport (Ethernet) instead of CUDA IPC; for testing that path on one machine | `0` |
 //! | `DOORBELL_NODE_SIZE` | with `DOORBELL_SEPARATE_NODES=1`: ranks form emulated nodes of this many consecutive ranks (ranks `0..k` one node, `k..2k` the next), PortChannels inside a node taking CUDA IPC and between nodes the network; for testing collectives that span nodes of several GPUs on one machine | `1` |
+//! | `DOORBELL_IB_DISABLE` | `1`: PortChannels to ranks on other hosts never take an RDMA NIC (Ethernet instead); by default they take the NIC nearest the GPU when every rank has one (`doorbell-info` shows which) | `0` |
 //! | `DOORBELL_IB_EMULATE` | `1`: PortChannels between ranks of different nodes take the Ib transport over doorbell's emulated mlx5 NIC (`rdma::emulator`), the proxy posting RDMA work requests; only for ranks that share one physical host (with `DOORBELL_SEPARATE_NODES=1`), to test the RDMA path where there is no NIC | `0` |
 //! | `DOORBELL_IB_POSTING` | who posts RDMA work: `auto` (on a real NIC: IBGDA where the GPU may ring the NIC's doorbell, else CPU-assisted for mlx5 NICs, else the verbs proxy, as `doorbell-info` reports; on the emulated NIC: the proxy), `ibgda` (kernels write WQEs and ring), `cpu` (kernels write WQEs, a host thread rings), `proxy` (the proxy writes mlx5 WQEs for PortChannel triggers), `verbs` (the proxy posts them with `ibv_post_send` and reaps `ibv_poll_cq`: any NIC, the automatic choice for NICs that are not mlx5) | `auto` |
 //! | `DOORBELL_IB_QPS_PER_PEER` | queue pairs per PortChannel when kernels post RDMA work (`DOORBELL_IB_POSTING=ibgda` or `cpu`): puts of 1 MiB or more are striped over them, 1 to 4 | `1` |
@@ -97,6 +98,8 @@ pub struct Settings {
     pub node_size: usize,
     /// `DOORBELL_IB_EMULATE`.
     pub ib_emulate: bool,
+    /// `DOORBELL_IB_DISABLE`.
+    pub ib_disable: bool,
     /// `DOORBELL_IB_POSTING`.
     pub ib_posting: IbPosting,
     /// `DOORBELL_IB_GID_INDEX`.
@@ -234,6 +237,7 @@ impl Settings {
                 }
             },
             ib_emulate: flag(env, "DOORBELL_IB_EMULATE")?,
+            ib_disable: flag(env, "DOORBELL_IB_DISABLE")?,
         })
     }
 }

@@ -124,6 +124,35 @@ impl RdmaCore {
         })
     }
 
+    /// Opens the NIC port nearest the GPU with PCI bus id `gpu_bus_id` (`hca`: a
+    /// `DOORBELL_IB_HCA` filter), with the choice and its reason.
+    pub fn open_nearest(
+        gpu_bus_id: &str,
+        hca: Option<&str>,
+    ) -> Result<(RdmaCore, super::topology::NicChoice)> {
+        use super::topology::{choose_nic, NicCandidate};
+        let verbs = Arc::new(Verbs::load()?);
+        let nics = verbs.devices()?;
+        let candidates: Vec<NicCandidate> = nics
+            .iter()
+            .flat_map(|n| {
+                n.ports.iter().map(move |p| NicCandidate {
+                    name: n.name.clone(),
+                    port: p.num,
+                    active: p.active(),
+                })
+            })
+            .collect();
+        if candidates.is_empty() {
+            return Err(Error::TransportUnavailable {
+                transport: "ib",
+                why: "no RDMA NIC on this host".into(),
+            });
+        }
+        let choice = choose_nic(std::path::Path::new("/sys"), gpu_bus_id, &candidates, hca)?;
+        Ok((RdmaCore::open(verbs, &choice.name)?, choice))
+    }
+
     fn op_at<T: Copy>(&self, ctx: *mut c_void, offset: usize) -> T {
         // SAFETY: `ctx` is a live `struct ibv_context`; `offset` names a function pointer of its
         // ops table (offsets checked against verbs.h in tests/verbs_layout.rs).
