@@ -1,21 +1,23 @@
 //! `doorbell-info`: what this machine offers doorbell, and what doorbell would use between its
-//! ranks, with the reasons: GPUs and their peer access, RDMA NICs, the IBGDA prerequisites, and for
-//! each pair of local GPUs the transport and (between nodes) the RDMA posting mode.
+//! ranks, with the reasons: GPUs and their peer access, RDMA NICs with their place in the PCIe
+//! tree, the NIC each GPU would use, the IBGDA prerequisites, and for each pair of local GPUs the
+//! transport and (between nodes) the RDMA posting mode.
 
 use cudarc::driver::sys;
 use doorbell::gpu::cuda::{check, device_count, Gpu};
 use doorbell::job::config::{IbPosting, Settings};
 use doorbell::transport::ib::select::{choose_posting, gpu_registration, Platform};
+use doorbell::transport::ib::topology::{assign_nics, HcaFilter, NicCandidate, NicChoice, PciPath};
 use doorbell::transport::ib::verbs::{choose_gid, Verbs};
 
-const HELP: &str = "doorbell-info: GPUs, peer access, RDMA NICs, IBGDA prerequisites, and the \
-transport and posting mode doorbell would use between each pair of ranks on this host, with the \
-reasons.
+const HELP: &str = "doorbell-info: GPUs, peer access, RDMA NICs, the NIC each GPU would use, \
+IBGDA prerequisites, and the transport and posting mode doorbell would use between each pair of \
+ranks on this host, with the reasons.
 
 usage: doorbell-info [--help]
 
 Settings it honours (see the README): DOORBELL_SEPARATE_NODES, DOORBELL_IB_EMULATE,
-DOORBELL_IB_POSTING, DOORBELL_IB_GID_INDEX.";
+DOORBELL_IB_POSTING, DOORBELL_IB_GID_INDEX, DOORBELL_IB_HCA.";
 
 struct GpuInfo {
     name: String,
@@ -167,9 +169,19 @@ fn main() {
             Vec::new()
         }
     };
+    let sysfs = std::path::Path::new("/sys");
     for nic in &nics {
+        let place = match PciPath::of_ib_device(sysfs, &nic.name) {
+            Ok(p) => format!(
+                ", PCI {}{}",
+                p.bus_id(),
+                p.numa_node
+                    .map_or(String::new(), |n| format!(" (NUMA node {n})"))
+            ),
+            Err(_) => ", no PCI device in /sys (software RDMA?)".into(),
+        };
         println!(
-            "  {}: firmware {}, vendor {:#06x} device {:#06x}{}",
+            "  {}: firmware {}, vendor {:#06x} device {:#06x}{}{place}",
             nic.name,
             nic.firmware,
             nic.vendor_id,
@@ -196,6 +208,44 @@ fn main() {
             );
         }
     }
+    // The NIC of each GPU.
+    println!(
+        "\nNIC per GPU (the nearest active port in the PCIe tree; DOORBELL_IB_HCA={}):",
+        settings.ib_hca.as_deref().unwrap_or("unset")
+    );
+    let candidates: Vec<NicCandidate> = nics
+        .iter()
+        .flat_map(|n| {
+            n.ports.iter().map(|p| NicCandidate {
+                name: n.name.clone(),
+                port: p.num,
+                active: p.active(),
+            })
+        })
+        .collect();
+    let bus_ids: Vec<&str> = gpus.iter().map(|g| g.bus.as_str()).collect();
+    let choices: Vec<NicChoice> = if nics.is_empty() {
+        println!("  none: this host has no RDMA NIC");
+        if let Some(Err(e)) = settings.ib_hca.as_deref().map(HcaFilter::parse) {
+            println!("  (and {e})");
+        }
+        Vec::new()
+    } else if gpus.is_empty() {
+        println!("  no GPU to place");
+        Vec::new()
+    } else {
+        match assign_nics(sysfs, &bus_ids, &candidates, settings.ib_hca.as_deref()) {
+            Ok(c) => c,
+            Err(e) => {
+                println!("  none: {e}");
+                Vec::new()
+            }
+        }
+    };
+    for (i, c) in choices.iter().enumerate() {
+        println!("  GPU {i}: {}", c.why);
+    }
+
     println!("\nIBGDA prerequisites:");
     println!(
         "  NIC doorbell page mappable into the GPU (nvidia PeerMappingOverride=1): {}",
@@ -243,7 +293,11 @@ fn main() {
                     }
                 )
             } else if settings.separate_nodes {
-                let ib = nics.iter().find(|n| n.ports.iter().any(|p| p.active()));
+                // GPU i's own NIC where one was chosen, else the first active one.
+                let ib = choices
+                    .get(i)
+                    .and_then(|c| nics.iter().find(|n| n.name == c.name))
+                    .or_else(|| nics.iter().find(|n| n.ports.iter().any(|p| p.active())));
                 match ib {
                     Some(nic) => {
                         let (mode, _) = choose_posting(nic, &platform, settings.ib_posting);
