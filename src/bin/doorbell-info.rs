@@ -285,24 +285,25 @@ fn main() {
             let (access, atomics) = peer_access(i, j);
             let how = if settings.separate_nodes && settings.ib_emulate {
                 format!(
-                    "Ib over doorbell's emulated mlx5 NIC (DOORBELL_IB_EMULATE=1): PortChannels as RDMA work requests {} (no real NIC involved); MemoryChannels: none between nodes",
+                    "Ib over doorbell's emulated mlx5 NIC (DOORBELL_IB_EMULATE=1), queue pairs connected through the verbs calls a ConnectX would get: PortChannels as RDMA work requests {} (no real NIC involved); MemoryChannels: none between nodes",
                     match settings.ib_posting {
                         IbPosting::Ibgda => "kernels write and ring themselves (IBGDA)",
                         IbPosting::CpuAssisted => "kernels write, a host thread rings (CPU-assisted)",
-                        _ => "the proxies post (verbs-proxy mode)",
+                        IbPosting::Verbs => "the proxies post with ibv_post_send (verbs proxy)",
+                        _ => "the proxies write mlx5 WQEs (proxy posting)",
                     }
                 )
             } else if settings.separate_nodes {
-                // GPU i's own NIC where one was chosen, else the first active one.
+                // GPU i's own NIC where one was chosen.
                 let ib = choices
                     .get(i)
-                    .and_then(|c| nics.iter().find(|n| n.name == c.name))
-                    .or_else(|| nics.iter().find(|n| n.ports.iter().any(|p| p.active())));
+                    .and_then(|c| nics.iter().find(|n| n.name == c.name));
                 match ib {
+                    _ if settings.ib_disable => "Ethernet: PortChannels over TCP through the proxies (DOORBELL_IB_DISABLE=1); MemoryChannels: none between nodes".into(),
                     Some(nic) => {
-                        let (mode, _) = choose_posting(nic, &platform, settings.ib_posting);
+                        let (mode, why) = choose_posting(nic, &platform, settings.ib_posting);
                         format!(
-                            "Ethernet: PortChannels over TCP through the proxies (the Ib transport over {} would post {mode:?}, but is not built yet); MemoryChannels: none between nodes",
+                            "Ib over {} (GPU {i}'s NIC) when every rank has a NIC, posting {mode:?} ({why}); else Ethernet; MemoryChannels: none between nodes",
                             nic.name
                         )
                     }
