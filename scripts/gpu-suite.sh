@@ -12,7 +12,7 @@
 # Environment for run: SUITE=tests|bench|all (default all); TESTS="gpu allreduce" runs only those
 # test binaries; BENCHES="pingpong allreduce" picks the examples, PINGPONG_ARGS / ALLREDUCE_ARGS
 # pass them arguments (ALLGATHER_ARGS too); TEST_ARGS are added to every test binary's arguments (e.g. "--skip forced_");
-# NIC_TESTS=1 also runs tests/ib_hw (needs a ConnectX NIC);
+# NIC_TESTS=1 also runs tests/ib_hw and the nic_ tests of tests/port and tests/net (need an RDMA NIC);
 # DOORBELL_TEST_RANKS / DOORBELL_TEST_MAX_RANKS pick rank counts (tests/common); MPS=1 starts the CUDA MPS daemon first (ranks sharing one GPU then run
 # concurrently instead of time-sliced).
 # NVLink multicast stays off everywhere (it can take shared GPUs out of service).
@@ -82,9 +82,10 @@ run() {
       if [ -n "${TESTS:-}" ] && ! [[ " $TESTS " == *" $name "* ]]; then continue; fi
       # The ConnectX tests need a NIC, which no machine of this project has (docs/rdma.md).
       if [ "$name" = ib_hw ] && [ "${NIC_TESTS:-0}" != 1 ]; then continue; fi
-      local start=$SECONDS
+      local start=$SECONDS nic_skip="--skip nic_"
+      [ "${NIC_TESTS:-0}" = 1 ] && nic_skip=""
       # shellcheck disable=SC2086
-      if "$t" --ignored --test-threads=1 ${TEST_ARGS:-} >> "$logs/tests.log" 2>&1; then
+      if "$t" --ignored --test-threads=1 $nic_skip ${TEST_ARGS:-} >> "$logs/tests.log" 2>&1; then
         echo "PASS tests/$name ($((SECONDS - start)) s)" | tee -a "$summary"
       else
         echo "FAIL tests/$name ($((SECONDS - start)) s)" | tee -a "$summary"

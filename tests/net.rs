@@ -34,7 +34,8 @@ fn variants() -> Vec<(&'static str, Vec<(&'static str, &'static str)>)> {
     let pair = ("DOORBELL_NODE_SIZE", "2");
     vec![
         ("CudaIpc", vec![]),
-        ("Ethernet", vec![sep]),
+        // DOORBELL_IB_DISABLE: Ethernet even on hosts with an RDMA NIC.
+        ("Ethernet", vec![sep, ("DOORBELL_IB_DISABLE", "1")]),
         ("Ib, proxy posting", vec![sep, emu]),
         (
             "Ib, IBGDA",
@@ -50,7 +51,10 @@ fn variants() -> Vec<(&'static str, Vec<(&'static str, &'static str)>)> {
         ),
         // Nodes of two ranks: CUDA IPC inside a node, the network between; with 4 ranks the
         // allreduce is hierarchical.
-        ("Ethernet, 2 ranks per node", vec![sep, pair]),
+        (
+            "Ethernet, 2 ranks per node",
+            vec![sep, pair, ("DOORBELL_IB_DISABLE", "1")],
+        ),
         ("Ib, proxy posting, 2 ranks per node", vec![sep, emu, pair]),
         (
             "Ib, IBGDA, 2 ranks per node",
@@ -106,7 +110,7 @@ fn net(comm: &Arc<Communicator>, s: &Arc<CudaStream>) {
     let nc = NetCollectives::new(comm, 1 << 20).unwrap();
     let env = |k: &str| std::env::var(k).unwrap_or_default();
     let separate = env("DOORBELL_SEPARATE_NODES") == "1";
-    let between_nodes = if env("DOORBELL_IB_EMULATE") == "1" {
+    let between_nodes = if env("DOORBELL_IB_EMULATE") == "1" || env("DOORBELL_TEST_NIC") == "1" {
         Transport::Ib
     } else if separate {
         Transport::Ethernet
@@ -225,5 +229,27 @@ fn net(comm: &Arc<Communicator>, s: &Arc<CudaStream>) {
         comm.synchronize(s).unwrap();
         g2.launch().unwrap();
         check_f32(round as usize, count);
+    }
+}
+
+/// The collectives across nodes through a real RDMA NIC (never run here: no machine of this
+/// project has one), in each posting mode, nodes of one rank and of two. The GPU suite skips
+/// `nic_` tests unless `NIC_TESTS=1`.
+#[test]
+#[ignore = "needs an RDMA NIC"]
+fn nic_alltoall_and_allreduce_through_the_nic() {
+    for posting in ["auto", "proxy", "verbs", "cpu", "ibgda"] {
+        for pair in [None, Some(("DOORBELL_NODE_SIZE", "2"))] {
+            for n in rank_counts() {
+                let mut env = vec![
+                    ("DOORBELL_SEPARATE_NODES", "1"),
+                    ("DOORBELL_TEST_NIC", "1"),
+                    ("DOORBELL_IB_POSTING", posting),
+                ];
+                env.extend(pair);
+                eprintln!("posting {posting}, {n} ranks, {env:?}");
+                run_case("net", n, &env);
+            }
+        }
     }
 }

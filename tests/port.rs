@@ -44,8 +44,12 @@ fn copy_engine_allgather_over_port_channels() {
     }
 }
 
-/// Ranks of one host told to act as separate nodes: PortChannels take the Ethernet transport.
-const SEPARATE: &[(&str, &str)] = &[("DOORBELL_SEPARATE_NODES", "1")];
+/// Ranks of one host told to act as separate nodes: PortChannels take the Ethernet transport
+/// (`DOORBELL_IB_DISABLE`: even on hosts with an RDMA NIC).
+const SEPARATE: &[(&str, &str)] = &[
+    ("DOORBELL_SEPARATE_NODES", "1"),
+    ("DOORBELL_IB_DISABLE", "1"),
+];
 
 #[test]
 #[ignore = "needs GPU"]
@@ -129,6 +133,29 @@ const IB_CPU: &[(&str, &str)] = &[
     ("DOORBELL_IB_EMULATE", "1"),
     ("DOORBELL_IB_POSTING", "cpu"),
 ];
+
+/// Through a real RDMA NIC (never run here: no machine of this project has one): two or more
+/// ranks of this host, each its own node, connect their queue pairs through the NIC nearest
+/// their GPU and run every PortChannel operation in each posting mode the NIC takes. The GPU
+/// suite skips `nic_` tests unless `NIC_TESTS=1`.
+#[test]
+#[ignore = "needs an RDMA NIC"]
+fn nic_every_port_channel_operation_through_the_nic() {
+    for posting in ["auto", "proxy", "verbs", "cpu", "ibgda"] {
+        for n in rank_counts() {
+            eprintln!("posting {posting}, {n} ranks");
+            run_case(
+                "ops",
+                n,
+                &[
+                    ("DOORBELL_SEPARATE_NODES", "1"),
+                    ("DOORBELL_TEST_NIC", "1"),
+                    ("DOORBELL_IB_POSTING", posting),
+                ],
+            );
+        }
+    }
+}
 
 /// The proxy posting through `ibv_post_send` / `ibv_poll_cq` (the mode for NICs that are not
 /// mlx5), on the emulated provider.
@@ -221,7 +248,8 @@ fn ops(comm: &Communicator, s: &Arc<CudaStream>) {
     let reg = comm.register(&buf).unwrap();
     let mut proxy = comm.proxy_builder(0).unwrap();
     let chans = comm.port_channels(&mut proxy, &reg, &reg).unwrap();
-    let want = if std::env::var("DOORBELL_IB_EMULATE").as_deref() == Ok("1") {
+    let on = |k: &str| std::env::var(k).as_deref() == Ok("1");
+    let want = if on("DOORBELL_IB_EMULATE") || on("DOORBELL_TEST_NIC") {
         Transport::Ib
     } else if std::env::var("DOORBELL_SEPARATE_NODES").as_deref() == Ok("1") {
         Transport::Ethernet
