@@ -214,6 +214,30 @@ fn striped_over_several_queue_pairs_posted_by_the_gpu_over_emulated_ib() {
     );
 }
 
+/// The same striping by the proxy, writing mlx5 WQEs and through `ibv_post_send`: a put of
+/// 1 MiB or more goes out as one part per queue pair, a signal after every part completed.
+#[test]
+#[ignore = "needs GPU"]
+fn striped_over_several_queue_pairs_posted_by_the_proxy_over_emulated_ib() {
+    for n in rank_counts() {
+        run_case(
+            "ops",
+            n,
+            &[IB, &[("DOORBELL_IB_QPS_PER_PEER", "3")]].concat(),
+        );
+        run_case(
+            "ops",
+            n,
+            &[IB_VERBS, &[("DOORBELL_IB_QPS_PER_PEER", "2")]].concat(),
+        );
+    }
+    run_case(
+        "huge",
+        2,
+        &[IB_VERBS, &[("DOORBELL_IB_QPS_PER_PEER", "4")]].concat(),
+    );
+}
+
 #[test]
 #[ignore = "needs GPU"]
 fn many_pushers_many_laps_deliver_every_signal_once() {

@@ -55,14 +55,18 @@ struct Semaphore {
 /// pair, as mlx5 WQEs it writes itself or through `ibv_post_send` (the host posting modes): a put as RDMA WRITEs, a signal as an 8-byte
 /// READ of the peer's token (the flush that makes the writes before it visible) then a
 /// fetch-add of 1 on it, a flush as the position reported once every WQE before it completed.
+///
+/// With several queue pairs (`DOORBELL_IB_QPS_PER_PEER`), a put of 1 MiB or more is cut into one
+/// contiguous part (4 KiB multiples) per QP; a signal waits until every other QP has completed
+/// what it was given (RC QPs order only their own work), then goes on the first.
 struct IbConn {
-    qp: crate::transport::ib::poster::HostPoster,
+    qps: Vec<crate::transport::ib::poster::HostPoster>,
     /// 16 bytes of device memory the NIC may write (READ and fetch-add results), and its key.
     scratch: u64,
     scratch_key: u32,
     _scratch: CudaSlice<u8>,
-    /// Flushes waiting for the QP: (position, WQEBBs that must complete).
-    pending: VecDeque<(u64, u64)>,
+    /// Flushes waiting for the QPs: (position, what each QP must complete).
+    pending: VecDeque<(u64, Vec<u64>)>,
 }
 
 struct Connection {
@@ -228,7 +232,7 @@ impl ProxyBuilder {
     /// device address.
     pub(crate) fn add_ib_connection(
         &mut self,
-        qp: crate::transport::ib::poster::HostPoster,
+        qps: Vec<crate::transport::ib::poster::HostPoster>,
         scratch: CudaSlice<u8>,
         scratch_key: u32,
     ) -> Result<(ConnectionId, u64)> {
@@ -241,7 +245,7 @@ impl ProxyBuilder {
             flush_done,
             net: None,
             ib: Some(IbConn {
-                qp,
+                qps,
                 scratch: addr,
                 scratch_key,
                 _scratch: scratch,
@@ -636,43 +640,78 @@ impl Worker {
                 )
             })
         };
-        let mut ops: Vec<(Op, bool)> = Vec::new();
+        let stripes = self.tables.connections[conn]
+            .ib
+            .as_ref()
+            .map_or(1, |ib| ib.qps.len().max(1)) as u64;
+        // (queue pair, operation): data first, each part on its stripe.
+        let mut ops: Vec<(usize, Op)> = Vec::new();
         if m.kind & trigger::DATA != 0 && t.size > 0 {
             let (src, dst) = (
                 self.range(m.src_mem, t.src_offset, t.size, pos)?,
                 self.range(m.dst_mem, t.dst_offset, t.size, pos)?,
             );
             let (lkey, rkey) = (key_of(m.src_mem)?, key_of(m.dst_mem)?);
-            // A data segment carries less than 2 GiB: larger puts go as 1 GiB writes.
+            // Puts of 1 MiB or more: one contiguous part per QP (4 KiB multiples).
+            let parts = if t.size >= 1 << 20 { stripes } else { 1 };
+            let part = t.size.div_ceil(parts).next_multiple_of(4096);
+            // A data segment carries less than 2 GiB: larger parts go as 1 GiB writes.
             const PIECE: u64 = 1 << 30;
-            let mut off = 0;
-            while off < t.size {
-                let len = (t.size - off).min(PIECE);
-                ops.push((
-                    Op::Write {
-                        raddr: dst + off,
-                        rkey,
-                        laddr: src + off,
-                        lkey,
-                        len: len as u32,
-                    },
-                    true,
-                ));
-                off += len;
+            for q in 0..parts {
+                let (start, end) = ((q * part).min(t.size), ((q + 1) * part).min(t.size));
+                let mut off = start;
+                while off < end {
+                    let len = (end - off).min(PIECE);
+                    ops.push((
+                        q as usize,
+                        Op::Write {
+                            raddr: dst + off,
+                            rkey,
+                            laddr: src + off,
+                            lkey,
+                            len: len as u32,
+                        },
+                    ));
+                    off += len;
+                }
             }
         }
         let ib = self.tables.connections[conn]
             .ib
             .as_mut()
             .expect("an Ib connection");
+        for (q, op) in &ops {
+            ib.qps[*q].post(op, true, patience)?;
+        }
+        for qp in ib.qps.iter_mut() {
+            qp.ring()?;
+        }
         if m.kind & trigger::FLAG != 0 {
+            // The signal goes on QP 0 after a READ there (the flush of QP 0's writes); the
+            // writes of the other QPs must have completed first.
+            let start = std::time::Instant::now();
+            for qp in ib.qps.iter_mut().skip(1) {
+                while qp.poll()? < qp.posted() {
+                    if start.elapsed() > patience {
+                        return Err(Error::invalid(
+                            "queue pair",
+                            format!(
+                                "QP {:#x}: its writes did not complete in {patience:?}",
+                                qp.qpn()
+                            ),
+                        ));
+                    }
+                    std::thread::yield_now();
+                }
+            }
             let s = &mut self.tables.semaphores[sem];
             s.outbound += 1;
             let rkey = s
                 .key
                 .ok_or_else(|| Error::invalid("semaphore", "not an Ib semaphore"))?;
-            ops.push((
-                Op::Read {
+            let qp = &mut ib.qps[0];
+            qp.post(
+                &Op::Read {
                     raddr: s.remote_token,
                     rkey,
                     laddr: ib.scratch,
@@ -680,9 +719,10 @@ impl Worker {
                     len: 8,
                 },
                 true,
-            ));
-            ops.push((
-                Op::FetchAdd {
+                patience,
+            )?;
+            qp.post(
+                &Op::FetchAdd {
                     raddr: s.remote_token,
                     rkey,
                     add: 1,
@@ -690,18 +730,17 @@ impl Worker {
                     lkey: ib.scratch_key,
                 },
                 true,
-            ));
+                patience,
+            )?;
+            qp.ring()?;
         }
-        for (op, signaled) in &ops {
-            ib.qp.post(op, *signaled, patience)?;
-        }
-        ib.qp.ring()?;
         if m.kind & trigger::FLUSH != 0 {
-            if ib.qp.completed() >= ib.qp.posted() && ib.pending.is_empty() {
+            let done = ib.qps.iter().all(|q| q.completed() >= q.posted());
+            if done && ib.pending.is_empty() {
                 self.tables.connections[conn].flush_done.write(0, pos + 1);
             } else {
-                let end = ib.qp.posted();
-                ib.pending.push_back((pos, end));
+                let ends = ib.qps.iter().map(|q| q.posted()).collect();
+                ib.pending.push_back((pos, ends));
             }
         }
         Ok(())
@@ -712,17 +751,18 @@ impl Worker {
         let mut any = false;
         for c in &mut self.tables.connections {
             if let Some(ib) = c.ib.as_mut() {
-                if ib.qp.completed() < ib.qp.posted() {
-                    let before = ib.qp.completed();
-                    let done = ib.qp.poll()?;
-                    any |= done != before;
-                    while let Some(&(pos, end)) = ib.pending.front() {
-                        if done < end {
-                            break;
-                        }
-                        c.flush_done.write(0, pos + 1);
-                        ib.pending.pop_front();
+                for qp in ib.qps.iter_mut() {
+                    if qp.completed() < qp.posted() {
+                        let before = qp.completed();
+                        any |= qp.poll()? != before;
                     }
+                }
+                while let Some((pos, ends)) = ib.pending.front() {
+                    if ib.qps.iter().zip(ends).any(|(q, &end)| q.completed() < end) {
+                        break;
+                    }
+                    c.flush_done.write(0, pos + 1);
+                    ib.pending.pop_front();
                 }
                 continue;
             }

@@ -757,11 +757,10 @@ impl Communicator {
                 let ib_peers: Vec<usize> = (0..world).filter(|&r| peers[r].is_some()).collect();
                 let gpu_posting =
                     matches!(ib.posting, PostingMode::Ibgda | PostingMode::CpuAssisted);
-                let per_peer = 1 + if gpu_posting {
-                    self.ib_qps_per_peer as usize
-                } else {
-                    0
-                };
+                // Stripes (DOORBELL_IB_QPS_PER_PEER) for whoever posts: the proxy, or the kernels
+                // (then the proxy keeps one QP of its own).
+                let stripes = self.ib_qps_per_peer.max(1) as usize;
+                let per_peer = if gpu_posting { 1 + stripes } else { stripes };
                 let qps = connect_peers(&self.bootstrap, &ib.dev, &ib_peers, per_peer, 256)?;
                 let mut by_peer: Vec<Vec<QueuePair>> = (0..world).map(|_| Vec::new()).collect();
                 for (p, q) in ib_peers.iter().zip(qps) {
@@ -838,13 +837,24 @@ impl Communicator {
                         Error::invalid("ib", format!("rank {peer}'s token pool is not reachable"))
                     })?;
                     let mut qps = std::mem::take(&mut by_peer[peer]).into_iter();
-                    let proxy_qp = qps.next().ok_or_else(|| {
-                        Error::invalid("ib", format!("no queue pair to rank {peer}"))
-                    })?;
-                    let poster = match ib.posting {
-                        PostingMode::VerbsProxy => HostPoster::verbs(proxy_qp, 256),
-                        _ => HostPoster::mlx5(proxy_qp)?,
+                    let proxy_stripes = match ib.posting {
+                        PostingMode::Ibgda | PostingMode::CpuAssisted => 1,
+                        _ => self.ib_qps_per_peer.max(1) as usize,
                     };
+                    let posters = qps
+                        .by_ref()
+                        .take(proxy_stripes)
+                        .map(|q| match ib.posting {
+                            PostingMode::VerbsProxy => Ok(HostPoster::verbs(q, 256)),
+                            _ => HostPoster::mlx5(q),
+                        })
+                        .collect::<Result<Vec<_>>>()?;
+                    if posters.len() != proxy_stripes {
+                        return Err(Error::invalid(
+                            "ib",
+                            format!("{} queue pairs to rank {peer}", posters.len()),
+                        ));
+                    }
                     let stream = self.gpu.new_stream()?;
                     let scratch = stream
                         .alloc_zeros::<u8>(16)
@@ -866,7 +876,7 @@ impl Communicator {
                     registrations.push(scratch_mr.clone());
                     let dst_id = proxy.add_ib_memory(addr, len, rkey)?;
                     let (conn, flush_done) =
-                        proxy.add_ib_connection(poster, scratch, scratch_mr.lkey())?;
+                        proxy.add_ib_connection(posters, scratch, scratch_mr.lkey())?;
                     // The peer's inbound token for me, at the peer's own address.
                     let token = pool_addr + ((base + rank) * 8) as u64;
                     let sem = proxy.add_ib_semaphore(conn, token, pool_key)?;
