@@ -9,14 +9,14 @@
 
 use clap::Parser;
 use cudarc::driver::{CudaSlice, DevicePtr};
-use doorbell::bench::harness::{human, measure, parse_size, sum_over_ranks, sweep, Repeat};
-use doorbell::bench::nccl::Nccl;
 use doorbell::collectives::allgather::{AllGatherOptions, PortAllGather};
 use doorbell::collectives::DataType;
 use doorbell::communicator::Communicator;
 use doorbell::gpu::cuda::device_count;
 use doorbell::job::launch::run_job;
 use doorbell::{Error, Result};
+use doorbell_bench::harness::{human, measure, parse_size, sum_over_ranks, sweep, Repeat};
+use doorbell_bench::nccl::Nccl;
 use std::sync::Arc;
 
 #[derive(Parser, Debug)]

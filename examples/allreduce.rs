@@ -11,9 +11,6 @@
 
 use clap::Parser;
 use cudarc::driver::{CudaSlice, DevicePtr};
-use doorbell::bench::harness::{human, measure, parse_size, sum_over_ranks, sweep, Repeat, Timing};
-use doorbell::bench::nccl::Nccl;
-use doorbell::bench::plot::{Chart, Panel, Series};
 use doorbell::collectives::allreduce::{Algorithm, AllReduce, AllReduceOptions};
 use doorbell::collectives::check::Checker;
 use doorbell::collectives::DataType;
@@ -21,6 +18,9 @@ use doorbell::communicator::Communicator;
 use doorbell::gpu::cuda::device_count;
 use doorbell::job::launch::run_job;
 use doorbell::{Error, Result};
+use doorbell_bench::harness::{human, measure, parse_size, sum_over_ranks, sweep, Repeat, Timing};
+use doorbell_bench::nccl::Nccl;
+use doorbell_bench::plot::{Chart, Panel, Series};
 use std::io::Write;
 use std::sync::Arc;
 

@@ -8,8 +8,6 @@
 
 use clap::Parser;
 use cudarc::driver::{CudaSlice, DevicePtr};
-use doorbell::bench::harness::{human, measure, parse_size, sum_over_ranks, sweep, Repeat};
-use doorbell::bench::nccl::Nccl;
 use doorbell::collectives::alltoall::{AllToAll, AllToAllOptions};
 use doorbell::collectives::check::Checker;
 use doorbell::collectives::DataType;
@@ -17,6 +15,8 @@ use doorbell::communicator::Communicator;
 use doorbell::gpu::cuda::device_count;
 use doorbell::job::launch::run_job;
 use doorbell::{Error, Result};
+use doorbell_bench::harness::{human, measure, parse_size, sum_over_ranks, sweep, Repeat};
+use doorbell_bench::nccl::Nccl;
 use std::sync::Arc;
 
 #[derive(Parser, Debug)]

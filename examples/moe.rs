@@ -12,14 +12,14 @@
 
 use clap::Parser;
 use cudarc::driver::{CudaSlice, DevicePtr};
-use doorbell::bench::harness::{measure, Repeat, Timing};
-use doorbell::bench::nccl::Nccl;
 use doorbell::collectives::moe::{reference_layout, MoeConfig, MoeDispatcher, MoeLowLatency};
 use doorbell::collectives::DataType;
 use doorbell::communicator::Communicator;
 use doorbell::gpu::cuda::device_count;
 use doorbell::job::launch::run_job;
 use doorbell::{Error, Result};
+use doorbell_bench::harness::{measure, Repeat, Timing};
+use doorbell_bench::nccl::Nccl;
 use std::sync::Arc;
 
 #[derive(Parser, Debug)]

@@ -7,7 +7,6 @@
 #![warn(missing_docs)]
 
 // Layers, bottom to top; a module imports only from layers below it (tests/layers.rs checks).
-pub mod bench;
 pub mod channel;
 pub mod collectives;
 pub mod communicator;

@@ -1,12 +1,12 @@
 //! Timing shared by the benchmark examples: eager and CUDA-graph timing of one operation, the
 //! maximum over ranks, and byte-count parsing and printing.
 
-use crate::communicator::Communicator;
-use crate::error::{Error, Result};
 use cudarc::driver::sys::{
     CUevent_flags::CU_EVENT_DEFAULT, CUgraphInstantiate_flags, CUstreamCaptureMode,
 };
 use cudarc::driver::CudaStream;
+use doorbell::communicator::Communicator;
+use doorbell::{Error, Result};
 use std::sync::Arc;
 
 /// How much to time.

@@ -1,9 +1,9 @@
 //! NCCL baseline checks that need no GPU: on a machine without `libnccl.so` the module must say
 //! so with [`Error::TransportUnavailable`] instead of letting cudarc panic.
 
-use doorbell::bench::nccl::{format_version, nccl_available, nccl_data_type};
 use doorbell::collectives::DataType;
 use doorbell::Error;
+use doorbell_bench::nccl::{format_version, nccl_available, nccl_data_type};
 
 #[test]
 fn missing_nccl_is_an_error_not_a_panic() {

@@ -9,12 +9,12 @@
 //! NCCL 2.7 before calling it. A machine without NCCL gets [`Error::TransportUnavailable`], and a
 //! benchmark then reports doorbell alone.
 
-use crate::collectives::DataType;
-use crate::error::{Error, Result};
-use crate::gpu::cuda::Gpu;
-use crate::job::bootstrap::Bootstrap;
 use cudarc::driver::CudaStream;
 use cudarc::nccl::sys;
+use doorbell::collectives::DataType;
+use doorbell::gpu::cuda::Gpu;
+use doorbell::job::bootstrap::Bootstrap;
+use doorbell::{Error, Result};
 use std::ffi::{c_char, c_int, c_void, CStr};
 use std::sync::{Arc, OnceLock};
 
