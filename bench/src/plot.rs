@@ -246,7 +246,9 @@ impl Chart {
     /// Every distinct series label in order of first appearance, each with its style.
     fn styles(&self) -> Styles {
         let mut styles = Styles::default();
-        for series in self.panels.iter().flat_map(|p| &p.series) {
+        // Series with nothing to draw (a baseline that was skipped) get no legend entry.
+        let drawn = |s: &&Series| s.points.iter().any(|(x, y)| x.is_finite() && y.is_finite());
+        for series in self.panels.iter().flat_map(|p| &p.series).filter(drawn) {
             if !styles.index.contains_key(series.label.as_str()) {
                 styles
                     .index
