@@ -1,9 +1,11 @@
-//! The hardware path, on a real ConnectX NIC (`#[ignore = "needs a ConnectX NIC and a GPU"]`):
-//! two RC queue pairs of one port connected to each other (loopback through the NIC), GPU memory
-//! registered by dma-buf or nvidia-peermem, and doorbell's own posters driving the queues that
-//! libmlx5 made: the CPU poster (RDMA WRITE, READ, fetch-add, and a bad key that must come back as
-//! an error completion), then GPU threads posting with the GPU ringing the doorbell (IBGDA) and
-//! with a host thread ringing (CPU-assisted).
+//! The hardware path, on a real ConnectX NIC (`#[ignore = "needs a ConnectX NIC and a GPU"]`),
+//! through the verbs boundary exactly as the communicator uses it (the rdma-core provider,
+//! `conn::IbDevice`, `QueuePair`): two RC queue pairs of one port connected to each other
+//! (loopback through the NIC), GPU memory registered by dma-buf or nvidia-peermem, and doorbell's
+//! posters driving them: the proxy's two host posters (mlx5 WQEs on the rings libmlx5 made, and
+//! `ibv_post_send`; RDMA WRITE, READ, fetch-add, and a bad key that must come back as an error
+//! completion), then GPU threads posting with the GPU ringing the doorbell (IBGDA) and with a
+//! host thread ringing (CPU-assisted).
 //!
 //! **Never run here** (no machine of this project has a NIC). The command, on a machine with a
 //! ConnectX NIC, the nvidia driver and rdma-core (`docs/rdma.md`):
@@ -20,41 +22,82 @@ mod ib_puts;
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
 use doorbell::device_api::WaitSite;
 use doorbell::gpu::cuda::Gpu;
-use doorbell::transport::ib::host_qp::HostQp;
-use doorbell::transport::ib::hw::HwPort;
-use doorbell::transport::ib::rc::{access, Mr};
+use doorbell::transport::ib::conn::{IbDevice, QueuePair, Registration};
+use doorbell::transport::ib::gpu_qp::{MappedQp, Posting};
+use doorbell::transport::ib::poster::HostPoster;
+use doorbell::transport::ib::provider::{access, Memory, Provider};
+use doorbell::transport::ib::rdma_core::RdmaCore;
 use doorbell::transport::ib::verbs::Verbs;
 use doorbell::transport::ib::wqe::Op;
 use ib_puts::device_bytes;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-fn port() -> HwPort {
+/// The device of `DOORBELL_IB_DEVICE`, else the first mlx5 device with an active port, opened
+/// through the rdma-core provider on its first active port.
+fn device() -> Arc<IbDevice> {
     let verbs = Arc::new(Verbs::load().unwrap_or_else(|e| panic!("{e}")));
-    let name = std::env::var("DOORBELL_IB_DEVICE").ok();
+    let nics = verbs.devices().unwrap_or_else(|e| panic!("{e}"));
+    let want = std::env::var("DOORBELL_IB_DEVICE").ok();
+    let nic = nics
+        .iter()
+        .filter(|n| n.is_mlx5())
+        .find(|n| want.as_deref().is_none_or(|w| n.name == w) && n.ports.iter().any(|p| p.active()))
+        .unwrap_or_else(|| {
+            panic!("no mlx5 device with an active port (DOORBELL_IB_DEVICE={want:?})")
+        });
+    let port = nic
+        .ports
+        .iter()
+        .find(|p| p.active())
+        .expect("an active port")
+        .num;
     let gid = std::env::var("DOORBELL_IB_GID_INDEX")
         .ok()
         .map(|s| s.parse().expect("DOORBELL_IB_GID_INDEX: a number"));
-    HwPort::open(&verbs, name.as_deref(), gid).unwrap_or_else(|e| panic!("{e}"))
+    let provider: Arc<dyn Provider> =
+        Arc::new(RdmaCore::open(verbs.clone(), &nic.name).unwrap_or_else(|e| panic!("{e}")));
+    IbDevice::open(provider, port, gid).unwrap_or_else(|e| panic!("{e}"))
 }
 
 const ALL: u32 =
     access::LOCAL_WRITE | access::REMOTE_WRITE | access::REMOTE_READ | access::REMOTE_ATOMIC;
 
-fn register(port: &HwPort, gpu: &Gpu, s: &Arc<CudaStream>, b: &CudaSlice<u8>) -> Mr {
+fn register(
+    dev: &Arc<IbDevice>,
+    gpu: &Gpu,
+    s: &Arc<CudaStream>,
+    b: &CudaSlice<u8>,
+) -> Registration {
     let (ptr, len) = (b.device_ptr(s).0, b.len());
-    // SAFETY: the buffer outlives the registration (each test drops MRs first).
-    unsafe { port.pd.register_gpu(gpu, ptr, len, ALL) }.unwrap_or_else(|e| panic!("{e}"))
+    // SAFETY: the buffer outlives the registration (each test drops registrations first).
+    unsafe { dev.register(ptr, len, ALL, Memory::Gpu(gpu)) }.unwrap_or_else(|e| panic!("{e}"))
 }
 
-fn wait_for(qp: &mut HostQp, index: u64) -> Result<(), String> {
-    qp.ring();
+/// Two QPs of `dev` connected to each other (loopback through the NIC).
+fn loopback(dev: &Arc<IbDevice>, max_send_wr: u32) -> (QueuePair, QueuePair) {
+    let (mut a, mut b) = (
+        dev.create_qp(max_send_wr).unwrap_or_else(|e| panic!("{e}")),
+        dev.create_qp(max_send_wr).unwrap_or_else(|e| panic!("{e}")),
+    );
+    let (ea, eb) = (a.endpoint(), b.endpoint());
+    a.connect(&eb).unwrap_or_else(|e| panic!("{e}"));
+    b.connect(&ea).unwrap_or_else(|e| panic!("{e}"));
+    (a, b)
+}
+
+/// Posts `op` and waits for its completion.
+fn run(qp: &mut HostPoster, op: &Op) -> Result<(), String> {
+    let at = qp.posted();
+    qp.post(op, true, Duration::from_secs(10))
+        .map_err(|e| e.to_string())?;
+    qp.ring().map_err(|e| e.to_string())?;
     let start = Instant::now();
     loop {
         match qp.poll() {
-            Ok(done) if done > index => return Ok(()),
+            Ok(done) if done > at => return Ok(()),
             Ok(_) if start.elapsed() > Duration::from_secs(10) => {
-                return Err(format!("no completion for WQE {index} in 10 s"))
+                return Err(format!("no completion for position {at} in 10 s"))
             }
             Ok(_) => std::thread::yield_now(),
             Err(e) => return Err(e.to_string()),
@@ -62,13 +105,11 @@ fn wait_for(qp: &mut HostQp, index: u64) -> Result<(), String> {
     }
 }
 
-/// The CPU poster (the proxy's) on a real QP: a 1 MiB WRITE between GPU buffers, a READ back,
-/// a fetch-add whose old value lands in GPU memory, then a WRITE with a wrong remote key, which
-/// the NIC must complete with an error (syndrome 0x13, remote access).
-#[test]
-#[ignore = "needs a ConnectX NIC and a GPU"]
-fn cpu_posted_write_read_atomic_and_error_on_a_real_nic() {
-    let port = port();
+/// A host poster on a real QP: a 1 MiB WRITE between GPU buffers, a READ back, fetch-adds whose
+/// old values land in GPU memory, then a WRITE with a wrong remote key, which the NIC must
+/// complete with a remote access error.
+fn host_posted(verbs: bool) {
+    let dev = device();
     let gpu = Gpu::open(0).expect("GPU 0");
     let s = gpu.new_stream().unwrap();
     let n = 1 << 20;
@@ -77,68 +118,62 @@ fn cpu_posted_write_read_atomic_and_error_on_a_real_nic() {
     let back = device_bytes(&s, n, |_| 0);
     let word = device_bytes(&s, 16, |_| 0);
     let (ms, md, mb, mw) = (
-        register(&port, &gpu, &s, &src),
-        register(&port, &gpu, &s, &dst),
-        register(&port, &gpu, &s, &back),
-        register(&port, &gpu, &s, &word),
+        register(&dev, &gpu, &s, &src),
+        register(&dev, &gpu, &s, &dst),
+        register(&dev, &gpu, &s, &back),
+        register(&dev, &gpu, &s, &word),
     );
     let p = |b: &CudaSlice<u8>| b.device_ptr(&s).0;
-    let (a, _b) = port.loopback_pair(8).unwrap();
-    let mut qp = HostQp::on_hardware(a);
-    let t = Duration::from_secs(10);
-    let w = qp
-        .post(
-            &Op::Write {
-                raddr: p(&dst),
-                rkey: md.rkey(),
-                laddr: p(&src),
-                lkey: ms.lkey(),
-                len: n as u32,
-            },
-            true,
-            t,
-        )
-        .unwrap();
-    wait_for(&mut qp, w).unwrap();
+    let (a, _b) = loopback(&dev, 64);
+    let mut qp = if verbs {
+        HostPoster::verbs(a, 64)
+    } else {
+        HostPoster::mlx5(a).unwrap_or_else(|e| panic!("{e}"))
+    };
+    run(
+        &mut qp,
+        &Op::Write {
+            raddr: p(&dst),
+            rkey: md.rkey(),
+            laddr: p(&src),
+            lkey: ms.lkey(),
+            len: n as u32,
+        },
+    )
+    .unwrap();
     assert_eq!(
         s.clone_dtoh(&dst).unwrap(),
         s.clone_dtoh(&src).unwrap(),
         "WRITE"
     );
-    let r = qp
-        .post(
-            &Op::Read {
-                raddr: p(&dst),
-                rkey: md.rkey(),
-                laddr: p(&back),
-                lkey: mb.lkey(),
-                len: n as u32,
-            },
-            true,
-            t,
-        )
-        .unwrap();
-    wait_for(&mut qp, r).unwrap();
+    run(
+        &mut qp,
+        &Op::Read {
+            raddr: p(&dst),
+            rkey: md.rkey(),
+            laddr: p(&back),
+            lkey: mb.lkey(),
+            len: n as u32,
+        },
+    )
+    .unwrap();
     assert_eq!(
         s.clone_dtoh(&back).unwrap(),
         s.clone_dtoh(&src).unwrap(),
         "READ"
     );
     for k in 0..3u64 {
-        let f = qp
-            .post(
-                &Op::FetchAdd {
-                    raddr: p(&word),
-                    rkey: mw.rkey(),
-                    add: 5,
-                    result: p(&word) + 8,
-                    lkey: mw.lkey(),
-                },
-                true,
-                t,
-            )
-            .unwrap();
-        wait_for(&mut qp, f).unwrap();
+        run(
+            &mut qp,
+            &Op::FetchAdd {
+                raddr: p(&word),
+                rkey: mw.rkey(),
+                add: 5,
+                result: p(&word) + 8,
+                lkey: mw.lkey(),
+            },
+        )
+        .unwrap();
         let got = s.clone_dtoh(&word).unwrap();
         let (now, old) = (
             u64::from_ne_bytes(got[..8].try_into().unwrap()),
@@ -146,41 +181,53 @@ fn cpu_posted_write_read_atomic_and_error_on_a_real_nic() {
         );
         assert_eq!((now, old), (5 * (k + 1), 5 * k), "fetch-add {k}");
     }
-    let bad = qp
-        .post(
-            &Op::Write {
-                raddr: p(&dst),
-                rkey: md.rkey() ^ 0x5a5a00,
-                laddr: p(&src),
-                lkey: ms.lkey(),
-                len: 64,
-            },
-            true,
-            t,
-        )
-        .unwrap();
-    let err = wait_for(&mut qp, bad).expect_err("a WRITE with a wrong key completed");
-    assert!(err.contains("syndrome 0x13"), "{err}");
+    let err = run(
+        &mut qp,
+        &Op::Write {
+            raddr: p(&dst),
+            rkey: md.rkey() ^ 0x5a5a00,
+            laddr: p(&src),
+            lkey: ms.lkey(),
+            len: 64,
+        },
+    )
+    .expect_err("a WRITE with a wrong key completed");
+    assert!(
+        err.contains("syndrome 0x13") || err.contains("remote access error"),
+        "{err}"
+    );
     drop(qp);
     drop((ms, md, mb, mw));
 }
 
-fn gpu_posted(ibgda: bool) {
-    let port = port();
+/// The proxy's mlx5 poster on a real QP.
+#[test]
+#[ignore = "needs a ConnectX NIC and a GPU"]
+fn cpu_posted_write_read_atomic_and_error_on_a_real_nic() {
+    host_posted(false);
+}
+
+/// The proxy's `ibv_post_send` poster on a real QP.
+#[test]
+#[ignore = "needs a ConnectX NIC and a GPU"]
+fn ibv_post_send_write_read_atomic_and_error_on_a_real_nic() {
+    host_posted(true);
+}
+
+fn gpu_posted(posting: Posting) {
+    let dev = device();
     let gpu = Gpu::open(0).expect("GPU 0");
     let s = gpu.new_stream().unwrap();
     let case = ib_puts::Puts::new(&s);
-    let mrs = case.buffers().map(|b| register(&port, &gpu, &s, b));
+    let mrs = case.buffers().map(|b| register(&dev, &gpu, &s, b));
     let site = WaitSite {
         budget_ns: 20_000_000_000,
         rank: 0,
         peer: -1,
         ..Default::default()
     };
-    let (a, _b) = port.loopback_pair(9).unwrap();
-    let qp = a
-        .map_for_gpu(&gpu, ibgda, site)
-        .unwrap_or_else(|e| panic!("{e}"));
+    let (a, _b) = loopback(&dev, 128);
+    let qp = MappedQp::new(&gpu, a, posting, site).unwrap_or_else(|e| panic!("{e}"));
     // On mlx5 the lkey and rkey of one registration are equal.
     let keys = mrs.each_ref().map(|m| m.rkey());
     case.run(
@@ -188,7 +235,11 @@ fn gpu_posted(ibgda: bool) {
         &s,
         qp.handle(),
         keys,
-        if ibgda { "IBGDA" } else { "CPU-assisted" },
+        if posting == Posting::Ibgda {
+            "IBGDA"
+        } else {
+            "CPU-assisted"
+        },
     );
     drop(qp);
     drop(mrs);
@@ -199,12 +250,12 @@ fn gpu_posted(ibgda: bool) {
 #[test]
 #[ignore = "needs a ConnectX NIC and a GPU"]
 fn gpu_posted_ibgda_on_a_real_nic() {
-    gpu_posted(true);
+    gpu_posted(Posting::Ibgda);
 }
 
 /// The same with a host thread ringing the doorbell for the kernels (CPU-assisted).
 #[test]
 #[ignore = "needs a ConnectX NIC and a GPU"]
 fn gpu_posted_cpu_assisted_on_a_real_nic() {
-    gpu_posted(false);
+    gpu_posted(Posting::CpuAssisted);
 }

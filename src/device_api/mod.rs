@@ -288,7 +288,7 @@ pub const MAX_RANKS: usize = 8;
 #[repr(C)]
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Pod, Zeroable)]
 pub struct CallCheck {
-    /// This call's word ([`crate::gpu::signature::CallWord`]).
+    /// This call's word (see [`crate::gpu::signature`]).
     pub word: u64,
     /// Every rank's inbox (`[2][MAX_RANKS]` words), mapped here (own at `rank`).
     pub inbox: [u64; MAX_RANKS],

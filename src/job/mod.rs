@@ -1,7 +1,7 @@
 //! The job, below everything else: settings from the environment ([`config`]), the bootstrap
 //! that joins ranks over TCP and carries every exchange ([`bootstrap`]), the launcher that
 //! spawns ranks when a program is started by hand ([`launch`]), and the job secret's
-//! authentication ([`auth`]). Nothing here touches a GPU.
+//! authentication (`auth`). Nothing here touches a GPU.
 
 pub(crate) mod auth;
 pub mod bootstrap;

@@ -40,7 +40,7 @@ pub enum ShareHandle {
 pub struct MemoryDescriptor {
     /// The rank that owns the memory.
     pub owner_rank: u32,
-    /// The owner's [`host_id`].
+    /// The owner's [`crate::gpu::memory::host_id`].
     pub host_id: u64,
     /// Registered bytes.
     pub bytes: u64,

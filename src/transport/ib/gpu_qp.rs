@@ -70,7 +70,7 @@ pub enum Posting {
 
 /// What kernels need beside a queue pair's rings: the posting state in device memory, and in
 /// CPU-assisted posting the host thread that rings for them. Shared by the emulated NIC's queue
-/// pairs ([`GpuQp`]) and real ones (`super::hw::GpuHwQp`).
+/// pairs ([`GpuQp`]) and any provider's ([`MappedQp`]).
 pub(crate) struct GpuPoster {
     stop: Arc<AtomicBool>,
     assist: Option<std::thread::JoinHandle<()>>,
@@ -345,7 +345,7 @@ pub(crate) fn register(regs: &mut Registrations, addr: u64, len: u64, io: bool) 
         flags |= sys::CU_MEMHOSTREGISTER_IOMEMORY;
     }
     // SAFETY: the pages are libmlx5's (rings) or the mapped UAR page, alive while the QP is;
-    // unregistered by GpuHwQp's Drop before the QP goes.
+    // unregistered by MappedQp's Drop before the QP goes.
     let r =
         unsafe { sys::cuMemHostRegister_v2(start as *mut c_void, (end - start) as usize, flags) };
     match r {

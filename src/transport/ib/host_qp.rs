@@ -5,7 +5,7 @@
 
 use super::cq::{self, Cqe, CQE_BYTES, EMPTY_OP_OWN};
 use super::emulator::{EmulatedNic, QpRings};
-use super::hw::{HwQp, Rings};
+use super::provider::Rings;
 use super::wqe::{doorbell_record, wqebbs, Op, CQ_UPDATE, WQEBB};
 use crate::error::{Error, Result};
 use std::sync::atomic::{fence, Ordering};
@@ -31,14 +31,12 @@ enum Backing {
         nic: Arc<EmulatedNic>,
         _buffers: [Shared; 5],
     },
-    /// A real mlx5 NIC (rings in libmlx5's memory, kept alive by the QP).
-    Hardware { _qp: Box<HwQp> },
     /// A queue pair of a verbs provider, which owns the rings and outlives this value.
     Provider,
 }
 
 /// A CPU-posted queue pair, served by an [`EmulatedNic`] ([`HostQp::new`]) or a real mlx5 NIC
-/// ([`HostQp::on_hardware`]); the posting code is the same for both.
+/// or the rings of any provider's queue pair ([`HostQp::on_rings`]); the posting code is the same.
 pub struct HostQp {
     backing: Backing,
     qpn: u32,
@@ -113,6 +111,7 @@ impl HostQp {
                 sq_wqebbs: depth,
                 dbr: rings.dbr as *mut u32,
                 doorbell: rings.doorbell as *mut u64,
+                doorbell_is_mmio: false,
                 cq: rings.cq,
                 cq_entries: depth,
                 cq_ci: rings.cq_ci as *mut u32,
@@ -120,30 +119,12 @@ impl HostQp {
         ))
     }
 
-    /// Posts to a connected QP of a real mlx5 NIC (see [`super::hw`]; never run on one).
-    pub fn on_hardware(qp: HwQp) -> HostQp {
-        let rings = qp.rings();
-        HostQp::with(Backing::Hardware { _qp: Box::new(qp) }, rings)
-    }
-
     /// Posts to the rings of a provider's queue pair (see [`super::provider::Provider::rings`]).
     ///
     /// # Safety
     /// The rings stay valid while this value lives, and nothing else posts to them.
     pub unsafe fn on_rings(r: &super::provider::Rings) -> HostQp {
-        HostQp::with(
-            Backing::Provider,
-            Rings {
-                qpn: r.qpn,
-                sq: r.sq,
-                sq_wqebbs: r.sq_wqebbs,
-                dbr: r.dbr,
-                doorbell: r.doorbell,
-                cq: r.cq,
-                cq_entries: r.cq_entries,
-                cq_ci: r.cq_ci,
-            },
-        )
+        HostQp::with(Backing::Provider, *r)
     }
 
     fn with(backing: Backing, r: Rings) -> HostQp {

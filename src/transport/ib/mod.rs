@@ -1,13 +1,14 @@
-//! InfiniBand/RoCE (issue 6, in progress; `docs/rdma.md` says what ran where). mlx5 send-queue
-//! work requests ([`wqe`], checked byte for byte against rdma-core's `mlx5dv.h` helpers in
-//! `tests/wqe_golden.rs`) and completion queue entries ([`cq`]); an emulated mlx5 NIC
-//! ([`emulator`]) that executes WQEs from a send queue between registered memory regions and
-//! writes real CQEs, so the posting code is tested where no NIC exists; queue pairs kernels post
-//! to ([`gpu_qp`], device side in `cuda/include/doorbell/ibgda.cuh`), served by that emulator;
-//! libibverbs loaded at run time for device discovery ([`verbs`]); and the choice of posting mode
-//! with its reason ([`select`]); verbs resources on a real NIC with an RC queue-pair typestate
-//! ([`rc`], never run on one); queue pairs of a real mlx5 NIC whose rings the same posters drive
-//! ([`hw`], never run on one). Nothing here has run on a NIC.
+//! InfiniBand/RoCE (`docs/rdma.md` says what ran where). The verbs boundary ([`provider`]): one
+//! interface for everything doorbell asks of a NIC, with two providers, rdma-core loaded at run
+//! time ([`rdma_core`], its mlx5 rings found with `mlx5dv_init_obj` in [`hw`]) and the emulated
+//! mlx5 NIC ([`emulated`] over the NIC engine in [`emulator`]); connected RC queue pairs between
+//! ranks made only through it ([`conn`]); the host posters the proxy drives them with ([`poster`]:
+//! mlx5 WQEs it writes, [`host_qp`], or `ibv_post_send`) and queue pairs kernels post to
+//! ([`gpu_qp`], device side in `cuda/include/doorbell/ibgda.cuh`); mlx5 work requests ([`wqe`],
+//! checked byte for byte against rdma-core's `mlx5dv.h` helpers in `tests/wqe_golden.rs`) and
+//! completion queue entries ([`cq`]); device discovery ([`verbs`]); the NIC nearest each GPU
+//! ([`topology`]) and the posting mode with its reason ([`select`]). Nothing here has run on a
+//! NIC.
 
 pub mod conn;
 pub mod cq;
@@ -18,7 +19,6 @@ pub mod host_qp;
 pub mod hw;
 pub mod poster;
 pub mod provider;
-pub mod rc;
 pub mod rdma_core;
 pub mod select;
 pub mod topology;
