@@ -77,6 +77,66 @@ struct IbFabric {
     _mapped: Vec<RemoteMemory>,
 }
 
+impl IbFabric {
+    /// Registers the token pool `pool` with `dev`'s NIC, trades its (address, rkey) with every
+    /// rank (collective), and keeps how to reach the pools of `peers`: for each, its rank and,
+    /// where the NIC is emulated, the pool's CUDA IPC mapping the emulated wire goes through.
+    fn open(
+        dev: Arc<IbDevice>,
+        bootstrap: &Bootstrap,
+        gpu: &Gpu,
+        pool: &Buffer,
+        peers: Vec<(usize, Option<RemoteMemory>)>,
+        forced: crate::job::config::IbPosting,
+        what: &str,
+    ) -> Result<IbFabric> {
+        let rank = bootstrap.rank();
+        // SAFETY: the pool is the token pool's buffer, which outlives the registration
+        // (IbFabric drops before the token pool).
+        let pool_mr = unsafe {
+            dev.register(
+                pool.device_ptr(),
+                TOKEN_SLOTS * 8,
+                IB_REMOTE,
+                Memory::Gpu(gpu),
+            )
+        }?;
+        let regions = exchange_regions(bootstrap, Some(&pool_mr))?;
+        let mut peer_pools = vec![None; bootstrap.world_size()];
+        let mut mapped = Vec::new();
+        for (r, local) in peers {
+            let region = regions[r].ok_or_else(|| Error::Bootstrap {
+                me: rank,
+                rank: Some(r),
+                why: "registered no token pool with its NIC".into(),
+            })?;
+            if let Some(m) = local {
+                dev.provider().attach_remote(
+                    region.rkey,
+                    region.addr,
+                    region.len,
+                    m.device_ptr(),
+                )?;
+                mapped.push(m);
+            }
+            peer_pools[r] = Some((region.addr, region.rkey));
+        }
+        let provider = dev.provider().as_ref();
+        let (posting, why) =
+            posting_for(provider, &Platform::probe(!provider.is_emulated()), forced);
+        tracing::info!(
+            "rank {rank}: PortChannels to other nodes take {what}, posting {posting:?}: {why}"
+        );
+        Ok(IbFabric {
+            dev,
+            posting,
+            _pool: pool_mr,
+            peer_pools,
+            _mapped: mapped,
+        })
+    }
+}
+
 /// Remote access a registration grants peers: writes, reads (the flush) and atomics (signals).
 const IB_REMOTE: u32 =
     access::LOCAL_WRITE | access::REMOTE_WRITE | access::REMOTE_READ | access::REMOTE_ATOMIC;
@@ -189,44 +249,20 @@ impl Communicator {
                 PortConfig::default(),
             )?);
             let dev = IbDevice::open(provider.clone(), 1, settings.ib_gid_index)?;
-            // SAFETY: the pool is the token pool's buffer, which outlives the registration
-            // (IbFabric drops before the token pool).
-            let pool_mr = unsafe {
-                dev.register(
-                    pool.device_ptr(),
-                    TOKEN_SLOTS * 8,
-                    IB_REMOTE,
-                    Memory::Gpu(&gpu),
-                )
-            }?;
-            let regions = exchange_regions(&bootstrap, Some(&pool_mr))?;
-            let mut peer_pools = vec![None; world];
-            for (r, m) in &ib_mapped {
-                let region = regions[*r].ok_or_else(|| Error::Bootstrap {
-                    me: rank,
-                    rank: Some(*r),
-                    why: "registered no token pool with its NIC".into(),
-                })?;
-                provider.attach_remote(region.rkey, region.addr, region.len, m.device_ptr())?;
-                peer_pools[*r] = Some((region.addr, region.rkey));
-            }
-            let (posting, why) = posting_for(
-                provider.as_ref(),
-                &Platform::probe(false),
-                settings.ib_posting,
-            );
-            tracing::info!(
-                "rank {rank}: PortChannels to other nodes take the Ib transport on {} \
-                 (DOORBELL_IB_EMULATE=1), posting {posting:?}: {why}",
+            let what = format!(
+                "the Ib transport on {} (DOORBELL_IB_EMULATE=1)",
                 provider.device_name()
             );
-            Some(IbFabric {
+            let peers = ib_mapped.into_iter().map(|(r, m)| (r, Some(m))).collect();
+            Some(IbFabric::open(
                 dev,
-                posting,
-                _pool: pool_mr,
-                peer_pools,
-                _mapped: ib_mapped.into_iter().map(|(_, m)| m).collect(),
-            })
+                &bootstrap,
+                &gpu,
+                &pool,
+                peers,
+                settings.ib_posting,
+                &what,
+            )?)
         } else if host_ids.iter().any(|h| *h != host_ids[rank]) {
             // Ranks on other hosts: the NIC nearest this GPU, where every rank has one.
             let mine = if settings.ib_disable {
@@ -242,46 +278,21 @@ impl Communicator {
                 .collect();
             match mine {
                 Ok((nic, choice)) if without.is_empty() => {
-                    let provider: Arc<dyn Provider> = Arc::new(nic);
-                    let dev = IbDevice::open(provider.clone(), choice.port, settings.ib_gid_index)?;
-                    // SAFETY: as above.
-                    let pool_mr = unsafe {
-                        dev.register(
-                            pool.device_ptr(),
-                            TOKEN_SLOTS * 8,
-                            IB_REMOTE,
-                            Memory::Gpu(&gpu),
-                        )
-                    }?;
-                    let regions = exchange_regions(&bootstrap, Some(&pool_mr))?;
-                    let mut peer_pools = vec![None; world];
-                    for r in (0..world).filter(|&r| host_ids[r] != host_ids[rank]) {
-                        let region = regions[r].ok_or_else(|| Error::Bootstrap {
-                            me: rank,
-                            rank: Some(r),
-                            why: "registered no token pool with its NIC".into(),
-                        })?;
-                        peer_pools[r] = Some((region.addr, region.rkey));
-                    }
-                    let (posting, why) = posting_for(
-                        provider.as_ref(),
-                        &Platform::probe(true),
-                        settings.ib_posting,
-                    );
-                    tracing::info!(
-                        "rank {rank}: PortChannels to other hosts take {} port {} ({}), posting \
-                         {posting:?}: {why}",
-                        choice.name,
-                        choice.port,
-                        choice.why
-                    );
-                    Some(IbFabric {
+                    let dev = IbDevice::open(Arc::new(nic), choice.port, settings.ib_gid_index)?;
+                    let what = format!("{} port {} ({})", choice.name, choice.port, choice.why);
+                    let peers = (0..world)
+                        .filter(|&r| host_ids[r] != host_ids[rank])
+                        .map(|r| (r, None))
+                        .collect();
+                    Some(IbFabric::open(
                         dev,
-                        posting,
-                        _pool: pool_mr,
-                        peer_pools,
-                        _mapped: Vec::new(),
-                    })
+                        &bootstrap,
+                        &gpu,
+                        &pool,
+                        peers,
+                        settings.ib_posting,
+                        &what,
+                    )?)
                 }
                 Ok(_) => {
                     tracing::info!(

@@ -191,6 +191,23 @@ struct EmuCq {
     qp: Option<u64>,
 }
 
+impl EmuQp {
+    /// Its rings, completing on `cq`.
+    fn rings(&self, cq: &EmuCq) -> Rings {
+        Rings {
+            qpn: self.id.qpn,
+            sq: self.sq.ptr,
+            sq_wqebbs: self.sq_wqebbs,
+            dbr: self.dbr.ptr as *mut u32,
+            doorbell: self.doorbell.ptr as *mut u64,
+            doorbell_is_mmio: false,
+            cq: cq.ring.ptr,
+            cq_entries: cq.entries,
+            cq_ci: cq.ci.ptr as *mut u32,
+        }
+    }
+}
+
 struct EmuQp {
     id: QpId,
     cq: u64,
@@ -804,15 +821,17 @@ impl Provider for Emulated {
 
     fn rings(&self, qp: QpId, cq: Cq) -> Result<Rings> {
         let mut o = lock(&self.objects);
-        let (cq_ring, cq_ci, entries) = match o.cqs.get(&cq.0) {
-            Some(c) if c.qp == Some(qp.handle) => (c.ring.ptr, c.ci.ptr, c.entries),
-            _ => {
-                return Err(refused(
+        let o = &mut *o;
+        let c = o
+            .cqs
+            .get(&cq.0)
+            .filter(|c| c.qp == Some(qp.handle))
+            .ok_or_else(|| {
+                refused(
                     "mlx5dv_init_obj",
                     format!("CQ {} is not QP {:#x}'s", cq.0, qp.qpn),
-                ))
-            }
-        };
+                )
+            })?;
         let q = o
             .qps
             .get_mut(&qp.handle)
@@ -824,25 +843,12 @@ impl Provider for Emulated {
             ));
         }
         q.rings_taken = true;
-        Ok(Rings {
-            qpn: qp.qpn,
-            sq: q.sq.ptr,
-            sq_wqebbs: q.sq_wqebbs,
-            dbr: q.dbr.ptr as *mut u32,
-            doorbell: q.doorbell.ptr as *mut u64,
-            doorbell_is_mmio: false,
-            cq: cq_ring,
-            cq_entries: entries,
-            cq_ci: cq_ci as *mut u32,
-        })
+        Ok(q.rings(c))
     }
 
     fn post_send(&self, qp: QpId, wrs: &[SendWr]) -> Result<()> {
         let mut o = lock(&self.objects);
-        let cq = o.qps.get(&qp.handle).map(|q| q.cq);
-        let cq_ptrs = cq
-            .and_then(|c| o.cqs.get(&c))
-            .map(|c| (c.ring.ptr, c.ci.ptr, c.entries));
+        let o = &mut *o;
         let q = o
             .qps
             .get_mut(&qp.handle)
@@ -861,19 +867,11 @@ impl Provider for Emulated {
             ));
         }
         if q.poster.is_none() {
-            let (cq_ring, cq_ci, entries) =
-                cq_ptrs.ok_or_else(|| refused("ibv_post_send", "the QP's CQ is gone"))?;
-            let rings = Rings {
-                qpn: qp.qpn,
-                sq: q.sq.ptr,
-                sq_wqebbs: q.sq_wqebbs,
-                dbr: q.dbr.ptr as *mut u32,
-                doorbell: q.doorbell.ptr as *mut u64,
-                doorbell_is_mmio: false,
-                cq: cq_ring,
-                cq_entries: entries,
-                cq_ci: cq_ci as *mut u32,
-            };
+            let c = o
+                .cqs
+                .get(&q.cq)
+                .ok_or_else(|| refused("ibv_post_send", "the QP's CQ is gone"))?;
+            let rings = q.rings(c);
             // SAFETY: the rings live in this EmuQp/EmuCq, which outlive the poster (dropped with
             // the EmuQp); only this poster writes them (rings() refuses once it exists).
             q.poster = Some(unsafe { HostQp::on_rings(&rings) });
