@@ -8,6 +8,7 @@ pub mod allreduce;
 pub mod alltoall;
 pub mod check;
 pub mod moe;
+pub mod moe_net;
 pub mod net;
 
 use crate::error::{Error, Result};

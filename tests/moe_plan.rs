@@ -1,0 +1,251 @@
+//! The plan of MoE dispatch across nodes on the CPU (issue 16's CPU parts): DeepEP-style layouts
+//! against brute force, the hierarchical high-throughput routing delivering every (token, rank)
+//! exactly once while crossing the network at most once per (token, destination node), the
+//! low-latency message counts, receiver-driven admission under incast, and the wire model.
+
+use doorbell::collectives::moe_net::{
+    forwards, ranks_of_tokens, Admission, HighThroughputPlan, LowLatencyPlan, NodeMap, Posting,
+    WireModel,
+};
+use std::collections::BTreeMap;
+
+/// A small deterministic generator (xorshift).
+struct Rng(u64);
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+    fn below(&mut self, n: u64) -> u64 {
+        self.next() % n
+    }
+}
+
+/// `tokens` x `topk` distinct experts per token, some entries -1, some tokens routed nowhere.
+fn routing(rng: &mut Rng, tokens: usize, topk: usize, experts: usize) -> Vec<i32> {
+    let mut idx = Vec::with_capacity(tokens * topk);
+    for t in 0..tokens {
+        let mut chosen: Vec<i32> = Vec::new();
+        while chosen.len() < topk {
+            let e = rng.below(experts as u64) as i32;
+            if !chosen.contains(&e) {
+                chosen.push(e);
+            }
+        }
+        if t % 7 == 3 {
+            chosen.iter_mut().for_each(|e| *e = -1); // a token routed nowhere
+        } else if rng.below(4) == 0 {
+            chosen[rng.below(topk as u64) as usize] = -1;
+        }
+        idx.extend(chosen);
+    }
+    idx
+}
+
+#[test]
+fn node_maps_group_ranks_and_refuse_uneven_nodes() {
+    let m = NodeMap::new(&[7, 7, 9, 9, 7, 9]).unwrap();
+    assert_eq!((m.nodes(), m.ranks_per_node(), m.world()), (2, 3, 6));
+    assert_eq!((m.node(4), m.local(4)), (0, 2));
+    assert_eq!(m.rank(1, 2), 5);
+    let e = NodeMap::new(&[1, 1, 2]).unwrap_err().to_string();
+    assert!(e.contains("same number of ranks"), "{e}");
+}
+
+#[test]
+fn high_throughput_plans_deliver_every_selection_once_and_cross_each_node_once() {
+    for (nodes, per_node, topk, experts) in
+        [(2, 1, 2, 8), (2, 2, 8, 64), (3, 2, 4, 24), (4, 4, 8, 256)]
+    {
+        let map = NodeMap::uniform(nodes, per_node);
+        let world = map.world();
+        let mut rng = Rng(0x9e37_79b9 ^ world as u64);
+        let tokens = 64;
+        let idx: Vec<Vec<i32>> = (0..world)
+            .map(|_| routing(&mut rng, tokens, topk, experts))
+            .collect();
+        let per_rank = experts / world;
+        let plans: Vec<HighThroughputPlan> = (0..world)
+            .map(|r| HighThroughputPlan::new(&map, r, &idx[r], topk, experts).unwrap())
+            .collect();
+        let ranks_of: Vec<_> = idx
+            .iter()
+            .map(|i| ranks_of_tokens(i, topk, per_rank))
+            .collect();
+        for r in 0..world {
+            // DeepEP's layout counts, against brute force.
+            let mut per_node = vec![0u32; nodes];
+            let mut per_rank_count = vec![0u32; world];
+            for ranks in &ranks_of[r] {
+                let mut ns: Vec<usize> = ranks.iter().map(|&d| map.node(d)).collect();
+                ns.sort_unstable();
+                ns.dedup();
+                ns.iter().for_each(|&n| per_node[n] += 1);
+                ranks.iter().for_each(|&d| per_rank_count[d] += 1);
+                // At most once per destination node over the network.
+                let crossings = ns.iter().filter(|&&n| n != map.node(r)).count();
+                let naive = ranks
+                    .iter()
+                    .filter(|&&d| map.node(d) != map.node(r))
+                    .count();
+                assert!(crossings <= naive);
+            }
+            assert_eq!(plans[r].tokens_per_node, per_node, "rank {r}");
+            assert_eq!(plans[r].tokens_per_rank, per_rank_count, "rank {r}");
+            let selections: u32 = plans[r].tokens_per_expert.iter().sum();
+            assert_eq!(
+                selections as usize,
+                idx[r].iter().filter(|&&e| e >= 0).count()
+            );
+            for (n, list) in plans[r].to_node.iter().enumerate() {
+                let mut sorted = list.clone();
+                sorted.dedup();
+                assert_eq!(&sorted, list, "a token twice to node {n}");
+                if n == map.node(r) {
+                    assert!(list.is_empty());
+                }
+            }
+        }
+        // Every (source rank, token) reaches exactly the ranks that hold its experts: through
+        // NVLink from its own node, or over the network once and then forwarded.
+        let mut got: BTreeMap<usize, Vec<(usize, usize)>> = BTreeMap::new();
+        for (src, plan) in plans.iter().enumerate() {
+            for (l, toks) in plan.to_local.iter().enumerate() {
+                let dst = map.rank(map.node(src), l);
+                got.entry(dst)
+                    .or_default()
+                    .extend(toks.iter().map(|&t| (src, t)));
+            }
+        }
+        for node in 0..nodes {
+            for local in 0..per_node {
+                for (l, pairs) in forwards(&map, node, local, &plans, &ranks_of)
+                    .into_iter()
+                    .enumerate()
+                {
+                    got.entry(map.rank(node, l)).or_default().extend(pairs);
+                }
+            }
+        }
+        for dst in 0..world {
+            let mut want: Vec<(usize, usize)> = (0..world)
+                .flat_map(|src| {
+                    ranks_of[src]
+                        .iter()
+                        .enumerate()
+                        .filter(move |(_, rs)| rs.contains(&dst))
+                        .map(move |(t, _)| (src, t))
+                })
+                .collect();
+            let mut have = got.remove(&dst).unwrap_or_default();
+            want.sort_unstable();
+            have.sort_unstable();
+            assert_eq!(have, want, "rank {dst} ({nodes} nodes x {per_node})");
+        }
+    }
+}
+
+#[test]
+fn low_latency_plans_count_messages_and_words() {
+    let map = NodeMap::uniform(2, 4);
+    let mut rng = Rng(42);
+    let (topk, experts) = (8, 64);
+    let idx = routing(&mut rng, 128, topk, experts);
+    let plan = LowLatencyPlan::new(&map, 1, &idx, topk, experts).unwrap();
+    let ranks = ranks_of_tokens(&idx, topk, experts / map.world());
+    let remote: usize = ranks
+        .iter()
+        .map(|rs| rs.iter().filter(|&&r| r >= 4).count())
+        .sum();
+    let local: usize = ranks
+        .iter()
+        .map(|rs| rs.iter().filter(|&&r| r < 4).count())
+        .sum();
+    assert_eq!((plan.nvlink_messages, plan.rdma_messages), (local, remote));
+    let counted: u32 = plan.counts.iter().flatten().sum();
+    assert_eq!(counted as usize, idx.iter().filter(|&&e| e >= 0).count());
+    assert_eq!(plan.remote_count_words(&map, 1), 4 * (experts / 8));
+    // One expert for every token: every message goes to one rank.
+    let one: Vec<i32> = (0..16)
+        .flat_map(|_| [9, -1, -1, -1, -1, -1, -1, -1])
+        .collect();
+    let p = LowLatencyPlan::new(&map, 0, &one, topk, experts).unwrap();
+    assert_eq!((p.nvlink_messages, p.rdma_messages), (16, 0));
+    assert_eq!(p.counts[1][1], 16);
+}
+
+#[test]
+fn admission_never_overruns_a_small_buffer_under_incast() {
+    for seed in 1..20u64 {
+        let mut rng = Rng(seed * 0x2545_f491);
+        let senders = 1 + rng.below(32) as usize;
+        let slots = 1 + rng.below(8) as usize;
+        let demand: Vec<u64> = (0..senders).map(|_| rng.below(20)).collect();
+        let total: u64 = demand.iter().sum();
+        assert!(total == 0 || slots <= 8, "a small buffer");
+        let mut a = Admission::new(slots, demand.clone()).unwrap();
+        let mut pending = Vec::new();
+        let mut consumed = vec![Vec::new(); senders];
+        let mut steps = 0;
+        while !a.done() {
+            steps += 1;
+            assert!(steps < 100_000, "no progress (seed {seed})");
+            pending.extend(a.grant());
+            assert!(
+                a.in_use() <= slots,
+                "{} slots in use of {slots}",
+                a.in_use()
+            );
+            // Senders write some of their grants, in any order.
+            if !pending.is_empty() {
+                let k = rng.below(pending.len() as u64) as usize;
+                let g = pending.swap_remove(k);
+                a.written(g).unwrap();
+                assert!(a.written(g).is_err(), "a chunk written twice is refused");
+            }
+            for g in a.consume() {
+                consumed[g.sender].push(g.seq);
+            }
+        }
+        for (s, seqs) in consumed.iter().enumerate() {
+            assert_eq!(
+                seqs,
+                &(0..demand[s]).collect::<Vec<_>>(),
+                "sender {s} in order"
+            );
+        }
+        // The buffer is far below the worst case (every chunk at once) and still suffices.
+        let _ = total;
+    }
+    // A write nobody granted is refused: it would overrun the buffer.
+    let mut a = Admission::new(1, vec![2, 2]).unwrap();
+    let g = a.grant();
+    assert_eq!(g.len(), 1);
+    let mut forged = g[0];
+    forged.seq += 1;
+    assert!(a.written(forged).is_err());
+}
+
+#[test]
+fn the_wire_model_counts_wqes_and_bytes() {
+    // DeepEP's decode shape on 2 nodes of 8: 128 tokens x top-8 of 256 experts, FP8 rows of
+    // 7168 bytes + 56 x 4 scale bytes + 16 bytes of metadata.
+    let map = NodeMap::uniform(2, 8);
+    let mut rng = Rng(7);
+    let idx = routing(&mut rng, 128, 8, 256);
+    let plan = LowLatencyPlan::new(&map, 0, &idx, 8, 256).unwrap();
+    let words = plan.remote_count_words(&map, 0);
+    let row = 7168 + 56 * 4 + 16;
+    let gpu = WireModel::low_latency(&plan, words, row, Posting::Gpu);
+    assert_eq!(gpu.wqes as usize, plan.rdma_messages + words);
+    assert_eq!(gpu.triggers, 0);
+    let proxy = WireModel::low_latency(&plan, words, row, Posting::Proxy);
+    assert_eq!(proxy.triggers, proxy.wqes);
+    let us = gpu.wire_us(400.0, 0.9, 2.0);
+    assert!(us > 2.0 && us < 1000.0, "{us}");
+    let ht = HighThroughputPlan::new(&map, 0, &idx, 8, 256).unwrap();
+    let m = WireModel::high_throughput(&ht, row, 16);
+    assert_eq!(m.bytes, ht.network_rows() as u64 * row + m.wqes / 2 * 8);
+}
