@@ -249,3 +249,41 @@ fn the_wire_model_counts_wqes_and_bytes() {
     let m = WireModel::high_throughput(&ht, row, 16);
     assert_eq!(m.bytes, ht.network_rows() as u64 * row + m.wqes / 2 * 8);
 }
+
+/// The model table of `docs/performance.md` ("MoE across nodes: the wire model"): DeepEP's
+/// decode and prefill shapes, per node count, what one rank puts on the network and how long a
+/// 400 Gb/s NIC takes for it (90% of line rate for payload, 2 us of latency). Printed with
+/// `cargo test --test moe_plan -- --nocapture wire_model_table`.
+#[test]
+fn wire_model_table() {
+    let row_fp8 = 7168 + 56 * 4 + 16; // e4m3 row, f32 scale per 128, metadata
+    println!("| shape | nodes x ranks | RDMA rows/rank | WQEs/rank (GPU) | MB/rank | wire us at 400 Gb/s |");
+    println!("|---|---|---:|---:|---:|---:|");
+    for nodes in [2usize, 4, 8] {
+        let map = NodeMap::uniform(nodes, 8);
+        let experts = 256; // DeepSeek-V3: 256 routed experts
+        let mut rng = Rng(11 + nodes as u64);
+        let idx = routing(&mut rng, 128, 8, experts);
+        let ll = LowLatencyPlan::new(&map, 0, &idx, 8, experts).unwrap();
+        let m = WireModel::low_latency(&ll, ll.remote_count_words(&map, 0), row_fp8, Posting::Gpu);
+        println!(
+            "| LL dispatch, 128 tokens, top-8, FP8 | {nodes} x 8 | {} | {} | {:.2} | {:.1} |",
+            ll.rdma_messages,
+            m.wqes,
+            m.bytes as f64 / 1e6,
+            m.wire_us(400.0, 0.9, 2.0)
+        );
+        let mut rng = Rng(23 + nodes as u64);
+        let idx = routing(&mut rng, 4096, 8, experts);
+        let ht = HighThroughputPlan::new(&map, 0, &idx, 8, experts).unwrap();
+        let m = WireModel::high_throughput(&ht, row_fp8, 16);
+        println!(
+            "| HT dispatch, 4096 tokens, top-8, FP8 | {nodes} x 8 | {} | {} | {:.2} | {:.1} |",
+            ht.network_rows(),
+            m.wqes,
+            m.bytes as f64 / 1e6,
+            m.wire_us(400.0, 0.9, 2.0)
+        );
+        assert!(ht.network_rows() <= 4096 * (nodes - 1));
+    }
+}
