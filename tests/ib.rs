@@ -399,6 +399,108 @@ fn gpu_posting_rate_through_the_emulated_nic() {
     }
 }
 
+/// The GPU-side cost of a low-latency MoE dispatch across nodes (issue 16: at most 10 us for
+/// 128 tokens x top-8): one warp per remote rank posts its rows as 7408-byte RDMA WRITEs
+/// (`put_warp`), a count block and a fetch-add flag, on a QP of its own, through the emulated
+/// NIC's null data path (`NullDma`). Rows per remote rank from `collectives::moe_net`'s model
+/// (`docs/performance.md`: 360 / 592 / 725 rows at 2 / 4 / 8 nodes of 8), rounded up to whole
+/// warps. Printed: GPU time from the first warp's start to the last WQE posted, and to the last
+/// completion (the emulator's one thread consumes them); asserts every WQE executed.
+#[test]
+#[ignore = "needs GPU"]
+fn gpu_posting_cost_of_a_decode_dispatch_through_the_emulated_nic() {
+    use doorbell::device_api::{IbQpHandle, WaitSite};
+    use doorbell::transport::ib::emulator::{Delivery, EmulatedNic, NullDma};
+    use doorbell::transport::ib::gpu_qp::{GpuQp, Posting};
+    use std::sync::Arc;
+    let gpu = Gpu::open(0).expect("GPU 0");
+    let s = gpu.new_stream().unwrap();
+    let buf = device_bytes(&s, 4096, |_| 0);
+    let base = buf.device_ptr(&s).0;
+    let site = WaitSite {
+        budget_ns: 20_000_000_000,
+        rank: 0,
+        peer: -1,
+        ..Default::default()
+    };
+    let f = gpu.function("ib", "ib_test_dispatch_post").unwrap();
+    let row_bytes: u32 = 7168 + 56 * 4 + 16;
+    for posting in [Posting::Ibgda, Posting::CpuAssisted] {
+        for (nodes, model_rows) in [(2u32, 360u32), (4, 592), (8, 725)] {
+            let remote = 8 * (nodes - 1);
+            let rows = model_rows.div_ceil(remote).next_multiple_of(32);
+            // NullDma touches no memory: the regions only need to cover the addresses.
+            let nic = Arc::new(EmulatedNic::start(Box::new(NullDma), Delivery::Strict).unwrap());
+            let span = u64::from(rows) * u64::from(row_bytes);
+            let ks = nic.register(base, span, false).unwrap();
+            let kd = nic.register(base + (1 << 40), span, true).unwrap();
+            let qps: Vec<GpuQp> = (0..remote)
+                .map(|q| GpuQp::new(&gpu, &nic, 0x300 + q, 10, posting, site).unwrap())
+                .collect();
+            let handles: Vec<IbQpHandle> = qps.iter().map(|q| q.handle()).collect();
+            let dev = s
+                .clone_htod(bytemuck::cast_slice::<IbQpHandle, u8>(&handles))
+                .unwrap();
+            let times = s.alloc_zeros::<u64>(3 * remote as usize).unwrap();
+            let (src, dst) = (base, base + (1 << 40));
+            let (hp, tp) = (dev.device_ptr(&s).0, times.device_ptr(&s).0);
+            let count_bytes = 256u32 / nodes.max(1) * 4;
+            let mut posted = Vec::new();
+            let mut completed = Vec::new();
+            for rep in 0..21 {
+                let mut b = s.launch_builder(&f);
+                b.arg(&hp)
+                    .arg(&remote)
+                    .arg(&src)
+                    .arg(&ks)
+                    .arg(&dst)
+                    .arg(&kd)
+                    .arg(&rows)
+                    .arg(&row_bytes)
+                    .arg(&count_bytes)
+                    .arg(&src)
+                    .arg(&ks)
+                    .arg(&tp);
+                // SAFETY: matches ib_test_dispatch_post; every address lies in a region of the
+                // NIC, which moves no data.
+                unsafe {
+                    b.launch(LaunchConfig {
+                        grid_dim: (remote.div_ceil(8), 1, 1),
+                        block_dim: (256, 1, 1),
+                        shared_mem_bytes: 0,
+                    })
+                }
+                .unwrap();
+                s.synchronize().unwrap();
+                let t = s.clone_dtoh(&times).unwrap();
+                let start = t.chunks(3).map(|c| c[0]).min().unwrap();
+                let post = t.chunks(3).map(|c| c[1]).max().unwrap() - start;
+                let done = t.chunks(3).map(|c| c[2]).max().unwrap() - start;
+                if rep > 0 {
+                    posted.push(post as f64 / 1e3);
+                    completed.push(done as f64 / 1e3);
+                }
+            }
+            let per_qp = u64::from(rows) + 2;
+            for q in 0..remote {
+                assert_eq!(nic.executed(0x300 + q), 21 * per_qp);
+            }
+            assert!(nic.faults().is_empty(), "{:?}", nic.faults());
+            posted.sort_by(f64::total_cmp);
+            completed.sort_by(f64::total_cmp);
+            eprintln!(
+                "dispatch posting {posting:?}: {nodes} nodes x 8, {remote} QPs x ({rows} rows + 2) = {} WQEs: \
+                 posted in {:.1} us (median of 20; min {:.1}), completed in {:.1} us (min {:.1})",
+                u64::from(remote) * per_qp,
+                posted[10],
+                posted[0],
+                completed[10],
+                completed[0]
+            );
+        }
+    }
+}
+
 /// The rank side of the multi-rank cases (does nothing unless spawned by `run_case`).
 #[test]
 #[ignore = "needs GPU"]

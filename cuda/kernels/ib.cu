@@ -116,3 +116,39 @@ extern "C" __global__ void ib_test_wait(const uint64_t* signal, uint64_t expecte
     return seen >= expected;
   });
 }
+
+// The posting cost of a low-latency MoE dispatch across nodes (issue 16's budget): warp w posts
+// to qps[w] (one QP per remote rank) `rows` RDMA WRITEs of `row_bytes` (put_warp: 32 per
+// reservation and doorbell; `rows` a multiple of 32), then lane 0 one WRITE of the rank's count
+// block (`count_bytes`) and an 8-byte fetch-add (the "finished" flag a receiver polls). Each warp
+// records when it started, when its last WQE was posted and when all had completed
+// (globaltimer, ns) at times[3 w ..].
+extern "C" __global__ void ib_test_dispatch_post(const IbQpHandle* qps, uint32_t nqps, uint64_t src, uint32_t src_key,
+                                                 uint64_t dst, uint32_t dst_key, uint32_t rows, uint32_t row_bytes,
+                                                 uint32_t count_bytes, uint64_t flag_result, uint32_t result_key,
+                                                 uint64_t* times) {
+  const uint32_t w = (blockIdx.x * blockDim.x + threadIdx.x) / 32;
+  const uint32_t lane = threadIdx.x % 32;
+  if (w >= nqps) return;
+  const IbQpHandle qp = qps[w];
+  __syncwarp();
+  const uint64_t t0 = doorbell::global_timer_ns();
+  for (uint32_t j = 0; j < rows; j += 32) {
+    const uint64_t off = uint64_t(j + lane) * row_bytes;
+    qp.put_warp(dst + off, dst_key, src + off, src_key, row_bytes, lane);
+  }
+  if (lane == 0) {
+    qp.put(dst, dst_key, src, src_key, count_bytes);
+    qp.atomic_add(dst, dst_key, 1, flag_result + w * 8, result_key);
+  }
+  __syncwarp();
+  const uint64_t t1 = doorbell::global_timer_ns();
+  if (lane == 0) qp.quiet();
+  __syncwarp();
+  const uint64_t t2 = doorbell::global_timer_ns();
+  if (lane == 0) {
+    times[3 * w] = t0;
+    times[3 * w + 1] = t1;
+    times[3 * w + 2] = t2;
+  }
+}
