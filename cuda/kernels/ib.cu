@@ -118,11 +118,11 @@ extern "C" __global__ void ib_test_wait(const uint64_t* signal, uint64_t expecte
 }
 
 // The posting cost of a low-latency MoE dispatch across nodes (issue 16's budget): warp w posts
-// to qps[w] (one QP per remote rank) `rows` RDMA WRITEs of `row_bytes` (put_warp: 32 per
-// reservation and doorbell; `rows` a multiple of 32), then lane 0 one WRITE of the rank's count
-// block (`count_bytes`) and an 8-byte fetch-add (the "finished" flag a receiver polls). Each warp
-// records when it started, when its last WQE was posted and when all had completed
-// (globaltimer, ns) at times[3 w ..].
+// to qps[w] (one QP per remote rank) `rows` RDMA WRITEs of `row_bytes` (32 per reservation and
+// doorbell), the last batch together with a WRITE of the rank's count block (`count_bytes`) and
+// an 8-byte fetch-add flag (put_warp_and_flag: no single-WQE posts). Each warp records when it
+// started, when its last WQE was posted and when all had completed (globaltimer, ns) at
+// times[3 w ..].
 extern "C" __global__ void ib_test_dispatch_post(const IbQpHandle* qps, uint32_t nqps, uint64_t src, uint32_t src_key,
                                                  uint64_t dst, uint32_t dst_key, uint32_t rows, uint32_t row_bytes,
                                                  uint32_t count_bytes, uint64_t flag_result, uint32_t result_key,
@@ -133,14 +133,14 @@ extern "C" __global__ void ib_test_dispatch_post(const IbQpHandle* qps, uint32_t
   const IbQpHandle qp = qps[w];
   __syncwarp();
   const uint64_t t0 = doorbell::global_timer_ns();
-  for (uint32_t j = 0; j < rows; j += 32) {
+  uint32_t j = 0;
+  for (; j + 32 < rows; j += 32) {
     const uint64_t off = uint64_t(j + lane) * row_bytes;
     qp.put_warp(dst + off, dst_key, src + off, src_key, row_bytes, lane);
   }
-  if (lane == 0) {
-    qp.put(dst, dst_key, src, src_key, count_bytes);
-    qp.atomic_add(dst, dst_key, 1, flag_result + w * 8, result_key);
-  }
+  const uint64_t off = uint64_t(j + lane) * row_bytes;
+  qp.put_warp_and_flag(dst + off, dst_key, src + off, src_key, row_bytes, rows - j, dst, src, count_bytes, dst,
+                       dst_key, 1, flag_result + w * 8, result_key, lane);
   __syncwarp();
   const uint64_t t1 = doorbell::global_timer_ns();
   if (lane == 0) qp.quiet();
