@@ -21,7 +21,7 @@ use crate::gpu::cuda::{check, cuda_err, Gpu, HostArray};
 use cudarc::driver::sys;
 use cudarc::driver::{CudaSlice, DevicePtr};
 use std::ffi::c_void;
-use std::sync::atomic::{fence, AtomicBool, Ordering};
+use std::sync::atomic::{fence, Ordering};
 use std::sync::Arc;
 
 /// The emulated NIC's memory access: `cuMemcpy` between unified addresses of this process.
@@ -72,8 +72,8 @@ pub enum Posting {
 /// CPU-assisted posting the host thread that rings for them. Shared by the emulated NIC's queue
 /// pairs ([`GpuQp`]) and any provider's ([`MappedQp`]).
 pub(crate) struct GpuPoster {
-    stop: Arc<AtomicBool>,
-    assist: Option<std::thread::JoinHandle<()>>,
+    /// Its entry with the ringer (CPU-assisted posting).
+    ringing: Option<u64>,
     _ready: Option<Arc<HostArray<u64>>>,
     _state: CudaSlice<u64>,
     _sizes: CudaSlice<u8>,
@@ -132,28 +132,19 @@ impl GpuPoster {
             reserved: 0,
             site,
         };
-        let stop = Arc::new(AtomicBool::new(false));
-        let qpn = rings.qpn;
-        let assist = match &ready {
+        let ringing = match &ready {
             None => None,
-            Some(ready) => {
-                let (ready, stop) = (ready.clone(), stop.clone());
-                Some(
-                    std::thread::Builder::new()
-                        .name(format!("doorbell-qp{qpn:x}-ring"))
-                        .spawn(move || {
-                            ring_for_gpu(|| ready.read(0), write_dbr, write_doorbell, qpn, &stop)
-                        })
-                        .map_err(|e| {
-                            Error::invalid("doorbell thread", format!("cannot start: {e}"))
-                        })?,
-                )
-            }
+            Some(ready) => Some(ringer::add(ringer::Entry {
+                ready: ready.clone(),
+                write_dbr: Box::new(write_dbr),
+                write_doorbell: Box::new(write_doorbell),
+                qpn: rings.qpn,
+                rung: 0,
+            })?),
         };
         Ok((
             GpuPoster {
-                stop,
-                assist,
+                ringing,
                 _ready: ready,
                 _state: state,
                 _sizes: sizes,
@@ -162,11 +153,11 @@ impl GpuPoster {
         ))
     }
 
-    /// Stops the ringing thread (if any) and waits for it. Idempotent.
+    /// Takes this queue pair off the ringer (if it was on it): once this returns, nothing rings
+    /// for it any more. Idempotent.
     pub(crate) fn stop(&mut self) {
-        self.stop.store(true, Ordering::Relaxed);
-        if let Some(t) = self.assist.take() {
-            let _ = t.join();
+        if let Some(id) = self.ringing.take() {
+            ringer::remove(id);
         }
     }
 }
@@ -264,39 +255,128 @@ impl GpuQp {
     }
 }
 
-/// The CPU-assisted doorbell: whenever the GPU's ready index (`ready`) moves, the doorbell
-/// record (`write_dbr`), then after a fence the doorbell word (`write_doorbell`), as rdma-core's
-/// `post_send` writes them. Runs until `stop`.
-pub(crate) fn ring_for_gpu(
-    ready: impl Fn() -> u64,
-    write_dbr: impl Fn(u32),
-    write_doorbell: impl Fn(u64),
-    qpn: u32,
-    stop: &AtomicBool,
-) {
-    let mut rung = 0u64;
-    let mut idle = 0u32;
-    while !stop.load(Ordering::Relaxed) {
-        let r = ready();
-        if r > rung {
-            fence(Ordering::Acquire);
-            write_dbr(((r & 0xffff) as u32).to_be());
-            fence(Ordering::SeqCst);
-            let mut word = [0u8; 8];
-            word[0..4].copy_from_slice(&(((r & 0xffff) as u32) << 8).to_be_bytes());
-            word[4..8].copy_from_slice(&((qpn & 0xff_ffff) << 8).to_be_bytes());
-            write_doorbell(u64::from_ne_bytes(word));
-            // Write-combined doorbell pages need their buffers flushed (rdma-core's
-            // mmio_flush_writes); harmless for the emulator's host memory.
-            fence(Ordering::SeqCst);
-            rung = r;
-            idle = 0;
-        } else {
-            idle = idle.saturating_add(1);
-            if idle > 100_000 {
-                std::thread::sleep(std::time::Duration::from_micros(20));
+/// The CPU-assisted doorbell: one host thread per process rings for every queue pair whose
+/// kernels post with CPU-assisted posting (a thread per queue pair outnumbers the host's cores at
+/// a few dozen queue pairs). For each, whenever the GPU's ready index moves: the doorbell record,
+/// then after a fence the doorbell word, as rdma-core's `post_send` writes them. The thread runs
+/// while any queue pair is registered and is joined when the last one leaves.
+mod ringer {
+    use super::*;
+    use std::sync::{Mutex, MutexGuard, OnceLock};
+
+    /// One queue pair the ringer serves.
+    pub(crate) struct Entry {
+        /// The ready index kernels publish (pinned host memory).
+        pub ready: Arc<HostArray<u64>>,
+        /// Writes the doorbell record (big-endian index).
+        pub write_dbr: Box<dyn Fn(u32) + Send>,
+        /// Writes the doorbell word.
+        pub write_doorbell: Box<dyn Fn(u64) + Send>,
+        /// Its QP number.
+        pub qpn: u32,
+        /// The index rung so far.
+        pub rung: u64,
+    }
+
+    #[derive(Default)]
+    struct State {
+        entries: Vec<(u64, Entry)>,
+        next_id: u64,
+        /// The serving thread and its generation (a thread whose generation is stale exits).
+        thread: Option<std::thread::JoinHandle<()>>,
+        generation: u64,
+    }
+
+    fn state() -> MutexGuard<'static, State> {
+        static STATE: OnceLock<Mutex<State>> = OnceLock::new();
+        STATE
+            .get_or_init(|| Mutex::new(State::default()))
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Serves `e` from now on; returns its id for [`remove`].
+    pub(crate) fn add(e: Entry) -> Result<u64> {
+        let mut st = state();
+        let id = st.next_id;
+        st.next_id += 1;
+        st.entries.push((id, e));
+        if st.thread.is_none() {
+            st.generation += 1;
+            let generation = st.generation;
+            let t = std::thread::Builder::new()
+                .name("doorbell-ring".into())
+                .spawn(move || serve(generation))
+                .map_err(|e| Error::invalid("doorbell thread", format!("cannot start: {e}")));
+            match t {
+                Ok(t) => st.thread = Some(t),
+                Err(e) => {
+                    st.entries.retain(|(i, _)| *i != id);
+                    return Err(e);
+                }
+            }
+        }
+        Ok(id)
+    }
+
+    /// Stops serving `id`; with no entry left, stops the thread and waits for it.
+    pub(crate) fn remove(id: u64) {
+        let thread = {
+            let mut st = state();
+            st.entries.retain(|(i, _)| *i != id);
+            if st.entries.is_empty() {
+                st.thread.take()
             } else {
-                std::hint::spin_loop();
+                None
+            }
+        };
+        if let Some(t) = thread {
+            let _ = t.join();
+        }
+    }
+
+    fn ring(e: &mut Entry) -> bool {
+        let r = e.ready.read(0);
+        if r <= e.rung {
+            return false;
+        }
+        fence(Ordering::Acquire);
+        (e.write_dbr)(((r & 0xffff) as u32).to_be());
+        fence(Ordering::SeqCst);
+        let mut word = [0u8; 8];
+        word[0..4].copy_from_slice(&(((r & 0xffff) as u32) << 8).to_be_bytes());
+        word[4..8].copy_from_slice(&((e.qpn & 0xff_ffff) << 8).to_be_bytes());
+        (e.write_doorbell)(u64::from_ne_bytes(word));
+        // Write-combined doorbell pages need their buffers flushed (rdma-core's
+        // mmio_flush_writes); harmless for the emulator's host memory.
+        fence(Ordering::SeqCst);
+        e.rung = r;
+        true
+    }
+
+    fn serve(generation: u64) {
+        let mut idle = 0u32;
+        loop {
+            let worked = {
+                let mut st = state();
+                if st.entries.is_empty() || st.generation != generation {
+                    return;
+                }
+                let mut worked = false;
+                for (_, e) in st.entries.iter_mut() {
+                    worked |= ring(e);
+                }
+                worked
+            };
+            if worked {
+                idle = 0;
+            } else {
+                idle = idle.saturating_add(1);
+                if idle > 100_000 {
+                    std::thread::sleep(std::time::Duration::from_micros(20));
+                } else {
+                    std::hint::spin_loop();
+                }
             }
         }
     }
