@@ -57,16 +57,20 @@ struct Semaphore {
 /// fetch-add of 1 on it, a flush as the position reported once every WQE before it completed.
 ///
 /// With several queue pairs (`DOORBELL_IB_QPS_PER_PEER`), a put of 1 MiB or more is cut into one
-/// contiguous part (4 KiB multiples) per QP; a signal waits until every other QP has completed
-/// what it was given (RC QPs order only their own work), then goes on the first.
+/// contiguous part (4 KiB multiples) per QP; a signal goes on the first QP once every other QP has
+/// completed what it was given before the signal (RC QPs order only their own work): until then
+/// it waits in `deferred`, and the proxy goes on with other triggers.
 struct IbConn {
     qps: Vec<crate::transport::ib::poster::HostPoster>,
     /// 16 bytes of device memory the NIC may write (READ and fetch-add results), and its key.
     scratch: u64,
     scratch_key: u32,
     _scratch: CudaSlice<u8>,
-    /// Flushes waiting for the QPs: (position, what each QP must complete).
-    pending: VecDeque<(u64, Vec<u64>)>,
+    /// Flushes waiting for the QPs: (position, what each QP must complete; `None` while signals
+    /// before it are still deferred).
+    pending: VecDeque<(u64, Option<Vec<u64>>)>,
+    /// Signals waiting for the other QPs: (semaphore, what each QP must complete first).
+    deferred: VecDeque<(usize, Vec<u64>)>,
 }
 
 struct Connection {
@@ -250,6 +254,7 @@ impl ProxyBuilder {
                 scratch_key,
                 _scratch: scratch,
                 pending: VecDeque::new(),
+                deferred: VecDeque::new(),
             }),
             dirty: false,
             pending: VecDeque::new(),
@@ -687,25 +692,47 @@ impl Worker {
             qp.ring()?;
         }
         if m.kind & trigger::FLAG != 0 {
-            // The signal goes on QP 0 after a READ there (the flush of QP 0's writes); the
-            // writes of the other QPs must have completed first.
-            let start = std::time::Instant::now();
-            for qp in ib.qps.iter_mut().skip(1) {
-                while qp.poll()? < qp.posted() {
-                    if start.elapsed() > patience {
-                        return Err(Error::invalid(
-                            "queue pair",
-                            format!(
-                                "QP {:#x}: its writes did not complete in {patience:?}",
-                                qp.qpn()
-                            ),
-                        ));
-                    }
-                    std::thread::yield_now();
-                }
-            }
             let s = &mut self.tables.semaphores[sem];
             s.outbound += 1;
+            let ends: Vec<u64> = ib.qps.iter().map(|q| q.posted()).collect();
+            ib.deferred.push_back((sem, ends));
+        }
+        if m.kind & trigger::FLUSH != 0 {
+            ib.pending.push_back((pos, None));
+        }
+        self.progress_ib(conn)?;
+        Ok(())
+    }
+
+    /// Posts the deferred signals of Ib connection `conn` whose earlier writes completed on
+    /// every other QP (each as a READ of the peer's token on QP 0, the flush of QP 0's writes,
+    /// then a fetch-add of 1), in order; fixes what the flushes behind them wait for; reports
+    /// completed flushes. True if anything moved.
+    fn progress_ib(&mut self, conn: usize) -> Result<bool> {
+        use crate::transport::ib::wqe::Op;
+        let patience = std::time::Duration::from_secs(30);
+        let (tables, mut any) = (&mut self.tables, false);
+        let c = &mut tables.connections[conn];
+        let Some(ib) = c.ib.as_mut() else {
+            return Ok(false);
+        };
+        for qp in ib.qps.iter_mut() {
+            if qp.completed() < qp.posted() {
+                let before = qp.completed();
+                any |= qp.poll()? != before;
+            }
+        }
+        while let Some((sem, ends)) = ib.deferred.front() {
+            let ready = ib
+                .qps
+                .iter()
+                .zip(ends)
+                .skip(1)
+                .all(|(q, &end)| q.completed() >= end);
+            if !ready {
+                break;
+            }
+            let s = &tables.semaphores[*sem];
             let rkey = s
                 .key
                 .ok_or_else(|| Error::invalid("semaphore", "not an Ib semaphore"))?;
@@ -733,38 +760,34 @@ impl Worker {
                 patience,
             )?;
             qp.ring()?;
+            ib.deferred.pop_front();
+            any = true;
         }
-        if m.kind & trigger::FLUSH != 0 {
-            let done = ib.qps.iter().all(|q| q.completed() >= q.posted());
-            if done && ib.pending.is_empty() {
-                self.tables.connections[conn].flush_done.write(0, pos + 1);
-            } else {
-                let ends = ib.qps.iter().map(|q| q.posted()).collect();
-                ib.pending.push_back((pos, ends));
+        // A flush covers what was posted when it arrived, deferred signals included: it gets its
+        // marks once the signals before it are posted.
+        let deferred = ib.deferred.len();
+        for (_, ends) in ib.pending.iter_mut() {
+            if ends.is_none() && deferred == 0 {
+                *ends = Some(ib.qps.iter().map(|q| q.posted()).collect());
             }
         }
-        Ok(())
+        while let Some((pos, Some(ends))) = ib.pending.front() {
+            if ib.qps.iter().zip(ends).any(|(q, &end)| q.completed() < end) {
+                break;
+            }
+            c.flush_done.write(0, pos + 1);
+            ib.pending.pop_front();
+            any = true;
+        }
+        Ok(any)
     }
 
     /// Reports completed flushes; true if any progressed.
     fn progress_flushes(&mut self) -> Result<bool> {
         let mut any = false;
         for c in &mut self.tables.connections {
-            if let Some(ib) = c.ib.as_mut() {
-                for qp in ib.qps.iter_mut() {
-                    if qp.completed() < qp.posted() {
-                        let before = qp.completed();
-                        any |= qp.poll()? != before;
-                    }
-                }
-                while let Some((pos, ends)) = ib.pending.front() {
-                    if ib.qps.iter().zip(ends).any(|(q, &end)| q.completed() < end) {
-                        break;
-                    }
-                    c.flush_done.write(0, pos + 1);
-                    ib.pending.pop_front();
-                }
-                continue;
+            if c.ib.is_some() {
+                continue; // below
             }
             while let Some((pos, ev)) = c.pending.front() {
                 if !ev.try_is_complete().map_err(cuda_err("cuEventQuery"))? {
@@ -776,6 +799,11 @@ impl Worker {
                     c.spare_events.push(ev);
                 }
                 any = true;
+            }
+        }
+        for conn in 0..self.tables.connections.len() {
+            if self.tables.connections[conn].ib.is_some() {
+                any |= self.progress_ib(conn)?;
             }
         }
         Ok(any)

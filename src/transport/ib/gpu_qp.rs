@@ -1,12 +1,13 @@
-//! Queue pairs the GPU posts to, served by the emulated NIC ([`super::emulator`]): the send queue,
-//! doorbell record, doorbell word and completion queue sit in pinned host memory mapped into the
-//! GPU (where the emulator's thread reads them as a ConnectX would read its own), the posting
-//! state in device memory. Kernels take the [`IbQpHandle`] and call `put`, `atomic_add`, `quiet`
+//! Queue pairs the GPU posts to: those of the emulated NIC made directly ([`GpuQp`], whose send
+//! queue, doorbell record, doorbell word and completion queue sit in pinned host memory mapped
+//! into the GPU, where the emulator's thread reads them as a ConnectX would read its own), and any
+//! provider's queue pair with its rings registered into the GPU ([`MappedQp`]); the posting state
+//! in device memory. Kernels take the [`IbQpHandle`] and call `put`, `atomic_add`, `quiet`
 //! (`cuda/include/doorbell/ibgda.cuh`).
 //!
 //! Two posting modes: [`Posting::Ibgda`], where the GPU writes the doorbell record and rings the
-//! doorbell itself, and [`Posting::CpuAssisted`], where the GPU builds and publishes WQEs and a
-//! host thread of this object writes the record and rings (the mode for NICs whose doorbell page
+//! doorbell itself, and [`Posting::CpuAssisted`], where the GPU builds and publishes WQEs and
+//! the process's ring thread writes the record and rings (the mode for NICs whose doorbell page
 //! cannot be mapped into the GPU). The GPU code and the WQE bytes are the same in both.
 //!
 //! Data moves with [`CudaDma`]: `cuMemcpy` on unified addresses, so registered regions may be GPU
