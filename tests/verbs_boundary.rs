@@ -655,3 +655,24 @@ fn the_rdma_core_provider_says_why_it_cannot_open_a_nic() {
         }
     }
 }
+
+/// QP numbers stay unique among live queue pairs however many were made and destroyed before
+/// (the emulated fabric's records are named by them).
+#[test]
+fn queue_pair_numbers_stay_unique_across_many_creations() {
+    let fabric = Fabric::for_job(&tag()).unwrap();
+    let dev = nic(3, &fabric, PortConfig::default());
+    let keep: Vec<QueuePair> = (0..100).map(|_| dev.create_qp(4).unwrap()).collect();
+    let mut seen: std::collections::HashSet<u32> = keep.iter().map(|q| q.qpn()).collect();
+    assert_eq!(seen.len(), 100);
+    for _ in 0..5000 {
+        let q = dev.create_qp(4).unwrap();
+        assert!(
+            seen.insert(q.qpn()),
+            "QP number {:#x} reused while live",
+            q.qpn()
+        );
+        seen.remove(&q.qpn());
+    }
+    assert!(keep.iter().all(|q| q.qpn() >> 12 == 3));
+}

@@ -227,6 +227,8 @@ struct EmuQp {
 #[derive(Default)]
 struct Objects {
     next: u64,
+    /// The low 12 bits of the last QP number handed out.
+    last_qpn: u32,
     pds: Vec<u64>,
     cqs: HashMap<u64, EmuCq>,
     qps: HashMap<u64, EmuQp>,
@@ -734,7 +736,17 @@ impl Provider for Emulated {
         let sq_wqebbs = (u64::from(cap.max_send_wr.max(1)) * 4)
             .next_power_of_two()
             .clamp(128, 1 << 15);
-        let qpn = self.id << 12 | (h as u32 & 0xfff);
+        // QP numbers: this NIC's id above 12 bits of a counter, skipping numbers still in use
+        // (at most 4095 live, checked above).
+        let mut low = o.last_qpn;
+        let qpn = loop {
+            low = low % 0xfff + 1;
+            let qpn = self.id << 12 | low;
+            if !o.qps.values().any(|q| q.id.qpn == qpn) {
+                break qpn;
+            }
+        };
+        o.last_qpn = low;
         let c = o.cqs.get(&cq.0).expect("checked above");
         let rings = QpRings {
             sq: std::ptr::null_mut(),

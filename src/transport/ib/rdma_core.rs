@@ -540,9 +540,10 @@ impl Provider for RdmaCore {
         // SAFETY: a live CQ; its first field is its context.
         let ctx = unsafe { *(cq_ptr as *const *mut c_void) };
         let poll: PollCq = self.op_at(ctx, CTX_POLL_CQ);
-        let mut wcs = vec![WcRaw::default(); max.clamp(1, 64)];
-        // SAFETY: room for `wcs.len()` completions.
-        let n = unsafe { poll(cq_ptr, wcs.len() as c_int, wcs.as_mut_ptr()) };
+        let mut wcs = [WcRaw::default(); 32];
+        let room = max.clamp(1, wcs.len());
+        // SAFETY: room for `room` completions.
+        let n = unsafe { poll(cq_ptr, room as c_int, wcs.as_mut_ptr()) };
         if n < 0 {
             return Err(failed("ibv_poll_cq", &self.name, errno()));
         }
