@@ -676,3 +676,26 @@ fn queue_pair_numbers_stay_unique_across_many_creations() {
     }
     assert!(keep.iter().all(|q| q.qpn() >> 12 == 3));
 }
+
+/// Which posting mode the emulated provider gets: the proxy writing mlx5 WQEs unless forced;
+/// every forced mode is taken (it is an mlx5 NIC).
+#[test]
+fn posting_modes_on_the_emulated_provider() {
+    use doorbell::job::config::IbPosting;
+    use doorbell::transport::ib::select::{posting_for, Platform, PostingMode};
+    let fabric = Fabric::for_job(&tag()).unwrap();
+    let dev = nic(4, &fabric, PortConfig::default());
+    let p = dev.provider().as_ref();
+    let plat = Platform::default();
+    for (forced, want) in [
+        (IbPosting::Auto, PostingMode::ProxyMlx5),
+        (IbPosting::Proxy, PostingMode::ProxyMlx5),
+        (IbPosting::Verbs, PostingMode::VerbsProxy),
+        (IbPosting::Ibgda, PostingMode::Ibgda),
+        (IbPosting::CpuAssisted, PostingMode::CpuAssisted),
+    ] {
+        let (mode, why) = posting_for(p, &plat, forced);
+        assert_eq!(mode, want, "{forced:?}: {why}");
+        assert!(!why.is_empty());
+    }
+}

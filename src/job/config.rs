@@ -499,6 +499,12 @@ mod tests {
             (s.ib_posting, s.ib_gid_index),
             (IbPosting::CpuAssisted, Some(3))
         );
+        let s = Settings::from_lookup(&env(&[
+            ("DOORBELL_IB_POSTING", "verbs"),
+            ("DOORBELL_IB_DISABLE", "1"),
+        ]))
+        .unwrap();
+        assert_eq!((s.ib_posting, s.ib_disable), (IbPosting::Verbs, true));
         for (k, v) in [
             ("DOORBELL_BOOTSTRAP_TIMEOUT_S", "-1"),
             ("DOORBELL_BOOTSTRAP_TIMEOUT_S", "soon"),

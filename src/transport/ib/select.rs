@@ -194,6 +194,20 @@ mod tests {
             choose_posting(&nic("efa_0", 0x1d0f), &on, IbPosting::Auto).0,
             PostingMode::VerbsProxy
         );
+        // The proxy writes mlx5 WQEs only on mlx5 NICs; elsewhere it posts through verbs.
+        assert_eq!(
+            choose_posting(&mlx, &off, IbPosting::Proxy).0,
+            PostingMode::ProxyMlx5
+        );
+        let efa = nic("efa_0", 0x1d0f);
+        assert_eq!(
+            choose_posting(&efa, &off, IbPosting::Proxy).0,
+            PostingMode::VerbsProxy
+        );
+        assert_eq!(
+            choose_posting(&mlx, &off, IbPosting::Verbs).0,
+            PostingMode::VerbsProxy
+        );
         let (m, why) = choose_posting(&mlx, &off, IbPosting::Ibgda);
         assert_eq!(m, PostingMode::Ibgda);
         assert!(
