@@ -699,3 +699,25 @@ fn posting_modes_on_the_emulated_provider() {
         assert!(!why.is_empty());
     }
 }
+
+/// Fabrics nothing has written for a while (a killed job's) are swept; live ones stay.
+#[test]
+fn stale_fabrics_are_swept() {
+    let root = std::env::temp_dir().join(format!("doorbell-sweep-test-{}", std::process::id()));
+    let stale = root.join("doorbell-emulated-fabric-old");
+    let live = root.join("doorbell-emulated-fabric-new");
+    let other = root.join("something-else");
+    for d in [&stale, &live, &other] {
+        std::fs::create_dir_all(d).unwrap();
+        std::fs::write(d.join("qp-1"), "qpn=1\n").unwrap();
+    }
+    std::thread::sleep(Duration::from_millis(1100));
+    std::fs::write(live.join("qp-2"), "qpn=2\n").unwrap();
+    Fabric::sweep(&root, Duration::from_millis(1000));
+    assert!(!stale.exists(), "the stale fabric stays");
+    assert!(
+        live.exists() && other.exists(),
+        "a live fabric or another directory went"
+    );
+    std::fs::remove_dir_all(&root).unwrap();
+}

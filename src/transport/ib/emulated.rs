@@ -59,9 +59,39 @@ pub struct Fabric {
 impl Fabric {
     /// The fabric of the job tagged `tag` (the same on every rank: derived from the job's secret).
     pub fn for_job(tag: &str) -> Result<Fabric> {
-        let dir = std::env::temp_dir().join(format!("doorbell-emulated-fabric-{tag}"));
+        let root = std::env::temp_dir();
+        Fabric::sweep(&root, std::time::Duration::from_secs(24 * 3600));
+        let dir = root.join(format!("doorbell-emulated-fabric-{tag}"));
         std::fs::create_dir_all(&dir).map_err(|e| Error::io("creating the emulated fabric", e))?;
         Ok(Fabric { dir })
+    }
+
+    /// Removes the fabrics under `root` that nothing has written for `age` (left by jobs that
+    /// were killed before their NICs could remove their records). Best effort.
+    pub fn sweep(root: &std::path::Path, age: std::time::Duration) {
+        let Ok(entries) = std::fs::read_dir(root) else {
+            return;
+        };
+        for e in entries.flatten() {
+            let name = e.file_name();
+            if !name
+                .to_string_lossy()
+                .starts_with("doorbell-emulated-fabric-")
+            {
+                continue;
+            }
+            let path = e.path();
+            let newest = std::fs::read_dir(&path)
+                .into_iter()
+                .flatten()
+                .flatten()
+                .chain(std::iter::once(e))
+                .filter_map(|f| f.metadata().ok()?.modified().ok())
+                .max();
+            if newest.is_some_and(|t| t.elapsed().is_ok_and(|d| d > age)) {
+                let _ = std::fs::remove_dir_all(&path);
+            }
+        }
     }
 
     fn write(&self, name: &str, fields: &[(&str, String)]) -> Result<()> {
