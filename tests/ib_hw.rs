@@ -22,7 +22,7 @@ mod ib_puts;
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
 use doorbell::device_api::WaitSite;
 use doorbell::gpu::cuda::Gpu;
-use doorbell::transport::ib::conn::{IbDevice, QueuePair, Registration};
+use doorbell::transport::ib::conn::{ConnectedQp, IbDevice, Registration};
 use doorbell::transport::ib::gpu_qp::{MappedQp, Posting};
 use doorbell::transport::ib::poster::HostPoster;
 use doorbell::transport::ib::provider::{access, Memory, Provider};
@@ -75,15 +75,16 @@ fn register(
 }
 
 /// Two QPs of `dev` connected to each other (loopback through the NIC).
-fn loopback(dev: &Arc<IbDevice>, max_send_wr: u32) -> (QueuePair, QueuePair) {
-    let (mut a, mut b) = (
+fn loopback(dev: &Arc<IbDevice>, max_send_wr: u32) -> (ConnectedQp, ConnectedQp) {
+    let (a, b) = (
         dev.create_qp(max_send_wr).unwrap_or_else(|e| panic!("{e}")),
         dev.create_qp(max_send_wr).unwrap_or_else(|e| panic!("{e}")),
     );
     let (ea, eb) = (a.endpoint(), b.endpoint());
-    a.connect(&eb).unwrap_or_else(|e| panic!("{e}"));
-    b.connect(&ea).unwrap_or_else(|e| panic!("{e}"));
-    (a, b)
+    (
+        a.connect(&eb).unwrap_or_else(|e| panic!("{e}")),
+        b.connect(&ea).unwrap_or_else(|e| panic!("{e}")),
+    )
 }
 
 /// Posts `op` and waits for its completion.

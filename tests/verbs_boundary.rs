@@ -8,12 +8,12 @@
 use doorbell::job::bootstrap::{Bootstrap, BootstrapConfig};
 use doorbell::job::launch::free_port;
 use doorbell::transport::ib::conn::{
-    connect_peers, exchange_regions, Endpoint, IbDevice, QueuePair, Registration,
+    connect_peers, exchange_regions, ConnectedQp, Endpoint, IbDevice, QueuePair, Registration,
 };
 use doorbell::transport::ib::emulated::{Emulated, Fabric, PortConfig};
 use doorbell::transport::ib::emulator::{Delivery, EmulatedNic, HostDma};
 use doorbell::transport::ib::provider::{
-    access, mask, mtu_code, wc_status, Memory, Provider, QpState, SendWr, WorkCompletion,
+    access, mask, mtu_code, wc_status, Memory, Provider, QpId, QpState, SendWr, WorkCompletion,
 };
 use doorbell::transport::ib::verbs::{LinkLayer, QpAttr};
 use doorbell::transport::ib::wqe::Op;
@@ -70,7 +70,7 @@ fn register(dev: &Arc<IbDevice>, buf: &Host, flags: u32) -> Registration {
 }
 
 /// Polls `qp` until `n` completions arrived (10 s at most).
-fn completions(qp: &QueuePair, n: usize) -> Vec<WorkCompletion> {
+fn completions(qp: &ConnectedQp, n: usize) -> Vec<WorkCompletion> {
     let mut out = Vec::new();
     let start = Instant::now();
     while out.len() < n {
@@ -114,12 +114,10 @@ fn read(wr_id: u64, from: (u64, u32), to: (u64, u32), len: u32) -> SendWr {
 }
 
 /// Two QPs of two NICs, connected to each other with the usual attributes.
-fn pair(a: &Arc<IbDevice>, b: &Arc<IbDevice>) -> (QueuePair, QueuePair) {
-    let (mut qa, mut qb) = (a.create_qp(64).unwrap(), b.create_qp(64).unwrap());
+fn pair(a: &Arc<IbDevice>, b: &Arc<IbDevice>) -> (ConnectedQp, ConnectedQp) {
+    let (qa, qb) = (a.create_qp(64).unwrap(), b.create_qp(64).unwrap());
     let (ea, eb) = (qa.endpoint(), qb.endpoint());
-    qa.connect(&eb).unwrap();
-    qb.connect(&ea).unwrap();
-    (qa, qb)
+    (qa.connect(&eb).unwrap(), qb.connect(&ea).unwrap())
 }
 
 #[test]
@@ -277,13 +275,13 @@ fn transitions_out_of_order_or_missing_attributes_are_refused() {
         rtr.ah_attr.is_global = 1;
         rtr.ah_attr.grh.dgid = remote.gid;
         rtr.ah_attr.grh.sgid_index = dev.gid().index as u8;
-        refusal(modify(&p, &q, &rtr, mask::TO_RTR))
+        refusal(modify(&p, q.id(), &rtr, mask::TO_RTR))
     };
     assert!(e.contains("Reset -> Rtr is not a transition"), "{e}");
     // INIT without the port.
     let e = refusal(modify(
         &p,
-        &q,
+        q.id(),
         &attr(QpState::Init),
         mask::TO_INIT & !mask::PORT,
     ));
@@ -291,9 +289,9 @@ fn transitions_out_of_order_or_missing_attributes_are_refused() {
     // A port that does not exist.
     let mut bad_port = attr(QpState::Init);
     bad_port.port_num = 2;
-    let e = refusal(modify(&p, &q, &bad_port, mask::TO_INIT));
+    let e = refusal(modify(&p, q.id(), &bad_port, mask::TO_INIT));
     assert!(e.contains("port 2 does not exist"), "{e}");
-    modify(&p, &q, &attr(QpState::Init), mask::TO_INIT).unwrap();
+    modify(&p, q.id(), &attr(QpState::Init), mask::TO_INIT).unwrap();
     // RTR without the path MTU and the remote QPN.
     let mut rtr = attr(QpState::Rtr);
     rtr.ah_attr.is_global = 1;
@@ -302,7 +300,7 @@ fn transitions_out_of_order_or_missing_attributes_are_refused() {
     rtr.dest_qp_num = remote.qpn;
     let e = refusal(modify(
         &p,
-        &q,
+        q.id(),
         &rtr,
         mask::TO_RTR & !(mask::PATH_MTU | mask::DEST_QPN),
     ));
@@ -313,41 +311,43 @@ fn transitions_out_of_order_or_missing_attributes_are_refused() {
     // No GRH on a RoCE port.
     let mut no_grh = rtr;
     no_grh.ah_attr.is_global = 0;
-    let e = refusal(modify(&p, &q, &no_grh, mask::TO_RTR));
+    let e = refusal(modify(&p, q.id(), &no_grh, mask::TO_RTR));
     assert!(e.contains("needs a GRH"), "{e}");
     // A source GID index past the table.
     let mut bad_gid = rtr;
     bad_gid.ah_attr.grh.sgid_index = 9;
-    let e = refusal(modify(&p, &q, &bad_gid, mask::TO_RTR));
+    let e = refusal(modify(&p, q.id(), &bad_gid, mask::TO_RTR));
     assert!(e.contains("GID index 9"), "{e}");
     // More outstanding READs than the device takes.
     let mut greedy = rtr;
     greedy.max_dest_rd_atomic = 17;
-    let e = refusal(modify(&p, &q, &greedy, mask::TO_RTR));
+    let e = refusal(modify(&p, q.id(), &greedy, mask::TO_RTR));
     assert!(e.contains("max_dest_rd_atomic 17"), "{e}");
     // Posting before RTS.
+    // A QP in INIT taken for connected: the NIC refuses the post.
+    let q = q.assume_connected();
     let e = refusal(q.post_send(&[SendWr {
         wr_id: 0,
         op: Op::Nop,
         signaled: true,
     }]));
     assert!(e.contains("not RTS"), "{e}");
-    modify(&p, &q, &rtr, mask::TO_RTR).unwrap();
+    modify(&p, q.id(), &rtr, mask::TO_RTR).unwrap();
     // RTS without the send PSN; then RTS -> INIT backwards.
     let e = refusal(modify(
         &p,
-        &q,
+        q.id(),
         &attr(QpState::Rts),
         mask::TO_RTS & !mask::SQ_PSN,
     ));
     assert!(e.contains("IBV_QP_SQ_PSN"), "{e}");
-    modify(&p, &q, &attr(QpState::Rts), mask::TO_RTS).unwrap();
-    let e = refusal(modify(&p, &q, &attr(QpState::Init), mask::TO_INIT));
+    modify(&p, q.id(), &attr(QpState::Rts), mask::TO_RTS).unwrap();
+    let e = refusal(modify(&p, q.id(), &attr(QpState::Init), mask::TO_INIT));
     assert!(e.contains("Rts -> Init is not a transition"), "{e}");
     // Any state -> RESET is allowed, and starts over.
     modify(
         &p,
-        &q,
+        q.id(),
         &QpAttr {
             qp_state: QpState::Reset as u32,
             ..Default::default()
@@ -355,12 +355,12 @@ fn transitions_out_of_order_or_missing_attributes_are_refused() {
         mask::STATE,
     )
     .unwrap();
-    modify(&p, &q, &attr(QpState::Init), mask::TO_INIT).unwrap();
+    modify(&p, q.id(), &attr(QpState::Init), mask::TO_INIT).unwrap();
 }
 
 /// `ibv_modify_qp` on `qp` through its provider.
-fn modify(p: &Arc<dyn Provider>, qp: &QueuePair, a: &QpAttr, m: u32) -> doorbell::Result<()> {
-    p.modify_qp(qp.id(), a, m)
+fn modify(p: &Arc<dyn Provider>, qp: QpId, a: &QpAttr, m: u32) -> doorbell::Result<()> {
+    p.modify_qp(qp, a, m)
 }
 
 #[test]
@@ -401,27 +401,27 @@ fn a_path_mtu_above_the_port_is_refused_and_mismatched_ends_never_answer() {
     let mut init = attr(QpState::Init);
     init.qp_access_flags = access::ALL;
     let p = b.provider().clone();
-    modify(&p, &qb, &init, mask::TO_INIT).unwrap();
+    modify(&p, qb.id(), &init, mask::TO_INIT).unwrap();
     let mut rtr = attr(QpState::Rtr);
     rtr.path_mtu = mtu_code(4096);
     rtr.dest_qp_num = ea.qpn;
     rtr.ah_attr.is_global = 1;
     rtr.ah_attr.grh.dgid = ea.gid;
     rtr.ah_attr.grh.sgid_index = b.gid().index as u8;
-    let e = refusal(modify(&p, &qb, &rtr, mask::TO_RTR));
+    let e = refusal(modify(&p, qb.id(), &rtr, mask::TO_RTR));
     assert!(
         e.contains("path MTU 4096 above the port's active MTU 1024"),
         "{e}"
     );
 
     // Ends that disagree: a at 2048, b at 1024 (both valid for their ports).
-    let (mut qa2, mut qb2) = (a.create_qp(16).unwrap(), b.create_qp(16).unwrap());
+    let (qa2, qb2) = (a.create_qp(16).unwrap(), b.create_qp(16).unwrap());
     let (mut ea2, eb2) = (qa2.endpoint(), qb2.endpoint());
     let mut eb2_big = eb2;
     eb2_big.mtu = mtu_code(2048);
-    qa2.connect(&eb2_big).unwrap();
+    let qa2 = qa2.connect(&eb2_big).unwrap();
     ea2.mtu = mtu_code(1024);
-    qb2.connect(&ea2).unwrap();
+    let _qb2 = qb2.connect(&ea2).unwrap(); // kept: the far end
     qa2.post_send(&[write(
         8,
         (buf_b.addr(), mr_b.rkey()),
@@ -442,11 +442,11 @@ fn a_path_mtu_above_the_port_is_refused_and_mismatched_ends_never_answer() {
     );
 
     // A GID that is not the far end's.
-    let (mut qa3, mut qb3) = (a.create_qp(16).unwrap(), b.create_qp(16).unwrap());
+    let (qa3, qb3) = (a.create_qp(16).unwrap(), b.create_qp(16).unwrap());
     let (ea3, mut eb3) = (qa3.endpoint(), qb3.endpoint());
     eb3.gid[15] ^= 0xff;
-    qa3.connect(&eb3).unwrap();
-    qb3.connect(&ea3).unwrap();
+    let qa3 = qa3.connect(&eb3).unwrap();
+    let _qb3 = qb3.connect(&ea3).unwrap(); // kept: the far end
     qa3.post_send(&[write(
         9,
         (buf_b.addr(), mr_b.rkey()),
@@ -457,8 +457,8 @@ fn a_path_mtu_above_the_port_is_refused_and_mismatched_ends_never_answer() {
     assert_eq!(completions(&qa3, 1)[0].status, wc_status::RETRY_EXC_ERR);
 
     // A far end connected to someone else.
-    let (mut qa4, qb4) = (a.create_qp(16).unwrap(), b.create_qp(16).unwrap());
-    qa4.connect(&qb4.endpoint()).unwrap();
+    let (qa4, qb4) = (a.create_qp(16).unwrap(), b.create_qp(16).unwrap());
+    let qa4 = qa4.connect(&qb4.endpoint()).unwrap();
     qa4.post_send(&[write(
         10,
         (buf_b.addr(), mr_b.rkey()),
@@ -547,20 +547,20 @@ fn operations_without_the_matching_remote_access_fail_with_a_remote_access_error
         .to_string();
     assert!(e.contains("without IBV_ACCESS_LOCAL_WRITE"), "{e}");
     // A QP that did not grant remote READ at INIT refuses READs even on an open region.
-    let (mut qa2, qb2) = (a.create_qp(16).unwrap(), b.create_qp(16).unwrap());
+    let (qa2, qb2) = (a.create_qp(16).unwrap(), b.create_qp(16).unwrap());
     let p = b.provider().clone();
     let ea = qa2.endpoint();
     let mut init = attr(QpState::Init);
     init.qp_access_flags = access::LOCAL_WRITE | access::REMOTE_WRITE;
-    modify(&p, &qb2, &init, mask::TO_INIT).unwrap();
+    modify(&p, qb2.id(), &init, mask::TO_INIT).unwrap();
     let mut rtr = attr(QpState::Rtr);
     rtr.dest_qp_num = ea.qpn;
     rtr.rq_psn = ea.psn;
     rtr.ah_attr.is_global = 1;
     rtr.ah_attr.grh.dgid = ea.gid;
     rtr.ah_attr.grh.sgid_index = b.gid().index as u8;
-    modify(&p, &qb2, &rtr, mask::TO_RTR).unwrap();
-    qa2.connect(&qb2.endpoint()).unwrap();
+    modify(&p, qb2.id(), &rtr, mask::TO_RTR).unwrap();
+    let qa2 = qa2.connect(&qb2.endpoint()).unwrap();
     let scratch = Host::new(4096);
     let mr_s = register(&a, &scratch, access::LOCAL_WRITE);
     qa2.post_send(&[read(
@@ -593,28 +593,28 @@ fn reads_beyond_max_dest_rd_atomic_are_a_remote_invalid_request() {
         let p = b.provider().clone();
         let mut init = attr(QpState::Init);
         init.qp_access_flags = access::ALL;
-        modify(&p, &qb, &init, mask::TO_INIT).unwrap();
+        modify(&p, qb.id(), &init, mask::TO_INIT).unwrap();
         let mut rtr = attr(QpState::Rtr);
         rtr.max_dest_rd_atomic = 2;
         rtr.dest_qp_num = ea.qpn;
         rtr.ah_attr.is_global = 1;
         rtr.ah_attr.grh.dgid = ea.gid;
         rtr.ah_attr.grh.sgid_index = b.gid().index as u8;
-        modify(&p, &qb, &rtr, mask::TO_RTR).unwrap();
+        modify(&p, qb.id(), &rtr, mask::TO_RTR).unwrap();
         let pa = a.provider().clone();
         let eb = qb.endpoint();
         let mut init = attr(QpState::Init);
         init.qp_access_flags = access::ALL;
-        modify(&pa, &qa, &init, mask::TO_INIT).unwrap();
+        modify(&pa, qa.id(), &init, mask::TO_INIT).unwrap();
         let mut rtr = attr(QpState::Rtr);
         rtr.dest_qp_num = eb.qpn;
         rtr.ah_attr.is_global = 1;
         rtr.ah_attr.grh.dgid = eb.gid;
         rtr.ah_attr.grh.sgid_index = a.gid().index as u8;
-        modify(&pa, &qa, &rtr, mask::TO_RTR).unwrap();
+        modify(&pa, qa.id(), &rtr, mask::TO_RTR).unwrap();
         let mut rts = attr(QpState::Rts);
         rts.max_rd_atomic = max_rd_atomic;
-        modify(&pa, &qa, &rts, mask::TO_RTS).unwrap();
+        modify(&pa, qa.id(), &rts, mask::TO_RTS).unwrap();
         let wrs: Vec<SendWr> = (0..4)
             .map(|i| {
                 read(
@@ -625,6 +625,7 @@ fn reads_beyond_max_dest_rd_atomic_are_a_remote_invalid_request() {
                 )
             })
             .collect();
+        let qa = qa.assume_connected();
         qa.post_send(&wrs).unwrap();
         completions(&qa, 4).iter().map(|c| c.status).collect()
     };

@@ -24,7 +24,7 @@ use crate::job::config::Settings;
 use crate::transport::ethernet::NetReceiver;
 use crate::transport::ethernet::{self, Landing};
 use crate::transport::ib::conn::{
-    connect_peers, exchange_regions, IbDevice, QueuePair, Registration,
+    connect_peers, exchange_regions, ConnectedQp, IbDevice, Registration,
 };
 use crate::transport::ib::emulated::{Emulated, Fabric, PortConfig};
 use crate::transport::ib::emulator::{Delivery, EmulatedNic};
@@ -773,7 +773,7 @@ impl Communicator {
                 let stripes = self.ib_qps_per_peer.max(1) as usize;
                 let per_peer = if gpu_posting { 1 + stripes } else { stripes };
                 let qps = connect_peers(&self.bootstrap, &ib.dev, &ib_peers, per_peer, 256)?;
-                let mut by_peer: Vec<Vec<QueuePair>> = (0..world).map(|_| Vec::new()).collect();
+                let mut by_peer: Vec<Vec<ConnectedQp>> = (0..world).map(|_| Vec::new()).collect();
                 for (p, q) in ib_peers.iter().zip(qps) {
                     by_peer[*p] = q;
                 }

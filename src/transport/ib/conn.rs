@@ -185,7 +185,6 @@ impl IbDevice {
             cq,
             qp,
             psn,
-            connected: false,
         })
     }
 
@@ -284,13 +283,14 @@ impl Drop for Registration {
     }
 }
 
-/// An RC queue pair and its CQ; destroyed on drop.
+/// An RC queue pair and its CQ, in RESET: it has an endpoint to send to its peer and can only be
+/// connected ([`QueuePair::connect`] takes it RESET -> INIT -> RTR -> RTS and gives a
+/// [`ConnectedQp`], the only type work can be posted on). Destroyed on drop.
 pub struct QueuePair {
     dev: Arc<IbDevice>,
     cq: Cq,
     qp: QpId,
     psn: u32,
-    connected: bool,
 }
 
 impl std::fmt::Debug for QueuePair {
@@ -315,39 +315,61 @@ impl QueuePair {
         self.dev.endpoint(self.qp.qpn, self.psn)
     }
 
-    /// RESET -> INIT -> RTR -> RTS towards `remote`.
-    pub fn connect(&mut self, remote: &Endpoint) -> Result<()> {
+    /// RESET -> INIT -> RTR -> RTS towards `remote` (a failed step destroys the QP).
+    pub fn connect(self, remote: &Endpoint) -> Result<ConnectedQp> {
         let steps = super::provider::rc_transitions(&self.dev.params, self.psn, remote);
         for (attr, mask) in &steps {
             self.dev.provider.modify_qp(self.qp, attr, *mask)?;
         }
-        self.connected = true;
-        Ok(())
+        Ok(ConnectedQp(self))
     }
 
-    /// Whether it reached RTS.
-    pub fn is_connected(&self) -> bool {
-        self.connected
+    /// For a QP taken to RTS with [`Provider::modify_qp`] directly (tests of the transitions and
+    /// of what a NIC refuses): the caller vouches for its state; posting to a QP that is not in
+    /// RTS fails at the NIC.
+    pub fn assume_connected(self) -> ConnectedQp {
+        ConnectedQp(self)
+    }
+}
+
+/// A queue pair in RTS, connected to its peer's: what posters take.
+#[derive(Debug)]
+pub struct ConnectedQp(QueuePair);
+
+impl ConnectedQp {
+    /// Its QP number.
+    pub fn qpn(&self) -> u32 {
+        self.0.qp.qpn
+    }
+
+    /// The provider's handle.
+    pub fn id(&self) -> QpId {
+        self.0.qp
+    }
+
+    /// Its endpoint (as sent to the peer).
+    pub fn endpoint(&self) -> Endpoint {
+        self.0.endpoint()
     }
 
     /// Its mlx5 rings, for doorbell's own posters (valid while this value lives).
     pub fn rings(&self) -> Result<Rings> {
-        self.dev.provider.rings(self.qp, self.cq)
+        self.0.dev.provider.rings(self.0.qp, self.0.cq)
     }
 
     /// `ibv_post_send`.
     pub fn post_send(&self, wrs: &[SendWr]) -> Result<()> {
-        self.dev.provider.post_send(self.qp, wrs)
+        self.0.dev.provider.post_send(self.0.qp, wrs)
     }
 
     /// `ibv_poll_cq`: appends up to `max` completions.
     pub fn poll_cq(&self, max: usize, out: &mut Vec<WorkCompletion>) -> Result<usize> {
-        self.dev.provider.poll_cq(self.cq, max, out)
+        self.0.dev.provider.poll_cq(self.0.cq, max, out)
     }
 
     /// The device it was made on.
     pub fn device(&self) -> &Arc<IbDevice> {
-        &self.dev
+        &self.0.dev
     }
 }
 
@@ -368,7 +390,7 @@ pub fn connect_peers(
     peers: &[usize],
     per_peer: usize,
     max_send_wr: u32,
-) -> Result<Vec<Vec<QueuePair>>> {
+) -> Result<Vec<Vec<ConnectedQp>>> {
     let world = bootstrap.world_size();
     let me = bootstrap.rank();
     let mut qps: Vec<Vec<QueuePair>> = Vec::with_capacity(peers.len());
@@ -391,6 +413,7 @@ pub fn connect_peers(
         qps.push(mine);
     }
     let all = bootstrap.all_gather(&table)?;
+    let mut done = Vec::with_capacity(peers.len());
     for (i, &p) in peers.iter().enumerate() {
         let theirs = all
             .get(p)
@@ -400,7 +423,9 @@ pub fn connect_peers(
                 rank: Some(p),
                 why: "sent a malformed endpoint table".into(),
             })?;
-        for (k, qp) in qps[i].iter_mut().enumerate() {
+        let mine = std::mem::take(&mut qps[i]);
+        let mut connected = Vec::with_capacity(mine.len());
+        for (k, qp) in mine.into_iter().enumerate() {
             let at = (me * per_peer + k) * Endpoint::BYTES;
             let remote = Endpoint::from_bytes(&theirs[at..at + Endpoint::BYTES])?;
             if remote.qpn == 0 {
@@ -410,18 +435,21 @@ pub fn connect_peers(
                     why: format!("made no queue pair {k} for this rank (peer lists differ)"),
                 });
             }
-            qp.connect(&remote)
-                .map_err(|e| Error::TransportUnavailable {
-                    transport: "ib",
-                    why: format!(
-                        "rank {me}: connecting QP {:#x} to rank {p}'s QP {:#x}: {e}",
-                        qp.qpn(),
-                        remote.qpn
-                    ),
-                })?;
+            let qpn = qp.qpn();
+            connected.push(
+                qp.connect(&remote)
+                    .map_err(|e| Error::TransportUnavailable {
+                        transport: "ib",
+                        why: format!(
+                            "rank {me}: connecting QP {qpn:#x} to rank {p}'s QP {:#x}: {e}",
+                            remote.qpn
+                        ),
+                    })?,
+            );
         }
+        done.push(connected);
     }
-    Ok(qps)
+    Ok(done)
 }
 
 /// Trades one region per rank (`mine`, or nothing) over `bootstrap`: entry `r` is rank `r`'s.

@@ -451,14 +451,14 @@ pub struct MappedQp {
     handle: IbQpHandle,
     poster: GpuPoster,
     _regs: Registrations,
-    _qp: super::conn::QueuePair,
+    _qp: super::conn::ConnectedQp,
 }
 
 impl MappedQp {
     /// Maps `qp`'s rings into `gpu`; device waits report through `site`.
     pub fn new(
         gpu: &Arc<Gpu>,
-        qp: super::conn::QueuePair,
+        qp: super::conn::ConnectedQp,
         posting: Posting,
         site: WaitSite,
     ) -> Result<MappedQp> {

@@ -5,7 +5,7 @@
 //! and other RoCE NICs). The proxy sees one interface: post, ring, and positions that complete in
 //! order.
 
-use super::conn::QueuePair;
+use super::conn::ConnectedQp;
 use super::host_qp::HostQp;
 use super::provider::{wc_status, SendWr, WorkCompletion};
 use super::wqe::Op;
@@ -19,7 +19,7 @@ pub enum HostPoster {
         /// The poster.
         poster: HostQp,
         /// The QP whose rings it writes.
-        qp: QueuePair,
+        qp: ConnectedQp,
     },
     /// `ibv_post_send` / `ibv_poll_cq`.
     Verbs(VerbsPoster),
@@ -27,7 +27,7 @@ pub enum HostPoster {
 
 /// Work requests batched until [`HostPoster::ring`], completions counted in posting order.
 pub struct VerbsPoster {
-    qp: QueuePair,
+    qp: ConnectedQp,
     batch: Vec<SendWr>,
     /// Work requests handed to the provider, and known complete.
     posted: u64,
@@ -39,7 +39,7 @@ pub struct VerbsPoster {
 
 impl HostPoster {
     /// mlx5 WQEs on `qp`'s rings.
-    pub fn mlx5(qp: QueuePair) -> Result<HostPoster> {
+    pub fn mlx5(qp: ConnectedQp) -> Result<HostPoster> {
         let rings = qp.rings()?;
         // SAFETY: the rings belong to `qp`, kept in the same value and dropped after the poster;
         // nothing else posts to them.
@@ -48,7 +48,7 @@ impl HostPoster {
     }
 
     /// `ibv_post_send` on `qp`, at most `depth` work requests outstanding.
-    pub fn verbs(qp: QueuePair, depth: u32) -> HostPoster {
+    pub fn verbs(qp: ConnectedQp, depth: u32) -> HostPoster {
         HostPoster::Verbs(VerbsPoster {
             qp,
             batch: Vec::new(),
