@@ -49,7 +49,8 @@ fn node_maps_group_ranks_and_refuse_uneven_nodes() {
     let m = NodeMap::new(&[7, 7, 9, 9, 7, 9]).unwrap();
     assert_eq!((m.nodes(), m.ranks_per_node(), m.world()), (2, 3, 6));
     assert_eq!((m.node(4), m.local(4)), (0, 2));
-    assert_eq!(m.rank(1, 2), 5);
+    assert_eq!(m.rank(1, 2), Some(5));
+    assert_eq!(m.rank(2, 0), None);
     let e = NodeMap::new(&[1, 1, 2]).unwrap_err().to_string();
     assert!(e.contains("same number of ranks"), "{e}");
 }
@@ -113,7 +114,7 @@ fn high_throughput_plans_deliver_every_selection_once_and_cross_each_node_once()
         let mut got: BTreeMap<usize, Vec<(usize, usize)>> = BTreeMap::new();
         for (src, plan) in plans.iter().enumerate() {
             for (l, toks) in plan.to_local.iter().enumerate() {
-                let dst = map.rank(map.node(src), l);
+                let dst = map.rank(map.node(src), l).unwrap();
                 got.entry(dst)
                     .or_default()
                     .extend(toks.iter().map(|&t| (src, t)));
@@ -125,7 +126,9 @@ fn high_throughput_plans_deliver_every_selection_once_and_cross_each_node_once()
                     .into_iter()
                     .enumerate()
                 {
-                    got.entry(map.rank(node, l)).or_default().extend(pairs);
+                    got.entry(map.rank(node, l).unwrap())
+                        .or_default()
+                        .extend(pairs);
                 }
             }
         }

@@ -107,11 +107,9 @@ impl NodeMap {
         self.local_of[rank]
     }
 
-    /// The rank with local index `local` on `node`.
-    pub fn rank(&self, node: usize, local: usize) -> usize {
-        (0..self.world())
-            .find(|&r| self.node_of[r] == node && self.local_of[r] == local)
-            .expect("a rank at every (node, local index)")
+    /// The rank with local index `local` on `node` (none past the last node or local index).
+    pub fn rank(&self, node: usize, local: usize) -> Option<usize> {
+        (0..self.world()).find(|&r| self.node_of[r] == node && self.local_of[r] == local)
     }
 }
 
@@ -230,7 +228,9 @@ pub fn forwards(
 ) -> Vec<Vec<(usize, usize)>> {
     let mut out = vec![Vec::new(); map.ranks_per_node()];
     for src_node in (0..map.nodes()).filter(|&n| n != node) {
-        let src = map.rank(src_node, local);
+        let Some(src) = map.rank(src_node, local) else {
+            continue;
+        };
         for &t in &plans[src].to_node[node] {
             for &r in &ranks_of[src][t] {
                 if map.node(r) == node {
