@@ -330,26 +330,39 @@ fn gpu_posted_writes_and_atomics_through_the_emulated_nic() {
     }
 }
 
+/// What the posting benchmarks through the emulated NIC's null data path share: GPU 0, a stream,
+/// `bytes` of device memory to name in work requests, and a wait site with a 20 s budget.
+fn null_path_bench(
+    bytes: usize,
+) -> (
+    std::sync::Arc<Gpu>,
+    std::sync::Arc<cudarc::driver::CudaStream>,
+    cudarc::driver::CudaSlice<u8>,
+    doorbell::device_api::WaitSite,
+) {
+    let gpu = Gpu::open(0).expect("GPU 0");
+    let s = gpu.new_stream().unwrap();
+    let buf = device_bytes(&s, bytes, |_| 0);
+    let site = doorbell::device_api::WaitSite {
+        budget_ns: 20_000_000_000,
+        rank: 0,
+        peer: -1,
+        ..Default::default()
+    };
+    (gpu, s, buf, site)
+}
+
 /// How many WQEs per second GPU threads post and complete through one QP when the NIC moves no
 /// data (`NullDma`): the GPU side's rate plus the emulator's parsing and CQE writing. Printed, for
 /// docs/performance.md; asserts only that every WQE completed.
 #[test]
 #[ignore = "needs GPU"]
 fn gpu_posting_rate_through_the_emulated_nic() {
-    use doorbell::device_api::WaitSite;
     use doorbell::transport::ib::emulator::{Delivery, EmulatedNic, NullDma};
     use doorbell::transport::ib::gpu_qp::{GpuQp, Posting};
     use std::sync::Arc;
-    let gpu = Gpu::open(0).expect("GPU 0");
-    let s = gpu.new_stream().unwrap();
-    let buf = device_bytes(&s, 8192, |_| 0);
+    let (gpu, s, buf, site) = null_path_bench(8192);
     let base = buf.device_ptr(&s).0;
-    let site = WaitSite {
-        budget_ns: 20_000_000_000,
-        rank: 0,
-        peer: -1,
-        ..Default::default()
-    };
     let single = gpu.function("ib", "ib_test_rate").unwrap();
     let warp = gpu.function("ib", "ib_test_rate_warp").unwrap();
     for posting in [Posting::Ibgda, Posting::CpuAssisted] {
@@ -409,20 +422,12 @@ fn gpu_posting_rate_through_the_emulated_nic() {
 #[test]
 #[ignore = "needs GPU"]
 fn gpu_posting_cost_of_a_decode_dispatch_through_the_emulated_nic() {
-    use doorbell::device_api::{IbQpHandle, WaitSite};
+    use doorbell::device_api::IbQpHandle;
     use doorbell::transport::ib::emulator::{Delivery, EmulatedNic, NullDma};
     use doorbell::transport::ib::gpu_qp::{GpuQp, Posting};
     use std::sync::Arc;
-    let gpu = Gpu::open(0).expect("GPU 0");
-    let s = gpu.new_stream().unwrap();
-    let buf = device_bytes(&s, 4096, |_| 0);
+    let (gpu, s, buf, site) = null_path_bench(4096);
     let base = buf.device_ptr(&s).0;
-    let site = WaitSite {
-        budget_ns: 20_000_000_000,
-        rank: 0,
-        peer: -1,
-        ..Default::default()
-    };
     let f = gpu.function("ib", "ib_test_dispatch_post").unwrap();
     let row_bytes: u32 = 7168 + 56 * 4 + 16;
     for posting in [Posting::Ibgda, Posting::CpuAssisted] {

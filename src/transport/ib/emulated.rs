@@ -135,6 +135,21 @@ struct QpConf {
 }
 
 impl QpConf {
+    /// A QP in RESET: nothing set.
+    fn reset(qpn: u32) -> QpConf {
+        QpConf {
+            qpn,
+            state: QpState::Reset,
+            access: 0,
+            gid: [0; 16],
+            dest_qpn: 0,
+            dgid: [0; 16],
+            mtu: 0,
+            max_dest_rd_atomic: 0,
+            max_rd_atomic: 0,
+        }
+    }
+
     fn fields(&self) -> Vec<(&'static str, String)> {
         vec![
             ("qpn", self.qpn.to_string()),
@@ -400,19 +415,7 @@ impl Emulated {
         let mut next = *conf;
         next.state = to;
         let need = match (conf.state, to) {
-            (_, QpState::Reset) => {
-                return Ok(QpConf {
-                    qpn: conf.qpn,
-                    state: QpState::Reset,
-                    access: 0,
-                    gid: [0; 16],
-                    dest_qpn: 0,
-                    dgid: [0; 16],
-                    mtu: 0,
-                    max_dest_rd_atomic: 0,
-                    max_rd_atomic: 0,
-                })
-            }
+            (_, QpState::Reset) => return Ok(QpConf::reset(conf.qpn)),
             (_, QpState::Err) => return Ok(next),
             (QpState::Reset, QpState::Init) => mask::TO_INIT,
             (QpState::Init, QpState::Rtr) => mask::TO_RTR,
@@ -748,7 +751,7 @@ impl Provider for Emulated {
                 "at most 4095 QPs per emulated NIC",
             ));
         }
-        let cq_entries = match o.cqs.get_mut(&cq.0) {
+        let (cq_entries, cq_ring, cq_ci) = match o.cqs.get_mut(&cq.0) {
             None => return Err(refused("ibv_create_qp", format!("no CQ {}", cq.0))),
             Some(c) if c.qp.is_some() => {
                 return Err(refused(
@@ -758,7 +761,7 @@ impl Provider for Emulated {
             }
             Some(c) => {
                 c.qp = Some(h);
-                c.entries
+                (c.entries, c.ring.ptr, c.ci.ptr as *const u32)
             }
         };
         o.next += 1;
@@ -777,16 +780,6 @@ impl Provider for Emulated {
             }
         };
         o.last_qpn = low;
-        let c = o.cqs.get(&cq.0).expect("checked above");
-        let rings = QpRings {
-            sq: std::ptr::null_mut(),
-            sq_wqebbs,
-            dbr: std::ptr::null(),
-            doorbell: std::ptr::null(),
-            cq: c.ring.ptr,
-            cq_entries,
-            cq_ci: c.ci.ptr as *const u32,
-        };
         let (sq, dbr, doorbell) = (
             PageBuf::new(sq_wqebbs as usize * WQEBB),
             PageBuf::new(8),
@@ -794,21 +787,14 @@ impl Provider for Emulated {
         );
         let rings = QpRings {
             sq: sq.ptr,
+            sq_wqebbs,
             dbr: dbr.ptr as *const u32,
             doorbell: doorbell.ptr as *const u64,
-            ..rings
+            cq: cq_ring,
+            cq_entries,
+            cq_ci,
         };
-        let conf = Arc::new(Mutex::new(QpConf {
-            qpn,
-            state: QpState::Reset,
-            access: 0,
-            gid: [0; 16],
-            dest_qpn: 0,
-            dgid: [0; 16],
-            mtu: 0,
-            max_dest_rd_atomic: 0,
-            max_rd_atomic: 0,
-        }));
+        let conf = Arc::new(Mutex::new(QpConf::reset(qpn)));
         let gate = Arc::new(EmuGate {
             conf: conf.clone(),
             fabric: self.fabric.clone(),
