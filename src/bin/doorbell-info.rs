@@ -17,7 +17,7 @@ ranks on this host, with the reasons.
 usage: doorbell-info [--help]
 
 Settings it honours (see the README): DOORBELL_SEPARATE_NODES, DOORBELL_IB_EMULATE,
-DOORBELL_IB_POSTING, DOORBELL_IB_GID_INDEX, DOORBELL_IB_HCA.";
+DOORBELL_IB_POSTING, DOORBELL_IB_GID_INDEX, DOORBELL_IB_HCA, DOORBELL_IB_DISABLE.";
 
 struct GpuInfo {
     name: String,
