@@ -100,8 +100,11 @@ fn routing_of(r: usize, round: u64, experts: usize, tokens: usize) -> Routing {
 }
 
 /// Copies `v` to device address `ptr` on `s` (every destination in these tests is sized for the
-/// largest upload).
+/// largest upload), after the stream's earlier work: a copy from pageable memory takes the
+/// driver's staging buffer, which the emulated NIC's relaxed delivery needs too, so it must not
+/// wait for kernels that wait for that NIC.
 fn upload_bytes(s: &CudaStream, ptr: u64, v: &[u8]) {
+    s.synchronize().unwrap();
     if !v.is_empty() {
         // SAFETY: the destination holds at least `v.len()` bytes (see above).
         unsafe { cudarc::driver::result::memcpy_htod_async(ptr, v, s.cu_stream()) }.unwrap();
@@ -110,6 +113,10 @@ fn upload_bytes(s: &CudaStream, ptr: u64, v: &[u8]) {
 
 /// Copies `n` bytes at device address `ptr` back, after the stream's earlier work.
 fn download_bytes(comm: &Communicator, s: &CudaStream, ptr: u64, n: usize) -> Vec<u8> {
+    // Synchronize first: a failed wait is then reported with its fields, and the pageable copy
+    // below never holds the driver's staging buffer while kernels wait for the emulated NIC
+    // (see upload_bytes).
+    comm.synchronize(s).unwrap();
     let mut v = vec![0u8; n];
     if n > 0 {
         // SAFETY: `ptr` holds at least n bytes (results are sized for the worst case).
@@ -374,6 +381,58 @@ fn low_latency_layout_payloads_combine_and_graph_replays() {
     }
 }
 
+/// The node-spanning low-latency path (`DOORBELL_MOE_NET`, or ranks on several nodes) over every
+/// transport and posting mode, the emulated NIC delivering data writes out of order
+/// (`DOORBELL_IB_EMULATE_RELAXED`: a count read before its flush fails), with ranks as separate
+/// nodes and as nodes of two. `DOORBELL_TEST_VARIANTS=IBGDA,proxy` keeps the variants whose names
+/// contain one of the words.
+#[test]
+#[ignore = "needs GPU"]
+fn low_latency_across_nodes_in_every_posting_mode() {
+    let sep = ("DOORBELL_SEPARATE_NODES", "1");
+    let emu = ("DOORBELL_IB_EMULATE", "1");
+    let relaxed = ("DOORBELL_IB_EMULATE_RELAXED", "8");
+    let pair = ("DOORBELL_NODE_SIZE", "2");
+    let posting = |p| ("DOORBELL_IB_POSTING", p);
+    let variants: Vec<(&str, Vec<(&str, &str)>)> = vec![
+        ("NVLink only", vec![("DOORBELL_MOE_NET", "1")]),
+        (
+            "Ib, proxy posting",
+            vec![sep, emu, relaxed, posting("proxy")],
+        ),
+        ("Ib, IBGDA", vec![sep, emu, relaxed, posting("ibgda")]),
+        ("Ib, CPU-assisted", vec![sep, emu, relaxed, posting("cpu")]),
+        (
+            "Ib, ibv_post_send",
+            vec![sep, emu, relaxed, posting("verbs")],
+        ),
+        (
+            "Ib, proxy posting, 2 ranks per node",
+            vec![sep, emu, relaxed, pair, posting("proxy")],
+        ),
+        (
+            "Ib, IBGDA, 2 ranks per node",
+            vec![sep, emu, relaxed, pair, posting("ibgda")],
+        ),
+        (
+            "Ib, CPU-assisted, 2 ranks per node",
+            vec![sep, emu, relaxed, pair, posting("cpu")],
+        ),
+        (
+            "Ethernet, 2 ranks per node",
+            vec![sep, pair, ("DOORBELL_IB_DISABLE", "1")],
+        ),
+    ];
+    let only = std::env::var("DOORBELL_TEST_VARIANTS").unwrap_or_default();
+    let keep = |name: &str| only.is_empty() || only.split(',').any(|w| name.contains(w.trim()));
+    for (name, env) in variants.into_iter().filter(|(name, _)| keep(name)) {
+        for n in rank_counts() {
+            eprintln!("{name}, {n} ranks");
+            run_case("low_latency", n, &env);
+        }
+    }
+}
+
 const LL_MAX: usize = 64;
 
 /// Rank `r`'s decode batch in `round`: uneven sizes, none for rank 1 in round 1.
@@ -387,7 +446,7 @@ fn ll_routing(r: usize, round: u64, experts: usize) -> Routing {
 }
 
 fn low_latency(comm: &Arc<Communicator>, s: &Arc<CudaStream>) {
-    use doorbell::collectives::moe::MoeLowLatency;
+    use doorbell::collectives::moe::{FusedSend, MoeLowLatency};
     let (me, world) = (comm.rank(), comm.world_size());
     let experts = 8 * world;
     let local = experts / world;
@@ -402,6 +461,11 @@ fn low_latency(comm: &Arc<Communicator>, s: &Arc<CudaStream>) {
         },
     )
     .unwrap();
+    let env = |k: &str| std::env::var(k).unwrap_or_default();
+    let node_size: usize = env("DOORBELL_NODE_SIZE").parse().unwrap_or(1);
+    let spans = env("DOORBELL_MOE_NET") == "1"
+        || (env("DOORBELL_SEPARATE_NODES") == "1" && world > node_size);
+    assert_eq!(ll.spans_nodes(), spans, "rank {me}: the node-spanning path");
     let x: CudaSlice<u16> = s.alloc_zeros(LL_MAX * HIDDEN).unwrap();
     let idx: CudaSlice<i32> = s.alloc_zeros(LL_MAX * TOPK).unwrap();
     let w: CudaSlice<f32> = s.alloc_zeros(LL_MAX * TOPK).unwrap();
@@ -557,17 +621,28 @@ fn low_latency(comm: &Arc<Communicator>, s: &Arc<CudaStream>) {
         check_combine(round, &format!("round {round}"));
     }
     // Fused dispatch: a kernel of the test's own makes each row in shared memory and sends it
-    // with the device API (moe_ll::put_token / finish_send).
-    let fused = comm
-        .gpu()
-        .function("moe_ll", "moe_ll_test_fused_send")
-        .unwrap();
+    // with the device API (moe_ll::put_token or moe_net::put_token, then finish_send).
+    let fused = |name: &str| {
+        comm.gpu()
+            .function(name, &format!("{name}_test_fused_send"))
+            .unwrap()
+    };
+    let (fused_ll, fused_net) = (fused("moe_ll"), fused("moe_net"));
     for round in 4..6u64 {
         let mine = upload(round);
         // SAFETY: topk_idx holds `tokens` rows.
         let args = unsafe { ll.begin_fused_send(ip, wp, mine.tokens) }.unwrap();
-        let mut b = s.launch_builder(&fused);
-        b.arg(&args);
+        let mut b;
+        match &args {
+            FusedSend::Nvlink(a) => {
+                b = s.launch_builder(&fused_ll);
+                b.arg(a);
+            }
+            FusedSend::Net(a) => {
+                b = s.launch_builder(&fused_net);
+                b.arg(a);
+            }
+        }
         let cfg = cudarc::driver::LaunchConfig {
             grid_dim: (8, 1, 1),
             block_dim: (512, 1, 1),
@@ -581,6 +656,96 @@ fn low_latency(comm: &Arc<Communicator>, s: &Arc<CudaStream>) {
         // SAFETY: out holds `tokens` rows.
         unsafe { ll.combine(s, op) }.unwrap();
         check_combine(round, &format!("fused round {round}"));
+    }
+    // FP8 rows (node-spanning path): e4m3 bytes and their scales arrive at every selected
+    // expert's slot as sent (the NVLink path refuses them).
+    if ll.spans_nodes() {
+        let xs8: CudaSlice<u8> = s.alloc_zeros(LL_MAX * HIDDEN).unwrap();
+        let sc: CudaSlice<f32> = s.alloc_zeros(LL_MAX * HIDDEN / 128).unwrap();
+        let (xp8, scp) = (xs8.device_ptr(s).0, sc.device_ptr(s).0);
+        let byte = |r: usize, t: usize, h: usize| ((r * 131 + t * 17 + h * 3) % 251) as u8;
+        let scale = |r: usize, t: usize, c: usize| (r * 1000 + t * 10 + c) as f32 + 0.5;
+        for round in 6..8u64 {
+            let mine = upload(round);
+            let b: Vec<u8> = (0..mine.tokens * HIDDEN)
+                .map(|i| byte(me, i / HIDDEN, i % HIDDEN))
+                .collect();
+            let c: Vec<f32> = (0..mine.tokens * HIDDEN / 128)
+                .map(|i| scale(me, i / (HIDDEN / 128), i % (HIDDEN / 128)))
+                .collect();
+            htod(xp8, &b);
+            htod(scp, bytemuck::cast_slice(&c));
+            // SAFETY: the inputs hold `tokens` rows.
+            unsafe { ll.dispatch_send_fp8(s, xp8, scp, ip, wp, mine.tokens) }.unwrap();
+            ll.dispatch_recv(s).unwrap();
+            n += 1;
+            let res = ll.results_of(n);
+            let all: Vec<Routing> = (0..world).map(|r| ll_routing(r, round, experts)).collect();
+            let layout: Vec<u32> = words(&dtoh(res.layout, local * world * 4), u32s);
+            let slots = local * world * LL_MAX;
+            let rx = dtoh(res.recv_x, slots * HIDDEN);
+            let rs: Vec<i32> = words(&dtoh(res.recv_src, slots * 4), |b: &[u8; 4]| {
+                i32::from_le_bytes(*b)
+            });
+            let rsc: Vec<f32> = words(
+                &dtoh(res.recv_scales, slots * HIDDEN / 128 * 4),
+                |b: &[u8; 4]| f32::from_le_bytes(*b),
+            );
+            for le in 0..local {
+                let e = (me * local + le) as i32;
+                for src in 0..world {
+                    let want = (0..all[src].tokens)
+                        .filter(|&t| all[src].idx[t * TOPK..(t + 1) * TOPK].contains(&e))
+                        .count();
+                    let rows = layout[le * world + src] as usize;
+                    assert_eq!(
+                        rows, want,
+                        "rank {me}, FP8 round {round}: rows of {le} from {src}"
+                    );
+                    let base = (le * world + src) * LL_MAX;
+                    for i in 0..rows {
+                        let t = rs[base + i] as usize;
+                        for h in 0..HIDDEN {
+                            assert_eq!(
+                                rx[(base + i) * HIDDEN + h],
+                                byte(src, t, h),
+                                "rank {me}, FP8 round {round}: expert {le} source {src} row {i}"
+                            );
+                        }
+                        for c in 0..HIDDEN / 128 {
+                            assert_eq!(
+                                rsc[(base + i) * (HIDDEN / 128) + c],
+                                scale(src, t, c),
+                                "rank {me}, FP8 round {round}: scale {c} of expert {le} source {src} row {i}"
+                            );
+                        }
+                    }
+                }
+            }
+            // The combine of an FP8 dispatch is bf16 as ever: outputs written at the rows' places.
+            let mut ys = vec![0u16; slots * HIDDEN];
+            for le in 0..local {
+                for src in 0..world {
+                    let base = (le * world + src) * LL_MAX;
+                    for i in 0..layout[le * world + src] as usize {
+                        let t = rs[base + i] as usize;
+                        for h in 0..HIDDEN {
+                            ys[(base + i) * HIDDEN + h] =
+                                bf16::from_f32(x_value(src, t, h).to_f32() * (le as f32 + 1.0))
+                                    .to_bits();
+                        }
+                    }
+                }
+            }
+            htod(ll.combine_buffer(), bytemuck::cast_slice(&ys));
+            // SAFETY: out holds `tokens` rows.
+            unsafe { ll.combine(s, op) }.unwrap();
+            check_combine(round, &format!("FP8 round {round}"));
+        }
+    } else {
+        // SAFETY: refused before anything is read.
+        let refused = unsafe { ll.dispatch_send_fp8(s, xp, wp, ip, wp, 1) };
+        assert!(refused.is_err(), "rank {me}: FP8 on the NVLink path");
     }
     // Graph replays of a captured dispatch (fixed token count), new routing each time; the
     // results alternate halves.

@@ -89,7 +89,7 @@ type Landing = (
 /// mapped here (own at `rank`). Fails for ranks of other hosts: the MoE paths are single-node.
 /// Launches one of the MoE kernels with its argument struct (MoeArgs or MoeLlArgs, both
 /// layout-tested against the kernels') and reports a trapped wait as the timeout it was.
-fn launch<A: DeviceRepr>(
+pub(super) fn launch<A: DeviceRepr>(
     comm: &Communicator,
     f: &CudaFunction,
     stream: &CudaStream,
@@ -539,7 +539,248 @@ mod tests {
 /// token, the sum over its experts of weight x output, with the weights given to the dispatch.
 /// A token's experts must be distinct (a kernel reports an expert given more rows from one rank
 /// than `max_tokens`).
+///
+/// When the communicator spans nodes (or with `DOORBELL_MOE_NET=1`), the node-spanning path runs
+/// instead (`moe_ll_net`, `cuda/include/doorbell/moe_net.cuh`): a token's row goes to each rank
+/// holding one of its experts once, by NVLink stores inside the node and PortChannel puts (RDMA
+/// WRITEs in any posting mode) to other nodes, and the receive half copies it into each selected
+/// expert's slot; same layouts, same combine sums, and FP8 rows
+/// ([`MoeLowLatency::dispatch_send_fp8`]).
 pub struct MoeLowLatency {
+    path: LlPath,
+}
+
+enum LlPath {
+    Nvlink(Box<LlNvlink>),
+    Net(Box<super::moe_ll_net::LlNet>),
+}
+
+/// What the kernel of a fused dispatch receives ([`MoeLowLatency::begin_fused_send`]): the
+/// arguments of `doorbell::moe_ll::put_token` (NVLink path) or `doorbell::moe_net::put_token`
+/// (node-spanning path), from `cuda/include/doorbell/`.
+#[derive(Debug, Clone, Copy)]
+pub enum FusedSend {
+    /// For `moe_ll::put` / `put_token` / `finish_send` (`moe.cuh`).
+    Nvlink(crate::device_api::MoeLlArgs),
+    /// For `moe_net::put_token` / `finish_send` (`moe_net.cuh`).
+    Net(crate::device_api::MoeNetArgs),
+}
+
+impl MoeLowLatency {
+    /// Allocates the receive areas and combine buffers (mapped by every same-node peer, and on
+    /// the node-spanning path registered with the NIC). Collective. `cfg.max_tokens` is the
+    /// decode batch per rank (DeepEP recommends under 256).
+    pub fn new(comm: &Arc<Communicator>, cfg: MoeConfig) -> Result<MoeLowLatency> {
+        let ids = comm.node_ids();
+        let spans = ids.iter().any(|id| *id != ids[comm.rank()]);
+        let path = if spans || Settings::from_env()?.moe_net {
+            LlPath::Net(Box::new(super::moe_ll_net::LlNet::new(comm, &cfg)?))
+        } else {
+            LlPath::Nvlink(Box::new(LlNvlink::new(comm, cfg)?))
+        };
+        Ok(MoeLowLatency { path })
+    }
+
+    /// Whether the node-spanning path runs (NVLink stores to same-node ranks, the network to
+    /// the others).
+    pub fn spans_nodes(&self) -> bool {
+        matches!(self.path, LlPath::Net(_))
+    }
+
+    /// The send half of a dispatch: rows leave for their experts' ranks; returns once queued.
+    /// Call [`MoeLowLatency::dispatch_recv`] (on this or another stream ordered after it) before
+    /// reading the results. No SM is held between the halves.
+    ///
+    /// # Safety
+    /// `x` holds `num_tokens * hidden` bf16 (16-byte aligned), `topk_idx` `num_tokens * topk`
+    /// i32 (-1 or below `num_experts`, a token's experts distinct) and `topk_weights` as many
+    /// f32 (the weights the combine applies), device memory of this GPU valid until the work on
+    /// `stream` completes; `topk_idx` also until the matching combine has run.
+    pub unsafe fn dispatch_send(
+        &self,
+        stream: &CudaStream,
+        x: u64,
+        topk_idx: u64,
+        topk_weights: u64,
+        num_tokens: usize,
+    ) -> Result<()> {
+        match &self.path {
+            // SAFETY: as documented; the caller vouches for the buffers.
+            LlPath::Nvlink(p) => unsafe {
+                p.dispatch_send(stream, x, topk_idx, topk_weights, num_tokens)
+            },
+            LlPath::Net(p) => {
+                let args = p.prepare_send(x, 0, topk_idx, topk_weights, num_tokens)?;
+                p.dispatch_send(stream, &args)
+            }
+        }
+    }
+
+    /// The send half of an FP8 dispatch (node-spanning path): `x` holds e4m3 bytes `[num_tokens,
+    /// hidden]` and `scales` one f32 per 128 values (`[num_tokens, hidden / 128]`), cast by the
+    /// caller as for [`crate::collectives::moe::MoeDispatcher::dispatch_fp8`]. Rows arrive as
+    /// e4m3 bytes in [`LowLatencyResults::recv_x`] (`hidden` bytes each) with their scales in
+    /// [`LowLatencyResults::recv_scales`]; half the bytes of bf16 cross the wire. The combine
+    /// stays bf16.
+    ///
+    /// # Safety
+    /// `x` holds `num_tokens * hidden` bytes (16-byte aligned), `scales` `num_tokens * hidden /
+    /// 128` f32, the top-k arrays as for [`MoeLowLatency::dispatch_send`]; all valid until the
+    /// work on `stream` completes.
+    pub unsafe fn dispatch_send_fp8(
+        &self,
+        stream: &CudaStream,
+        x: u64,
+        scales: u64,
+        topk_idx: u64,
+        topk_weights: u64,
+        num_tokens: usize,
+    ) -> Result<()> {
+        match &self.path {
+            LlPath::Nvlink(_) => Err(Error::invalid(
+                "dispatch_send_fp8",
+                "FP8 rows take the node-spanning path: on one node set DOORBELL_MOE_NET=1",
+            )),
+            LlPath::Net(p) => {
+                if scales == 0 {
+                    return Err(Error::invalid("scales", "a device address is needed"));
+                }
+                let args = p.prepare_send(x, scales, topk_idx, topk_weights, num_tokens)?;
+                p.dispatch_send(stream, &args)
+            }
+        }
+    }
+
+    /// Prepares a dispatch whose send half runs in the caller's own kernel (fused dispatch):
+    /// launches nothing, and returns that kernel's arguments (see [`FusedSend`] and the headers'
+    /// top comments). Every token (NVLink path: every (token, rank) pair) of the `num_tokens`
+    /// must be put exactly once, and every block of the kernel must call `finish_send` once
+    /// after its puts: the counts go out when the last one is done (a missing one makes the
+    /// receivers' bounded waits report). Then call [`MoeLowLatency::dispatch_recv`].
+    ///
+    /// # Safety
+    /// `topk_idx` and `topk_weights` as for [`MoeLowLatency::dispatch_send`].
+    pub unsafe fn begin_fused_send(
+        &self,
+        topk_idx: u64,
+        topk_weights: u64,
+        num_tokens: usize,
+    ) -> Result<FusedSend> {
+        match &self.path {
+            // SAFETY: as documented.
+            LlPath::Nvlink(p) => unsafe { p.begin_fused_send(topk_idx, topk_weights, num_tokens) }
+                .map(FusedSend::Nvlink),
+            LlPath::Net(p) => p
+                .prepare_send(0, 0, topk_idx, topk_weights, num_tokens)
+                .map(FusedSend::Net),
+        }
+    }
+
+    /// The receive half: waits until every rank's rows of this dispatch have arrived, puts each
+    /// row into the slots of its token's selections here, and writes the per-(expert, source)
+    /// and per-expert counts.
+    pub fn dispatch_recv(&self, stream: &CudaStream) -> Result<()> {
+        match &self.path {
+            LlPath::Nvlink(p) => p.dispatch_recv(stream),
+            LlPath::Net(p) => p.dispatch_recv(stream),
+        }
+    }
+
+    /// Both halves (one kernel on the NVLink path, two launches on the node-spanning path).
+    ///
+    /// # Safety
+    /// As for [`MoeLowLatency::dispatch_send`].
+    pub unsafe fn dispatch(
+        &self,
+        stream: &CudaStream,
+        x: u64,
+        topk_idx: u64,
+        topk_weights: u64,
+        num_tokens: usize,
+    ) -> Result<()> {
+        match &self.path {
+            // SAFETY: as documented.
+            LlPath::Nvlink(p) => unsafe {
+                p.dispatch(stream, x, topk_idx, topk_weights, num_tokens)
+            },
+            LlPath::Net(p) => {
+                let args = p.prepare_send(x, 0, topk_idx, topk_weights, num_tokens)?;
+                p.dispatch_send(stream, &args)?;
+                p.dispatch_recv(stream)
+            }
+        }
+    }
+
+    /// Where the last dispatch issued from the host left its results (the half its epoch
+    /// picked). Replays of a captured dispatch alternate halves too: use
+    /// [`MoeLowLatency::results_of`] with the number of dispatches executed so far.
+    pub fn results(&self) -> LowLatencyResults {
+        match &self.path {
+            LlPath::Nvlink(p) => p.results(),
+            LlPath::Net(p) => p.results_of(p.dispatches()),
+        }
+    }
+
+    /// Where the `n`-th dispatch (counting from 1, replays included) left its results.
+    pub fn results_of(&self, n: u64) -> LowLatencyResults {
+        match &self.path {
+            LlPath::Nvlink(p) => p.results_of(n),
+            LlPath::Net(p) => p.results_of(n),
+        }
+    }
+
+    /// This rank's combine buffer: `[local expert][source rank][max_tokens][hidden]` bf16, the
+    /// receive layout; expert kernels write each row's output at its row's place.
+    pub fn combine_buffer(&self) -> u64 {
+        match &self.path {
+            LlPath::Nvlink(p) => p.combine_buffer(),
+            LlPath::Net(p) => p.combine_buffer(),
+        }
+    }
+
+    /// The send half of a combine (after the expert kernels filled the combine buffer, on the
+    /// same stream or one ordered after them): for each token that sent rows here, the sum of
+    /// its selections' weight x output goes back to its rank; then every peer is signalled.
+    pub fn combine_send(&self, stream: &CudaStream) -> Result<()> {
+        match &self.path {
+            LlPath::Nvlink(p) => p.combine_send(stream),
+            LlPath::Net(p) => p.combine_send(stream),
+        }
+    }
+
+    /// The receive half (on the stream of the send half, or one ordered after it): waits for
+    /// every peer's partial sums, then writes `out [num_tokens, hidden]`: for each token of the
+    /// last dispatch, the sum over its experts of weight x output.
+    ///
+    /// # Safety
+    /// `out` holds `num_tokens * hidden` bf16 (16-byte aligned) of the last dispatch, device
+    /// memory of this GPU valid until `stream` has run it.
+    pub unsafe fn combine_recv(&self, stream: &CudaStream, out: u64) -> Result<()> {
+        match &self.path {
+            // SAFETY: as documented.
+            LlPath::Nvlink(p) => unsafe { p.combine_recv(stream, out) },
+            LlPath::Net(p) => p.combine_recv(stream, out),
+        }
+    }
+
+    /// Both halves (one kernel on the NVLink path, two launches on the node-spanning path).
+    ///
+    /// # Safety
+    /// As for [`MoeLowLatency::combine_recv`].
+    pub unsafe fn combine(&self, stream: &CudaStream, out: u64) -> Result<()> {
+        match &self.path {
+            // SAFETY: as documented.
+            LlPath::Nvlink(p) => unsafe { p.combine(stream, out) },
+            LlPath::Net(p) => {
+                p.combine_send(stream)?;
+                p.combine_recv(stream, out)
+            }
+        }
+    }
+}
+
+/// The NVLink path of [`MoeLowLatency`] (every rank on one node).
+struct LlNvlink {
     comm: Arc<Communicator>,
     cfg: MoeConfig,
     base: crate::device_api::MoeLlArgs,
@@ -559,22 +800,26 @@ pub struct MoeLowLatency {
 /// after next).
 #[derive(Debug, Clone, Copy)]
 pub struct LowLatencyResults {
-    /// `[local expert][source rank][max_tokens][hidden]` bf16 rows.
+    /// `[local expert][source rank][max_tokens][hidden]` bf16 rows (e4m3 bytes after
+    /// [`MoeLowLatency::dispatch_send_fp8`]).
     pub recv_x: u64,
     /// `[local expert][source rank][max_tokens]` i32: the source token of each row.
     pub recv_src: u64,
     /// `[local expert][source rank][max_tokens]` f32: the weight of each row's selection.
     pub recv_weights: u64,
+    /// After [`MoeLowLatency::dispatch_send_fp8`]: `[local expert][source rank][max_tokens]
+    /// [hidden / 128]` f32 scales of the rows (0 on the NVLink path, which has no FP8 rows).
+    pub recv_scales: u64,
     /// `[local expert][source rank]` u32: rows from each source.
     pub layout: u64,
     /// `[local expert]` u32: rows per local expert.
     pub recv_count: u64,
 }
 
-impl MoeLowLatency {
+impl LlNvlink {
     /// Allocates the receive areas and combine buffers (mapped by every peer). Collective.
     /// `cfg.max_tokens` is the decode batch per rank (DeepEP recommends under 256).
-    pub fn new(comm: &Arc<Communicator>, cfg: MoeConfig) -> Result<MoeLowLatency> {
+    pub fn new(comm: &Arc<Communicator>, cfg: MoeConfig) -> Result<LlNvlink> {
         let world = comm.world_size();
         let rank = comm.rank();
         if world > MAX_RANKS || cfg.hidden == 0 || cfg.hidden % 8 != 0 {
@@ -677,7 +922,7 @@ impl MoeLowLatency {
             k("moe_ll_combine")?,
         ];
         comm.bootstrap().barrier()?;
-        Ok(MoeLowLatency {
+        Ok(LlNvlink {
             comm: comm.clone(),
             cfg,
             base,
@@ -864,6 +1109,7 @@ impl MoeLowLatency {
             recv_x: area + half * rows * self.base.hidden as u64 * 2,
             recv_src: area + self.base.off_src + half * rows * 4,
             recv_weights: area + self.base.off_weight + half * rows * 4,
+            recv_scales: 0,
             layout: self.base.layout,
             recv_count: self.base.recv_count,
         }

@@ -238,7 +238,13 @@ impl Communicator {
         let ib = if emulate {
             let nic = Arc::new(EmulatedNic::start_for_rank(
                 Box::new(CudaDma::new(&gpu)),
-                Delivery::Strict,
+                match settings.ib_emulate_relaxed {
+                    Some(max_delay) => Delivery::Relaxed {
+                        max_delay,
+                        seed: rank as u64 + 1,
+                    },
+                    None => Delivery::Strict,
+                },
                 rank,
             )?);
             let fabric = Fabric::for_job(&job_tag(bootstrap.secret()))?;

@@ -459,6 +459,51 @@ pub struct MoeLlArgs {
     pub call: CallCheck,
 }
 
+/// Launch arguments of the node-spanning MoE kernels (`collective_args.cuh`, `moe_net.cuh`; field
+/// meanings there). Fused-dispatch kernels receive it from `MoeLowLatency::begin_fused_send`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Pod, Zeroable)]
+#[allow(missing_docs)]
+pub struct MoeNetArgs {
+    pub x: u64,
+    pub scales: u64,
+    pub topk_idx: u64,
+    pub topk_weights: u64,
+    pub out: u64,
+    pub num_tokens: u32,
+    pub fp8: u32,
+    pub hidden: u32,
+    pub topk: u32,
+    pub experts_per_rank: u32,
+    pub max_tokens: u32,
+    pub rank: u32,
+    pub world: u32,
+    pub msg_bytes: u32,
+    pub header_bytes: u32,
+    pub area: u64,
+    pub peer_area: u64,
+    pub channels: u64,
+    pub sites: u64,
+    pub stage: u64,
+    pub off_counts: u64,
+    pub off_part: u64,
+    pub off_cdone: u64,
+    pub stage_counts: u64,
+    pub stage_part: u64,
+    pub y: u64,
+    pub recv_x: u64,
+    pub recv_src: u64,
+    pub recv_weights: u64,
+    pub recv_scales: u64,
+    pub rec: u64,
+    pub msgs: u64,
+    pub fill: u64,
+    pub done: u64,
+    pub epochs: u64,
+    pub layout: u64,
+    pub recv_count: u64,
+}
+
 /// Per-block state of the sentinel two-shot (`collective_args.cuh`).
 #[repr(C)]
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Pod, Zeroable)]
@@ -526,6 +571,8 @@ unsafe impl cudarc::driver::DeviceRepr for AllToAllArgs {}
 unsafe impl cudarc::driver::DeviceRepr for MoeArgs {}
 // SAFETY: as above.
 unsafe impl cudarc::driver::DeviceRepr for MoeLlArgs {}
+// SAFETY: as above.
+unsafe impl cudarc::driver::DeviceRepr for MoeNetArgs {}
 // SAFETY: as above.
 unsafe impl cudarc::driver::DeviceRepr for PortChannelHandle {}
 // SAFETY: as above.
@@ -725,6 +772,49 @@ mod layout {
                     recv_count,
                     ready,
                     call
+                ]
+            ),
+            layout!(
+                "MoeNetArgs",
+                MoeNetArgs,
+                [
+                    x,
+                    scales,
+                    topk_idx,
+                    topk_weights,
+                    out,
+                    num_tokens,
+                    fp8,
+                    hidden,
+                    topk,
+                    experts_per_rank,
+                    max_tokens,
+                    rank,
+                    world,
+                    msg_bytes,
+                    header_bytes,
+                    area,
+                    peer_area,
+                    channels,
+                    sites,
+                    stage,
+                    off_counts,
+                    off_part,
+                    off_cdone,
+                    stage_counts,
+                    stage_part,
+                    y,
+                    recv_x,
+                    recv_src,
+                    recv_weights,
+                    recv_scales,
+                    rec,
+                    msgs,
+                    fill,
+                    done,
+                    epochs,
+                    layout,
+                    recv_count,
                 ]
             ),
             layout!("LamportState", LamportState, [call, reserved, prev_count]),

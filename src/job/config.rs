@@ -19,6 +19,8 @@
 //! | `DOORBELL_NODE_SIZE` | with `DOORBELL_SEPARATE_NODES=1`: ranks form emulated nodes of this many consecutive ranks (ranks `0..k` one node, `k..2k` the next), PortChannels inside a node taking CUDA IPC and between nodes the network; for testing collectives that span nodes of several GPUs on one machine | `1` |
 //! | `DOORBELL_IB_DISABLE` | `1`: PortChannels to ranks on other hosts never take an RDMA NIC (Ethernet instead); by default they take the NIC nearest the GPU when every rank has one (`doorbell-info` shows which) | `0` |
 //! | `DOORBELL_IB_EMULATE` | `1`: PortChannels between ranks of different nodes take the Ib transport over doorbell's emulated mlx5 NIC (`transport::ib::emulated`, the same verbs calls a real NIC gets); only for ranks that share one physical host (with `DOORBELL_SEPARATE_NODES=1`), to test the RDMA path where there is no NIC | `0` |
+//! | `DOORBELL_IB_EMULATE_RELAXED` | with `DOORBELL_IB_EMULATE=1`: the emulated NIC delivers each RDMA WRITE into data memory (registered with relaxed ordering) after up to this many later operations of its queue pair, as PCIe relaxed ordering may, so a protocol that reads data before a flush (a READ, or a completion) fails its tests; `0`: every write lands in order | `0` |
+//! | `DOORBELL_MOE_NET` | `1`: `MoeLowLatency` takes its node-spanning path (NVLink stores to same-node ranks, PortChannel puts to others) even when every rank shares one node; it takes it anyway when the communicator spans nodes | `0` |
 //! | `DOORBELL_IB_POSTING` | who posts RDMA work: `auto` (on a real NIC: IBGDA where the GPU may ring the NIC's doorbell, else CPU-assisted for mlx5 NICs, else the verbs proxy, as `doorbell-info` reports; on the emulated NIC: the proxy writing mlx5 WQEs), `ibgda` (kernels write WQEs and ring), `cpu` (kernels write WQEs, a host thread rings), `proxy` (the proxy writes mlx5 WQEs for PortChannel triggers), `verbs` (the proxy posts them with `ibv_post_send` and reaps `ibv_poll_cq`: any NIC, the automatic choice for NICs that are not mlx5) | `auto` |
 //! | `DOORBELL_IB_QPS_PER_PEER` | queue pairs per PortChannel for whoever posts its RDMA work (kernels with `DOORBELL_IB_POSTING=ibgda` or `cpu`, else the proxy): puts of 1 MiB or more are striped over them, 1 to 4 | `1` |
 //! | `DOORBELL_IB_GID_INDEX` | the GID table index RDMA connections use, instead of the automatic choice (InfiniBand: 0; RoCE: the first RoCE v2 GID with an IPv4 address) | automatic |
@@ -98,6 +100,11 @@ pub struct Settings {
     pub node_size: usize,
     /// `DOORBELL_IB_EMULATE`.
     pub ib_emulate: bool,
+    /// `DOORBELL_IB_EMULATE_RELAXED`: the emulated NIC's relaxed delivery (most later operations
+    /// a data write may wait for), or `None` for strict delivery.
+    pub ib_emulate_relaxed: Option<u32>,
+    /// `DOORBELL_MOE_NET`: the node-spanning MoE path even when every rank shares one node.
+    pub moe_net: bool,
     /// `DOORBELL_IB_DISABLE`.
     pub ib_disable: bool,
     /// `DOORBELL_IB_POSTING`.
@@ -237,6 +244,9 @@ impl Settings {
                 }
             },
             ib_emulate: flag(env, "DOORBELL_IB_EMULATE")?,
+            ib_emulate_relaxed: parse::<u32>(env, "DOORBELL_IB_EMULATE_RELAXED")?
+                .filter(|&n| n > 0),
+            moe_net: flag(env, "DOORBELL_MOE_NET")?,
             ib_disable: flag(env, "DOORBELL_IB_DISABLE")?,
         })
     }

@@ -160,4 +160,70 @@ struct MoeLlArgs {
 };
 DOORBELL_CHECK_SIZE(MoeLlArgs, 320);
 
+// Launch arguments of the node-spanning MoE kernels (cuda/kernels/moe_net.cu, doorbell/moe_net.cuh):
+// the low-latency exchange for any mix of same-node peers (NVLink stores) and peers on other
+// nodes (PortChannel puts: RDMA WRITEs the GPU or the proxy posts).
+//
+// A message is one token for one destination rank: a header (source token, 1 if the row is e4m3,
+// then its top-k expert ids and weights) and the payload (hidden bf16, or hidden e4m3 bytes then hidden / 128 f32
+// scales). The sender builds it once per token in its staging area and sends it to every rank
+// holding one of the token's experts; the receiver copies its payload into the slot of each of
+// its experts the token selected.
+//
+// Every rank's area (registered with the NIC, mapped by same-node peers):
+//   0           [2][source][max_tokens][msg_bytes] messages, half = dispatch epoch & 1
+//   off_counts  [2][source] u64 (epoch << 32 | messages): the source's count for that half
+//   off_part    [source][max_tokens][hidden] bf16: the combine's partial sums, by my token
+//   off_cdone   [source] u64: the combine call whose partial sums a same-node source has written
+// Every rank's staging area (the PortChannels' source):
+//   0             [max_tokens][msg_bytes] this call's messages, by token
+//   stage_counts  [world] u64 the count words sent over the network
+//   stage_part    [source][max_tokens][hidden] bf16 partial sums for sources on other nodes
+struct MoeNetArgs {
+  // Per call.
+  const uint8_t* x;             // [num_tokens] rows: hidden bf16, or hidden e4m3 bytes (fp8)
+  const float* scales;          // fp8: [num_tokens, hidden / 128] f32; else null
+  const int32_t* topk_idx;      // [num_tokens, topk], -1 = no expert
+  const float* topk_weights;    // [num_tokens, topk]
+  uint16_t* out;                // combine output [num_tokens, hidden] bf16
+  uint32_t num_tokens;
+  uint32_t fp8;                 // 1: rows are e4m3 bytes with scales
+  // Fixed.
+  uint32_t hidden;
+  uint32_t topk;
+  uint32_t experts_per_rank;
+  uint32_t max_tokens;          // per rank
+  uint32_t rank;
+  uint32_t world;
+  uint32_t msg_bytes;           // a message slot (16-byte multiple)
+  uint32_t header_bytes;        // its header (16-byte multiple)
+  char* area;                   // mine
+  const uint64_t* peer_area;    // [world] every rank's area as mapped here (mine too); 0: network only
+  const void* channels;         // [world] PortChannelHandle, by rank (mine unused): my staging -> its area
+  const WaitSite* sites;        // [world] where waits for each rank report
+  char* stage;                  // mine: the staging area
+  uint64_t off_counts;
+  uint64_t off_part;
+  uint64_t off_cdone;
+  uint64_t stage_counts;
+  uint64_t stage_part;
+  const uint16_t* y;            // mine: combine buffer [local expert][source][max_tokens][hidden]
+  uint8_t* recv_x;              // mine: [2 halves of rows x hidden * 2 bytes]: [local expert][source]
+                                //   [max_tokens] rows of hidden bf16 (or hidden e4m3) from each half's start
+  int32_t* recv_src;            // mine: [2][local expert][source][max_tokens] source token
+  float* recv_weights;          // mine: [2][local expert][source][max_tokens] selection weight
+  float* recv_scales;           // mine: [2][local expert][source][max_tokens][hidden / 128] (fp8)
+  int32_t* rec;                 // mine: [2][source][max_tokens][topk] each message's rows here, -1 none
+  uint32_t* msgs;               // mine: [2][source] messages received
+  uint32_t* fill;               // mine: [world] messages sent per rank, then [local expert][source]
+                                //   rows received, this call
+  uint32_t* done;               // mine: [4] blocks finished: dispatch send, dispatch receive,
+                                //   combine send; zero
+  uint64_t* epochs;             // mine: [4] dispatch epoch, combine calls, dispatch and combine
+                                //   receive "counts are in" words
+  uint32_t* layout;             // mine: [local expert][source] rows received
+  uint32_t* recv_count;         // mine: [local expert] rows received
+};
+DOORBELL_CHECK_SIZE(MoeNetArgs, 256);
+
 }  // namespace doorbell

@@ -9,6 +9,7 @@
 #include "ibgda.cuh"
 #include "memory_channel.cuh"
 #include "moe.cuh"
+#include "moe_net.cuh"
 #include "packet.cuh"
 #include "port_channel.cuh"
 #include "semaphore.cuh"

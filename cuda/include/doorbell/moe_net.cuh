@@ -1,0 +1,375 @@
+// doorbell device API: the node-spanning low-latency MoE exchange as calls for your own kernels.
+// `MoeLowLatency` (Rust) takes this path when its communicator spans nodes (or with
+// DOORBELL_MOE_NET=1); `cuda/kernels/moe_net.cu` is built from the same calls.
+//
+// One code path for every peer: a token's message (header + row, see MoeNetArgs in
+// collective_args.cuh) is built once in the sender's staging area, then goes to each rank holding
+// one of its experts, by NVLink stores where that rank's area is mapped here (same node, and this
+// rank itself) and by a PortChannel put otherwise (an RDMA WRITE that the kernel or the proxy
+// posts, whichever posting mode the transports chose). The slot is the sender's to pick (an
+// atomic on its own counter per destination), so no receiver is ever asked first: each source
+// owns `max_tokens` message slots per half at each receiver, which one call can never overrun.
+// When every token is sent, the last block publishes one count word per destination (epoch << 32
+// | messages): an NVLink store after a system fence, or over the network a put of the word, a
+// signal (which lands after every earlier put of the channel, flushing relaxed-ordered writes
+// first), and a flush so the staging area may be rebuilt by the next call.
+//
+// Fused dispatch, per call:
+//   host: args = begin_fused_send(...)   (a FusedSend::Net, launches nothing)
+//   your kernel, any grid: for each token t you own, one warp calls
+//       moe_net::put_token(args, t, row, scales, lane)   // scales: null unless args.fp8
+//     and every block calls moe_net::finish_send(args) once after its puts (all its threads).
+//   host: dispatch_recv(stream)
+// Combine: the receive side's moe_net::send_partial (one warp per message it received) sums the
+// token's selections there (weight x expert output, f32 in top-k order, rounded to bf16) and
+// sends that partial row back; moe_net::combine_chunk adds the ranks' partial rows in rank order.
+#pragma once
+
+#include "collective_args.cuh"
+#include "copy.cuh"
+#include "port_channel.cuh"
+
+#if DOORBELL_CUDA
+#include <cuda_bf16.h>
+
+namespace doorbell {
+namespace moe_net {
+
+constexpr uint32_t kMaxRanks = 64;  // checked on the host
+
+DOORBELL_DEVICE_INLINE const PortChannelHandle& channel(const MoeNetArgs& a, uint32_t r) {
+  return static_cast<const PortChannelHandle*>(a.channels)[r];
+}
+
+// The epoch of the dispatch being sent: one past the last one finished (finish_send stores it).
+DOORBELL_DEVICE_INLINE uint64_t send_epoch(const MoeNetArgs& a) { return a.epochs[0] + 1; }
+
+// Bytes of a row as it moves: hidden bf16, or hidden e4m3.
+DOORBELL_DEVICE_INLINE uint32_t row_bytes(const MoeNetArgs& a) { return a.fp8 ? a.hidden : a.hidden * 2; }
+
+// Bytes of a message that carry something: the header, the row, the scales (16-byte multiple).
+DOORBELL_DEVICE_INLINE uint32_t used_bytes(const MoeNetArgs& a) {
+  const uint32_t scales = a.fp8 ? a.hidden / 128 * 4 : 0;
+  return (a.header_bytes + row_bytes(a) + scales + 15) & ~15u;
+}
+
+// Where message j of `src` sits in an area (half `half`).
+DOORBELL_DEVICE_INLINE uint64_t wire_offset(const MoeNetArgs& a, uint32_t half, uint32_t src, uint32_t j) {
+  return ((uint64_t(half) * a.world + src) * a.max_tokens + j) * a.msg_bytes;
+}
+
+// Row `i` of local expert `le` from `src` in half `half` of the results.
+DOORBELL_DEVICE_INLINE uint64_t row_index(const MoeNetArgs& a, uint32_t half, uint32_t le, uint32_t src, uint32_t i) {
+  return ((uint64_t(half) * a.experts_per_rank + le) * a.world + src) * a.max_tokens + i;
+}
+
+// The entry of `rec` for selection k of message j from `src`.
+DOORBELL_DEVICE_INLINE int32_t* rec_entry(const MoeNetArgs& a, uint32_t half, uint32_t src, uint32_t j, uint32_t k) {
+  return a.rec + ((uint64_t(half) * a.world + src) * a.max_tokens + j) * a.topk + k;
+}
+
+// Builds token t's message in the staging area: the header (token, row format, its top-k ids and
+// weights),
+// the row (`row`: hidden bf16 or e4m3, 16-byte aligned, any memory) and with fp8 its scales. One
+// warp, every lane with its lane id.
+DOORBELL_DEVICE_INLINE void stage_token(const MoeNetArgs& a, uint32_t t, const void* row, const float* scales,
+                                        uint32_t lane) {
+  char* m = a.stage + uint64_t(t) * a.msg_bytes;
+  int32_t* h = reinterpret_cast<int32_t*>(m);
+  if (lane == 0) {
+    h[0] = int32_t(t);
+    h[1] = int32_t(a.fp8);  // the receive half learns the row format here
+  }
+  if (lane < a.topk) {
+    h[2 + lane] = a.topk_idx[uint64_t(t) * a.topk + lane];
+    reinterpret_cast<float*>(h)[2 + a.topk + lane] = a.topk_weights[uint64_t(t) * a.topk + lane];
+  }
+  char* p = m + a.header_bytes;
+  copy_words_batched<int4, 4>(reinterpret_cast<int4*>(p), static_cast<const int4*>(row), row_bytes(a) / 16, lane, 32);
+  if (a.fp8) {
+    float* s = reinterpret_cast<float*>(p + row_bytes(a));
+    for (uint32_t i = lane; i < a.hidden / 128; i += 32) s[i] = scales[i];
+  }
+}
+
+// Sends token t's staged message to rank r: a slot of mine there, then the message by NVLink
+// stores or a PortChannel put. One warp.
+DOORBELL_DEVICE_INLINE void send_to(const MoeNetArgs& a, uint32_t t, uint32_t r, uint32_t lane) {
+  const uint32_t half = uint32_t(send_epoch(a) & 1);
+  uint32_t j = 0;
+  if (lane == 0) j = atomicAdd(&a.fill[r], 1u);
+  j = __shfl_sync(0xffffffffu, j, 0);
+  const uint64_t at = wire_offset(a, half, a.rank, j);
+  const char* msg = a.stage + uint64_t(t) * a.msg_bytes;
+  const uint64_t mapped = a.peer_area[r];
+  if (mapped != 0) {
+    copy_words_batched<int4, 8>(reinterpret_cast<int4*>(mapped + at), reinterpret_cast<const int4*>(msg),
+                                used_bytes(a) / 16, lane, 32);
+  } else if (lane == 0) {
+    __threadfence_system();  // the staged message (every lane's part, after the warp's sync) first
+    channel(a, r).put(at, uint64_t(t) * a.msg_bytes, used_bytes(a));
+  }
+}
+
+// Sends token t (row and, with fp8, scales as for stage_token) to every rank holding one of its
+// experts, once per rank. One warp, every lane with its lane id; each token of the call exactly
+// once (finish_send's counts cover what was put before it).
+DOORBELL_DEVICE_INLINE void put_token(const MoeNetArgs& a, uint32_t t, const void* row, const float* scales,
+                                      uint32_t lane) {
+  stage_token(a, t, row, scales, lane);
+  __syncwarp();
+  int32_t r_of = -1;
+  if (lane < a.topk) {
+    const int32_t e = a.topk_idx[uint64_t(t) * a.topk + lane];
+    if (e >= int32_t(a.experts_per_rank * a.world)) {
+      report_failure(a.sites[a.rank], kWaitBadInput, a.experts_per_rank * a.world, uint64_t(e), 0);
+    } else if (e >= 0) {
+      r_of = e / int32_t(a.experts_per_rank);
+    }
+  }
+  for (uint32_t k = 0; k < a.topk; ++k) {
+    const int32_t r = __shfl_sync(0xffffffffu, r_of, k);
+    if (r < 0) continue;
+    const uint32_t same = __ballot_sync(0xffffffffu, r_of == r);
+    if (uint32_t(__ffs(same)) - 1 != k) continue;  // the rank's first selection sends
+    send_to(a, t, uint32_t(r), lane);
+  }
+  __syncwarp();
+}
+
+// Every block of the sending grid calls this once, with all its threads, after its puts. The
+// last block to arrive publishes the counts (see the top of this file), flushes the network
+// channels and stores the epoch.
+DOORBELL_DEVICE_INLINE void finish_send(const MoeNetArgs& a) {
+  __shared__ bool last;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence_system();  // this block's NVLink stores before its arrival
+    last = atomicAdd(&a.done[0], 1u) == gridDim.x * gridDim.y * gridDim.z - 1;
+  }
+  __syncthreads();
+  if (!last) return;
+  const uint64_t epoch = send_epoch(a);
+  const uint32_t half = uint32_t(epoch & 1);
+  for (uint32_t r = threadIdx.x; r < a.world; r += blockDim.x) {
+    const uint32_t n = atomicExch(&a.fill[r], 0u);
+    const uint64_t word = epoch << 32 | n;
+    const uint64_t at = a.off_counts + (uint64_t(half) * a.world + a.rank) * 8;
+    if (a.peer_area[r] != 0) {
+      __threadfence_system();
+      store_relaxed_sys(reinterpret_cast<uint64_t*>(a.peer_area[r] + at), word);
+    } else {
+      reinterpret_cast<uint64_t*>(a.stage + a.stage_counts)[r] = word;
+      __threadfence_system();
+      const PortChannelHandle& c = channel(a, r);
+      c.put(at, a.stage_counts + uint64_t(r) * 8, 8);
+      c.signal();
+      c.flush();
+    }
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    a.epochs[0] = epoch;
+    a.done[0] = 0;
+  }
+}
+
+// Waits (bounded) for the next signal from `src` over its PortChannel; false if the wait left.
+DOORBELL_DEVICE_INLINE bool wait_signal(const MoeNetArgs& a, uint32_t src) {
+  const PortChannelHandle& c = channel(a, src);
+  const uint64_t expected = fetch_add_relaxed_gpu(c.expected_inbound, 1) + 1;
+  uint32_t polls = 0;
+  spin_until(a.sites[src], kWaitSemaphore, expected, [&](uint64_t& seen) {
+    seen = load_acquire_sys(c.inbound_token);
+    return seen >= expected || c.proxy_stopped(polls);
+  });
+  const uint64_t seen = load_acquire_sys(c.inbound_token);
+  if (seen >= expected) return true;
+  if (load_acquire_sys(c.fifo.stopped) != 0) report_failure(a.sites[src], kWaitProxyStopped, expected, seen, 0);
+  return false;
+}
+
+// The number of messages `src` sent here in dispatch `epoch` (0 if the wait left). One thread.
+DOORBELL_DEVICE_INLINE uint32_t wait_count(const MoeNetArgs& a, uint64_t epoch, uint32_t src) {
+  const uint32_t half = uint32_t(epoch & 1);
+  const uint64_t* word = reinterpret_cast<const uint64_t*>(a.area + a.off_counts) + uint64_t(half) * a.world + src;
+  if (a.peer_area[src] == 0 && !wait_signal(a, src)) return 0;
+  uint64_t got = 0;
+  // Over the network the word is in before the signal: this wait ends at its first poll unless
+  // the data path lost the order (then it reports).
+  if (!spin_until(a.sites[src], kWaitPacket, epoch, [&](uint64_t& seen) {
+        got = load_acquire_sys(word);
+        seen = got >> 32;
+        return seen == epoch;
+      })) {
+    return 0;
+  }
+  const uint32_t n = uint32_t(got);
+  if (n > a.max_tokens) {
+    report_failure(a.sites[src], kWaitBadInput, a.max_tokens, n, 0);
+    return 0;
+  }
+  return n;
+}
+
+// Copies message j from `src` (half `half`, arrived) into the result rows of the experts here
+// that its token selected, with their source token and weight, and lists those rows in `rec`
+// for the combine. One warp.
+DOORBELL_DEVICE_INLINE void unpack(const MoeNetArgs& a, uint32_t half, uint32_t src, uint32_t j, uint32_t lane) {
+  const char* m = a.area + wire_offset(a, half, src, j);
+  const int32_t* h = reinterpret_cast<const int32_t*>(m);
+  const int32_t t = h[0];
+  const bool fp8 = h[1] != 0;
+  int32_t e = -1;
+  float w = 0;
+  if (lane < a.topk) {
+    e = h[2 + lane];
+    w = reinterpret_cast<const float*>(h)[2 + a.topk + lane];
+  }
+  int32_t row = -1;
+  if (e >= 0 && uint32_t(e) / a.experts_per_rank == a.rank) {
+    const uint32_t le = uint32_t(e) % a.experts_per_rank;
+    const uint32_t i = atomicAdd(&a.fill[a.world + le * a.world + src], 1u);
+    // More rows for one expert than tokens per rank: the token listed that expert twice.
+    if (i >= a.max_tokens || t < 0 || uint32_t(t) >= a.max_tokens) {
+      report_failure(a.sites[src], kWaitBadInput, a.max_tokens, i, 0);
+    } else {
+      row = int32_t(row_index(a, half, le, src, i));
+      a.recv_src[row] = t;
+      a.recv_weights[row] = w;
+    }
+  }
+  if (lane < a.topk) *rec_entry(a, half, src, j, lane) = row;
+  const uint32_t mask = __ballot_sync(0xffffffffu, row >= 0);
+  if (mask == 0) return;
+  // Rows of the half at its start, each `bytes` long (a half holds room for bf16 rows).
+  const uint32_t bytes = fp8 ? a.hidden : a.hidden * 2;
+  const uint64_t rows = uint64_t(a.experts_per_rank) * a.world * a.max_tokens;
+  const int4* from = reinterpret_cast<const int4*>(m + a.header_bytes);
+  char* to = reinterpret_cast<char*>(a.recv_x) + uint64_t(half) * rows * a.hidden * 2;
+  const uint32_t words = bytes / 16;
+  constexpr uint32_t kUnroll = 4;
+  for (uint32_t base = 0; base < words; base += 32 * kUnroll) {
+    int4 v[kUnroll];
+#pragma unroll
+    for (uint32_t u = 0; u < kUnroll; ++u) {
+      const uint32_t c = base + lane + u * 32;
+      if (c < words) v[u] = from[c];
+    }
+    for (uint32_t bits = mask; bits != 0; bits &= bits - 1) {
+      const uint64_t r = uint32_t(__shfl_sync(0xffffffffu, row, __ffs(bits) - 1)) % rows;
+      int4* dst = reinterpret_cast<int4*>(to + r * bytes);
+#pragma unroll
+      for (uint32_t u = 0; u < kUnroll; ++u) {
+        const uint32_t c = base + lane + u * 32;
+        if (c < words) dst[c] = v[u];
+      }
+    }
+  }
+  if (fp8) {
+    const uint32_t n = a.hidden / 128;
+    const float* s = reinterpret_cast<const float*>(m + a.header_bytes + bytes);
+    for (uint32_t bits = mask; bits != 0; bits &= bits - 1) {
+      const uint64_t r = uint32_t(__shfl_sync(0xffffffffu, row, __ffs(bits) - 1));
+      for (uint32_t i = lane; i < n; i += 32) a.recv_scales[r * n + i] = s[i];
+    }
+  }
+}
+
+// Combine send for message j from `src` (the last dispatch's half): the sum over its token's
+// selections here of weight x expert output (the combine buffer's row at the result row's
+// place), f32 in top-k order, rounded to bf16, into `src`'s partial row for (this rank, token):
+// NVLink stores, or staged and put. One warp.
+DOORBELL_DEVICE_INLINE void send_partial(const MoeNetArgs& a, uint32_t half, uint32_t src, uint32_t j, uint32_t lane) {
+  const uint32_t t = uint32_t(reinterpret_cast<const int32_t*>(a.area + wire_offset(a, half, src, j))[0]);
+  int32_t my_row = -1;
+  float my_weight = 0;
+  if (lane < a.topk) {
+    my_row = *rec_entry(a, half, src, j, lane);
+    if (my_row >= 0) my_weight = a.recv_weights[my_row];
+  }
+  const uint32_t mask = __ballot_sync(0xffffffffu, my_row >= 0);
+  if (mask == 0 || t >= a.max_tokens) return;
+  const uint64_t rows = uint64_t(a.experts_per_rank) * a.world * a.max_tokens;
+  const uint32_t words = a.hidden / 8;
+  const uint64_t part_row = (uint64_t(a.rank) * a.max_tokens + t) * words;
+  const uint64_t stage_row = (uint64_t(src) * a.max_tokens + t) * words;
+  const uint64_t mapped = a.peer_area[src];
+  int4* dst = mapped != 0 ? reinterpret_cast<int4*>(mapped + a.off_part) + part_row
+                          : reinterpret_cast<int4*>(a.stage + a.stage_part) + stage_row;
+  const int4* y = reinterpret_cast<const int4*>(a.y);
+  constexpr uint32_t kUnroll = 8;
+  for (uint32_t base = 0; base < words; base += 32 * kUnroll) {  // uniform: the shuffles need every lane
+    float acc[kUnroll][8] = {};
+    for (uint32_t bits = mask; bits != 0; bits &= bits - 1) {
+      const uint32_t k = __ffs(bits) - 1;
+      const float w = __shfl_sync(0xffffffffu, my_weight, k);
+      const uint64_t yrow = uint64_t(uint32_t(__shfl_sync(0xffffffffu, my_row, k))) % rows;
+#pragma unroll
+      for (uint32_t u = 0; u < kUnroll; ++u) {
+        const uint32_t c = base + lane + u * 32;
+        if (c < words) {
+          const int4 v = y[yrow * words + c];
+          const __nv_bfloat162* hv = reinterpret_cast<const __nv_bfloat162*>(&v);
+#pragma unroll
+          for (int q = 0; q < 4; ++q) {
+            const float2 f = __bfloat1622float2(hv[q]);
+            acc[u][2 * q] = fmaf(w, f.x, acc[u][2 * q]);
+            acc[u][2 * q + 1] = fmaf(w, f.y, acc[u][2 * q + 1]);
+          }
+        }
+      }
+    }
+#pragma unroll
+    for (uint32_t u = 0; u < kUnroll; ++u) {
+      const uint32_t c = base + lane + u * 32;
+      if (c < words) {
+        int4 o;
+        __nv_bfloat162* hv = reinterpret_cast<__nv_bfloat162*>(&o);
+#pragma unroll
+        for (int q = 0; q < 4; ++q) hv[q] = __floats2bfloat162_rn(acc[u][2 * q], acc[u][2 * q + 1]);
+        dst[c] = o;
+      }
+    }
+  }
+  if (mapped == 0) {
+    __syncwarp();
+    if (lane == 0) {
+      __threadfence_system();
+      channel(a, src).put(a.off_part + part_row * 16, a.stage_part + stage_row * 16, uint64_t(words) * 16);
+    }
+  }
+}
+
+// Combine: 16 bytes (eight values, chunk c) of token t's output: the partial rows of the ranks its
+// selections went to, added in f32 in rank order. Every peer's partial rows must have arrived.
+DOORBELL_DEVICE_INLINE void combine_chunk(const MoeNetArgs& a, uint32_t t, uint32_t c) {
+  const uint32_t words = a.hidden / 8;
+  uint64_t ranks = 0;
+  for (uint32_t k = 0; k < a.topk; ++k) {
+    const int32_t e = a.topk_idx[uint64_t(t) * a.topk + k];
+    if (e >= 0 && uint32_t(e) < a.experts_per_rank * a.world) ranks |= uint64_t(1) << (uint32_t(e) / a.experts_per_rank);
+  }
+  const int4* part = reinterpret_cast<const int4*>(a.area + a.off_part);
+  float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  for (uint32_t r = 0; r < a.world; ++r) {
+    if (!(ranks >> r & 1)) continue;
+    const int4 v = part[(uint64_t(r) * a.max_tokens + t) * words + c];
+    const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+      const float2 f = __bfloat1622float2(h[q]);
+      acc[2 * q] += f.x;
+      acc[2 * q + 1] += f.y;
+    }
+  }
+  int4 o;
+  __nv_bfloat162* h = reinterpret_cast<__nv_bfloat162*>(&o);
+#pragma unroll
+  for (int q = 0; q < 4; ++q) h[q] = __floats2bfloat162_rn(acc[2 * q], acc[2 * q + 1]);
+  reinterpret_cast<int4*>(a.out)[uint64_t(t) * words + c] = o;
+}
+
+}  // namespace moe_net
+}  // namespace doorbell
+#endif  // DOORBELL_CUDA
