@@ -54,10 +54,17 @@ fn hash(a: u64) -> u64 {
 /// Rank `r`'s routing in `round`: uneven token counts, rank 1 with none in round 1, -1 entries,
 /// every token to expert 3 in round 2, distinct random experts otherwise.
 fn routing(r: usize, round: u64, experts: usize) -> Routing {
+    // Across emulated nodes every row is a work request the emulated NIC copies with the
+    // driver, between time slices of the ranks sharing the GPU: fewer tokens keep it quick.
+    let cap = if std::env::var("DOORBELL_SEPARATE_NODES").as_deref() == Ok("1") {
+        48
+    } else {
+        MAX_TOKENS
+    };
     let tokens = if round == 1 && r == 1 {
         0
     } else {
-        (100 + 37 * r + 11 * round as usize) % (MAX_TOKENS + 1)
+        ((100 + 37 * r + 11 * round as usize) % (MAX_TOKENS + 1)).min(cap)
     };
     routing_of(r, round, experts, tokens)
 }
@@ -164,6 +171,20 @@ fn exchange(comm: &Arc<Communicator>, s: &Arc<CudaStream>) {
     )
     .unwrap();
     let res = moe.results();
+    // Ranks as nodes of `node_size` (DOORBELL_SEPARATE_NODES): the node-spanning path, whose rows
+    // arrive grouped by forwarding rank and whose combine sums inside each node first.
+    let env = |k: &str| std::env::var(k).unwrap_or_default();
+    let node_size: usize = if env("DOORBELL_SEPARATE_NODES") == "1" {
+        env("DOORBELL_NODE_SIZE").parse().unwrap_or(1)
+    } else {
+        world
+    };
+    let spans = node_size < world;
+    assert_eq!(
+        moe.spans_nodes(),
+        spans,
+        "rank {me}: the node-spanning path"
+    );
     let x: CudaSlice<bf16> = s.alloc_zeros(MAX_TOKENS * HIDDEN).unwrap();
     let idx: CudaSlice<i32> = s.alloc_zeros(MAX_TOKENS * TOPK).unwrap();
     let w: CudaSlice<f32> = s.alloc_zeros(MAX_TOKENS * TOPK).unwrap();
@@ -215,12 +236,44 @@ fn exchange(comm: &Arc<Communicator>, s: &Arc<CudaStream>) {
         });
         let mut want_counts = vec![0u32; per_rank];
         let mut ys = vec![0u16; n * HIDDEN];
-        for (j, &(src, t)) in expected.iter().enumerate() {
-            assert_eq!(
-                (rs[2 * j] as usize, rs[2 * j + 1] as usize),
-                (src, t),
-                "rank {me}, {what}: row {j} origin"
-            );
+        // The rows' origins: in source-rank order over NVLink; any order (each once) across nodes.
+        let origins: Vec<(usize, usize)> = (0..n)
+            .map(|j| (rs[2 * j] as usize, rs[2 * j + 1] as usize))
+            .collect();
+        if spans {
+            let (mut got, mut want) = (origins.clone(), expected.clone());
+            got.sort_unstable();
+            want.sort_unstable();
+            assert_eq!(got, want, "rank {me}, {what}: rows' origins");
+            // Each token crossed the network once to this node, from its rail peer.
+            let (rows_at, nodes) = moe.network_rows().expect("node-spanning");
+            let net: Vec<u32> = words(&dtoh(rows_at, nodes * 4), |b: &[u8; 4]| {
+                u32::from_le_bytes(*b)
+            });
+            let my_node = me / node_size;
+            for (m, &got) in net.iter().enumerate() {
+                let peer = m * node_size + me % node_size;
+                let want = if m == my_node {
+                    0
+                } else {
+                    all[peer]
+                        .idx
+                        .chunks(TOPK)
+                        .filter(|ids| {
+                            ids.iter()
+                                .any(|&e| e >= 0 && e as usize / per_rank / node_size == my_node)
+                        })
+                        .count() as u32
+                };
+                assert_eq!(
+                    got, want,
+                    "rank {me}, {what}: rows from node {m} over the network"
+                );
+            }
+        } else {
+            assert_eq!(origins, expected, "rank {me}, {what}: rows' origins");
+        }
+        for (j, &(src, t)) in origins.iter().enumerate() {
             for h in 0..HIDDEN {
                 assert_eq!(
                     rx[j * HIDDEN + h],
@@ -271,13 +324,27 @@ fn exchange(comm: &Arc<Communicator>, s: &Arc<CudaStream>) {
             let ids = &mine.idx[t * TOPK..(t + 1) * TOPK];
             let ws = &mine.weights[t * TOPK..(t + 1) * TOPK];
             for h in 0..HIDDEN {
+                // Ranks in rank order inside each node (f32, rounded to bf16 per node), then the
+                // nodes in node order; one node: the plain rank-order sum.
                 let mut acc = 0f32;
-                for r in 0..world {
-                    if ids.iter().any(|&e| e >= 0 && e as usize / per_rank == r) {
-                        acc += bf16::from_f32(
-                            x_value(me, t, h).to_f32() * expert_factor(ids, ws, r, per_rank),
-                        )
-                        .to_f32();
+                for node in 0..world.div_ceil(node_size) {
+                    let mut sum = 0f32;
+                    let mut any = false;
+                    for r in node * node_size..((node + 1) * node_size).min(world) {
+                        if ids.iter().any(|&e| e >= 0 && e as usize / per_rank == r) {
+                            any = true;
+                            sum += bf16::from_f32(
+                                x_value(me, t, h).to_f32() * expert_factor(ids, ws, r, per_rank),
+                            )
+                            .to_f32();
+                        }
+                    }
+                    if any {
+                        acc += if spans {
+                            bf16::from_f32(sum).to_f32()
+                        } else {
+                            sum
+                        };
                     }
                 }
                 assert_eq!(
@@ -332,7 +399,19 @@ fn exchange(comm: &Arc<Communicator>, s: &Arc<CudaStream>) {
         let rsc: Vec<f32> = words(&dtoh(res.recv_scales, n * per_row * 4), |b: &[u8; 4]| {
             f32::from_le_bytes(*b)
         });
-        for (j, &(src, t)) in expected.iter().enumerate() {
+        let rs: Vec<i32> = words(&dtoh(res.recv_src, n * 8), |b: &[u8; 4]| {
+            i32::from_le_bytes(*b)
+        });
+        let mut origins: Vec<(usize, usize)> = (0..n)
+            .map(|j| (rs[2 * j] as usize, rs[2 * j + 1] as usize))
+            .collect();
+        if !spans {
+            assert_eq!(
+                origins, expected,
+                "rank {me}, FP8 round {round}: rows' origins"
+            );
+        }
+        for (j, &(src, t)) in origins.iter().enumerate() {
             for h in 0..HIDDEN {
                 assert_eq!(
                     rx[j * HIDDEN + h],
@@ -348,6 +427,10 @@ fn exchange(comm: &Arc<Communicator>, s: &Arc<CudaStream>) {
                 );
             }
         }
+        origins.sort_unstable();
+        let mut want = expected.clone();
+        want.sort_unstable();
+        assert_eq!(origins, want, "rank {me}, FP8 round {round}: rows' origins");
     }
     // Graph: dispatch captured once (fixed token count), replayed with new routing each time;
     // combine eagerly after each replay.
@@ -360,7 +443,7 @@ fn exchange(comm: &Arc<Communicator>, s: &Arc<CudaStream>) {
         .end_capture(CUgraphInstantiate_flags(0))
         .unwrap()
         .expect("a graph");
-    for replay in 0..100u64 {
+    for replay in 0..if spans { 10 } else { 100u64 } {
         // Same token count as captured (round 10's), new routing: rounds 10 + 301 k keep it.
         let round = 10 + (replay + 1) * (MAX_TOKENS as u64 + 1);
         let mine = upload(round);
@@ -378,6 +461,50 @@ fn exchange(comm: &Arc<Communicator>, s: &Arc<CudaStream>) {
 fn low_latency_layout_payloads_combine_and_graph_replays() {
     for n in rank_counts() {
         run_case("low_latency", n, &[]);
+    }
+}
+
+/// The node-spanning high-throughput path (DeepEP's hierarchical scheme) over every posting mode,
+/// relaxed delivery on, ranks as separate nodes and as nodes of two.
+#[test]
+#[ignore = "needs GPU"]
+fn high_throughput_across_nodes_in_every_posting_mode() {
+    let sep = ("DOORBELL_SEPARATE_NODES", "1");
+    let emu = ("DOORBELL_IB_EMULATE", "1");
+    let relaxed = ("DOORBELL_IB_EMULATE_RELAXED", "8");
+    let pair = ("DOORBELL_NODE_SIZE", "2");
+    let posting = |p| ("DOORBELL_IB_POSTING", p);
+    let variants: Vec<(&str, Vec<(&str, &str)>)> = vec![
+        (
+            "Ib, proxy posting",
+            vec![sep, emu, relaxed, posting("proxy")],
+        ),
+        ("Ib, IBGDA", vec![sep, emu, relaxed, posting("ibgda")]),
+        ("Ib, CPU-assisted", vec![sep, emu, relaxed, posting("cpu")]),
+        (
+            "Ib, proxy posting, 2 ranks per node",
+            vec![sep, emu, relaxed, pair, posting("proxy")],
+        ),
+        (
+            "Ib, IBGDA, 2 ranks per node",
+            vec![sep, emu, relaxed, pair, posting("ibgda")],
+        ),
+        (
+            "Ib, CPU-assisted, 2 ranks per node",
+            vec![sep, emu, relaxed, pair, posting("cpu")],
+        ),
+    ];
+    let only = std::env::var("DOORBELL_TEST_VARIANTS").unwrap_or_default();
+    let keep = |name: &str| only.is_empty() || only.split(',').any(|w| name.contains(w.trim()));
+    for (name, env) in variants.into_iter().filter(|(name, _)| keep(name)) {
+        for n in rank_counts() {
+            // Nodes of two need an even number of ranks (every node the same size).
+            if name.contains("2 ranks per node") && n % 2 != 0 {
+                continue;
+            }
+            eprintln!("{name}, {n} ranks");
+            run_case("exchange", n, &env);
+        }
     }
 }
 

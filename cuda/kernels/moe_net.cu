@@ -86,6 +86,57 @@ __device__ bool last_block(uint32_t* counter) {
   return last;
 }
 
+
+// The end of a combine's send half, once every block's partial rows are out: the last block tells
+// every peer (NVLink: the combine word after a system fence; network: a signal behind the puts,
+// then a flush so the staging area may be reused) and stores the call.
+__device__ void combine_sent(const MoeNetArgs& a, uint64_t call) {
+  if (!last_block(&a.done[2])) return;
+  for (uint32_t src = threadIdx.x; src < a.world; src += blockDim.x) {
+    if (src == a.rank) continue;
+    if (a.peer_area[src] != 0) {
+      __threadfence_system();
+      store_relaxed_sys(reinterpret_cast<uint64_t*>(a.peer_area[src] + a.off_cdone) + a.rank, call);
+    } else {
+      const PortChannelHandle& c = moe_net::channel(a, src);
+      c.signal();
+      c.flush();
+    }
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) a.epochs[1] = call;
+}
+
+// The start of a combine's receive half: block 0 waits until every peer's partial rows of `call`
+// are in, and every block waits for block 0.
+__device__ void wait_combine(const MoeNetArgs& a, uint64_t call) {
+  __shared__ Counts unused;
+  gather_counts(
+      a, call, &a.epochs[3],
+      [&](uint32_t src) {
+        if (src == a.rank) return;
+        if (a.peer_area[src] == 0) {
+          moe_net::wait_signal(a, src);
+          return;
+        }
+        const uint64_t* word = reinterpret_cast<const uint64_t*>(a.area + a.off_cdone) + src;
+        spin_until(a.sites[src], kWaitSemaphore, call, [&](uint64_t& seen) {
+          seen = load_acquire_sys(word);
+          return seen >= call;
+        });
+      },
+      [](uint32_t) { return 0u; }, unused);
+}
+
+// Receives every source's count of dispatch `epoch` (block 0 waits, every block learns them).
+__device__ void wait_dispatch(const MoeNetArgs& a, uint64_t epoch, Counts& counts) {
+  const uint32_t half = uint32_t(epoch & 1);
+  gather_counts(
+      a, epoch, &a.epochs[2],
+      [&](uint32_t src) { a.msgs[half * a.world + src] = moe_net::wait_count(a, epoch, src); },
+      [&](uint32_t src) { return *reinterpret_cast<volatile uint32_t*>(&a.msgs[half * a.world + src]); }, counts);
+}
+
 }  // namespace
 
 extern "C" __global__ void __launch_bounds__(512) moe_net_send(MoeNetArgs a) {
@@ -103,10 +154,7 @@ extern "C" __global__ void __launch_bounds__(512) moe_net_recv(MoeNetArgs a) {
   const uint64_t epoch = a.epochs[0];
   const uint32_t half = uint32_t(epoch & 1);
   __shared__ Counts counts;
-  gather_counts(
-      a, epoch, &a.epochs[2],
-      [&](uint32_t src) { a.msgs[half * a.world + src] = moe_net::wait_count(a, epoch, src); },
-      [&](uint32_t src) { return *reinterpret_cast<volatile uint32_t*>(&a.msgs[half * a.world + src]); }, counts);
+  wait_dispatch(a, epoch, counts);
   const uint32_t lane = threadIdx.x % kWarp;
   for_each_message(a, counts, [&](uint32_t src, uint32_t j) { moe_net::unpack(a, half, src, j, lane); });
   if (!last_block(&a.done[1])) return;
@@ -138,44 +186,213 @@ extern "C" __global__ void __launch_bounds__(512) moe_net_combine_send(MoeNetArg
   __syncthreads();
   const uint32_t lane = threadIdx.x % kWarp;
   for_each_message(a, counts, [&](uint32_t src, uint32_t j) { moe_net::send_partial(a, half, src, j, lane); });
-  if (!last_block(&a.done[2])) return;
-  for (uint32_t src = threadIdx.x; src < a.world; src += blockDim.x) {
-    if (src == a.rank) continue;
-    if (a.peer_area[src] != 0) {
-      __threadfence_system();
-      store_relaxed_sys(reinterpret_cast<uint64_t*>(a.peer_area[src] + a.off_cdone) + a.rank, call);
-    } else {
-      const PortChannelHandle& c = moe_net::channel(a, src);
-      c.signal();
-      c.flush();
-    }
-  }
-  __syncthreads();
-  if (threadIdx.x == 0) a.epochs[1] = call;
+  combine_sent(a, call);
 }
 
 extern "C" __global__ void __launch_bounds__(512) moe_net_combine_recv(MoeNetArgs a) {
   const uint64_t call = a.epochs[1];
-  __shared__ Counts unused;
-  gather_counts(
-      a, call, &a.epochs[3],
-      [&](uint32_t src) {
-        if (src == a.rank) return;
-        if (a.peer_area[src] == 0) {
-          moe_net::wait_signal(a, src);
-          return;
-        }
-        const uint64_t* word = reinterpret_cast<const uint64_t*>(a.area + a.off_cdone) + src;
-        spin_until(a.sites[src], kWaitSemaphore, call, [&](uint64_t& seen) {
-          seen = load_acquire_sys(word);
-          return seen >= call;
-        });
-      },
-      [](uint32_t) { return 0u; }, unused);
+  wait_combine(a, call);
   const uint32_t chunks = a.hidden / 8;
   const uint64_t items = uint64_t(a.num_tokens) * chunks;
   for (uint64_t i = blockIdx.x * blockDim.x + threadIdx.x; i < items; i += uint64_t(gridDim.x) * blockDim.x) {
     moe_net::combine_chunk(a, uint32_t(i / chunks), uint32_t(i % chunks));
+  }
+}
+
+// ---- High throughput (prefill) across nodes, DeepEP's hierarchical scheme (MoeHtArgs). ----
+// send (moe_ht_send): a warp per token stages its message once, sends it to the rail peer of each
+// other node holding one of its experts (slot = the token, so a token crosses to a node once),
+// and fills this node's own slot; the last block publishes the counts (moe_net::finish_send).
+// gather (moe_ht_gather): waits for every source's count, then turns each rail peer's messages of
+// this epoch into forwarding slots (row, node-local expert ids, weights, origin).
+// The NVLink MoE dispatch of the node then moves the slots to the ranks holding their experts;
+// remap (moe_ht_remap) names each received row's origin. Combine: the node's NVLink combine sums
+// the node's ranks' outputs per slot; combine_send (moe_ht_combine_send) sends each slot's sum back
+// to its origin (one row per (token, node)); combine_recv (moe_ht_combine_recv) adds the nodes'
+// rows in node order.
+
+namespace {
+
+// Node-local expert id of global expert e (-1 when on another node or out of range), and its node.
+__device__ int32_t node_local_expert(const MoeNetArgs& a, const MoeHtArgs& h, int32_t e, int32_t& node) {
+  node = -1;
+  if (e < 0 || uint32_t(e) >= a.experts_per_rank * a.world) return -1;
+  const uint32_t r = uint32_t(e) / a.experts_per_rank;
+  node = int32_t(h.node_of[r]);
+  if (uint32_t(node) != h.node) return -1;
+  return int32_t(h.local_of[r] * a.experts_per_rank + uint32_t(e) % a.experts_per_rank);
+}
+
+// Fills forwarding slot `slot` from a message (header + row; bf16 or e4m3 by `fp8`) of `origin`.
+// One warp.
+__device__ void fill_slot(const MoeNetArgs& a, const MoeHtArgs& h, uint64_t slot, const char* m, bool fp8,
+                          int32_t origin, uint32_t lane) {
+  const int32_t* hd = reinterpret_cast<const int32_t*>(m);
+  if (lane < a.topk) {
+    int32_t node;
+    h.fwd_idx[slot * a.topk + lane] = node_local_expert(a, h, hd[moe_net::kHeaderIds + lane], node);
+    h.fwd_w[slot * a.topk + lane] = reinterpret_cast<const float*>(hd)[moe_net::kHeaderIds + a.topk + lane];
+  }
+  if (lane == 0) {
+    h.fwd_origin[2 * slot] = origin;
+    h.fwd_origin[2 * slot + 1] = hd[0];
+  }
+  const uint32_t bytes = fp8 ? a.hidden : a.hidden * 2;
+  copy_words_batched<int4, 4>(reinterpret_cast<int4*>(h.fwd_x + slot * bytes),
+                              reinterpret_cast<const int4*>(m + a.header_bytes), bytes / 16, lane, 32);
+  if (fp8) {
+    const uint32_t n = a.hidden / 128;
+    const float* sc = reinterpret_cast<const float*>(m + a.header_bytes + bytes);
+    for (uint32_t i = lane; i < n; i += 32) h.fwd_scales[slot * n + i] = sc[i];
+  }
+}
+
+// Marks forwarding slot `slot` empty this call. One warp.
+__device__ void empty_slot(const MoeNetArgs& a, const MoeHtArgs& h, uint64_t slot, uint32_t lane) {
+  if (lane < a.topk) h.fwd_idx[slot * a.topk + lane] = -1;
+  if (lane == 0) h.fwd_origin[2 * slot] = -1;
+}
+
+}  // namespace
+
+extern "C" __global__ void __launch_bounds__(512) moe_ht_send(MoeNetArgs a, MoeHtArgs h) {
+  const uint32_t lane = threadIdx.x % kWarp;
+  const uint32_t warps = gridDim.x * (blockDim.x / kWarp);
+  const uint32_t scales = a.hidden / 128;
+  for (uint32_t t = blockIdx.x * (blockDim.x / kWarp) + threadIdx.x / kWarp; t < a.max_tokens; t += warps) {
+    const uint64_t slot = uint64_t(h.node) * a.max_tokens + t;
+    if (t >= a.num_tokens) {
+      empty_slot(a, h, slot, lane);
+      continue;
+    }
+    moe_net::stage_token(a, t, a.x + uint64_t(t) * moe_net::row_bytes(a), a.fp8 ? a.scales + uint64_t(t) * scales : nullptr,
+                         lane);
+    __syncwarp();
+    int32_t node = -1;
+    if (lane < a.topk) {
+      const int32_t e = a.topk_idx[uint64_t(t) * a.topk + lane];
+      if (e >= int32_t(a.experts_per_rank * a.world)) {
+        report_failure(a.sites[a.rank], kWaitBadInput, a.experts_per_rank * a.world, uint64_t(e), 0);
+      }
+      node_local_expert(a, h, e, node);
+    }
+    // This node's slot: the token itself, forwarded by this rank.
+    const bool here = __ballot_sync(0xffffffffu, node == int32_t(h.node)) != 0;
+    if (here) {
+      fill_slot(a, h, slot, a.stage + uint64_t(t) * a.msg_bytes, a.fp8 != 0, int32_t(a.rank), lane);
+    } else {
+      empty_slot(a, h, slot, lane);
+    }
+    // Every other node holding one of its experts: once, to the rail peer there.
+    for (uint32_t k = 0; k < a.topk; ++k) {
+      const int32_t n = __shfl_sync(0xffffffffu, node, k);
+      if (n < 0 || uint32_t(n) == h.node) continue;
+      const uint32_t same = __ballot_sync(0xffffffffu, node == n);
+      if (uint32_t(__ffs(same)) - 1 != k) continue;
+      moe_net::send_to(a, t, h.rail[n], lane, t);
+    }
+    __syncwarp();
+  }
+  moe_net::finish_send(a);
+}
+
+extern "C" __global__ void __launch_bounds__(512) moe_ht_gather(MoeNetArgs a, MoeHtArgs h) {
+  const uint64_t epoch = a.epochs[0];
+  const uint32_t half = uint32_t(epoch & 1);
+  __shared__ Counts counts;
+  wait_dispatch(a, epoch, counts);
+  if (blockIdx.x == 0) {
+    for (uint32_t n = threadIdx.x; n < h.nodes; n += blockDim.x) h.net_rows[n] = n == h.node ? 0 : counts.n[h.rail[n]];
+  }
+  const uint32_t lane = threadIdx.x % kWarp;
+  const uint32_t warps = gridDim.x * (blockDim.x / kWarp);
+  const uint64_t slots = uint64_t(h.nodes) * a.max_tokens;
+  for (uint64_t q = blockIdx.x * (blockDim.x / kWarp) + threadIdx.x / kWarp; q < slots; q += warps) {
+    const uint32_t n = uint32_t(q / a.max_tokens), t = uint32_t(q % a.max_tokens);
+    if (n == h.node) continue;  // filled by the send half
+    const uint32_t src = h.rail[n];
+    const char* m = a.area + moe_net::wire_offset(a, half, src, t);
+    const int32_t* hd = reinterpret_cast<const int32_t*>(m);
+    // A slot of this epoch: its header says so (older epochs left the others).
+    const bool fresh = *reinterpret_cast<const volatile uint64_t*>(hd + 2) == epoch && hd[0] == int32_t(t);
+    if (fresh) {
+      fill_slot(a, h, q, m, hd[1] != 0, int32_t(src), lane);
+    } else {
+      empty_slot(a, h, q, lane);
+    }
+  }
+}
+
+extern "C" __global__ void moe_ht_remap(MoeNetArgs a, MoeHtArgs h) {
+  const uint32_t rows = *h.node_num_recv;
+  for (uint32_t i = blockIdx.x * blockDim.x + threadIdx.x; i < rows; i += gridDim.x * blockDim.x) {
+    const uint32_t l = uint32_t(h.node_src[2 * i]), slot = uint32_t(h.node_src[2 * i + 1]);
+    const int32_t* origin = reinterpret_cast<const int32_t*>(h.origin_of[l]) + 2 * uint64_t(slot);
+    h.recv_src[2 * i] = origin[0];
+    h.recv_src[2 * i + 1] = origin[1];
+  }
+}
+
+extern "C" __global__ void __launch_bounds__(512) moe_ht_combine_send(MoeNetArgs a, MoeHtArgs h) {
+  const uint64_t call = a.epochs[1] + 1;
+  const uint32_t lane = threadIdx.x % kWarp;
+  const uint32_t warps = gridDim.x * (blockDim.x / kWarp);
+  const uint64_t slots = uint64_t(h.nodes) * a.max_tokens;
+  const uint32_t words = a.hidden / 8;
+  for (uint64_t q = blockIdx.x * (blockDim.x / kWarp) + threadIdx.x / kWarp; q < slots; q += warps) {
+    const int32_t src = h.fwd_origin[2 * q];
+    if (src < 0) continue;
+    const uint32_t t = uint32_t(q % a.max_tokens);
+    const int4* row = reinterpret_cast<const int4*>(h.fwd_out) + q * words;
+    const uint64_t part_row = (uint64_t(a.rank) * a.max_tokens + t) * words;
+    const uint64_t stage_row = (uint64_t(src) * a.max_tokens + t) * words;
+    const uint64_t mapped = a.peer_area[src];
+    int4* dst = mapped != 0 ? reinterpret_cast<int4*>(mapped + a.off_part) + part_row
+                            : reinterpret_cast<int4*>(a.stage + a.stage_part) + stage_row;
+    copy_words_batched<int4, 8>(dst, row, words, lane, 32);
+    if (mapped == 0) {
+      __syncwarp();
+      if (lane == 0) {
+        __threadfence_system();
+        moe_net::channel(a, uint32_t(src)).put(a.off_part + part_row * 16, a.stage_part + stage_row * 16,
+                                               uint64_t(words) * 16);
+      }
+    }
+  }
+  combine_sent(a, call);
+}
+
+extern "C" __global__ void __launch_bounds__(512) moe_ht_combine_recv(MoeNetArgs a, MoeHtArgs h) {
+  const uint64_t call = a.epochs[1];
+  wait_combine(a, call);
+  const uint32_t words = a.hidden / 8;
+  const uint64_t items = uint64_t(a.num_tokens) * words;
+  const int4* part = reinterpret_cast<const int4*>(a.area + a.off_part);
+  for (uint64_t i = blockIdx.x * blockDim.x + threadIdx.x; i < items; i += uint64_t(gridDim.x) * blockDim.x) {
+    const uint32_t t = uint32_t(i / words), c = uint32_t(i % words);
+    uint64_t nodes = 0;
+    for (uint32_t k = 0; k < a.topk; ++k) {
+      int32_t n;
+      node_local_expert(a, h, a.topk_idx[uint64_t(t) * a.topk + k], n);
+      if (n >= 0) nodes |= uint64_t(1) << n;
+    }
+    float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    for (uint32_t n = 0; n < h.nodes; ++n) {
+      if (!(nodes >> n & 1)) continue;
+      const int4 v = part[(uint64_t(h.rail[n]) * a.max_tokens + t) * words + c];
+      const __nv_bfloat162* hv = reinterpret_cast<const __nv_bfloat162*>(&v);
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        const float2 f = __bfloat1622float2(hv[q]);
+        acc[2 * q] += f.x;
+        acc[2 * q + 1] += f.y;
+      }
+    }
+    int4 o;
+    __nv_bfloat162* hv = reinterpret_cast<__nv_bfloat162*>(&o);
+#pragma unroll
+    for (int q = 0; q < 4; ++q) hv[q] = __floats2bfloat162_rn(acc[2 * q], acc[2 * q + 1]);
+    reinterpret_cast<int4*>(a.out)[uint64_t(t) * words + c] = o;
   }
 }
 

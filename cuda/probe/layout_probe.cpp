@@ -258,6 +258,24 @@ int main() {
   FIELD(MoeNetArgs, layout);
   FIELD(MoeNetArgs, recv_count);
 
+  STRUCT(MoeHtArgs);
+  FIELD(MoeHtArgs, nodes);
+  FIELD(MoeHtArgs, node);
+  FIELD(MoeHtArgs, rail);
+  FIELD(MoeHtArgs, node_of);
+  FIELD(MoeHtArgs, local_of);
+  FIELD(MoeHtArgs, fwd_x);
+  FIELD(MoeHtArgs, fwd_scales);
+  FIELD(MoeHtArgs, fwd_idx);
+  FIELD(MoeHtArgs, fwd_w);
+  FIELD(MoeHtArgs, fwd_origin);
+  FIELD(MoeHtArgs, fwd_out);
+  FIELD(MoeHtArgs, net_rows);
+  FIELD(MoeHtArgs, node_src);
+  FIELD(MoeHtArgs, node_num_recv);
+  FIELD(MoeHtArgs, origin_of);
+  FIELD(MoeHtArgs, recv_src);
+
   STRUCT(LamportState);
   FIELD(LamportState, call);
   FIELD(LamportState, reserved);

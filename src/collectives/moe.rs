@@ -55,7 +55,160 @@ pub struct MoeConfig {
 
 /// Dispatch/combine state of one communicator. Build it once (collective); call dispatch then
 /// combine, in the same order on every rank.
+///
+/// When the communicator spans nodes (of equal size), the node-spanning path runs instead
+/// (DeepEP's hierarchical scheme, `moe_ll_net`): a token crosses the network once per
+/// destination node, to the rank of the same local index there, which forwards it inside its
+/// node with this NVLink exchange; the combine sums inside the node first and sends one row per
+/// (token, node) back. Same results, except that rows arrive grouped by forwarding rank (then
+/// by source node and token), not in source-rank order (`recv_src` names each row's origin), and
+/// the combine adds the ranks' outputs in rank order inside each node, then the nodes' sums in
+/// node order.
 pub struct MoeDispatcher {
+    path: HtPath,
+}
+
+enum HtPath {
+    Nvlink(Box<HtNvlink>),
+    Net(Box<super::moe_ll_net::HtNet>),
+}
+
+impl MoeDispatcher {
+    /// Allocates the landing areas (mapped by every same-node peer; on the node-spanning path
+    /// also registered with the NIC), outputs and semaphores. Collective.
+    pub fn new(comm: &Arc<Communicator>, cfg: MoeConfig) -> Result<MoeDispatcher> {
+        let ids = comm.node_ids();
+        let path = if ids.iter().any(|id| *id != ids[comm.rank()]) {
+            HtPath::Net(Box::new(super::moe_ll_net::HtNet::new(comm, &cfg)?))
+        } else {
+            HtPath::Nvlink(Box::new(HtNvlink::new(comm, cfg)?))
+        };
+        Ok(MoeDispatcher { path })
+    }
+
+    /// Whether the node-spanning path runs.
+    pub fn spans_nodes(&self) -> bool {
+        matches!(self.path, HtPath::Net(_))
+    }
+
+    /// Node-spanning path: the device address of `[nodes]` u32, the rows each node's rank of
+    /// this rank's local index sent here over the network in the last dispatch (each token at
+    /// most once), and the node count.
+    pub fn network_rows(&self) -> Option<(u64, usize)> {
+        match &self.path {
+            HtPath::Nvlink(_) => None,
+            HtPath::Net(p) => Some(p.network_rows()),
+        }
+    }
+
+    /// Dispatches `num_tokens` tokens (see the module documentation).
+    ///
+    /// # Safety
+    /// `x` holds `num_tokens * hidden` bf16 (16-byte aligned), `topk_idx` and `topk_weights`
+    /// `num_tokens * topk` i32 / f32, device memory of this GPU valid until the work on `stream`
+    /// completes; every id is -1 or below `num_experts`.
+    pub unsafe fn dispatch(
+        &self,
+        stream: &CudaStream,
+        x: u64,
+        topk_idx: u64,
+        topk_weights: u64,
+        num_tokens: usize,
+    ) -> Result<()> {
+        match &self.path {
+            // SAFETY: as documented.
+            HtPath::Nvlink(p) => unsafe {
+                p.dispatch(stream, x, topk_idx, topk_weights, num_tokens)
+            },
+            HtPath::Net(p) => p.dispatch(stream, x, 0, topk_idx, topk_weights, num_tokens),
+        }
+    }
+
+    /// Dispatches FP8 tokens (see [`HtNvlink`]'s contract, the same on both paths): `x` holds
+    /// e4m3 bytes `[num_tokens, hidden]` and `scales` one f32 per 128 values; rows arrive as
+    /// bytes in `recv_x` and the scales in [`DispatchResults::recv_scales`]. Combine stays bf16.
+    ///
+    /// # Safety
+    /// `x` holds `num_tokens * hidden` bytes (16-byte aligned), `scales` `num_tokens * hidden /
+    /// 128` f32, the top-k arrays as for [`MoeDispatcher::dispatch`]; all valid until the work on
+    /// `stream` completes.
+    pub unsafe fn dispatch_fp8(
+        &self,
+        stream: &CudaStream,
+        x: u64,
+        scales: u64,
+        topk_idx: u64,
+        topk_weights: u64,
+        num_tokens: usize,
+    ) -> Result<()> {
+        match &self.path {
+            // SAFETY: as documented.
+            HtPath::Nvlink(p) => unsafe {
+                p.dispatch_fp8(stream, x, scales, topk_idx, topk_weights, num_tokens)
+            },
+            HtPath::Net(p) => {
+                if self.config().hidden % 128 != 0 || scales == 0 || scales % 4 != 0 {
+                    return Err(Error::invalid(
+                        "dispatch_fp8",
+                        "a hidden size that is a multiple of 128 and 4-byte aligned scales",
+                    ));
+                }
+                p.dispatch(stream, x, scales, topk_idx, topk_weights, num_tokens)
+            }
+        }
+    }
+
+    /// Combines `y` (one row per received row of the last dispatch) into `out [num_tokens, H]`
+    /// (see the module documentation).
+    ///
+    /// # Safety
+    /// `y` holds at least `num_recv * hidden` bf16 and `out` `num_tokens * hidden` bf16 of the
+    /// last dispatch (both 16-byte aligned), device memory of this GPU valid until the work on
+    /// `stream` completes (or `y` is [`MoeDispatcher::combine_buffer`]).
+    pub unsafe fn combine(&self, stream: &CudaStream, y: u64, out: u64) -> Result<()> {
+        match &self.path {
+            // SAFETY: as documented.
+            HtPath::Nvlink(p) => unsafe { p.combine(stream, y, out) },
+            HtPath::Net(p) => p.combine(stream, y, out),
+        }
+    }
+
+    /// This rank's combine buffer (rows aligned with `recv_x`); see [`HtNvlink`]'s contract.
+    pub fn combine_buffer(&self) -> u64 {
+        match &self.path {
+            HtPath::Nvlink(p) => p.combine_buffer(),
+            HtPath::Net(p) => p.combine_buffer(),
+        }
+    }
+
+    /// Device addresses of the last dispatch's results (read them after the stream's work
+    /// finished).
+    pub fn results(&self) -> DispatchResults {
+        match &self.path {
+            HtPath::Nvlink(p) => p.results(),
+            HtPath::Net(p) => p.results(),
+        }
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &MoeConfig {
+        match &self.path {
+            HtPath::Nvlink(p) => p.config(),
+            HtPath::Net(p) => p.config(),
+        }
+    }
+
+    /// SMs the send and receive kernels occupy.
+    pub fn sms(&self) -> u32 {
+        match &self.path {
+            HtPath::Nvlink(p) => p.sms(),
+            HtPath::Net(p) => p.sms(),
+        }
+    }
+}
+
+/// The NVLink path of [`MoeDispatcher`] (every rank on one node).
+struct HtNvlink {
     comm: Arc<Communicator>,
     cfg: MoeConfig,
     base: MoeArgs,
@@ -145,9 +298,9 @@ fn landing(comm: &Communicator, bytes: usize) -> Result<(Landing, [u64; MAX_RANK
     Ok(((buf, reg, peers), ptrs))
 }
 
-impl MoeDispatcher {
+impl HtNvlink {
     /// Allocates the landing areas (mapped by every peer), outputs and semaphores. Collective.
-    pub fn new(comm: &Arc<Communicator>, cfg: MoeConfig) -> Result<MoeDispatcher> {
+    pub fn new(comm: &Arc<Communicator>, cfg: MoeConfig) -> Result<HtNvlink> {
         let world = comm.world_size();
         let rank = comm.rank();
         if world > MAX_RANKS {
@@ -258,7 +411,7 @@ impl MoeDispatcher {
             k("moe_combine_reduce")?,
         ];
         comm.bootstrap().barrier()?;
-        Ok(MoeDispatcher {
+        Ok(HtNvlink {
             comm: comm.clone(),
             cfg,
             base,

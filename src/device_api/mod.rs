@@ -504,6 +504,29 @@ pub struct MoeNetArgs {
     pub recv_count: u64,
 }
 
+/// The high-throughput node-spanning MoE kernels' own arguments (`collective_args.cuh`).
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Pod, Zeroable)]
+#[allow(missing_docs)]
+pub struct MoeHtArgs {
+    pub nodes: u32,
+    pub node: u32,
+    pub rail: u64,
+    pub node_of: u64,
+    pub local_of: u64,
+    pub fwd_x: u64,
+    pub fwd_scales: u64,
+    pub fwd_idx: u64,
+    pub fwd_w: u64,
+    pub fwd_origin: u64,
+    pub fwd_out: u64,
+    pub net_rows: u64,
+    pub node_src: u64,
+    pub node_num_recv: u64,
+    pub origin_of: u64,
+    pub recv_src: u64,
+}
+
 /// Per-block state of the sentinel two-shot (`collective_args.cuh`).
 #[repr(C)]
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Pod, Zeroable)]
@@ -573,6 +596,8 @@ unsafe impl cudarc::driver::DeviceRepr for MoeArgs {}
 unsafe impl cudarc::driver::DeviceRepr for MoeLlArgs {}
 // SAFETY: as above.
 unsafe impl cudarc::driver::DeviceRepr for MoeNetArgs {}
+// SAFETY: as above.
+unsafe impl cudarc::driver::DeviceRepr for MoeHtArgs {}
 // SAFETY: as above.
 unsafe impl cudarc::driver::DeviceRepr for PortChannelHandle {}
 // SAFETY: as above.
@@ -815,6 +840,28 @@ mod layout {
                     epochs,
                     layout,
                     recv_count,
+                ]
+            ),
+            layout!(
+                "MoeHtArgs",
+                MoeHtArgs,
+                [
+                    nodes,
+                    node,
+                    rail,
+                    node_of,
+                    local_of,
+                    fwd_x,
+                    fwd_scales,
+                    fwd_idx,
+                    fwd_w,
+                    fwd_origin,
+                    fwd_out,
+                    net_rows,
+                    node_src,
+                    node_num_recv,
+                    origin_of,
+                    recv_src,
                 ]
             ),
             layout!("LamportState", LamportState, [call, reserved, prev_count]),

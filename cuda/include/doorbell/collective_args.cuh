@@ -165,7 +165,7 @@ DOORBELL_CHECK_SIZE(MoeLlArgs, 320);
 // nodes (PortChannel puts: RDMA WRITEs the GPU or the proxy posts).
 //
 // A message is one token for one destination rank: a header (source token, 1 if the row is e4m3,
-// then its top-k expert ids and weights) and the payload (hidden bf16, or hidden e4m3 bytes then hidden / 128 f32
+// the dispatch epoch, then its top-k expert ids and weights; moe_net.cuh) and the payload (hidden bf16, or hidden e4m3 bytes then hidden / 128 f32
 // scales). The sender builds it once per token in its staging area and sends it to every rank
 // holding one of the token's experts; the receiver copies its payload into the slot of each of
 // its experts the token selected.
@@ -225,5 +225,30 @@ struct MoeNetArgs {
   uint32_t* recv_count;         // mine: [local expert] rows received
 };
 DOORBELL_CHECK_SIZE(MoeNetArgs, 256);
+
+// The high-throughput node-spanning MoE exchange's own arguments (cuda/kernels/moe_net.cu, beside
+// MoeNetArgs): a token crosses the network once per destination node, to the rank of that node
+// with this rank's local index (its rail peer), which forwards it inside its node with the NVLink
+// MoE dispatch. Forwarded tokens sit in slots [node][token]: node n's slots hold what node n's rail
+// peer sent here (and this node's slots this rank's own tokens).
+struct MoeHtArgs {
+  uint32_t nodes;
+  uint32_t node;                  // mine
+  const uint32_t* rail;           // [nodes] the rank of each node with my local index (mine: me)
+  const uint32_t* node_of;        // [world] each rank's node
+  const uint32_t* local_of;       // [world] each rank's index in its node
+  uint8_t* fwd_x;                 // [nodes * max_tokens] rows (bf16, or e4m3 bytes)
+  float* fwd_scales;              // [nodes * max_tokens][hidden / 128] (fp8)
+  int32_t* fwd_idx;               // [nodes * max_tokens][topk] expert ids within my node, -1 elsewhere
+  float* fwd_w;                   // [nodes * max_tokens][topk]
+  int32_t* fwd_origin;            // [nodes * max_tokens][2] (rank, token); rank -1: empty this call
+  const uint16_t* fwd_out;        // [nodes * max_tokens][hidden] bf16: my node's combine of each slot
+  uint32_t* net_rows;             // [nodes] rows each node's rail peer sent here, last dispatch
+  const int32_t* node_src;        // the node dispatch's recv_src [rows][2] (node rank, slot)
+  const uint32_t* node_num_recv;  // the node dispatch's row count
+  const uint64_t* origin_of;      // [ranks of my node] each one's fwd_origin, mapped here
+  int32_t* recv_src;              // [rows][2] the rows' origin (rank, token)
+};
+DOORBELL_CHECK_SIZE(MoeHtArgs, 120);
 
 }  // namespace doorbell

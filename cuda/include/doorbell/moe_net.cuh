@@ -41,6 +41,10 @@ DOORBELL_DEVICE_INLINE const PortChannelHandle& channel(const MoeNetArgs& a, uin
   return static_cast<const PortChannelHandle*>(a.channels)[r];
 }
 
+// A message header: [0] the source token, [1] 1 if the row is e4m3, [2..4) the dispatch epoch
+// (u64), then topk expert ids (i32) and topk weights (f32); header_bytes rounds it up to 16.
+constexpr uint32_t kHeaderIds = 4;
+
 // The epoch of the dispatch being sent: one past the last one finished (finish_send stores it).
 DOORBELL_DEVICE_INLINE uint64_t send_epoch(const MoeNetArgs& a) { return a.epochs[0] + 1; }
 
@@ -79,10 +83,11 @@ DOORBELL_DEVICE_INLINE void stage_token(const MoeNetArgs& a, uint32_t t, const v
   if (lane == 0) {
     h[0] = int32_t(t);
     h[1] = int32_t(a.fp8);  // the receive half learns the row format here
+    reinterpret_cast<uint64_t*>(h)[1] = send_epoch(a);
   }
   if (lane < a.topk) {
-    h[2 + lane] = a.topk_idx[uint64_t(t) * a.topk + lane];
-    reinterpret_cast<float*>(h)[2 + a.topk + lane] = a.topk_weights[uint64_t(t) * a.topk + lane];
+    h[kHeaderIds + lane] = a.topk_idx[uint64_t(t) * a.topk + lane];
+    reinterpret_cast<float*>(h)[kHeaderIds + a.topk + lane] = a.topk_weights[uint64_t(t) * a.topk + lane];
   }
   char* p = m + a.header_bytes;
   copy_words_batched<int4, 4>(reinterpret_cast<int4*>(p), static_cast<const int4*>(row), row_bytes(a) / 16, lane, 32);
@@ -92,13 +97,15 @@ DOORBELL_DEVICE_INLINE void stage_token(const MoeNetArgs& a, uint32_t t, const v
   }
 }
 
-// Sends token t's staged message to rank r: a slot of mine there, then the message by NVLink
-// stores or a PortChannel put. One warp.
-DOORBELL_DEVICE_INLINE void send_to(const MoeNetArgs& a, uint32_t t, uint32_t r, uint32_t lane) {
+// Sends token t's staged message to rank r, into my message slot `slot` there (kNextSlot: the
+// next free one), by NVLink stores or a PortChannel put, and counts it. One warp.
+constexpr uint32_t kNextSlot = ~0u;
+DOORBELL_DEVICE_INLINE void send_to(const MoeNetArgs& a, uint32_t t, uint32_t r, uint32_t lane,
+                                    uint32_t slot = kNextSlot) {
   const uint32_t half = uint32_t(send_epoch(a) & 1);
   uint32_t j = 0;
   if (lane == 0) j = atomicAdd(&a.fill[r], 1u);
-  j = __shfl_sync(0xffffffffu, j, 0);
+  j = slot != kNextSlot ? slot : __shfl_sync(0xffffffffu, j, 0);
   const uint64_t at = wire_offset(a, half, a.rank, j);
   const char* msg = a.stage + uint64_t(t) * a.msg_bytes;
   const uint64_t mapped = a.peer_area[r];
@@ -223,8 +230,8 @@ DOORBELL_DEVICE_INLINE void unpack(const MoeNetArgs& a, uint32_t half, uint32_t 
   int32_t e = -1;
   float w = 0;
   if (lane < a.topk) {
-    e = h[2 + lane];
-    w = reinterpret_cast<const float*>(h)[2 + a.topk + lane];
+    e = h[kHeaderIds + lane];
+    w = reinterpret_cast<const float*>(h)[kHeaderIds + a.topk + lane];
   }
   int32_t row = -1;
   if (e >= 0 && uint32_t(e) / a.experts_per_rank == a.rank) {
