@@ -119,6 +119,7 @@ fn run(args: &Args) -> Result<i32> {
             num_experts: args.experts,
             max_tokens,
             blocks: args.sms,
+            ..Default::default()
         },
     )?;
     let s = comm.gpu().new_stream()?;
@@ -324,6 +325,7 @@ fn low_latency(
             num_experts: args.experts,
             max_tokens: tokens,
             blocks: args.sms,
+            ..Default::default()
         },
     )?;
     let mine = routing(rank, tokens, k, args.experts);

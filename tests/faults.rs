@@ -413,6 +413,7 @@ fn moe_inputs(
         num_experts: experts,
         max_tokens: tokens,
         blocks: Some(8),
+        ..Default::default()
     };
     let ids: Vec<i32> = (0..tokens * topk)
         .map(|i| ((i / topk + (i % topk) * 3) % experts) as i32)

@@ -14,6 +14,7 @@ use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, PushKernelArg};
 use doorbell::collectives::moe::{reference_layout, MoeConfig, MoeDispatcher};
 use doorbell::communicator::Communicator;
+use doorbell::transport::ib::emulator::Traffic;
 use half::bf16;
 use std::sync::Arc;
 
@@ -167,6 +168,9 @@ fn exchange(comm: &Arc<Communicator>, s: &Arc<CudaStream>) {
             num_experts: experts,
             max_tokens: MAX_TOKENS,
             blocks: Some(16),
+            // Across nodes: a receive ring of one chunk of 32 tokens per source node, so every
+            // further chunk waits for its credit (receiver-driven admission under test).
+            net_chunks: Some(1),
         },
     )
     .unwrap();
@@ -315,6 +319,41 @@ fn exchange(comm: &Arc<Communicator>, s: &Arc<CudaStream>) {
         );
         htod(y_at, bytemuck::cast_slice(&ys));
     };
+    // The network leg as this rank's emulated NIC counted it (Ib variants): each of this rank's
+    // tokens crosses to each other node holding one of its experts exactly once (a WRITE of
+    // `used` bytes), plus a 16-byte chunk descriptor per chunk of 32 (at least one per node).
+    let traffic = || comm.emulated_nic_traffic();
+    let check_network = |round: u64, before: Option<Traffic>, used: u64, what: &str| {
+        let (Some(b), Some(a)) = (before, traffic()) else {
+            return;
+        };
+        assert!(spans, "rank {me}: NIC traffic inside one node");
+        let mine = routing(me, round, experts);
+        let (mut rows, mut chunks) = (0u64, 0u64);
+        for n in (0..world / node_size).filter(|&n| n != me / node_size) {
+            let m = mine
+                .idx
+                .chunks(TOPK)
+                .filter(|ids| {
+                    ids.iter()
+                        .any(|&e| e >= 0 && e as usize / per_rank / node_size == n)
+                })
+                .count() as u64;
+            rows += m;
+            chunks += m.div_ceil(32).max(1);
+        }
+        assert_eq!(
+            (a.writes - b.writes, a.write_bytes - b.write_bytes),
+            (rows + chunks, rows * used + chunks * 16),
+            "rank {me}, {what}: WRITEs and bytes the NIC executed ({rows} rows, {chunks} chunks)"
+        );
+    };
+    // Message bytes on the wire: the header (token, format, epoch, top-k ids and weights: 48
+    // bytes at top-4), then the row (and the FP8 scales), in 16-byte units.
+    let (used_bf16, used_fp8) = (
+        48 + 2 * HIDDEN as u64,
+        (48 + HIDDEN as u64 + 8).next_multiple_of(16),
+    );
     let check_combine = |round: u64, what: &str| {
         let mine = routing(me, round, experts);
         let got: Vec<bf16> = words(&dtoh(op, mine.tokens * HIDDEN * 2), |b: &[u8; 2]| {
@@ -357,11 +396,13 @@ fn exchange(comm: &Arc<Communicator>, s: &Arc<CudaStream>) {
     };
     for round in 0..4u64 {
         let mine = upload(round);
+        let before = traffic();
         // SAFETY: the inputs hold `tokens` rows; y and out are sized for the worst case.
         unsafe { moe.dispatch(s, xp, ip, wp, mine.tokens) }.unwrap();
         // Round 3 writes the expert outputs straight into the combine buffer (no copy-in).
         let y_at = if round == 3 { moe.combine_buffer() } else { yp };
         check_dispatch(round, &format!("round {round}"), y_at);
+        check_network(round, before, used_bf16, &format!("round {round}"));
         unsafe { moe.combine(s, y_at, op) }.unwrap();
         check_combine(round, &format!("round {round}"));
     }
@@ -382,6 +423,7 @@ fn exchange(comm: &Arc<Communicator>, s: &Arc<CudaStream>) {
             .collect();
         htod(xp, &xb);
         htod(scp, bytemuck::cast_slice(&sc));
+        let before = traffic();
         // SAFETY: the inputs hold `tokens` rows.
         unsafe { moe.dispatch_fp8(s, xp, scp, ip, wp, mine.tokens) }.unwrap();
         let all: Vec<Routing> = (0..world).map(|r| routing(r, round, experts)).collect();
@@ -431,6 +473,7 @@ fn exchange(comm: &Arc<Communicator>, s: &Arc<CudaStream>) {
         let mut want = expected.clone();
         want.sort_unstable();
         assert_eq!(origins, want, "rank {me}, FP8 round {round}: rows' origins");
+        check_network(round, before, used_fp8, &format!("FP8 round {round}"));
     }
     // Graph: dispatch captured once (fixed token count), replayed with new routing each time;
     // combine eagerly after each replay.
@@ -448,8 +491,10 @@ fn exchange(comm: &Arc<Communicator>, s: &Arc<CudaStream>) {
         let round = 10 + (replay + 1) * (MAX_TOKENS as u64 + 1);
         let mine = upload(round);
         assert_eq!(mine.tokens, routing(me, 10, experts).tokens);
+        let before = traffic();
         graph.launch().unwrap();
         check_dispatch(round, &format!("graph replay {replay}"), yp);
+        check_network(round, before, used_bf16, &format!("graph replay {replay}"));
         // SAFETY: as above.
         unsafe { moe.combine(s, yp, op) }.unwrap();
         check_combine(round, &format!("graph replay {replay}"));
@@ -482,6 +527,10 @@ fn high_throughput_across_nodes_in_every_posting_mode() {
         ("Ib, IBGDA", vec![sep, emu, relaxed, posting("ibgda")]),
         ("Ib, CPU-assisted", vec![sep, emu, relaxed, posting("cpu")]),
         (
+            "Ib, ibv_post_send",
+            vec![sep, emu, relaxed, posting("verbs")],
+        ),
+        (
             "Ib, proxy posting, 2 ranks per node",
             vec![sep, emu, relaxed, pair, posting("proxy")],
         ),
@@ -492,6 +541,10 @@ fn high_throughput_across_nodes_in_every_posting_mode() {
         (
             "Ib, CPU-assisted, 2 ranks per node",
             vec![sep, emu, relaxed, pair, posting("cpu")],
+        ),
+        (
+            "Ethernet, 2 ranks per node",
+            vec![sep, pair, ("DOORBELL_IB_DISABLE", "1")],
         ),
     ];
     let only = std::env::var("DOORBELL_TEST_VARIANTS").unwrap_or_default();
@@ -585,6 +638,7 @@ fn low_latency(comm: &Arc<Communicator>, s: &Arc<CudaStream>) {
             num_experts: experts,
             max_tokens: LL_MAX,
             blocks: Some(16),
+            ..Default::default()
         },
     )
     .unwrap();

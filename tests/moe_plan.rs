@@ -1,11 +1,12 @@
 //! The plan of MoE dispatch across nodes on the CPU (issue 16's CPU parts): DeepEP-style layouts
 //! against brute force, the hierarchical high-throughput routing delivering every (token, rank)
 //! exactly once while crossing the network at most once per (token, destination node), the
-//! low-latency message counts, receiver-driven admission under incast, and the wire model.
+//! low-latency message counts, the high-throughput stream's receiver-driven admission (credits)
+//! under incast and over several dispatches, and the wire model.
 
 use doorbell::collectives::moe_net::{
-    forwards, ranks_of_tokens, Admission, HighThroughputPlan, LowLatencyPlan, NodeMap, Posting,
-    WireModel,
+    forwards, ranks_of_tokens, ChunkStream, HighThroughputPlan, LowLatencyPlan, NodeMap, Posting,
+    WireModel, HT_CHUNK,
 };
 use std::collections::BTreeMap;
 
@@ -169,7 +170,7 @@ fn low_latency_plans_count_messages_and_words() {
     assert_eq!((plan.nvlink_messages, plan.rdma_messages), (local, remote));
     let counted: u32 = plan.counts.iter().flatten().sum();
     assert_eq!(counted as usize, idx.iter().filter(|&&e| e >= 0).count());
-    assert_eq!(plan.remote_count_words(&map, 1), 4 * (experts / 8));
+    assert_eq!(LowLatencyPlan::remote_ranks(&map, 1), 4);
     // One expert for every token: every message goes to one rank.
     let one: Vec<i32> = (0..16)
         .flat_map(|_| [9, -1, -1, -1, -1, -1, -1, -1])
@@ -179,78 +180,128 @@ fn low_latency_plans_count_messages_and_words() {
     assert_eq!(p.counts[1][1], 16);
 }
 
+/// Every sender's tokens for one receiver in a dispatch: some none, some more than a ring holds.
+fn stream_tokens(rng: &mut Rng, senders: usize) -> Vec<Vec<u32>> {
+    let mut all = Vec::with_capacity(senders);
+    for _ in 0..senders {
+        let n = if rng.below(5) == 0 { 0 } else { rng.below(300) };
+        let mut tokens = Vec::new();
+        for t in 0..n as u32 {
+            if rng.below(3) != 0 {
+                tokens.push(t);
+            }
+        }
+        all.push(tokens);
+    }
+    all
+}
+
 #[test]
-fn admission_never_overruns_a_small_buffer_under_incast() {
-    for seed in 1..20u64 {
+fn the_chunk_stream_never_overruns_a_small_ring_under_incast() {
+    for seed in 1..60u64 {
         let mut rng = Rng(seed * 0x2545_f491);
         let senders = 1 + rng.below(32) as usize;
-        let slots = 1 + rng.below(8) as usize;
-        let demand: Vec<u64> = (0..senders).map(|_| rng.below(20)).collect();
-        let total: u64 = demand.iter().sum();
-        assert!(total == 0 || slots <= 8, "a small buffer");
-        let mut a = Admission::new(slots, demand.clone()).unwrap();
-        let mut pending = Vec::new();
-        let mut consumed = vec![Vec::new(); senders];
-        let mut steps = 0;
-        while !a.done() {
-            steps += 1;
-            assert!(steps < 100_000, "no progress (seed {seed})");
-            pending.extend(a.grant());
-            assert!(
-                a.in_use() <= slots,
-                "{} slots in use of {slots}",
-                a.in_use()
-            );
-            // Senders write some of their grants, in any order.
-            if !pending.is_empty() {
-                let k = rng.below(pending.len() as u64) as usize;
-                let g = pending.swap_remove(k);
-                a.written(g).unwrap();
-                assert!(a.written(g).is_err(), "a chunk written twice is refused");
+        let chunks = 1 + rng.below(4) as usize;
+        let mut stream = ChunkStream::new(senders, chunks).unwrap();
+        let mut sent_chunks = vec![0u64; senders];
+        for epoch in 1..=4u64 {
+            let tokens = stream_tokens(&mut rng, senders);
+            for (s, t) in tokens.iter().enumerate() {
+                let n = stream.begin(s, epoch, t).unwrap();
+                assert_eq!(n, t.len().div_ceil(HT_CHUNK).max(1), "at least one chunk");
+                sent_chunks[s] += n as u64;
             }
-            for g in a.consume() {
-                consumed[g.sender].push(g.seq);
+            let mut got = vec![Vec::new(); senders];
+            let mut done = vec![false; senders];
+            let mut steps = 0u64;
+            // Senders and the receiver's per-source loops in any interleaving, as blocks of
+            // several GPUs run them.
+            while done.iter().any(|d| !d) {
+                steps += 1;
+                assert!(steps < 10_000_000, "no progress (seed {seed})");
+                let s = rng.below(senders as u64) as usize;
+                if rng.below(2) == 0 {
+                    stream.send(s).unwrap();
+                } else if !done[s] {
+                    if let Some(c) = stream.receive(s, epoch).unwrap() {
+                        assert!(c.tokens.len() <= HT_CHUNK);
+                        got[s].extend(c.tokens);
+                        done[s] = c.last;
+                    }
+                }
+                assert!(
+                    stream.in_use() <= senders * chunks,
+                    "more slots held than exist"
+                );
+            }
+            for s in 0..senders {
+                assert_eq!(
+                    got[s], tokens[s],
+                    "seed {seed}, dispatch {epoch}: sender {s} in order"
+                );
+                assert_eq!(stream.positions(s), (sent_chunks[s], sent_chunks[s]));
             }
         }
-        for (s, seqs) in consumed.iter().enumerate() {
-            assert_eq!(
-                seqs,
-                &(0..demand[s]).collect::<Vec<_>>(),
-                "sender {s} in order"
-            );
-        }
-        // The buffer is far below the worst case (every chunk at once) and still suffices.
-        let _ = total;
     }
-    // A write nobody granted is refused: it would overrun the buffer.
-    let mut a = Admission::new(1, vec![2, 2]).unwrap();
-    let g = a.grant();
-    assert_eq!(g.len(), 1);
-    let mut forged = g[0];
-    forged.seq += 1;
-    assert!(a.written(forged).is_err());
+}
+
+#[test]
+fn a_sender_waits_for_credits_and_the_receiver_refuses_other_dispatches() {
+    // A ring of one chunk: the second chunk waits until the first is consumed.
+    let mut stream = ChunkStream::new(1, 1).unwrap();
+    let tokens: Vec<u32> = (0..40).collect();
+    assert_eq!(stream.begin(0, 1, &tokens).unwrap(), 2);
+    assert!(
+        stream.begin(0, 2, &tokens).is_err(),
+        "a dispatch before the last one was sent"
+    );
+    assert!(stream.send(0).unwrap());
+    assert!(!stream.send(0).unwrap(), "no credit yet: the ring is full");
+    assert_eq!(stream.in_use(), 1);
+    let first = stream.receive(0, 1).unwrap().unwrap();
+    assert_eq!((first.tokens.len(), first.last), (HT_CHUNK, false));
+    assert!(stream.receive(0, 1).unwrap().is_none(), "nothing signalled");
+    assert!(stream.send(0).unwrap(), "the credit freed the slot");
+    let second = stream.receive(0, 1).unwrap().unwrap();
+    assert_eq!(
+        (second.tokens, second.last),
+        ((32..40).collect::<Vec<u32>>(), true)
+    );
+    // An empty dispatch still sends one (empty, last) chunk; a receiver in another dispatch
+    // refuses it.
+    stream.begin(0, 2, &[]).unwrap();
+    assert!(stream.send(0).unwrap());
+    assert!(stream.receive(0, 3).is_err());
+    // A ring of no chunks is refused.
+    assert!(ChunkStream::new(1, 0).is_err());
 }
 
 #[test]
 fn the_wire_model_counts_wqes_and_bytes() {
-    // DeepEP's decode shape on 2 nodes of 8: 128 tokens x top-8 of 256 experts, FP8 rows of
-    // 7168 bytes + 56 x 4 scale bytes + 16 bytes of metadata.
+    // DeepEP's decode shape on 2 nodes of 8: 128 tokens x top-8 of 256 experts, FP8 messages of
+    // 7168 bytes + 56 x 4 scale bytes + an 80-byte header.
     let map = NodeMap::uniform(2, 8);
     let mut rng = Rng(7);
     let idx = routing(&mut rng, 128, 8, 256);
     let plan = LowLatencyPlan::new(&map, 0, &idx, 8, 256).unwrap();
-    let words = plan.remote_count_words(&map, 0);
-    let row = 7168 + 56 * 4 + 16;
-    let gpu = WireModel::low_latency(&plan, words, row, Posting::Gpu);
-    assert_eq!(gpu.wqes as usize, plan.rdma_messages + words);
+    let peers = LowLatencyPlan::remote_ranks(&map, 0);
+    let msg = 80 + 7168 + 56 * 4;
+    let gpu = WireModel::low_latency(&plan, peers, msg, Posting::Gpu);
+    assert_eq!(gpu.wqes as usize, plan.rdma_messages + 3 * peers);
+    assert_eq!(
+        gpu.bytes,
+        plan.rdma_messages as u64 * msg + 24 * peers as u64
+    );
     assert_eq!(gpu.triggers, 0);
-    let proxy = WireModel::low_latency(&plan, words, row, Posting::Proxy);
-    assert_eq!(proxy.triggers, proxy.wqes);
+    let proxy = WireModel::low_latency(&plan, peers, msg, Posting::Proxy);
+    assert_eq!(proxy.triggers as usize, plan.rdma_messages + 2 * peers);
     let us = gpu.wire_us(400.0, 0.9, 2.0);
     assert!(us > 2.0 && us < 1000.0, "{us}");
     let ht = HighThroughputPlan::new(&map, 0, &idx, 8, 256).unwrap();
-    let m = WireModel::high_throughput(&ht, row, 16);
-    assert_eq!(m.bytes, ht.network_rows() as u64 * row + m.wqes / 2 * 8);
+    let m = WireModel::high_throughput(&ht, msg, Posting::Gpu);
+    let chunks = ht.to_node[1].len().div_ceil(HT_CHUNK).max(1) as u64;
+    assert_eq!(m.wqes, ht.network_rows() as u64 + 5 * chunks);
+    assert_eq!(m.bytes, ht.network_rows() as u64 * msg + 48 * chunks);
 }
 
 /// The model table of `docs/performance.md` ("MoE across nodes: the wire model"): DeepEP's
@@ -259,31 +310,36 @@ fn the_wire_model_counts_wqes_and_bytes() {
 /// `cargo test --test moe_plan -- --nocapture wire_model_table`.
 #[test]
 fn wire_model_table() {
-    let row_fp8 = 7168 + 56 * 4 + 16; // e4m3 row, f32 scale per 128, metadata
-    println!("| shape | nodes x ranks | RDMA rows/rank | WQEs/rank (GPU) | MB/rank | wire us at 400 Gb/s |");
-    println!("|---|---|---:|---:|---:|---:|");
+    let msg_fp8 = 80 + 7168 + 56 * 4; // header (top-8 ids and weights), e4m3 row, f32 scale per 128
+    println!(
+        "| shape | nodes x ranks | RDMA rows/rank | WQEs/rank (GPU) | WQEs/token | MB/rank | wire us at 400 Gb/s |"
+    );
+    println!("|---|---|---:|---:|---:|---:|---:|");
     for nodes in [2usize, 4, 8] {
         let map = NodeMap::uniform(nodes, 8);
         let experts = 256; // DeepSeek-V3: 256 routed experts
         let mut rng = Rng(11 + nodes as u64);
         let idx = routing(&mut rng, 128, 8, experts);
         let ll = LowLatencyPlan::new(&map, 0, &idx, 8, experts).unwrap();
-        let m = WireModel::low_latency(&ll, ll.remote_count_words(&map, 0), row_fp8, Posting::Gpu);
+        let peers = LowLatencyPlan::remote_ranks(&map, 0);
+        let m = WireModel::low_latency(&ll, peers, msg_fp8, Posting::Gpu);
         println!(
-            "| LL dispatch, 128 tokens, top-8, FP8 | {nodes} x 8 | {} | {} | {:.2} | {:.1} |",
+            "| LL dispatch, 128 tokens, top-8, FP8 | {nodes} x 8 | {} | {} | {:.2} | {:.2} | {:.1} |",
             ll.rdma_messages,
             m.wqes,
+            m.wqes as f64 / 128.0,
             m.bytes as f64 / 1e6,
             m.wire_us(400.0, 0.9, 2.0)
         );
         let mut rng = Rng(23 + nodes as u64);
         let idx = routing(&mut rng, 4096, 8, experts);
         let ht = HighThroughputPlan::new(&map, 0, &idx, 8, experts).unwrap();
-        let m = WireModel::high_throughput(&ht, row_fp8, 16);
+        let m = WireModel::high_throughput(&ht, msg_fp8, Posting::Gpu);
         println!(
-            "| HT dispatch, 4096 tokens, top-8, FP8 | {nodes} x 8 | {} | {} | {:.2} | {:.1} |",
+            "| HT dispatch, 4096 tokens, top-8, FP8 | {nodes} x 8 | {} | {} | {:.2} | {:.2} | {:.1} |",
             ht.network_rows(),
             m.wqes,
+            m.wqes as f64 / 4096.0,
             m.bytes as f64 / 1e6,
             m.wire_us(400.0, 0.9, 2.0)
         );

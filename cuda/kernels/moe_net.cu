@@ -140,6 +140,9 @@ __device__ void wait_dispatch(const MoeNetArgs& a, uint64_t epoch, Counts& count
 }  // namespace
 
 extern "C" __global__ void __launch_bounds__(512) moe_net_send(MoeNetArgs a) {
+  if (a.probe != nullptr && threadIdx.x == 0) {
+    atomicMin(reinterpret_cast<unsigned long long*>(&a.probe[0]), static_cast<unsigned long long>(global_timer_ns()));
+  }
   const uint32_t lane = threadIdx.x % kWarp;
   const uint32_t warps = gridDim.x * (blockDim.x / kWarp);
   const uint32_t scales = a.hidden / 128;
@@ -200,16 +203,32 @@ extern "C" __global__ void __launch_bounds__(512) moe_net_combine_recv(MoeNetArg
 }
 
 // ---- High throughput (prefill) across nodes, DeepEP's hierarchical scheme (MoeHtArgs). ----
-// send (moe_ht_send): a warp per token stages its message once, sends it to the rail peer of each
-// other node holding one of its experts (slot = the token, so a token crosses to a node once),
-// and fills this node's own slot; the last block publishes the counts (moe_net::finish_send).
-// gather (moe_ht_gather): waits for every source's count, then turns each rail peer's messages of
-// this epoch into forwarding slots (row, node-local expert ids, weights, origin).
-// The NVLink MoE dispatch of the node then moves the slots to the ranks holding their experts;
-// remap (moe_ht_remap) names each received row's origin. Combine: the node's NVLink combine sums
-// the node's ranks' outputs per slot; combine_send (moe_ht_combine_send) sends each slot's sum back
-// to its origin (one row per (token, node)); combine_recv (moe_ht_combine_recv) adds the nodes'
-// rows in node order.
+//
+// A dispatch, launched in this order on the caller's stream:
+//   stage (moe_ht_stage, the SM budget's blocks): a warp per token builds its message once in the
+//     staging area and fills this node's forwarding slot [my node][t] when one of its experts is
+//     on this node (empties it otherwise).
+//   exchange (moe_ht_exchange): block 0 sends, a warp per other node, to that node's rank of my
+//     local index (my rail peer there): it lists the tokens with an expert on that node, in token
+//     order, and posts them in chunks of kHtChunk messages: a batch of WRITEs into the next chunk
+//     of the peer's ring for my node, the chunk's descriptor (epoch, messages, last), and a signal
+//     behind them. Every dispatch sends at least one chunk to every other node (an empty last one
+//     when no token goes there), so a receiver always learns that a source is done.
+//     Receiver-driven admission: the ring holds `chunks` chunks per source node, fewer than the
+//     worst case, and a sender writes its chunk g >= chunks only after taking one credit (a
+//     signal on the credit channel), which the receiver sends once it has consumed chunk
+//     g - chunks: an incast of every node onto one rank can never overrun it. The other blocks
+//     receive, a block per other node: thread 0 waits for the next chunk's signal and reads its
+//     descriptor, the block's warps copy its messages into forwarding slots [node][token], and
+//     once every warp is done thread 0 grants the chunk's slot back with a credit signal.
+//   The NVLink MoE dispatch of the node then moves the forwarding slots to the ranks holding their
+//   experts; remap (moe_ht_remap) names each received row's origin.
+// Positions are monotonic over calls (chunks sent and received per node, signals on both channel
+// sets), so nothing is reset between calls and a captured graph replays as is.
+// Combine: the node's NVLink combine sums the node's ranks' outputs per slot; combine_send
+// (moe_ht_combine_send) sends each slot's sum back to its origin, one row per (token, node), into
+// the origin's partial rows (which hold exactly its own tokens: nothing to admit); combine_recv
+// (moe_ht_combine_recv) adds the nodes' rows in node order.
 
 namespace {
 
@@ -223,27 +242,52 @@ __device__ int32_t node_local_expert(const MoeNetArgs& a, const MoeHtArgs& h, in
   return int32_t(h.local_of[r] * a.experts_per_rank + uint32_t(e) % a.experts_per_rank);
 }
 
+// Whether token t selected an expert on node n.
+__device__ bool goes_to_node(const MoeNetArgs& a, const MoeHtArgs& h, uint32_t t, uint32_t n) {
+  for (uint32_t k = 0; k < a.topk; ++k) {
+    int32_t node;
+    node_local_expert(a, h, a.topk_idx[uint64_t(t) * a.topk + k], node);
+    if (node == int32_t(n)) return true;
+  }
+  return false;
+}
+
 // Fills forwarding slot `slot` from a message (header + row; bf16 or e4m3 by `fp8`) of `origin`.
-// One warp.
+// The message is read around L1 (a ring slot is rewritten by the NIC while the kernel runs). One
+// warp.
 __device__ void fill_slot(const MoeNetArgs& a, const MoeHtArgs& h, uint64_t slot, const char* m, bool fp8,
                           int32_t origin, uint32_t lane) {
-  const int32_t* hd = reinterpret_cast<const int32_t*>(m);
+  const volatile int32_t* hd = reinterpret_cast<const volatile int32_t*>(m);
   if (lane < a.topk) {
     int32_t node;
     h.fwd_idx[slot * a.topk + lane] = node_local_expert(a, h, hd[moe_net::kHeaderIds + lane], node);
-    h.fwd_w[slot * a.topk + lane] = reinterpret_cast<const float*>(hd)[moe_net::kHeaderIds + a.topk + lane];
+    h.fwd_w[slot * a.topk + lane] = reinterpret_cast<const volatile float*>(hd)[moe_net::kHeaderIds + a.topk + lane];
   }
   if (lane == 0) {
     h.fwd_origin[2 * slot] = origin;
     h.fwd_origin[2 * slot + 1] = hd[0];
   }
   const uint32_t bytes = fp8 ? a.hidden : a.hidden * 2;
-  copy_words_batched<int4, 4>(reinterpret_cast<int4*>(h.fwd_x + slot * bytes),
-                              reinterpret_cast<const int4*>(m + a.header_bytes), bytes / 16, lane, 32);
+  const int4* src = reinterpret_cast<const int4*>(m + a.header_bytes);
+  int4* dst = reinterpret_cast<int4*>(h.fwd_x + slot * bytes);
+  constexpr uint32_t kUnroll = 4;
+  for (uint32_t base = 0; base < bytes / 16; base += kUnroll * 32) {
+    int4 v[kUnroll];
+#pragma unroll
+    for (uint32_t u = 0; u < kUnroll; ++u) {
+      const uint32_t i = base + lane + u * 32;
+      if (i < bytes / 16) v[u] = __ldcg(src + i);
+    }
+#pragma unroll
+    for (uint32_t u = 0; u < kUnroll; ++u) {
+      const uint32_t i = base + lane + u * 32;
+      if (i < bytes / 16) dst[i] = v[u];
+    }
+  }
   if (fp8) {
     const uint32_t n = a.hidden / 128;
     const float* sc = reinterpret_cast<const float*>(m + a.header_bytes + bytes);
-    for (uint32_t i = lane; i < n; i += 32) h.fwd_scales[slot * n + i] = sc[i];
+    for (uint32_t i = lane; i < n; i += 32) h.fwd_scales[slot * n + i] = __ldcg(sc + i);
   }
 }
 
@@ -253,20 +297,129 @@ __device__ void empty_slot(const MoeNetArgs& a, const MoeHtArgs& h, uint64_t slo
   if (lane == 0) h.fwd_origin[2 * slot] = -1;
 }
 
+__device__ const PortChannelHandle& credit_channel(const MoeHtArgs& h, uint32_t r) {
+  return static_cast<const PortChannelHandle*>(h.credits)[r];
+}
+
+// Message i of ring chunk `chunk` for source node `src_node` in a receiver's area.
+__device__ uint64_t ring_offset(const MoeNetArgs& a, const MoeHtArgs& h, uint32_t src_node, uint32_t chunk,
+                                uint32_t i) {
+  return h.off_ring + ((uint64_t(src_node) * h.chunks + chunk) * kHtChunk + i) * a.msg_bytes;
+}
+
+__device__ uint64_t desc_offset(const MoeHtArgs& h, uint32_t src_node, uint32_t chunk) {
+  return h.off_desc + (uint64_t(src_node) * h.chunks + chunk) * sizeof(HtChunkDesc);
+}
+
+// Sends this dispatch's tokens for node n to its rail peer (see above). One warp.
+__device__ void send_node(const MoeNetArgs& a, const MoeHtArgs& h, uint32_t n, uint64_t epoch, uint32_t lane) {
+  const uint32_t peer = h.rail[n];
+  const uint32_t half = uint32_t(epoch & 1);
+  uint32_t* list = h.list + uint64_t(n) * a.max_tokens;
+  uint32_t m = 0;
+  for (uint32_t base = 0; base < a.num_tokens; base += 32) {
+    const uint32_t t = base + lane;
+    const bool go = t < a.num_tokens && goes_to_node(a, h, t, n);
+    const uint32_t mask = __ballot_sync(0xffffffffu, go);
+    if (go) list[m + __popc(mask & ((1u << lane) - 1))] = t;
+    m += __popc(mask);
+  }
+  __syncwarp();
+  const PortChannelHandle& c = moe_net::channel(a, peer);
+  const uint64_t sent = *reinterpret_cast<volatile uint64_t*>(&h.sent_chunks[n]);
+  const uint32_t chunks = m == 0 ? 1 : (m + kHtChunk - 1) / kHtChunk;
+  for (uint32_t i = 0; i < chunks; ++i) {
+    const uint64_t g = sent + i;
+    if (g >= h.chunks && lane == 0) credit_channel(h, peer).wait();  // chunk g - chunks consumed
+    __syncwarp();
+    const uint32_t slot = uint32_t(g % h.chunks);
+    const uint32_t first = i * kHtChunk;
+    const uint32_t rows = m - first < kHtChunk ? m - first : kHtChunk;
+    // The descriptor's source is rewritten only after this chunk's credit came back (delivered).
+    const uint64_t desc_src = h.stage_desc + (uint64_t(n) * h.chunks + slot) * sizeof(HtChunkDesc);
+    if (lane == 0) {
+      volatile HtChunkDesc* d = reinterpret_cast<volatile HtChunkDesc*>(a.stage + desc_src);
+      d->epoch = epoch;
+      d->messages = rows;
+      d->last = i + 1 == chunks ? 1 : 0;
+      __threadfence_system();
+    }
+    const uint32_t t = lane < rows ? list[first + lane] : 0;
+    c.put_warp(rows, ring_offset(a, h, h.node, slot, lane), moe_net::stage_offset(a, half, t), moe_net::used_bytes(a),
+               desc_offset(h, h.node, slot), desc_src, sizeof(HtChunkDesc), true, lane);
+  }
+  if (lane == 0) {
+    h.sent_chunks[n] = sent + chunks;
+    c.flush();  // the staged messages may be rebuilt by the next dispatch
+  }
+  __syncwarp();
+}
+
+// Receives this dispatch's chunks from node n's rail peer into forwarding slots [n][token]
+// (see above). A whole block.
+__device__ void receive_node(const MoeNetArgs& a, const MoeHtArgs& h, uint32_t n, uint64_t epoch) {
+  const uint32_t src = h.rail[n];
+  const uint32_t lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp, warps = blockDim.x / kWarp;
+  // Slots no message fills this call stay empty.
+  for (uint32_t t = warp; t < a.max_tokens; t += warps) empty_slot(a, h, uint64_t(n) * a.max_tokens + t, lane);
+  __shared__ uint32_t rows, last, ok;
+  uint64_t g = *reinterpret_cast<volatile uint64_t*>(&h.recv_chunks[n]);
+  uint32_t total = 0;
+  __syncthreads();  // the empty slots before any message fills one
+  for (;;) {
+    if (threadIdx.x == 0) {
+      ok = moe_net::wait_signal(a, src) ? 1 : 0;
+      if (ok) {
+        const volatile HtChunkDesc* d =
+            reinterpret_cast<const volatile HtChunkDesc*>(a.area + desc_offset(h, n, uint32_t(g % h.chunks)));
+        rows = d->messages;
+        last = d->last;
+        // Another dispatch's chunk: the peer made another call (or lost the order).
+        if (d->epoch != epoch || rows > kHtChunk) {
+          report_failure(a.sites[src], kWaitBadInput, epoch, d->epoch, 0);
+          ok = 0;
+        }
+      }
+    }
+    __syncthreads();
+    if (!ok) break;
+    for (uint32_t i = warp; i < rows; i += warps) {
+      const char* m = a.area + ring_offset(a, h, n, uint32_t(g % h.chunks), i);
+      const volatile int32_t* hd = reinterpret_cast<const volatile int32_t*>(m);
+      const int32_t t = hd[0];
+      if (t >= 0 && uint32_t(t) < a.max_tokens) {
+        fill_slot(a, h, uint64_t(n) * a.max_tokens + uint32_t(t), m, hd[1] != 0, int32_t(src), lane);
+      } else if (lane == 0) {
+        report_failure(a.sites[src], kWaitBadInput, a.max_tokens, uint32_t(t), 0);
+      }
+    }
+    __syncthreads();  // every warp has read the chunk: its slot may be written again
+    if (threadIdx.x == 0) credit_channel(h, src).signal();
+    total += rows;
+    ++g;
+    if (last) break;
+  }
+  if (threadIdx.x == 0) {
+    h.recv_chunks[n] = g;
+    h.net_rows[n] = total;
+  }
+}
+
 }  // namespace
 
-extern "C" __global__ void __launch_bounds__(512) moe_ht_send(MoeNetArgs a, MoeHtArgs h) {
+extern "C" __global__ void __launch_bounds__(512) moe_ht_stage(MoeNetArgs a, MoeHtArgs h) {
   const uint32_t lane = threadIdx.x % kWarp;
   const uint32_t warps = gridDim.x * (blockDim.x / kWarp);
   const uint32_t scales = a.hidden / 128;
+  const uint32_t half = uint32_t(moe_net::send_epoch(a) & 1);
   for (uint32_t t = blockIdx.x * (blockDim.x / kWarp) + threadIdx.x / kWarp; t < a.max_tokens; t += warps) {
     const uint64_t slot = uint64_t(h.node) * a.max_tokens + t;
     if (t >= a.num_tokens) {
       empty_slot(a, h, slot, lane);
       continue;
     }
-    moe_net::stage_token(a, t, a.x + uint64_t(t) * moe_net::row_bytes(a), a.fp8 ? a.scales + uint64_t(t) * scales : nullptr,
-                         lane);
+    moe_net::stage_token(a, t, a.x + uint64_t(t) * moe_net::row_bytes(a),
+                         a.fp8 ? a.scales + uint64_t(t) * scales : nullptr, lane);
     __syncwarp();
     int32_t node = -1;
     if (lane < a.topk) {
@@ -277,49 +430,32 @@ extern "C" __global__ void __launch_bounds__(512) moe_ht_send(MoeNetArgs a, MoeH
       node_local_expert(a, h, e, node);
     }
     // This node's slot: the token itself, forwarded by this rank.
-    const bool here = __ballot_sync(0xffffffffu, node == int32_t(h.node)) != 0;
-    if (here) {
-      fill_slot(a, h, slot, a.stage + uint64_t(t) * a.msg_bytes, a.fp8 != 0, int32_t(a.rank), lane);
+    if (__ballot_sync(0xffffffffu, node == int32_t(h.node)) != 0) {
+      fill_slot(a, h, slot, a.stage + moe_net::stage_offset(a, half, t), a.fp8 != 0, int32_t(a.rank), lane);
     } else {
       empty_slot(a, h, slot, lane);
     }
-    // Every other node holding one of its experts: once, to the rail peer there.
-    for (uint32_t k = 0; k < a.topk; ++k) {
-      const int32_t n = __shfl_sync(0xffffffffu, node, k);
-      if (n < 0 || uint32_t(n) == h.node) continue;
-      const uint32_t same = __ballot_sync(0xffffffffu, node == n);
-      if (uint32_t(__ffs(same)) - 1 != k) continue;
-      moe_net::send_to(a, t, h.rail[n], lane, t);
-    }
-    __syncwarp();
   }
-  moe_net::finish_send(a);
 }
 
-extern "C" __global__ void __launch_bounds__(512) moe_ht_gather(MoeNetArgs a, MoeHtArgs h) {
-  const uint64_t epoch = a.epochs[0];
-  const uint32_t half = uint32_t(epoch & 1);
-  __shared__ Counts counts;
-  wait_dispatch(a, epoch, counts);
-  if (blockIdx.x == 0) {
-    for (uint32_t n = threadIdx.x; n < h.nodes; n += blockDim.x) h.net_rows[n] = n == h.node ? 0 : counts.n[h.rail[n]];
+// Grid: `senders` = ceil(nodes / 16) blocks of 512 threads send, a warp per node; then a block
+// per node receives. Every sender and every receiver serves one peer only, so a sender waiting
+// for credits waits only for the one receiver that is waiting only for it: the exchange cannot
+// deadlock however the peers' blocks are scheduled, as long as each rank's blocks are resident.
+extern "C" __global__ void __launch_bounds__(512) moe_ht_exchange(MoeNetArgs a, MoeHtArgs h) {
+  const uint64_t epoch = moe_net::send_epoch(a);
+  const uint32_t warps = blockDim.x / kWarp;
+  const uint32_t senders = (h.nodes + warps - 1) / warps;
+  if (blockIdx.x < senders) {
+    const uint32_t n = blockIdx.x * warps + threadIdx.x / kWarp;
+    if (n < h.nodes && n != h.node) send_node(a, h, n, epoch, threadIdx.x % kWarp);
+  } else {
+    const uint32_t n = blockIdx.x - senders;
+    if (n < h.nodes && n != h.node) receive_node(a, h, n, epoch);
   }
-  const uint32_t lane = threadIdx.x % kWarp;
-  const uint32_t warps = gridDim.x * (blockDim.x / kWarp);
-  const uint64_t slots = uint64_t(h.nodes) * a.max_tokens;
-  for (uint64_t q = blockIdx.x * (blockDim.x / kWarp) + threadIdx.x / kWarp; q < slots; q += warps) {
-    const uint32_t n = uint32_t(q / a.max_tokens), t = uint32_t(q % a.max_tokens);
-    if (n == h.node) continue;  // filled by the send half
-    const uint32_t src = h.rail[n];
-    const char* m = a.area + moe_net::wire_offset(a, half, src, t);
-    const int32_t* hd = reinterpret_cast<const int32_t*>(m);
-    // A slot of this epoch: its header says so (older epochs left the others).
-    const bool fresh = *reinterpret_cast<const volatile uint64_t*>(hd + 2) == epoch && hd[0] == int32_t(t);
-    if (fresh) {
-      fill_slot(a, h, q, m, hd[1] != 0, int32_t(src), lane);
-    } else {
-      empty_slot(a, h, q, lane);
-    }
+  if (last_block(&a.done[1]) && threadIdx.x == 0) {
+    h.net_rows[h.node] = 0;
+    a.epochs[0] = epoch;
   }
 }
 

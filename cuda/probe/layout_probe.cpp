@@ -257,6 +257,8 @@ int main() {
   FIELD(MoeNetArgs, epochs);
   FIELD(MoeNetArgs, layout);
   FIELD(MoeNetArgs, recv_count);
+  FIELD(MoeNetArgs, list);
+  FIELD(MoeNetArgs, probe);
 
   STRUCT(MoeHtArgs);
   FIELD(MoeHtArgs, nodes);
@@ -275,6 +277,20 @@ int main() {
   FIELD(MoeHtArgs, node_num_recv);
   FIELD(MoeHtArgs, origin_of);
   FIELD(MoeHtArgs, recv_src);
+  FIELD(MoeHtArgs, chunks);
+  FIELD(MoeHtArgs, reserved);
+  FIELD(MoeHtArgs, off_ring);
+  FIELD(MoeHtArgs, off_desc);
+  FIELD(MoeHtArgs, stage_desc);
+  FIELD(MoeHtArgs, credits);
+  FIELD(MoeHtArgs, sent_chunks);
+  FIELD(MoeHtArgs, recv_chunks);
+  FIELD(MoeHtArgs, list);
+
+  STRUCT(HtChunkDesc);
+  FIELD(HtChunkDesc, epoch);
+  FIELD(HtChunkDesc, messages);
+  FIELD(HtChunkDesc, last);
 
   STRUCT(LamportState);
   FIELD(LamportState, call);

@@ -8,6 +8,7 @@ pub mod allreduce;
 pub mod alltoall;
 pub mod check;
 pub mod moe;
+mod moe_ht_net;
 mod moe_ll_net;
 pub mod moe_net;
 pub mod net;

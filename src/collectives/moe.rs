@@ -37,7 +37,7 @@ use cudarc::driver::{
 use std::sync::Arc;
 
 /// Shape of one MoE layer's exchange; the same on every rank.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, Default)]
 pub struct MoeConfig {
     /// Hidden size (a multiple of 8: rows move in 16-byte words).
     pub hidden: usize,
@@ -51,6 +51,11 @@ pub struct MoeConfig {
     pub max_tokens: usize,
     /// Blocks of the send and receive kernels (the SMs they occupy); default: all SMs.
     pub blocks: Option<u32>,
+    /// High-throughput mode across nodes: the receive ring for each source node holds this many
+    /// chunks of 32 tokens (receiver-driven admission: a sender writes a chunk only when the
+    /// receiver granted its slot, so the ring may be far smaller than `max_tokens`); default 8.
+    /// Unused inside one node and by the low-latency mode.
+    pub net_chunks: Option<usize>,
 }
 
 /// Dispatch/combine state of one communicator. Build it once (collective); call dispatch then
@@ -70,7 +75,7 @@ pub struct MoeDispatcher {
 
 enum HtPath {
     Nvlink(Box<HtNvlink>),
-    Net(Box<super::moe_ll_net::HtNet>),
+    Net(Box<super::moe_ht_net::HtNet>),
 }
 
 impl MoeDispatcher {
@@ -79,7 +84,7 @@ impl MoeDispatcher {
     pub fn new(comm: &Arc<Communicator>, cfg: MoeConfig) -> Result<MoeDispatcher> {
         let ids = comm.node_ids();
         let path = if ids.iter().any(|id| *id != ids[comm.rank()]) {
-            HtPath::Net(Box::new(super::moe_ll_net::HtNet::new(comm, &cfg)?))
+            HtPath::Net(Box::new(super::moe_ht_net::HtNet::new(comm, &cfg)?))
         } else {
             HtPath::Nvlink(Box::new(HtNvlink::new(comm, cfg)?))
         };
@@ -98,6 +103,15 @@ impl MoeDispatcher {
         match &self.path {
             HtPath::Nvlink(_) => None,
             HtPath::Net(p) => Some(p.network_rows()),
+        }
+    }
+
+    /// Node-spanning path: bytes of this rank's network receive rings (every source node's),
+    /// and what rings sized for the worst case (`max_tokens` tokens from every node) would take.
+    pub fn network_ring_bytes(&self) -> Option<(u64, u64)> {
+        match &self.path {
+            HtPath::Nvlink(_) => None,
+            HtPath::Net(p) => Some(p.ring_bytes()),
         }
     }
 

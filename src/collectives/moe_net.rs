@@ -1,5 +1,6 @@
-//! MoE dispatch and combine across nodes: the plan, on the CPU (issue 16, in progress). What the
-//! node-spanning kernels will follow, and what their tests compare against:
+//! MoE dispatch and combine across nodes: the plan, on the CPU. What the node-spanning kernels
+//! (`cuda/kernels/moe_net.cu`, driven by `MoeDispatcher` and `MoeLowLatency` when a communicator
+//! spans nodes) do, in a form tests can check exhaustively without a GPU:
 //!
 //! - [`NodeMap`]: which node each rank is on and its index there (every node holds the same
 //!   number of ranks, as DeepEP's internode mode requires).
@@ -8,16 +9,14 @@
 //!   forwards it over NVLink to the ranks of its node that hold any of its experts; the combine
 //!   reduces inside the node first and sends one partial row per (token, node) back.
 //! - [`LowLatencyPlan`]: DeepEP's internode low-latency routing. Each selected (token, rank) pair
-//!   is one message straight to that rank's per-expert slots, over NVLink where the rank shares
-//!   the node and over RDMA otherwise; a count per (expert, source rank) follows the data.
-//! - [`Admission`]: receiver-driven admission. A receiver grants buffer slots (clear-to-send
-//!   credits, as NCCL's receiver-posted FIFO does) before senders write, so an incast of many
-//!   senders onto one rank never overruns a buffer smaller than the worst case.
-//! - [`WireModel`]: what a plan puts on the wire (WQEs and bytes per token for each posting mode)
-//!   and the time that takes on a NIC of a given rate.
-//!
-//! The kernels are not written yet: `MoeDispatcher` and `MoeLowLatency` still refuse ranks on
-//! other nodes.
+//!   is one message straight to that rank, over NVLink where the rank shares the node and over
+//!   RDMA otherwise; one count word per destination rank follows the data.
+//! - [`ChunkStream`]: receiver-driven admission of the high-throughput network stream, exactly as
+//!   the kernels count it: per source a ring of a few chunk slots at the receiver, a credit per
+//!   chunk consumed, positions monotonic over dispatches. The model holds both sides' counters
+//!   and the ring, so any interleaving of senders and receiver can be checked for overruns.
+//! - [`WireModel`]: what the kernels put on the wire (WQEs and bytes per rank for each posting
+//!   mode) and the time that takes on a NIC of a given rate.
 
 use crate::error::{Error, Result};
 
@@ -146,6 +145,8 @@ pub struct HighThroughputPlan {
     pub tokens_per_node: Vec<u32>,
     /// DeepEP's `num_tokens_per_expert`: selections of each expert.
     pub tokens_per_expert: Vec<u32>,
+    /// This rank's node.
+    pub home: usize,
 }
 
 impl HighThroughputPlan {
@@ -184,11 +185,12 @@ impl HighThroughputPlan {
             tokens_per_rank: vec![0; world],
             tokens_per_node: vec![0; map.nodes()],
             tokens_per_expert: vec![0; num_experts],
+            home: map.node(me),
         };
         for &e in topk_idx.iter().filter(|&&e| e >= 0) {
             plan.tokens_per_expert[e as usize] += 1;
         }
-        let home = map.node(me);
+        let home = plan.home;
         for (t, ranks) in ranks_of_tokens(topk_idx, topk, per_rank).iter().enumerate() {
             let mut nodes: Vec<usize> = ranks.iter().map(|&r| map.node(r)).collect();
             nodes.sort_unstable();
@@ -249,9 +251,8 @@ pub struct LowLatencyPlan {
     pub nvlink_messages: usize,
     /// Messages to ranks of other nodes (RDMA WRITEs).
     pub rdma_messages: usize,
-    /// Per destination rank, the (local expert, count) pairs this rank's count words carry:
-    /// one count word per (expert, this rank) whether or not any row goes there (a zero count
-    /// still tells the receiver this rank is done).
+    /// Per destination rank and local expert, the selections of this rank's tokens (DeepEP's
+    /// `num_tokens_per_expert`, which the receiver counts from the messages' headers).
     pub counts: Vec<Vec<u32>>,
 }
 
@@ -296,133 +297,176 @@ impl LowLatencyPlan {
         Ok(plan)
     }
 
-    /// Count words this rank writes to ranks of other nodes (one per remote rank's expert).
-    pub fn remote_count_words(&self, map: &NodeMap, me: usize) -> usize {
+    /// Ranks on other nodes: each gets one count word from this rank per dispatch (with its
+    /// flush and signal), whether or not a message went there.
+    pub fn remote_ranks(map: &NodeMap, me: usize) -> usize {
         (0..map.world())
             .filter(|&r| map.node(r) != map.node(me))
-            .map(|r| self.counts[r].len())
-            .sum()
+            .count()
     }
 }
 
-/// A grant of [`Admission`]: sender `sender` may write its chunk `seq` into slot `slot`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Grant {
-    /// The sender.
-    pub sender: usize,
-    /// The sender's chunk index (0, 1, ...).
-    pub seq: u64,
-    /// The receive buffer slot it goes to.
-    pub slot: usize,
+/// Messages per chunk of the high-throughput network stream (`kHtChunk` in
+/// `collective_args.cuh`: one warp posts a chunk).
+pub const HT_CHUNK: usize = 32;
+
+/// A chunk's descriptor as the receiver reads it from its ring.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Chunk {
+    /// The dispatch it belongs to.
+    pub epoch: u64,
+    /// Its tokens, in the sender's order (at most [`HT_CHUNK`]).
+    pub tokens: Vec<u32>,
+    /// The sender's last chunk of this dispatch.
+    pub last: bool,
 }
 
-/// Receiver-driven admission for one receiver: a buffer of `slots` chunk slots shared by every
-/// sender, handed out as clear-to-send grants (round robin over the senders that still have
-/// chunks, so an incast shares the buffer fairly); a slot is granted again only after the
-/// receiver consumed what was written there. Senders publish what they wrote; the receiver
-/// consumes each sender's chunks in order. The GPU protocol keeps these as monotonic counters in
-/// memory both sides reach (grants in the sender's memory, written counts in the receiver's).
+/// One sender's side of the stream and the receiver's counters for it, named as in the kernels.
+#[derive(Debug, Clone, Default)]
+struct Link {
+    /// Chunks of the current dispatch still to send.
+    pending: std::collections::VecDeque<Chunk>,
+    /// `sent_chunks`: chunks sent over all dispatches.
+    sent: u64,
+    /// Credits the sender has taken (its credit channel's `expected_inbound`).
+    credits_taken: u64,
+    /// Credits the receiver has signalled (the sender's credit inbound token).
+    credits_given: u64,
+    /// Data signals sent (the receiver's inbound token) and consumed by the receiver.
+    signals: u64,
+    signals_taken: u64,
+    /// `recv_chunks`: chunks received over all dispatches.
+    received: u64,
+    /// The receiver's ring for this sender: slot -> the chunk written there and not yet consumed.
+    ring: Vec<Option<Chunk>>,
+}
+
+/// Receiver-driven admission of the high-throughput stream from several senders into one
+/// receiver, step by step as `moe_ht_exchange` runs it. Each sender owns a ring of `chunks` slots
+/// at the receiver; a dispatch sends at least one chunk (an empty last one when no token goes
+/// there); a sender writes chunk `g >= chunks` only after taking a credit, and the receiver gives
+/// one after consuming each chunk. [`ChunkStream::send`] is an error if a write would land on a
+/// slot the receiver has not consumed: the property the credits exist for.
 #[derive(Debug, Clone)]
-pub struct Admission {
-    /// Chunks each sender has to send (known from the count exchange; high-throughput mode).
-    demand: Vec<u64>,
-    /// Chunks granted to each sender so far.
-    granted: Vec<u64>,
-    /// Free slots, in the order they will be granted.
-    free: std::collections::VecDeque<usize>,
-    /// Slots granted and not yet consumed: (grant, written).
-    outstanding: Vec<(Grant, bool)>,
-    /// Chunks consumed from each sender.
-    consumed: Vec<u64>,
-    next_sender: usize,
+pub struct ChunkStream {
+    chunks: usize,
+    links: Vec<Link>,
 }
 
-impl Admission {
-    /// A receiver with `slots` chunk slots and, per sender, the chunks it will send.
-    pub fn new(slots: usize, demand: Vec<u64>) -> Result<Admission> {
-        if slots == 0 {
-            return Err(Error::invalid("admission", "a receive buffer of 0 slots"));
+impl ChunkStream {
+    /// `senders` senders, each with a ring of `chunks` chunk slots at the receiver.
+    pub fn new(senders: usize, chunks: usize) -> Result<ChunkStream> {
+        if chunks == 0 {
+            return Err(Error::invalid("chunk stream", "a ring of 0 chunks"));
         }
-        let senders = demand.len();
-        Ok(Admission {
-            demand,
-            granted: vec![0; senders],
-            free: (0..slots).collect(),
-            outstanding: Vec::new(),
-            consumed: vec![0; senders],
-            next_sender: 0,
+        let link = Link {
+            ring: vec![None; chunks],
+            ..Link::default()
+        };
+        Ok(ChunkStream {
+            chunks,
+            links: vec![link; senders],
         })
     }
 
-    /// Grants every free slot it can, round robin over senders with chunks left.
-    pub fn grant(&mut self) -> Vec<Grant> {
-        let senders = self.demand.len();
-        let mut out = Vec::new();
-        while !self.free.is_empty() {
-            let Some(s) = (0..senders)
-                .map(|i| (self.next_sender + i) % senders)
-                .find(|&s| self.granted[s] < self.demand[s])
-            else {
-                break;
-            };
-            let slot = self.free.pop_front().expect("checked");
-            let g = Grant {
-                sender: s,
-                seq: self.granted[s],
-                slot,
-            };
-            self.granted[s] += 1;
-            self.next_sender = (s + 1) % senders;
-            self.outstanding.push((g, false));
-            out.push(g);
+    /// Sender `s` starts dispatch `epoch` with `tokens` for this receiver (in its order): its
+    /// chunks of up to [`HT_CHUNK`], at least one. An error if its previous dispatch is unsent.
+    pub fn begin(&mut self, s: usize, epoch: u64, tokens: &[u32]) -> Result<usize> {
+        let link = &mut self.links[s];
+        if !link.pending.is_empty() {
+            return Err(Error::invalid(
+                "chunk stream",
+                format!("sender {s} began dispatch {epoch} before sending the last one"),
+            ));
         }
-        out
+        let n = tokens.len().div_ceil(HT_CHUNK).max(1);
+        for i in 0..n {
+            let part =
+                &tokens[(i * HT_CHUNK).min(tokens.len())..((i + 1) * HT_CHUNK).min(tokens.len())];
+            link.pending.push_back(Chunk {
+                epoch,
+                tokens: part.to_vec(),
+                last: i + 1 == n,
+            });
+        }
+        Ok(n)
     }
 
-    /// The sender wrote the chunk of `grant` (an error if it was not granted, or written twice).
-    pub fn written(&mut self, grant: Grant) -> Result<()> {
-        match self.outstanding.iter_mut().find(|(g, _)| *g == grant) {
-            Some((_, w)) if !*w => {
-                *w = true;
-                Ok(())
+    /// Sender `s` tries to write its next chunk: `Ok(false)` when it has none or waits for a
+    /// credit, `Ok(true)` when written (data, descriptor, signal), an error when the write would
+    /// overrun a slot the receiver still holds.
+    pub fn send(&mut self, s: usize) -> Result<bool> {
+        let chunks = self.chunks as u64;
+        let link = &mut self.links[s];
+        if link.pending.is_empty() {
+            return Ok(false);
+        }
+        if link.sent >= chunks {
+            // Chunk g >= chunks waits for the credit of chunk g - chunks.
+            if link.credits_given <= link.credits_taken {
+                return Ok(false);
             }
-            Some(_) => Err(Error::invalid(
-                "admission",
-                format!("{grant:?} written twice"),
-            )),
-            None => Err(Error::invalid(
-                "admission",
-                format!("{grant:?} was never granted: the write would overrun the buffer"),
-            )),
+            link.credits_taken += 1;
         }
-    }
-
-    /// Consumes, for each sender, the written chunks that come next in its order; returns them
-    /// and frees their slots.
-    pub fn consume(&mut self) -> Vec<Grant> {
-        let mut out = Vec::new();
-        loop {
-            let next = self
-                .outstanding
-                .iter()
-                .position(|(g, w)| *w && g.seq == self.consumed[g.sender]);
-            let Some(i) = next else { break };
-            let (g, _) = self.outstanding.swap_remove(i);
-            self.consumed[g.sender] += 1;
-            self.free.push_back(g.slot);
-            out.push(g);
+        let slot = (link.sent % chunks) as usize;
+        if let Some(held) = &link.ring[slot] {
+            return Err(Error::invalid(
+                "chunk stream",
+                format!(
+                    "sender {s} overran slot {slot}: chunk {} of dispatch {} is not consumed",
+                    link.received, held.epoch
+                ),
+            ));
         }
-        out
+        link.ring[slot] = link.pending.pop_front();
+        link.sent += 1;
+        link.signals += 1;
+        Ok(true)
     }
 
-    /// Whether every sender's chunks were consumed.
-    pub fn done(&self) -> bool {
-        self.consumed == self.demand
+    /// The receiver takes sender `s`'s next chunk of dispatch `epoch` if its signal arrived
+    /// (`Ok(None)` otherwise), frees its slot and signals a credit. An error if the slot holds
+    /// nothing or another dispatch's chunk.
+    pub fn receive(&mut self, s: usize, epoch: u64) -> Result<Option<Chunk>> {
+        let chunks = self.chunks as u64;
+        let link = &mut self.links[s];
+        if link.signals <= link.signals_taken {
+            return Ok(None);
+        }
+        link.signals_taken += 1;
+        let slot = (link.received % chunks) as usize;
+        let chunk = link.ring[slot].take().ok_or_else(|| {
+            Error::invalid(
+                "chunk stream",
+                format!("sender {s}: slot {slot} signalled empty"),
+            )
+        })?;
+        if chunk.epoch != epoch {
+            return Err(Error::invalid(
+                "chunk stream",
+                format!(
+                    "sender {s}: dispatch {} arrived during {epoch}",
+                    chunk.epoch
+                ),
+            ));
+        }
+        link.received += 1;
+        link.credits_given += 1;
+        Ok(Some(chunk))
     }
 
-    /// Slots granted and not yet consumed (never more than the buffer holds).
+    /// Chunk slots the receiver holds written and unconsumed, over all senders (at most
+    /// `senders x chunks`).
     pub fn in_use(&self) -> usize {
-        self.outstanding.len()
+        self.links
+            .iter()
+            .map(|l| l.ring.iter().filter(|c| c.is_some()).count())
+            .sum()
+    }
+
+    /// Chunks sender `s` has sent and the receiver has taken, over all dispatches.
+    pub fn positions(&self, s: usize) -> (u64, u64) {
+        (self.links[s].sent, self.links[s].received)
     }
 }
 
@@ -435,56 +479,65 @@ pub enum Posting {
     Proxy,
 }
 
-/// What a plan puts on the wire, and how long that takes.
+/// What the kernels put on the wire for a plan, and how long that takes.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct WireModel {
-    /// Work requests posted.
+    /// Work requests this rank posts.
     pub wqes: u64,
-    /// Bytes on the wire (payload).
+    /// Bytes this rank puts on the wire (payload: WRITE data, READ and atomic operands).
     pub bytes: u64,
     /// FIFO triggers the GPU pushes (proxy posting; 0 when the GPU posts).
     pub triggers: u64,
 }
 
 impl WireModel {
-    /// A low-latency dispatch: one WRITE per RDMA message of `row_bytes` (the row plus its
-    /// metadata: FP8 scales, source token), then per remote (expert, source) count word an
-    /// 8-byte atomic; with the proxy, one trigger per WRITE and one per count.
+    /// A low-latency dispatch as `moe_net::finish_send` posts it: one WRITE per RDMA message of
+    /// `msg_bytes` (header, row, FP8 scales), and to every rank on another node (`remote_ranks`,
+    /// even with no message for it) the count word's WRITE, a READ (the flush) and the fetch-add
+    /// the receiver waits for; with the proxy, one trigger per put and one per signal.
     pub fn low_latency(
         plan: &LowLatencyPlan,
-        count_words: usize,
-        row_bytes: u64,
+        remote_ranks: usize,
+        msg_bytes: u64,
         posting: Posting,
     ) -> WireModel {
         let rows = plan.rdma_messages as u64;
-        let counts = count_words as u64;
+        let peers = remote_ranks as u64;
         WireModel {
-            wqes: rows + counts,
-            bytes: rows * row_bytes + counts * 8,
+            wqes: rows + 3 * peers,
+            bytes: rows * msg_bytes + peers * 24,
             triggers: match posting {
                 Posting::Gpu => 0,
-                Posting::Proxy => rows + counts,
+                Posting::Proxy => rows + 2 * peers,
             },
         }
     }
 
-    /// A high-throughput dispatch: one WRITE per network row (rows grouped per destination node
-    /// in chunks of `chunk_rows`, one WRITE per chunk) plus one 8-byte tail update per chunk.
+    /// A high-throughput dispatch as `moe_ht_exchange` posts it: per other node, the tokens that
+    /// go there in chunks of [`HT_CHUNK`] (at least one chunk), each chunk its WRITEs, a 16-byte
+    /// descriptor WRITE, a READ and a fetch-add; and the credits this rank returns as a receiver
+    /// for as many chunks (a READ and a fetch-add each).
     pub fn high_throughput(
         plan: &HighThroughputPlan,
-        row_bytes: u64,
-        chunk_rows: u64,
+        msg_bytes: u64,
+        posting: Posting,
     ) -> WireModel {
         let chunks: u64 = plan
             .to_node
             .iter()
-            .map(|t| (t.len() as u64).div_ceil(chunk_rows.max(1)))
+            .enumerate()
+            .filter(|&(n, _)| n != plan.home)
+            .map(|(_, t)| (t.len().div_ceil(HT_CHUNK).max(1)) as u64)
             .sum();
         let rows = plan.network_rows() as u64;
+        // Credits: the same number of chunks arrive here in a balanced exchange.
         WireModel {
-            wqes: 2 * chunks,
-            bytes: rows * row_bytes + chunks * 8,
-            triggers: 0,
+            wqes: rows + 3 * chunks + 2 * chunks,
+            bytes: rows * msg_bytes + chunks * 32 + chunks * 16,
+            triggers: match posting {
+                Posting::Gpu => 0,
+                Posting::Proxy => rows + 2 * chunks + chunks,
+            },
         }
     }
 

@@ -75,6 +75,8 @@ struct IbFabric {
     peer_pools: Vec<Option<(u64, u32)>>,
     /// The emulated wire: peers' pools mapped here (kept alive for the NIC).
     _mapped: Vec<RemoteMemory>,
+    /// The emulated NIC behind the provider (`DOORBELL_IB_EMULATE=1`), for its traffic counts.
+    emulated: Option<Arc<EmulatedNic>>,
 }
 
 impl IbFabric {
@@ -133,6 +135,7 @@ impl IbFabric {
             _pool: pool_mr,
             peer_pools,
             _mapped: mapped,
+            emulated: None,
         })
     }
 }
@@ -249,7 +252,7 @@ impl Communicator {
             )?);
             let fabric = Fabric::for_job(&job_tag(bootstrap.secret()))?;
             let provider: Arc<dyn Provider> = Arc::new(Emulated::new(
-                nic,
+                nic.clone(),
                 rank as u32 + 1,
                 fabric,
                 PortConfig::default(),
@@ -260,7 +263,7 @@ impl Communicator {
                 provider.device_name()
             );
             let peers = ib_mapped.into_iter().map(|(r, m)| (r, Some(m))).collect();
-            Some(IbFabric::open(
+            let mut fabric = IbFabric::open(
                 dev,
                 &bootstrap,
                 &gpu,
@@ -268,7 +271,9 @@ impl Communicator {
                 peers,
                 settings.ib_posting,
                 &what,
-            )?)
+            )?;
+            fabric.emulated = Some(nic);
+            Some(fabric)
         } else if host_ids.iter().any(|h| *h != host_ids[rank]) {
             // Ranks on other hosts: the NIC nearest this GPU, where every rank has one.
             let mine = if settings.ib_disable {
@@ -458,6 +463,16 @@ impl Communicator {
         self.ib.as_ref().is_some_and(|ib| {
             !self.same_host(peer) && ib.peer_pools.get(peer).is_some_and(Option::is_some)
         })
+    }
+
+    /// With `DOORBELL_IB_EMULATE=1`: what this rank's emulated NIC has executed as requester so
+    /// far (every queue pair: the proxy's and the kernels'), for tests that count what crossed
+    /// the network. `None` with a real NIC or none.
+    pub fn emulated_nic_traffic(&self) -> Option<crate::transport::ib::emulator::Traffic> {
+        self.ib
+            .as_ref()
+            .and_then(|ib| ib.emulated.as_ref())
+            .map(|nic| nic.traffic())
     }
 
     /// The node (host, or emulated node with `DOORBELL_SEPARATE_NODES`) of every rank, as

@@ -502,6 +502,8 @@ pub struct MoeNetArgs {
     pub epochs: u64,
     pub layout: u64,
     pub recv_count: u64,
+    pub list: u64,
+    pub probe: u64,
 }
 
 /// The high-throughput node-spanning MoE kernels' own arguments (`collective_args.cuh`).
@@ -525,6 +527,28 @@ pub struct MoeHtArgs {
     pub node_num_recv: u64,
     pub origin_of: u64,
     pub recv_src: u64,
+    pub chunks: u32,
+    pub reserved: u32,
+    pub off_ring: u64,
+    pub off_desc: u64,
+    pub stage_desc: u64,
+    pub credits: u64,
+    pub sent_chunks: u64,
+    pub recv_chunks: u64,
+    pub list: u64,
+}
+
+/// What a chunk of the high-throughput network stream holds (`collective_args.cuh`), written
+/// behind its messages.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Pod, Zeroable)]
+pub struct HtChunkDesc {
+    /// The dispatch it belongs to.
+    pub epoch: u64,
+    /// Messages in the chunk (0..=32).
+    pub messages: u32,
+    /// 1: the source's last chunk of this dispatch.
+    pub last: u32,
 }
 
 /// Per-block state of the sentinel two-shot (`collective_args.cuh`).
@@ -840,6 +864,8 @@ mod layout {
                     epochs,
                     layout,
                     recv_count,
+                    list,
+                    probe,
                 ]
             ),
             layout!(
@@ -862,8 +888,18 @@ mod layout {
                     node_num_recv,
                     origin_of,
                     recv_src,
+                    chunks,
+                    reserved,
+                    off_ring,
+                    off_desc,
+                    stage_desc,
+                    credits,
+                    sent_chunks,
+                    recv_chunks,
+                    list,
                 ]
             ),
+            layout!("HtChunkDesc", HtChunkDesc, [epoch, messages, last]),
             layout!("LamportState", LamportState, [call, reserved, prev_count]),
             layout!(
                 "ProxyTrigger",

@@ -176,9 +176,14 @@ DOORBELL_CHECK_SIZE(MoeLlArgs, 320);
 //   off_part    [source][max_tokens][hidden] bf16: the combine's partial sums, by my token
 //   off_cdone   [source] u64: the combine call whose partial sums a same-node source has written
 // Every rank's staging area (the PortChannels' source):
-//   0             [max_tokens][msg_bytes] this call's messages, by token
-//   stage_counts  [world] u64 the count words sent over the network
+//   0             [2][max_tokens][msg_bytes] the messages by token, half = dispatch epoch & 1 (a
+//                 half is rebuilt two calls later, when every peer has seen this call's counts:
+//                 the send never waits for its network completions)
+//   stage_counts  [2][world] u64 the count words sent over the network, by half
 //   stage_part    [source][max_tokens][hidden] bf16 partial sums for sources on other nodes
+// The high-throughput path (MoeHtArgs) uses the same area with its own message region: rings of
+// `chunks` chunks of kHtChunk messages per source node at off_ring, chunk descriptors at
+// off_desc; its staging holds one half of messages by token and the descriptors at stage_desc.
 struct MoeNetArgs {
   // Per call.
   const uint8_t* x;             // [num_tokens] rows: hidden bf16, or hidden e4m3 bytes (fp8)
@@ -223,8 +228,12 @@ struct MoeNetArgs {
                                 //   receive "counts are in" words
   uint32_t* layout;             // mine: [local expert][source] rows received
   uint32_t* recv_count;         // mine: [local expert] rows received
+  uint32_t* list;               // mine: [world][max_tokens] the token of each message to a peer on
+                                //   another node, this call (posted by the last block in batches)
+  uint64_t* probe;              // optional [3] global timer (ns): first block's start (min), last
+                                //   doorbell of the send (max), send's end (max); null: off
 };
-DOORBELL_CHECK_SIZE(MoeNetArgs, 256);
+DOORBELL_CHECK_SIZE(MoeNetArgs, 272);
 
 // The high-throughput node-spanning MoE exchange's own arguments (cuda/kernels/moe_net.cu, beside
 // MoeNetArgs): a token crosses the network once per destination node, to the rank of that node
@@ -248,7 +257,30 @@ struct MoeHtArgs {
   const uint32_t* node_num_recv;  // the node dispatch's row count
   const uint64_t* origin_of;      // [ranks of my node] each one's fwd_origin, mapped here
   int32_t* recv_src;              // [rows][2] the rows' origin (rank, token)
+  // The network stream with receiver-driven admission (moe_net.cu, "High throughput"): each
+  // source node's messages land in a ring of `chunks` chunks of kHtChunk messages here; a sender
+  // writes a chunk only after the receiver granted its slot (a credit signal per chunk consumed).
+  uint32_t chunks;                // ring chunks per source node
+  uint32_t reserved;
+  uint64_t off_ring;              // area: [nodes][chunks][kHtChunk][msg_bytes] messages
+  uint64_t off_desc;              // area: [nodes][chunks] HtChunkDesc, written after each chunk
+  uint64_t stage_desc;            // staging: [nodes][chunks] HtChunkDesc, their sources
+  const void* credits;            // [world] PortChannelHandle: the credit channels (signals only)
+  uint64_t* sent_chunks;          // mine: [nodes] chunks sent to each node so far (all calls)
+  uint64_t* recv_chunks;          // mine: [nodes] chunks received from each node so far
+  uint32_t* list;                 // mine: [nodes][max_tokens] tokens sent to each node, this call
 };
-DOORBELL_CHECK_SIZE(MoeHtArgs, 120);
+DOORBELL_CHECK_SIZE(MoeHtArgs, 184);
+
+// Messages per chunk of the high-throughput network stream (one warp posts a chunk).
+constexpr uint32_t kHtChunk = 32;
+
+// What a chunk of the high-throughput stream holds, written behind its messages.
+struct HtChunkDesc {
+  uint64_t epoch;     // the dispatch it belongs to
+  uint32_t messages;  // 0..kHtChunk
+  uint32_t last;      // 1: the source's last chunk of this dispatch
+};
+DOORBELL_CHECK_SIZE(HtChunkDesc, 16);
 
 }  // namespace doorbell

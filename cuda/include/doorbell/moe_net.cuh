@@ -3,16 +3,24 @@
 // DOORBELL_MOE_NET=1); `cuda/kernels/moe_net.cu` is built from the same calls.
 //
 // One code path for every peer: a token's message (header + row, see MoeNetArgs in
-// collective_args.cuh) is built once in the sender's staging area, then goes to each rank holding
-// one of its experts, by NVLink stores where that rank's area is mapped here (same node, and this
-// rank itself) and by a PortChannel put otherwise (an RDMA WRITE that the kernel or the proxy
-// posts, whichever posting mode the transports chose). The slot is the sender's to pick (an
-// atomic on its own counter per destination), so no receiver is ever asked first: each source
-// owns `max_tokens` message slots per half at each receiver, which one call can never overrun.
-// When every token is sent, the last block publishes one count word per destination (epoch << 32
-// | messages): an NVLink store after a system fence, or over the network a put of the word, a
-// signal (which lands after every earlier put of the channel, flushing relaxed-ordered writes
-// first), and a flush so the staging area may be rebuilt by the next call.
+// collective_args.cuh) is built once in the sender's staging area (the half of the dispatch's
+// epoch), then goes to each rank holding one of its experts: by NVLink stores, from the token's
+// own warp, where that rank's area is mapped here (same node, and this rank itself); by
+// PortChannel puts otherwise (RDMA WRITEs that the kernel or the proxy posts, whichever posting
+// mode the transports chose), which the token's warp only lists: the sending grid's last block
+// posts each network peer's list as batches of up to 32 WRITEs (one reservation, one publish and
+// one doorbell each when the GPU posts), the last batch carrying the count word and the signal
+// (a READ that flushes the writes before it, then the fetch-add the receiver waits for). The slot
+// is the sender's to pick (an atomic on its own counter per destination), so no receiver is ever
+// asked first: each source owns `max_tokens` message slots per half at each receiver, which one
+// call can never overrun (DeepEP's low-latency layout; a decode step cannot wait for a grant,
+// since the receive half runs after the send half). Over NVLink the count word is a store after
+// a system fence.
+//
+// The send never waits for its network completions (no SM is held for the NIC): the staging half
+// of call e is rebuilt by call e + 2, and by then every peer has received call e + 1's counts
+// from every rank, which each rank sends only after its own receive of call e saw this rank's
+// signal, which the NIC executes after every WRITE of call e.
 //
 // Fused dispatch, per call:
 //   host: args = begin_fused_send(...)   (a FusedSend::Net, launches nothing)
@@ -72,13 +80,17 @@ DOORBELL_DEVICE_INLINE int32_t* rec_entry(const MoeNetArgs& a, uint32_t half, ui
   return a.rec + ((uint64_t(half) * a.world + src) * a.max_tokens + j) * a.topk + k;
 }
 
-// Builds token t's message in the staging area: the header (token, row format, its top-k ids and
-// weights),
-// the row (`row`: hidden bf16 or e4m3, 16-byte aligned, any memory) and with fp8 its scales. One
-// warp, every lane with its lane id.
+// Where token t's message of half `half` sits in the staging area.
+DOORBELL_DEVICE_INLINE uint64_t stage_offset(const MoeNetArgs& a, uint32_t half, uint32_t t) {
+  return (uint64_t(half) * a.max_tokens + t) * a.msg_bytes;
+}
+
+// Builds token t's message in the staging area (the half of the epoch being sent): the header
+// (token, row format, its top-k ids and weights), the row (`row`: hidden bf16 or e4m3, 16-byte
+// aligned, any memory) and with fp8 its scales. One warp, every lane with its lane id.
 DOORBELL_DEVICE_INLINE void stage_token(const MoeNetArgs& a, uint32_t t, const void* row, const float* scales,
                                         uint32_t lane) {
-  char* m = a.stage + uint64_t(t) * a.msg_bytes;
+  char* m = a.stage + stage_offset(a, uint32_t(send_epoch(a) & 1), t);
   int32_t* h = reinterpret_cast<int32_t*>(m);
   if (lane == 0) {
     h[0] = int32_t(t);
@@ -97,24 +109,21 @@ DOORBELL_DEVICE_INLINE void stage_token(const MoeNetArgs& a, uint32_t t, const v
   }
 }
 
-// Sends token t's staged message to rank r, into my message slot `slot` there (kNextSlot: the
-// next free one), by NVLink stores or a PortChannel put, and counts it. One warp.
-constexpr uint32_t kNextSlot = ~0u;
-DOORBELL_DEVICE_INLINE void send_to(const MoeNetArgs& a, uint32_t t, uint32_t r, uint32_t lane,
-                                    uint32_t slot = kNextSlot) {
+// Sends token t's staged message to rank r: NVLink stores into my next message slot there when
+// its area is mapped here; else the slot and token go on r's list, which finish_send posts. One
+// warp.
+DOORBELL_DEVICE_INLINE void send_to(const MoeNetArgs& a, uint32_t t, uint32_t r, uint32_t lane) {
   const uint32_t half = uint32_t(send_epoch(a) & 1);
   uint32_t j = 0;
   if (lane == 0) j = atomicAdd(&a.fill[r], 1u);
-  j = slot != kNextSlot ? slot : __shfl_sync(0xffffffffu, j, 0);
-  const uint64_t at = wire_offset(a, half, a.rank, j);
-  const char* msg = a.stage + uint64_t(t) * a.msg_bytes;
+  j = __shfl_sync(0xffffffffu, j, 0);
   const uint64_t mapped = a.peer_area[r];
   if (mapped != 0) {
-    copy_words_batched<int4, 8>(reinterpret_cast<int4*>(mapped + at), reinterpret_cast<const int4*>(msg),
-                                used_bytes(a) / 16, lane, 32);
-  } else if (lane == 0) {
-    __threadfence_system();  // the staged message (every lane's part, after the warp's sync) first
-    channel(a, r).put(at, uint64_t(t) * a.msg_bytes, used_bytes(a));
+    const char* msg = a.stage + stage_offset(a, half, t);
+    copy_words_batched<int4, 8>(reinterpret_cast<int4*>(mapped + wire_offset(a, half, a.rank, j)),
+                                reinterpret_cast<const int4*>(msg), used_bytes(a) / 16, lane, 32);
+  } else if (lane == 0 && j < a.max_tokens) {
+    a.list[uint64_t(r) * a.max_tokens + j] = t;
   }
 }
 
@@ -144,40 +153,69 @@ DOORBELL_DEVICE_INLINE void put_token(const MoeNetArgs& a, uint32_t t, const voi
   __syncwarp();
 }
 
+// Posts rank r's listed messages of this call (`n` of them, half `half`) as batches of up to 32
+// puts, the last batch followed by the count `word` and the signal. One warp.
+DOORBELL_DEVICE_INLINE void post_messages(const MoeNetArgs& a, uint32_t r, uint32_t half, uint32_t n, uint64_t word,
+                                          uint32_t lane) {
+  const PortChannelHandle& c = channel(a, r);
+  const uint64_t count_src = a.stage_counts + (uint64_t(half) * a.world + r) * 8;
+  const uint64_t count_dst = a.off_counts + (uint64_t(half) * a.world + a.rank) * 8;
+  if (lane == 0) *reinterpret_cast<volatile uint64_t*>(a.stage + count_src) = word;
+  const uint32_t batches = n == 0 ? 1 : (n + 31) / 32;
+  for (uint32_t b = 0; b < batches; ++b) {
+    const uint32_t first = 32 * b;
+    const uint32_t rows = n - first < 32 ? n - first : 32;
+    const bool last = b == batches - 1;
+    uint32_t t = 0;
+    if (lane < rows) t = reinterpret_cast<const volatile uint32_t*>(a.list)[uint64_t(r) * a.max_tokens + first + lane];
+    c.put_warp(rows, wire_offset(a, half, a.rank, first + lane), stage_offset(a, half, t), used_bytes(a),
+               last ? count_dst : 0, last ? count_src : 0, last ? 8 : 0, last, lane);
+  }
+}
+
 // Every block of the sending grid calls this once, with all its threads, after its puts. The
-// last block to arrive publishes the counts (see the top of this file), flushes the network
-// channels and stores the epoch.
+// last block to arrive publishes the counts and posts the network peers' messages (see the top
+// of this file), then stores the epoch.
 DOORBELL_DEVICE_INLINE void finish_send(const MoeNetArgs& a) {
   __shared__ bool last;
   __syncthreads();
   if (threadIdx.x == 0) {
-    __threadfence_system();  // this block's NVLink stores before its arrival
+    __threadfence_system();  // this block's NVLink stores and staged messages before its arrival
     last = atomicAdd(&a.done[0], 1u) == gridDim.x * gridDim.y * gridDim.z - 1;
   }
   __syncthreads();
   if (!last) return;
+  __threadfence();
   const uint64_t epoch = send_epoch(a);
   const uint32_t half = uint32_t(epoch & 1);
-  for (uint32_t r = threadIdx.x; r < a.world; r += blockDim.x) {
-    const uint32_t n = atomicExch(&a.fill[r], 0u);
+  const uint32_t lane = threadIdx.x % 32, warps = blockDim.x / 32;
+  for (uint32_t r = threadIdx.x / 32; r < a.world; r += warps) {
+    uint32_t n = 0;
+    if (lane == 0) n = atomicExch(&a.fill[r], 0u);
+    n = __shfl_sync(0xffffffffu, n, 0);
+    n = n < a.max_tokens ? n : a.max_tokens;  // more is impossible: each token sends once per rank
     const uint64_t word = epoch << 32 | n;
-    const uint64_t at = a.off_counts + (uint64_t(half) * a.world + a.rank) * 8;
     if (a.peer_area[r] != 0) {
-      __threadfence_system();
-      store_relaxed_sys(reinterpret_cast<uint64_t*>(a.peer_area[r] + at), word);
+      if (lane == 0) {
+        __threadfence_system();
+        store_relaxed_sys(reinterpret_cast<uint64_t*>(a.peer_area[r] + a.off_counts +
+                                                      (uint64_t(half) * a.world + a.rank) * 8),
+                          word);
+      }
     } else {
-      reinterpret_cast<uint64_t*>(a.stage + a.stage_counts)[r] = word;
-      __threadfence_system();
-      const PortChannelHandle& c = channel(a, r);
-      c.put(at, a.stage_counts + uint64_t(r) * 8, 8);
-      c.signal();
-      c.flush();
+      post_messages(a, r, half, n, word, lane);
+      if (a.probe != nullptr && lane == 0) {
+        atomicMax(reinterpret_cast<unsigned long long*>(&a.probe[1]), static_cast<unsigned long long>(global_timer_ns()));
+      }
     }
   }
   __syncthreads();
   if (threadIdx.x == 0) {
     a.epochs[0] = epoch;
     a.done[0] = 0;
+    if (a.probe != nullptr) {
+      atomicMax(reinterpret_cast<unsigned long long*>(&a.probe[2]), static_cast<unsigned long long>(global_timer_ns()));
+    }
   }
 }
 

@@ -89,6 +89,40 @@ struct PortChannelHandle {
     wait_flushed(fifo.push(kTriggerFlush, semaphore, 0, 0, 0, 0, 0));
   }
 
+  // A batch of puts by a full warp (all 32 lanes calling together): lanes below `rows` (0..=32,
+  // the same on every lane) put `bytes` each from their own `src_off` to their own `dst_off`;
+  // then, when `tail_bytes` > 0, one put of `tail_bytes` from `tail_src` to `tail_dst` (a count
+  // or descriptor that describes the rows); then, when `with_signal`, a signal behind all of it.
+  // Over RDMA posted by the kernel, the whole batch is one reservation, one publish and one
+  // doorbell on the first queue pair (ibgda.cuh's post_warp: the signal is a READ that flushes
+  // the writes, then the fetch-add); with the proxy, one trigger per put and one for the signal.
+  DOORBELL_DEVICE_INLINE void put_warp(uint32_t rows, uint64_t dst_off, uint64_t src_off, uint64_t bytes,
+                                       uint64_t tail_dst, uint64_t tail_src, uint64_t tail_bytes, bool with_signal,
+                                       uint32_t lane) const {
+    constexpr uint64_t kStripeMin = uint64_t(1) << 20;
+    if (ib != nullptr && bytes < kStripeMin && tail_bytes < kStripeMin) {
+      if (with_signal && ib->stripes > 1 && lane == 0) {
+        // Earlier puts of this channel may have gone over the other queue pairs: flush them first.
+        for (uint32_t q = 1; q < ib->stripes; ++q) {
+          ib->stripe(q).get(ib->token, ib->token_key, ib->scratch, ib->scratch_key, 8);
+          ib->stripe(q).quiet();
+        }
+      }
+      __syncwarp();
+      ib->qp.post_warp(rows, ib->dst + dst_off, ib->dst_key, ib->src + src_off, ib->src_key, uint32_t(bytes),
+                       ib->dst + tail_dst, ib->src + tail_src, uint32_t(tail_bytes), with_signal, ib->token,
+                       ib->token_key, 1, ib->scratch, ib->scratch_key, lane);
+      return;
+    }
+    if (lane < rows) put(dst_off, src_off, bytes);
+    __syncwarp();
+    if (lane == 0) {
+      if (tail_bytes > 0) put(tail_dst, tail_src, tail_bytes);
+      if (with_signal) signal();
+    }
+    __syncwarp();
+  }
+
   // A put of at least kStripeMin bytes is cut into `stripes` contiguous parts (4 KiB multiples),
   // one per queue pair; each part goes as WRITEs of at most 1 GiB (a data segment carries less
   // than 2 GiB). Returns the last WQE's index on the first QP.

@@ -233,6 +233,21 @@ struct Shared {
     faults: Mutex<Vec<String>>,
     dma: Box<dyn Dma>,
     delivery: Delivery,
+    traffic: Mutex<Traffic>,
+}
+
+/// What a NIC has executed as requester, over all its queue pairs: the wire traffic a test can
+/// count (how many rows crossed the network, say).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Traffic {
+    /// RDMA WRITEs (with or without immediate).
+    pub writes: u64,
+    /// Bytes those WRITEs carried.
+    pub write_bytes: u64,
+    /// RDMA READs.
+    pub reads: u64,
+    /// Atomics (fetch-add, compare-and-swap).
+    pub atomics: u64,
 }
 
 /// The emulated NIC: one thread serving every queue pair added to it.
@@ -273,6 +288,7 @@ impl EmulatedNic {
             faults: Mutex::new(Vec::new()),
             dma,
             delivery,
+            traffic: Mutex::new(Traffic::default()),
         });
         let s = shared.clone();
         let thread = std::thread::Builder::new()
@@ -471,6 +487,12 @@ impl EmulatedNic {
     /// overrun), each naming the QP.
     pub fn faults(&self) -> Vec<String> {
         lock(&self.shared.faults).clone()
+    }
+
+    /// The traffic executed so far on every queue pair (counted before each completion is
+    /// written, so a poster that saw its completions sees them counted).
+    pub fn traffic(&self) -> Traffic {
+        *lock(&self.shared.traffic)
     }
 
     /// WQEs executed on QP `qpn`.
@@ -695,6 +717,18 @@ fn execute(s: &Shared, regions: &[Region], qp: &mut Qp) -> Option<u64> {
     };
     qp.ops += 1;
     qp.wqes += 1;
+    {
+        let mut t = lock(&s.traffic);
+        match op {
+            opcode::RDMA_WRITE | opcode::RDMA_WRITE_IMM => {
+                t.writes += 1;
+                t.write_bytes += u64::from(moved);
+            }
+            opcode::RDMA_READ => t.reads += 1,
+            opcode::ATOMIC_FA | opcode::ATOMIC_CS => t.atomics += 1,
+            _ => {}
+        }
+    }
     if let Delivery::Relaxed { .. } = s.delivery {
         let ops = qp.ops;
         deliver(s, qp, ops);

@@ -1,0 +1,325 @@
+//! The node-spanning path of [`super::moe::MoeDispatcher`] (high throughput), DeepEP's
+//! hierarchical scheme: a token crosses the network once per destination node, to the rank of
+//! that node with the sender's local index (its rail peer), which forwards it over NVLink with the
+//! node's own [`super::moe::MoeDispatcher`] (on a communicator of the node's ranks); the combine
+//! sums inside the node first (that dispatcher's combine), then sends one row per (token, node)
+//! back over the network, where the token's rank adds the nodes' rows in node order.
+//!
+//! The network leg is a stream with receiver-driven admission: each rank's ring for a source node
+//! holds [`MoeConfig::net_chunks`] chunks of 32 messages, and a sender writes a chunk only once
+//! the receiver has granted its slot (a credit signal per chunk consumed), so the buffers are far
+//! smaller than the worst case (`max_tokens` per source) and an incast of every node onto one rank
+//! never overruns them. Protocol and kernels: `moe_ht_*` in `cuda/kernels/moe_net.cu`; the same
+//! protocol on the CPU: [`super::moe_net::ChunkStream`].
+
+use super::moe::{DispatchResults, MoeConfig, MoeDispatcher};
+use super::moe_ll_net::{message_bytes, LandingShape, NetLanding};
+use super::moe_net::{NodeMap, HT_CHUNK};
+use crate::channel::memory_channel::RegisteredMemory;
+use crate::communicator::Communicator;
+use crate::device_api::{MoeHtArgs, MoeNetArgs};
+use crate::error::{Error, Result};
+use crate::gpu::cuda::cuda_err;
+use crate::gpu::memory::Buffer;
+use crate::transport::ipc::RemoteMemory;
+use cudarc::driver::{CudaFunction, CudaSlice, CudaStream, DevicePtr, LaunchConfig, PushKernelArg};
+use std::sync::{Arc, Mutex};
+
+/// Ring chunks per source node unless [`MoeConfig::net_chunks`] says otherwise.
+pub const DEFAULT_NET_CHUNKS: usize = 8;
+
+/// Node-spanning high-throughput MoE state. Collective to build and to call.
+pub(super) struct HtNet {
+    landing: NetLanding,
+    comm: Arc<Communicator>,
+    base: MoeNetArgs,
+    ht: MoeHtArgs,
+    nodes: usize,
+    cfg: MoeConfig,
+    kernels: [CudaFunction; 5],
+    /// topk_idx and token count of the last dispatch (the combine needs them).
+    last: Mutex<(u64, u32)>,
+    /// The node's NVLink dispatcher and its communicator (dropped after it).
+    node: Box<MoeDispatcher>,
+    _node_comm: Arc<Communicator>,
+    _origin: (
+        Arc<Buffer>,
+        Arc<RegisteredMemory>,
+        Vec<Option<Arc<RemoteMemory>>>,
+    ),
+    _device: Vec<CudaSlice<u8>>,
+}
+
+impl HtNet {
+    pub(super) fn new(comm: &Arc<Communicator>, cfg: &MoeConfig) -> Result<HtNet> {
+        let (world, rank) = (comm.world_size(), comm.rank());
+        // Every node the same size: a token goes to the rank of the same local index on each.
+        let map = NodeMap::new(comm.node_ids())?;
+        let (nodes, size) = (map.nodes(), map.ranks_per_node());
+        let (node, me) = (map.node(rank), map.local(rank));
+        let chunks = cfg.net_chunks.unwrap_or(DEFAULT_NET_CHUNKS);
+        if chunks == 0 || chunks > 1 << 20 {
+            return Err(Error::invalid(
+                "net_chunks",
+                format!("{chunks}: the receive ring needs 1..=2^20 chunks of {HT_CHUNK} tokens"),
+            ));
+        }
+        let node_of: Vec<u32> = (0..world).map(|r| map.node(r) as u32).collect();
+        let local_of: Vec<u32> = (0..world).map(|r| map.local(r) as u32).collect();
+        let rail: Vec<u32> = (0..nodes)
+            .map(|n| map.rank(n, me).map(|r| r as u32))
+            .collect::<Option<_>>()
+            .ok_or_else(|| Error::invalid("nodes", "a node without a rank of my local index"))?;
+        let msg = message_bytes(cfg);
+        let landing = NetLanding::new(
+            comm,
+            cfg,
+            LandingShape {
+                messages: nodes * chunks * HT_CHUNK * msg,
+                counts: nodes * chunks * 16,
+                fill_extra: 0,
+                credits: true,
+            },
+        )?;
+        // The node's own communicator and NVLink dispatcher, fed nodes x max_tokens slots.
+        let others: Vec<usize> = (0..world).filter(|&r| map.node(r) != node).collect();
+        let node_comm = Arc::new(comm.shrink(&others)?);
+        let per_rank = cfg.num_experts / world;
+        let slots = nodes * cfg.max_tokens;
+        let node_disp = MoeDispatcher::new(
+            &node_comm,
+            MoeConfig {
+                num_experts: per_rank * size,
+                max_tokens: slots,
+                ..cfg.clone()
+            },
+        )?;
+        // Every node rank's slot origins, mapped by the others (the rows' origins after the
+        // node dispatch name the forwarder's slot).
+        let origin = node_comm.alloc(slots * 8)?;
+        let origin_reg = node_comm.register(&origin)?;
+        let origin_peers = node_comm.exchange(&origin_reg)?;
+        let origin_of: Vec<u64> = (0..size)
+            .map(|l| {
+                if l == me {
+                    Ok(origin.device_ptr())
+                } else {
+                    origin_peers[l]
+                        .as_ref()
+                        .map(|m| m.device_ptr())
+                        .ok_or_else(|| Error::TransportUnavailable {
+                            transport: "CudaIpc",
+                            why: format!("rank {l} of this node could not be mapped"),
+                        })
+                }
+            })
+            .collect::<Result<_>>()?;
+        let gpu = comm.gpu().clone();
+        let stream = gpu.new_stream()?;
+        let alloc = |bytes: usize| -> Result<CudaSlice<u8>> {
+            stream
+                .alloc_zeros::<u8>(bytes.max(16))
+                .map_err(cuda_err("cuMemAlloc"))
+        };
+        let upload = |bytes: &[u8]| -> Result<CudaSlice<u8>> {
+            stream.clone_htod(bytes).map_err(cuda_err("cuMemcpyHtoD"))
+        };
+        let max_rows = size * slots;
+        let device = vec![
+            upload(bytemuck::cast_slice(&rail))?,          // 0 rail
+            upload(bytemuck::cast_slice(&node_of))?,       // 1 node_of
+            upload(bytemuck::cast_slice(&local_of))?,      // 2 local_of
+            alloc(slots * cfg.hidden * 2)?,                // 3 fwd_x
+            alloc(slots * (cfg.hidden / 128).max(1) * 4)?, // 4 fwd_scales
+            alloc(slots * cfg.topk * 4)?,                  // 5 fwd_idx
+            alloc(slots * cfg.topk * 4)?,                  // 6 fwd_w
+            alloc(slots * cfg.hidden * 2)?,                // 7 fwd_out
+            alloc(nodes * 4)?,                             // 8 net_rows
+            upload(bytemuck::cast_slice(&origin_of))?,     // 9 origin_of
+            alloc(max_rows * 8)?,                          // 10 recv_src
+            alloc(nodes * 8)?,                             // 11 sent_chunks
+            alloc(nodes * 8)?,                             // 12 recv_chunks
+            alloc(nodes * cfg.max_tokens * 4)?,            // 13 list
+        ];
+        let p = |i: usize| device[i].device_ptr(&stream).0;
+        let res = node_disp.results();
+        let base = landing.base;
+        let ht = MoeHtArgs {
+            nodes: nodes as u32,
+            node: node as u32,
+            rail: p(0),
+            node_of: p(1),
+            local_of: p(2),
+            fwd_x: p(3),
+            fwd_scales: p(4),
+            fwd_idx: p(5),
+            fwd_w: p(6),
+            fwd_origin: origin.device_ptr(),
+            fwd_out: p(7),
+            net_rows: p(8),
+            node_src: res.recv_src,
+            node_num_recv: res.num_recv,
+            origin_of: p(9),
+            recv_src: p(10),
+            chunks: chunks as u32,
+            reserved: 0,
+            off_ring: 0,
+            off_desc: base.off_counts,
+            stage_desc: base.stage_counts,
+            credits: landing.credits,
+            sent_chunks: p(11),
+            recv_chunks: p(12),
+            list: p(13),
+        };
+        stream
+            .synchronize()
+            .map_err(cuda_err("cuStreamSynchronize"))?;
+        let k = |name: &str| gpu.function("moe_net", name);
+        let kernels = [
+            k("moe_ht_stage")?,
+            k("moe_ht_exchange")?,
+            k("moe_ht_remap")?,
+            k("moe_ht_combine_send")?,
+            k("moe_ht_combine_recv")?,
+        ];
+        comm.bootstrap().barrier()?;
+        Ok(HtNet {
+            base,
+            landing,
+            comm: comm.clone(),
+            ht,
+            nodes,
+            cfg: cfg.clone(),
+            kernels,
+            last: Mutex::new((0, 0)),
+            node: Box::new(node_disp),
+            _node_comm: node_comm,
+            _origin: (origin, origin_reg, origin_peers),
+            _device: device,
+        })
+    }
+
+    fn launch(&self, stream: &CudaStream, k: usize, grid: u32, a: &MoeNetArgs) -> Result<()> {
+        self.landing.proxy_alive()?;
+        self.comm.check_health()?;
+        let mut b = stream.launch_builder(&self.kernels[k]);
+        b.arg(a).arg(&self.ht);
+        let cfg = LaunchConfig {
+            grid_dim: (grid, 1, 1),
+            block_dim: (512, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: both argument structs match the kernel's (layout-tested); every buffer they
+        // name lives as long as this exchange; the caller vouches for the per-call inputs.
+        self.comm
+            .check(unsafe { b.launch(cfg) }.map(|_| ()), "cuLaunchKernel")
+    }
+
+    /// Blocks of the exchange kernel: a sending block per 16 nodes, then a receiving block per
+    /// node (`moe_ht_exchange`).
+    fn exchange_blocks(&self) -> u32 {
+        (self.nodes.div_ceil(16) + self.nodes) as u32
+    }
+
+    /// Dispatches (see [`MoeDispatcher::dispatch`]); `scales` nonzero: e4m3 rows.
+    pub(super) fn dispatch(
+        &self,
+        stream: &CudaStream,
+        x: u64,
+        scales: u64,
+        topk_idx: u64,
+        topk_weights: u64,
+        num_tokens: usize,
+    ) -> Result<()> {
+        let max = self.base.max_tokens as usize;
+        if num_tokens > max || x % 16 != 0 || topk_idx % 4 != 0 || topk_weights % 4 != 0 {
+            return Err(Error::invalid(
+                "dispatch",
+                format!(
+                    "{num_tokens} tokens (at most {max}), x 16-byte, topk_idx and topk_weights \
+                     4-byte aligned"
+                ),
+            ));
+        }
+        *self.last.lock().unwrap_or_else(|p| p.into_inner()) = (topk_idx, num_tokens as u32);
+        let a = MoeNetArgs {
+            x,
+            scales,
+            fp8: u32::from(scales != 0),
+            topk_idx,
+            topk_weights,
+            num_tokens: num_tokens as u32,
+            ..self.base
+        };
+        self.launch(stream, 0, self.landing.blocks, &a)?;
+        self.launch(stream, 1, self.exchange_blocks(), &a)?;
+        let slots = self.nodes * max;
+        let (fx, fi, fw) = (self.ht.fwd_x, self.ht.fwd_idx, self.ht.fwd_w);
+        // SAFETY: the forwarding slots are this exchange's own buffers, sized for `slots` tokens.
+        unsafe {
+            if scales == 0 {
+                self.node.dispatch(stream, fx, fi, fw, slots)?;
+            } else {
+                self.node
+                    .dispatch_fp8(stream, fx, self.ht.fwd_scales, fi, fw, slots)?;
+            }
+        }
+        self.launch(stream, 2, self.landing.blocks, &a)
+    }
+
+    /// Combines (see [`MoeDispatcher::combine`]).
+    pub(super) fn combine(&self, stream: &CudaStream, y: u64, out: u64) -> Result<()> {
+        if out % 16 != 0 {
+            return Err(Error::invalid("combine", "out 16-byte aligned"));
+        }
+        // SAFETY: fwd_out is this exchange's own, sized for every slot; `y` as the caller's
+        // contract says.
+        unsafe { self.node.combine(stream, y, self.ht.fwd_out) }?;
+        let (topk_idx, num_tokens) = *self.last.lock().unwrap_or_else(|p| p.into_inner());
+        let a = MoeNetArgs {
+            topk_idx,
+            num_tokens,
+            out,
+            ..self.base
+        };
+        let blocks = self.landing.blocks;
+        self.launch(stream, 3, blocks, &a)?;
+        self.launch(stream, 4, blocks, &a)
+    }
+
+    /// Results of the last dispatch: the node dispatcher's, with every row's origin named.
+    pub(super) fn results(&self) -> DispatchResults {
+        DispatchResults {
+            recv_src: self.ht.recv_src,
+            ..self.node.results()
+        }
+    }
+
+    pub(super) fn combine_buffer(&self) -> u64 {
+        self.node.combine_buffer()
+    }
+
+    pub(super) fn config(&self) -> &MoeConfig {
+        &self.cfg
+    }
+
+    pub(super) fn sms(&self) -> u32 {
+        self.landing.blocks
+    }
+
+    /// `[nodes]` u32: rows each node's rail peer sent here in the last dispatch.
+    pub(super) fn network_rows(&self) -> (u64, usize) {
+        (self.ht.net_rows, self.nodes)
+    }
+
+    /// Bytes of this rank's receive rings (every source node's), and what rings of the worst
+    /// case (`max_tokens` messages per source node) would take.
+    pub(super) fn ring_bytes(&self) -> (u64, u64) {
+        let msg = u64::from(self.base.msg_bytes);
+        let nodes = self.nodes as u64;
+        (
+            nodes * u64::from(self.ht.chunks) * HT_CHUNK as u64 * msg,
+            nodes * u64::from(self.base.max_tokens) * msg,
+        )
+    }
+}

@@ -1,0 +1,247 @@
+//! The GPU-side cost of the node-spanning low-latency MoE dispatch (issue 16's budget: a decode
+//! dispatch of 128 tokens x top-8 posts all its WQEs within 10 us of GPU time), measured on the
+//! library's own send kernel (`moe_net_send`, `doorbell/moe_net.cuh`) in one process: rank 0 of
+//! `nodes` x 8 ranks, DeepSeek-V3's shape (256 experts, top-8, hidden 7168, FP8 rows with one
+//! scale per 128). Its 7 same-node peers' areas are mapped (local memory standing in for NVLink,
+//! so their stores cost less than over NVLink); every rank on another node is reached by a
+//! PortChannel over a queue pair of an emulated NIC with the null data path (`NullDma`: WQEs are
+//! parsed and completed, no byte moves), posted by the kernel (IBGDA) or rung by the host thread
+//! (CPU-assisted). `#[ignore = "needs GPU"]`; prints the table for docs/performance.md:
+//! `tests/moe_net_post --ignored --nocapture`.
+
+use cudarc::driver::{DevicePtr, LaunchConfig, PushKernelArg};
+use doorbell::device_api::{IbPortLink, MoeNetArgs, PortChannelHandle, WaitSite};
+use doorbell::gpu::cuda::Gpu;
+use doorbell::transport::ib::emulator::{Delivery, EmulatedNic, NullDma};
+use doorbell::transport::ib::gpu_qp::{GpuQp, Posting};
+use std::sync::Arc;
+
+const HIDDEN: usize = 7168;
+const TOPK: usize = 8;
+const EXPERTS: usize = 256;
+const TOKENS: usize = 128;
+
+/// xorshift, for a routing that is the same on every run.
+struct Rng(u64);
+impl Rng {
+    fn below(&mut self, n: u64) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0 % n
+    }
+}
+
+/// 128 tokens x 8 distinct experts of 256, uniformly at random.
+fn routing(seed: u64) -> Vec<i32> {
+    let mut rng = Rng(seed);
+    let mut idx = Vec::with_capacity(TOKENS * TOPK);
+    for _ in 0..TOKENS {
+        let mut picked: Vec<i32> = Vec::new();
+        while picked.len() < TOPK {
+            let e = rng.below(EXPERTS as u64) as i32;
+            if !picked.contains(&e) {
+                picked.push(e);
+            }
+        }
+        idx.extend(picked);
+    }
+    idx
+}
+
+#[test]
+#[ignore = "needs GPU"]
+fn gpu_time_to_post_a_decode_dispatch_across_nodes() {
+    let gpu = Gpu::open(0).expect("GPU 0");
+    let s = gpu.new_stream().unwrap();
+    let sms = gpu.sm_count().unwrap();
+    let send = gpu.function("moe_net", "moe_net_send").unwrap();
+    let site = WaitSite {
+        budget_ns: 20_000_000_000,
+        rank: 0,
+        peer: -1,
+        ..Default::default()
+    };
+    let header = (16 + 8 * TOPK).next_multiple_of(16);
+    let msg = header + HIDDEN * 2;
+    let used = (header + HIDDEN + HIDDEN / 128 * 4).next_multiple_of(16) as u64;
+    println!(
+        "| posting | nodes x ranks | remote messages | WQEs | WQEs/token | MB on the wire | \
+         last doorbell (us, median of 20 / min) | kernel end (us, median / min) |"
+    );
+    println!("|---|---|---:|---:|---:|---:|---:|---:|");
+    for posting in [Posting::Ibgda, Posting::CpuAssisted] {
+        for nodes in [2usize, 4, 8] {
+            let world = nodes * 8;
+            let per_rank = EXPERTS / world;
+            let idx = routing(0x9e37 + nodes as u64);
+            // Messages to each rank: a token goes once to every rank holding one of its experts.
+            let mut to_rank = vec![0u64; world];
+            for t in 0..TOKENS {
+                let mut ranks: Vec<usize> = idx[t * TOPK..(t + 1) * TOPK]
+                    .iter()
+                    .map(|&e| e as usize / per_rank)
+                    .collect();
+                ranks.sort_unstable();
+                ranks.dedup();
+                for r in ranks {
+                    to_rank[r] += 1;
+                }
+            }
+            let remote: Vec<usize> = (8..world).collect();
+            let remote_msgs: u64 = remote.iter().map(|&r| to_rank[r]).sum();
+            let wqes = remote_msgs + 3 * remote.len() as u64;
+            let wire = remote_msgs * used + 24 * remote.len() as u64;
+
+            let alloc = |bytes: usize| s.alloc_zeros::<u8>(bytes.max(16)).unwrap();
+            let area_bytes = 2 * world * TOKENS * msg + 2 * world * 8;
+            let off_counts = (2 * world * TOKENS * msg) as u64;
+            let area = alloc(area_bytes);
+            let stage_counts = (2 * TOKENS * msg) as u64;
+            let stage = alloc(stage_counts as usize + 2 * world * 8);
+            let (area_p, stage_p) = (area.device_ptr(&s).0, stage.device_ptr(&s).0);
+            let scratch = alloc(16 * world);
+            let scratch_p = scratch.device_ptr(&s).0;
+            // The null NIC: regions cover the addresses, nothing is touched.
+            let nic = Arc::new(EmulatedNic::start(Box::new(NullDma), Delivery::Strict).unwrap());
+            let far = area_p + (1 << 40); // the remote ranks' areas and tokens, never touched
+            let src_key = nic
+                .register(stage_p, stage_counts + 2 * world as u64 * 8, false)
+                .unwrap();
+            let dst_key = nic.register(far, area_bytes as u64, true).unwrap();
+            let token_key = nic
+                .register(far + (1 << 36), 8 * world as u64, true)
+                .unwrap();
+            let scratch_key = nic.register(scratch_p, 16 * world as u64, false).unwrap();
+            let qps: Vec<GpuQp> = remote
+                .iter()
+                .map(|&r| GpuQp::new(&gpu, &nic, 0x400 + r as u32, 12, posting, site).unwrap())
+                .collect();
+            let links: Vec<IbPortLink> = remote
+                .iter()
+                .zip(&qps)
+                .map(|(&r, qp)| IbPortLink {
+                    qp: qp.handle(),
+                    src: stage_p,
+                    dst: far,
+                    token: far + (1 << 36) + 8 * r as u64,
+                    scratch: scratch_p + 16 * r as u64,
+                    src_key,
+                    dst_key,
+                    token_key,
+                    scratch_key,
+                    stripes: 1,
+                    ..Default::default()
+                })
+                .collect();
+            let links_dev = s
+                .clone_htod(bytemuck::cast_slice::<IbPortLink, u8>(&links))
+                .unwrap();
+            let links_p = links_dev.device_ptr(&s).0;
+            let size = std::mem::size_of::<IbPortLink>() as u64;
+            let mut handles = vec![PortChannelHandle::default(); world];
+            let mut peer_area = vec![0u64; world];
+            for r in 0..world {
+                if r < 8 {
+                    peer_area[r] = area_p; // same node: mapped (one area stands in for all)
+                } else {
+                    handles[r].ib = links_p + (r - 8) as u64 * size;
+                }
+            }
+            let upload = |b: &[u8]| s.clone_htod(b).unwrap();
+            let handles_dev = upload(bytemuck::cast_slice(&handles));
+            let peer_dev = upload(bytemuck::cast_slice(&peer_area));
+            let sites_dev = upload(bytemuck::cast_slice(&vec![site; world]));
+            let x = alloc(TOKENS * HIDDEN);
+            let scales = alloc(TOKENS * HIDDEN / 128 * 4);
+            let idx_dev = upload(bytemuck::cast_slice(&idx));
+            let w_dev = upload(bytemuck::cast_slice(&vec![0.125f32; TOKENS * TOPK]));
+            let (fill, list, done, epochs) = (
+                alloc(world * 4),
+                alloc(world * TOKENS * 4),
+                alloc(16),
+                alloc(32),
+            );
+            let mut probe = s.alloc_zeros::<u64>(3).unwrap();
+            let probe_p = probe.device_ptr(&s).0;
+            let p = |b: &cudarc::driver::CudaSlice<u8>| b.device_ptr(&s).0;
+            let args = MoeNetArgs {
+                x: p(&x),
+                scales: p(&scales),
+                topk_idx: p(&idx_dev),
+                topk_weights: p(&w_dev),
+                num_tokens: TOKENS as u32,
+                fp8: 1,
+                hidden: HIDDEN as u32,
+                topk: TOPK as u32,
+                experts_per_rank: per_rank as u32,
+                max_tokens: TOKENS as u32,
+                rank: 0,
+                world: world as u32,
+                msg_bytes: msg as u32,
+                header_bytes: header as u32,
+                area: area_p,
+                peer_area: p(&peer_dev),
+                channels: p(&handles_dev),
+                sites: p(&sites_dev),
+                stage: stage_p,
+                off_counts,
+                stage_counts,
+                fill: p(&fill),
+                done: p(&done),
+                epochs: p(&epochs),
+                list: p(&list),
+                probe: probe_p,
+                ..Default::default()
+            };
+            let reps = 21;
+            let mut posted = Vec::new();
+            let mut ended = Vec::new();
+            for rep in 0..reps {
+                let start: [u64; 3] = [u64::MAX, 0, 0];
+                s.memcpy_htod(&start, &mut probe).unwrap();
+                let mut b = s.launch_builder(&send);
+                b.arg(&args);
+                // SAFETY: every address in `args` lies in this test's allocations (or in the null
+                // NIC's regions, which move no data); the grid is one block per SM.
+                unsafe {
+                    b.launch(LaunchConfig {
+                        grid_dim: (sms, 1, 1),
+                        block_dim: (512, 1, 1),
+                        shared_mem_bytes: 0,
+                    })
+                }
+                .unwrap();
+                s.synchronize().unwrap();
+                let t: Vec<u64> = s.clone_dtoh(&probe).unwrap();
+                if rep > 0 {
+                    posted.push((t[1] - t[0]) as f64 / 1e3);
+                    ended.push((t[2] - t[0]) as f64 / 1e3);
+                }
+            }
+            // Every WQE reached the NIC and completed: each remote rank's messages, then its
+            // count WRITE, the READ and the fetch-add.
+            let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+            for &r in &remote {
+                let (qpn, want) = (0x400 + r as u32, reps as u64 * (to_rank[r] + 3));
+                while nic.executed(qpn) < want && std::time::Instant::now() < deadline {
+                    std::thread::sleep(std::time::Duration::from_millis(1));
+                }
+                assert_eq!(nic.executed(qpn), want, "{posting:?}: WQEs to rank {r}");
+            }
+            assert!(nic.faults().is_empty(), "{:?}", nic.faults());
+            posted.sort_by(f64::total_cmp);
+            ended.sort_by(f64::total_cmp);
+            println!(
+                "| {posting:?} | {nodes} x 8 | {remote_msgs} | {wqes} | {:.2} | {:.2} | {:.1} / {:.1} | {:.1} / {:.1} |",
+                wqes as f64 / TOKENS as f64,
+                wire as f64 / 1e6,
+                posted[posted.len() / 2],
+                posted[0],
+                ended[ended.len() / 2],
+                ended[0]
+            );
+            drop(qps);
+        }
+    }
+}
