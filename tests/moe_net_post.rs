@@ -156,11 +156,13 @@ fn gpu_time_to_post_a_decode_dispatch_across_nodes() {
             let scales = alloc(TOKENS * HIDDEN / 128 * 4);
             let idx_dev = upload(bytemuck::cast_slice(&idx));
             let w_dev = upload(bytemuck::cast_slice(&vec![0.125f32; TOKENS * TOPK]));
-            let (fill, list, done, epochs) = (
+            let (fill, list, done, epochs, arrived, staged) = (
                 alloc(world * 4),
                 alloc(world * TOKENS * 4),
                 alloc(16),
                 alloc(32),
+                alloc(world * 4),
+                alloc(TOKENS.div_ceil(32) * 8),
             );
             let mut probe = s.alloc_zeros::<u64>(3).unwrap();
             let probe_p = probe.device_ptr(&s).0;
@@ -191,6 +193,8 @@ fn gpu_time_to_post_a_decode_dispatch_across_nodes() {
                 done: p(&done),
                 epochs: p(&epochs),
                 list: p(&list),
+                arrived: p(&arrived),
+                staged: p(&staged),
                 probe: probe_p,
                 ..Default::default()
             };
@@ -207,7 +211,7 @@ fn gpu_time_to_post_a_decode_dispatch_across_nodes() {
                 unsafe {
                     b.launch(LaunchConfig {
                         grid_dim: (sms, 1, 1),
-                        block_dim: (512, 1, 1),
+                        block_dim: (256, 1, 1),
                         shared_mem_bytes: 0,
                     })
                 }

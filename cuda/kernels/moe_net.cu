@@ -139,18 +139,175 @@ __device__ void wait_dispatch(const MoeNetArgs& a, uint64_t epoch, Counts& count
 
 }  // namespace
 
-extern "C" __global__ void __launch_bounds__(512) moe_net_send(MoeNetArgs a) {
+// ---- The low-latency dispatch send (moe_net_send): every part of it at once over the grid. ----
+// Tokens form groups of 32 (at least one group, so every rank gets its counts). The work is a list
+// of tasks, each block taking tasks blockIdx.x, blockIdx.x + gridDim.x, ... in order:
+//   stage tasks (a block each, kStageParts per group): build 8 tokens' messages of group g in the
+//     staging area, then count on staged[g] (epoch x kStageParts once the group is staged);
+//   NVLink task (g, r) for a rank r whose area is mapped here (a block): writes the messages of
+//     group g's tokens that selected an expert on r straight into r's slots (from x: no staging),
+//     then arrives at r;
+//   network task (g, r) for any other rank (a warp; blockDim / 32 of them per block task): waits
+//     for group g to be staged, posts those messages as one batch of WRITEs (PortChannelHandle::put_warp: one
+//     reservation, publish and doorbell when the GPU posts), then arrives at r.
+// Slots come from an atomic per destination (fill[r]), so the groups' messages to r take
+// contiguous slots in any order. The task that arrives last at r (arrived[r] reaches the group
+// count) publishes r's count: over NVLink a store after a system fence, over the network the
+// count WRITE, a READ (the flush of every WRITE before it on the queue pair: the other groups'
+// batches were published before they arrived) and the fetch-add the receiver waits for.
+// Only network tasks wait, and only for stage tasks, which come first in every block's order:
+// whatever the blocks' scheduling, a waited-for stage task is never behind its waiter.
+// The fused-send device API (moe_net::put_token / finish_send) produces the same messages and
+// counts with a warp per token and the last block posting.
+namespace {
+
+// The tokens of group g that selected an expert on rank r (bit i: token 32 g + i). One warp.
+__device__ uint32_t group_mask(const MoeNetArgs& a, uint32_t g, uint32_t r, uint32_t lane) {
+  const uint32_t t = g * kWarp + lane;
+  bool hit = false;
+  if (t < a.num_tokens) {
+    for (uint32_t k = 0; k < a.topk; ++k) {
+      const int32_t e = a.topk_idx[uint64_t(t) * a.topk + k];
+      hit |= e >= 0 && uint32_t(e) < a.experts_per_rank * a.world && uint32_t(e) / a.experts_per_rank == r;
+    }
+  }
+  return __ballot_sync(0xffffffffu, hit);
+}
+
+// Counts one finished (group, r) task; true (once per call and rank) for the last of `groups`,
+// which then takes r's message count (resetting the counters for the next call). One thread.
+__device__ bool arrive(const MoeNetArgs& a, uint32_t r, uint32_t groups, uint32_t& n) {
+  __threadfence();
+  if (atomicAdd(&a.arrived[r], 1u) != groups - 1) return false;
+  __threadfence();
+  n = atomicExch(&a.fill[r], 0u);
+  a.arrived[r] = 0;
+  return true;
+}
+
+__device__ void probe_max(const MoeNetArgs& a, uint32_t i) {
+  if (a.probe != nullptr) {
+    atomicMax(reinterpret_cast<unsigned long long*>(&a.probe[i]), static_cast<unsigned long long>(global_timer_ns()));
+  }
+}
+
+// A stage task builds kStageTokens messages; a group takes kStageParts of them.
+constexpr uint32_t kStageTokens = 8, kStageParts = kWarp / kStageTokens;
+
+// Stage task `part` of group g (a block): its tokens' messages into the staging area, then one
+// more on staged[g], which reaches epoch x kStageParts once the whole group of this dispatch is
+// staged (monotonic over calls: nothing to reset).
+__device__ void stage_part(const MoeNetArgs& a, uint32_t g, uint32_t part) {
+  const uint32_t lane = threadIdx.x % kWarp, scales = a.hidden / 128;
+  for (uint32_t i = threadIdx.x / kWarp; i < kStageTokens; i += blockDim.x / kWarp) {
+    const uint32_t t = g * kWarp + part * kStageTokens + i;
+    if (t < a.num_tokens) {
+      moe_net::stage_token(a, t, a.x + uint64_t(t) * moe_net::row_bytes(a),
+                           a.fp8 ? a.scales + uint64_t(t) * scales : nullptr, lane);
+    }
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence_system();  // the messages before the NIC can be asked to read them
+    atomicAdd(reinterpret_cast<unsigned long long*>(&a.staged[g]), 1ull);
+  }
+}
+
+// NVLink task (g, r) for a mapped rank r (a block).
+__device__ void nvlink_task(const MoeNetArgs& a, uint32_t g, uint32_t r, uint32_t groups,
+                                         uint64_t epoch) {
+  __shared__ uint32_t base;
+  const uint32_t lane = threadIdx.x % kWarp, scales = a.hidden / 128, half = uint32_t(epoch & 1);
+  const uint64_t mapped = a.peer_area[r];
+  const uint32_t mask = group_mask(a, g, r, lane);
+  const uint32_t cnt = __popc(mask);
+  if (threadIdx.x == 0) base = cnt == 0 ? 0 : atomicAdd(&a.fill[r], cnt);
+  __syncthreads();
+  for (uint32_t i = threadIdx.x / kWarp; i < cnt; i += blockDim.x / kWarp) {
+    const uint32_t t = g * kWarp + uint32_t(__fns(mask, 0, int(i) + 1));
+    moe_net::write_message(a, reinterpret_cast<char*>(mapped + moe_net::wire_offset(a, half, a.rank, base + i)), t,
+                           a.x + uint64_t(t) * moe_net::row_bytes(a), a.fp8 ? a.scales + uint64_t(t) * scales : nullptr,
+                           lane);
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence_system();  // this block's stores before its arrival
+    uint32_t n = 0;
+    if (arrive(a, r, groups, n)) {
+      __threadfence_system();  // every group's stores (their arrivals) before the count
+      const uint64_t count_dst = a.off_counts + (uint64_t(half) * a.world + a.rank) * 8;
+      store_relaxed_sys(reinterpret_cast<uint64_t*>(mapped + count_dst), epoch << 32 | n);
+    }
+  }
+  __syncthreads();  // `base` is rewritten by the next task
+}
+
+// Network task (g, r) for a rank r on another node (a warp).
+__device__ void network_task(const MoeNetArgs& a, uint32_t g, uint32_t r, uint32_t groups,
+                                          uint64_t epoch) {
+  const uint32_t lane = threadIdx.x % kWarp, half = uint32_t(epoch & 1);
+  const uint32_t mask = group_mask(a, g, r, lane);
+  const uint32_t cnt = __popc(mask);
+  uint32_t j0 = 0;
+  if (lane == 0 && cnt > 0) {
+    j0 = atomicAdd(&a.fill[r], cnt);
+    spin_until(a.sites[a.rank], kWaitPacket, epoch * kStageParts, [&](uint64_t& seen) {
+      seen = *reinterpret_cast<volatile uint64_t*>(&a.staged[g]);
+      return seen >= epoch * kStageParts;
+    });
+  }
+  j0 = __shfl_sync(0xffffffffu, j0, 0);
+  __syncwarp();
+  const PortChannelHandle& c = moe_net::channel(a, r);
+  const uint32_t t = lane < cnt ? g * kWarp + uint32_t(__fns(mask, 0, int(lane) + 1)) : 0;
+  c.put_warp(cnt, moe_net::wire_offset(a, half, a.rank, j0 + lane), moe_net::stage_offset(a, half, t),
+             moe_net::used_bytes(a), 0, 0, 0, false, lane);
+  uint32_t n = 0;
+  bool last = false;
+  if (lane == 0) last = arrive(a, r, groups, n);
+  if (__shfl_sync(0xffffffffu, last ? 1u : 0u, 0) != 0) {
+    n = __shfl_sync(0xffffffffu, n, 0);
+    const uint64_t count_src = a.stage_counts + (uint64_t(half) * a.world + r) * 8;
+    const uint64_t count_dst = a.off_counts + (uint64_t(half) * a.world + a.rank) * 8;
+    if (lane == 0) {
+      *reinterpret_cast<volatile uint64_t*>(a.stage + count_src) = epoch << 32 | n;
+      __threadfence_system();
+    }
+    __syncwarp();
+    c.put_warp(0, 0, 0, 0, count_dst, count_src, 8, true, lane);
+  }
+  if (lane == 0) probe_max(a, 1);
+}
+
+}  // namespace
+
+extern "C" __global__ void __launch_bounds__(256) moe_net_send(MoeNetArgs a) {
   if (a.probe != nullptr && threadIdx.x == 0) {
     atomicMin(reinterpret_cast<unsigned long long*>(&a.probe[0]), static_cast<unsigned long long>(global_timer_ns()));
   }
-  const uint32_t lane = threadIdx.x % kWarp;
-  const uint32_t warps = gridDim.x * (blockDim.x / kWarp);
-  const uint32_t scales = a.hidden / 128;
-  for (uint32_t t = blockIdx.x * (blockDim.x / kWarp) + threadIdx.x / kWarp; t < a.num_tokens; t += warps) {
-    moe_net::put_token(a, t, a.x + uint64_t(t) * moe_net::row_bytes(a),
-                       a.fp8 ? a.scales + uint64_t(t) * scales : nullptr, lane);
+  const uint64_t epoch = moe_net::send_epoch(a);
+  const uint32_t warps = blockDim.x / kWarp;
+  const uint32_t groups = a.num_tokens == 0 ? 1 : (a.num_tokens + kWarp - 1) / kWarp;
+  const uint32_t pairs = groups * a.world;
+  const uint32_t stages = groups * kStageParts;
+  const uint32_t tasks = stages + pairs + (pairs + warps - 1) / warps;
+  for (uint32_t task = blockIdx.x; task < tasks; task += gridDim.x) {
+    if (task < stages) {
+      stage_part(a, task / kStageParts, task % kStageParts);
+    } else if (task < stages + pairs) {
+      const uint32_t g = (task - stages) / a.world, r = (task - stages) % a.world;
+      if (a.peer_area[r] != 0) nvlink_task(a, g, r, groups, epoch);  // uniform in the block
+    } else {
+      const uint32_t item = (task - stages - pairs) * (blockDim.x / kWarp) + threadIdx.x / kWarp;
+      if (item >= pairs) continue;
+      const uint32_t g = item / a.world, r = item % a.world;
+      if (a.peer_area[r] == 0) network_task(a, g, r, groups, epoch);  // uniform in the warp
+    }
   }
-  moe_net::finish_send(a);
+  if (last_block(&a.done[0]) && threadIdx.x == 0) {
+    a.epochs[0] = epoch;
+    probe_max(a, 2);
+  }
 }
 
 extern "C" __global__ void __launch_bounds__(512) moe_net_recv(MoeNetArgs a) {

@@ -259,6 +259,8 @@ int main() {
   FIELD(MoeNetArgs, recv_count);
   FIELD(MoeNetArgs, list);
   FIELD(MoeNetArgs, probe);
+  FIELD(MoeNetArgs, arrived);
+  FIELD(MoeNetArgs, staged);
 
   STRUCT(MoeHtArgs);
   FIELD(MoeHtArgs, nodes);

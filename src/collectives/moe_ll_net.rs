@@ -274,6 +274,8 @@ impl LlNet {
             alloc(local * world * 4)?,                         // 6 layout
             alloc(local * 4)?,                                 // 7 recv_count
             alloc(world * cfg.max_tokens * 4)?,                // 8 list
+            alloc(world * 4)?,                                 // 9 arrived
+            alloc(cfg.max_tokens.div_ceil(32) * 8)?,           // 10 staged
         ];
         let p = |i: usize| device[i].device_ptr(&stream).0;
         let base = MoeNetArgs {
@@ -286,6 +288,8 @@ impl LlNet {
             layout: p(6),
             recv_count: p(7),
             list: p(8),
+            arrived: p(9),
+            staged: p(10),
             ..landing.base
         };
         stream
@@ -313,12 +317,15 @@ impl LlNet {
 
     fn launch(&self, stream: &CudaStream, k: usize, args: &MoeNetArgs) -> Result<()> {
         self.landing.proxy_alive()?;
+        // The send (task-parallel, moe_net_send) runs 256 threads a block: more registers per
+        // thread for its posting paths; the others 512.
+        let threads = if k == 0 { 256 } else { 512 };
         launch(
             &self.comm,
             &self.kernels[k],
             stream,
             self.landing.blocks,
-            512,
+            threads,
             args,
         )
     }

@@ -504,6 +504,8 @@ pub struct MoeNetArgs {
     pub recv_count: u64,
     pub list: u64,
     pub probe: u64,
+    pub arrived: u64,
+    pub staged: u64,
 }
 
 /// The high-throughput node-spanning MoE kernels' own arguments (`collective_args.cuh`).
@@ -866,6 +868,8 @@ mod layout {
                     recv_count,
                     list,
                     probe,
+                    arrived,
+                    staged,
                 ]
             ),
             layout!(

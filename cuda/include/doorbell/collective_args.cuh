@@ -232,8 +232,11 @@ struct MoeNetArgs {
                                 //   another node, this call (posted by the last block in batches)
   uint64_t* probe;              // optional [3] global timer (ns): first block's start (min), last
                                 //   doorbell of the send (max), send's end (max); null: off
+  uint32_t* arrived;            // mine: [world] (token group, rank) tasks of moe_net_send done, this call
+  uint64_t* staged;             // mine: [ceil(max_tokens / 32)] stage tasks finished per token group
+                                //   over all calls (moe_net_send: 4 per group and dispatch)
 };
-DOORBELL_CHECK_SIZE(MoeNetArgs, 272);
+DOORBELL_CHECK_SIZE(MoeNetArgs, 288);
 
 // The high-throughput node-spanning MoE exchange's own arguments (cuda/kernels/moe_net.cu, beside
 // MoeNetArgs): a token crosses the network once per destination node, to the rank of that node

@@ -85,12 +85,12 @@ DOORBELL_DEVICE_INLINE uint64_t stage_offset(const MoeNetArgs& a, uint32_t half,
   return (uint64_t(half) * a.max_tokens + t) * a.msg_bytes;
 }
 
-// Builds token t's message in the staging area (the half of the epoch being sent): the header
-// (token, row format, its top-k ids and weights), the row (`row`: hidden bf16 or e4m3, 16-byte
-// aligned, any memory) and with fp8 its scales. One warp, every lane with its lane id.
-DOORBELL_DEVICE_INLINE void stage_token(const MoeNetArgs& a, uint32_t t, const void* row, const float* scales,
-                                        uint32_t lane) {
-  char* m = a.stage + stage_offset(a, uint32_t(send_epoch(a) & 1), t);
+// Writes token t's message at `m` (any memory this GPU reaches: the staging area, or a same-node
+// peer's slot): the header (token, row format, dispatch epoch, its top-k ids and weights), the
+// row (`row`: hidden bf16 or e4m3, 16-byte aligned, any memory) and with fp8 its scales. One
+// warp, every lane with its lane id.
+DOORBELL_DEVICE_INLINE void write_message(const MoeNetArgs& a, char* m, uint32_t t, const void* row,
+                                          const float* scales, uint32_t lane) {
   int32_t* h = reinterpret_cast<int32_t*>(m);
   if (lane == 0) {
     h[0] = int32_t(t);
@@ -102,11 +102,17 @@ DOORBELL_DEVICE_INLINE void stage_token(const MoeNetArgs& a, uint32_t t, const v
     reinterpret_cast<float*>(h)[kHeaderIds + a.topk + lane] = a.topk_weights[uint64_t(t) * a.topk + lane];
   }
   char* p = m + a.header_bytes;
-  copy_words_batched<int4, 4>(reinterpret_cast<int4*>(p), static_cast<const int4*>(row), row_bytes(a) / 16, lane, 32);
+  copy_words_batched<int4, 8>(reinterpret_cast<int4*>(p), static_cast<const int4*>(row), row_bytes(a) / 16, lane, 32);
   if (a.fp8) {
     float* s = reinterpret_cast<float*>(p + row_bytes(a));
     for (uint32_t i = lane; i < a.hidden / 128; i += 32) s[i] = scales[i];
   }
+}
+
+// Builds token t's message in the staging area (the half of the epoch being sent). One warp.
+DOORBELL_DEVICE_INLINE void stage_token(const MoeNetArgs& a, uint32_t t, const void* row, const float* scales,
+                                        uint32_t lane) {
+  write_message(a, a.stage + stage_offset(a, uint32_t(send_epoch(a) & 1), t), t, row, scales, lane);
 }
 
 // Sends token t's staged message to rank r: NVLink stores into my next message slot there when
