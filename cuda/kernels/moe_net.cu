@@ -195,9 +195,9 @@ __device__ void probe_max(const MoeNetArgs& a, uint32_t i) {
 constexpr uint32_t kStageTokens = 8, kStageParts = kWarp / kStageTokens;
 
 // Stage task `part` of group g (a block): its tokens' messages into the staging area, then one
-// more on staged[g], which reaches epoch x kStageParts once the whole group of this dispatch is
-// staged (monotonic over calls: nothing to reset).
-__device__ void stage_part(const MoeNetArgs& a, uint32_t g, uint32_t part) {
+// more part on staged[g] (see below), which reads epoch << 8 | kStageParts once the whole group
+// of this dispatch is staged.
+__device__ void stage_part(const MoeNetArgs& a, uint32_t g, uint32_t part, uint64_t epoch) {
   const uint32_t lane = threadIdx.x % kWarp, scales = a.hidden / 128;
   for (uint32_t i = threadIdx.x / kWarp; i < kStageTokens; i += blockDim.x / kWarp) {
     const uint32_t t = g * kWarp + part * kStageTokens + i;
@@ -209,7 +209,16 @@ __device__ void stage_part(const MoeNetArgs& a, uint32_t g, uint32_t part) {
   __syncthreads();
   if (threadIdx.x == 0) {
     __threadfence_system();  // the messages before the NIC can be asked to read them
-    atomicAdd(reinterpret_cast<unsigned long long*>(&a.staged[g]), 1ull);
+    // staged[g] = epoch << 8 | parts staged this epoch (the fused send never stages here, so
+    // the word restarts at each epoch of this kernel instead of counting calls).
+    unsigned long long* w = reinterpret_cast<unsigned long long*>(&a.staged[g]);
+    unsigned long long old = *reinterpret_cast<volatile unsigned long long*>(w);
+    for (;;) {
+      const unsigned long long next = (old >> 8) == epoch ? old + 1 : (static_cast<unsigned long long>(epoch) << 8) | 1;
+      const unsigned long long seen = atomicCAS(w, old, next);
+      if (seen == old) break;
+      old = seen;
+    }
   }
 }
 
@@ -251,17 +260,19 @@ __device__ void network_task(const MoeNetArgs& a, uint32_t g, uint32_t r, uint32
   uint32_t j0 = 0;
   if (lane == 0 && cnt > 0) {
     j0 = atomicAdd(&a.fill[r], cnt);
-    spin_until(a.sites[a.rank], kWaitPacket, epoch * kStageParts, [&](uint64_t& seen) {
+    spin_until(a.sites[a.rank], kWaitPacket, epoch << 8 | kStageParts, [&](uint64_t& seen) {
       seen = *reinterpret_cast<volatile uint64_t*>(&a.staged[g]);
-      return seen >= epoch * kStageParts;
+      return seen == (epoch << 8 | kStageParts);
     });
   }
   j0 = __shfl_sync(0xffffffffu, j0, 0);
   __syncwarp();
   const PortChannelHandle& c = moe_net::channel(a, r);
   const uint32_t t = lane < cnt ? g * kWarp + uint32_t(__fns(mask, 0, int(lane) + 1)) : 0;
+  // Published, not rung: the count batch below (last on this queue pair in this call) rings
+  // once for every group's batch.
   c.put_warp(cnt, moe_net::wire_offset(a, half, a.rank, j0 + lane), moe_net::stage_offset(a, half, t),
-             moe_net::used_bytes(a), 0, 0, 0, false, lane);
+             moe_net::used_bytes(a), 0, 0, 0, false, lane, false);
   uint32_t n = 0;
   bool last = false;
   if (lane == 0) last = arrive(a, r, groups, n);
@@ -293,7 +304,7 @@ extern "C" __global__ void __launch_bounds__(256) moe_net_send(MoeNetArgs a) {
   const uint32_t tasks = stages + pairs + (pairs + warps - 1) / warps;
   for (uint32_t task = blockIdx.x; task < tasks; task += gridDim.x) {
     if (task < stages) {
-      stage_part(a, task / kStageParts, task % kStageParts);
+      stage_part(a, task / kStageParts, task % kStageParts, epoch);
     } else if (task < stages + pairs) {
       const uint32_t g = (task - stages) / a.world, r = (task - stages) % a.world;
       if (a.peer_area[r] != 0) nvlink_task(a, g, r, groups, epoch);  // uniform in the block

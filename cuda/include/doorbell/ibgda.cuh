@@ -213,6 +213,11 @@ struct IbQpHandle {
   DOORBELL_DEVICE_INLINE uint64_t reserve(uint32_t n) const {
     const uint64_t base = fetch_add_relaxed_gpu(&state[kReserved], n);
     if (base + n > completed() + depth()) {
+      // Published work nobody rang yet (publish without doorbell) must reach the NIC, or its
+      // room never comes back.
+      __threadfence();
+      const uint64_t ready = word(kReady);
+      if (ready > word(kRung)) ring(ready);
       spin_until(site, kWaitIbProgress, base + n - depth(), [&](uint64_t& seen) {
         seen = poll();
         return base + n <= seen + depth();
@@ -233,14 +238,16 @@ struct IbQpHandle {
     publish(base, n);
   }
 
-  // submit() without the fence, for WQEs whose writers fenced already.
-  DOORBELL_DEVICE_INLINE void publish(uint64_t base, uint32_t n) const {
+  // submit() without the fence, for WQEs whose writers fenced already. With `doorbell` false the
+  // WQEBBs are only published: a later ring (another batch's, or reserve() before it waits for
+  // room) covers them.
+  DOORBELL_DEVICE_INLINE void publish(uint64_t base, uint32_t n, bool doorbell = true) const {
     spin_until(site, kWaitIbProgress, base, [&](uint64_t& seen) {
       seen = atomicCAS(reinterpret_cast<unsigned long long*>(&state[kReady]), static_cast<unsigned long long>(base),
                        static_cast<unsigned long long>(base + n));
       return seen == base;
     });
-    ring(base + n);
+    if (doorbell) ring(base + n);
   }
 
   // Makes sure a doorbell covering WQEBBs before `end` (all published) rings: returns at once if
@@ -341,7 +348,8 @@ struct IbQpHandle {
   DOORBELL_DEVICE_INLINE uint64_t post_warp(uint32_t rows, uint64_t raddr, uint32_t rkey, uint64_t laddr, uint32_t lkey,
                                             uint32_t len, uint64_t tail_raddr, uint64_t tail_laddr, uint32_t tail_len,
                                             bool flag, uint64_t flag_raddr, uint32_t flag_rkey, uint64_t add,
-                                            uint64_t result, uint32_t result_lkey, uint32_t lane) const {
+                                            uint64_t result, uint32_t result_lkey, uint32_t lane,
+                                            bool doorbell = true) const {
     const uint32_t tail = tail_len > 0 ? 1 : 0;
     const uint32_t n = rows + tail + (flag ? 2 : 0);
     if (n == 0) return ~uint64_t(0);
@@ -366,7 +374,7 @@ struct IbQpHandle {
     }
     fence_acq_rel_sys();  // every lane's WQE (and the size of the signaled one) before lane 0 publishes
     __syncwarp();
-    if (lane == 0) publish(base, n);
+    if (lane == 0) publish(base, n, doorbell);
     __syncwarp();
     return base + n - 1;
   }

@@ -96,9 +96,12 @@ struct PortChannelHandle {
   // Over RDMA posted by the kernel, the whole batch is one reservation, one publish and one
   // doorbell on the first queue pair (ibgda.cuh's post_warp: the signal is a READ that flushes
   // the writes, then the fetch-add); with the proxy, one trigger per put and one for the signal.
+  // `ring` false (RDMA posted by the kernel): the batch is published but the doorbell is left to
+  // a later batch on the same queue pair (which rings for everything published before it), so
+  // batches of many warps cost one doorbell; the caller guarantees that later batch.
   DOORBELL_DEVICE_INLINE void put_warp(uint32_t rows, uint64_t dst_off, uint64_t src_off, uint64_t bytes,
                                        uint64_t tail_dst, uint64_t tail_src, uint64_t tail_bytes, bool with_signal,
-                                       uint32_t lane) const {
+                                       uint32_t lane, bool ring = true) const {
     constexpr uint64_t kStripeMin = uint64_t(1) << 20;
     if (ib != nullptr && bytes < kStripeMin && tail_bytes < kStripeMin) {
       if (with_signal && ib->stripes > 1 && lane == 0) {
@@ -111,7 +114,7 @@ struct PortChannelHandle {
       __syncwarp();
       ib->qp.post_warp(rows, ib->dst + dst_off, ib->dst_key, ib->src + src_off, ib->src_key, uint32_t(bytes),
                        ib->dst + tail_dst, ib->src + tail_src, uint32_t(tail_bytes), with_signal, ib->token,
-                       ib->token_key, 1, ib->scratch, ib->scratch_key, lane);
+                       ib->token_key, 1, ib->scratch, ib->scratch_key, lane, ring);
       return;
     }
     if (lane < rows) put(dst_off, src_off, bytes);
