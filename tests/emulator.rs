@@ -6,7 +6,9 @@
 //! delivery that only a READ (or idleness) makes visible.
 
 use doorbell::transport::ib::cq::{self, Cqe, CQE_BYTES, EMPTY_OP_OWN};
-use doorbell::transport::ib::emulator::{Delivery, EmulatedNic, HostDma, QpRings, Responder};
+use doorbell::transport::ib::emulator::{
+    Delivery, EmulatedNic, HostDma, QpRings, Responder, RingDma,
+};
 use doorbell::transport::ib::wqe::{doorbell_record, opcode, wqebbs, Op, CQ_UPDATE, WQEBB};
 use std::sync::atomic::{fence, AtomicU64, Ordering};
 use std::sync::Arc;
@@ -83,6 +85,19 @@ impl<'a> Qp<'a> {
         cq_entries: u64,
         responder: Option<Responder>,
     ) -> Qp<'a> {
+        Qp::with_ring_dma(nic, qpn, depth, cq_entries, responder, None)
+    }
+
+    /// A QP whose send queue and record the NIC reads through `ring_dma` (as it reads rings in
+    /// GPU memory) instead of directly.
+    fn with_ring_dma(
+        nic: &'a EmulatedNic,
+        qpn: u32,
+        depth: u64,
+        cq_entries: u64,
+        responder: Option<Responder>,
+        ring_dma: Option<RingDma>,
+    ) -> Qp<'a> {
         let qp = Qp {
             nic,
             qpn,
@@ -104,6 +119,7 @@ impl<'a> Qp<'a> {
             cq: qp.cq.ptr(),
             cq_entries,
             cq_ci: qp.cq_ci.ptr() as *const u32,
+            ring_dma,
         };
         // SAFETY: the buffers live in `qp`, whose drop removes the QP first.
         unsafe { nic.add_qp(qpn, rings, responder) }.unwrap();
@@ -447,6 +463,52 @@ fn indices_wrap_past_16_bits_and_wqes_wrap_the_ring() {
     }
     assert!(nic.faults().is_empty(), "{:?}", nic.faults());
     assert_eq!(nic.executed(0x42), wqes);
+}
+
+/// A send queue the NIC reads through a DMA engine (rings in GPU memory): each doorbell fetches
+/// the WQEBBs its record covers, including batches of several WQEs that straddle the ring's end.
+#[test]
+fn rings_read_through_dma_serve_batches_across_the_ring_end() {
+    let nic = nic(Delivery::Strict);
+    let dst = Buf::new(4096);
+    let kd = nic.register(dst.addr(), dst.len(), false).unwrap();
+    // SAFETY: the rings are host buffers of this test, alive while the QP is.
+    let dma = RingDma(std::sync::Arc::new(unsafe { HostDma::new() }));
+    let mut qp = Qp::with_ring_dma(&nic, 0x43, 16, 64, None, Some(dma));
+    let mut wqes = 0u64;
+    for round in 0..500u64 {
+        // 1..=5 inline writes (1-3 WQEBBs each) per doorbell, only the last signaled.
+        let batch = 1 + round % 5;
+        let mut expect = Vec::new();
+        let mut last = 0;
+        for b in 0..batch {
+            let n = 1 + ((wqes * 7) % 150) as usize;
+            let payload: Vec<u8> = (0..n).map(|i| (wqes as usize * 3 + i) as u8).collect();
+            let slot = (wqes % 16) * 256;
+            last = qp.post(
+                &Op::WriteInline {
+                    raddr: dst.addr() + slot,
+                    rkey: kd,
+                    payload: payload.clone(),
+                },
+                b == batch - 1,
+            );
+            expect.push((slot as usize, payload));
+            wqes += 1;
+        }
+        qp.ring();
+        let c = qp.poll();
+        assert_eq!(
+            (c.opcode, c.wqe_counter),
+            (cq::opcode::REQ, last as u16),
+            "round {round}"
+        );
+        for (slot, payload) in expect {
+            assert_eq!(dst.read(slot, payload.len()), payload, "round {round}");
+        }
+    }
+    assert!(nic.faults().is_empty(), "{:?}", nic.faults());
+    assert_eq!(nic.executed(0x43), wqes);
 }
 
 #[test]

@@ -291,7 +291,7 @@ fn gpu_built_wqes_equal_the_cpu_builders() {
 fn gpu_posted_writes_and_atomics_through_the_emulated_nic() {
     use doorbell::device_api::WaitSite;
     use doorbell::transport::ib::emulator::{Delivery, EmulatedNic};
-    use doorbell::transport::ib::gpu_qp::{CudaDma, GpuQp, Posting};
+    use doorbell::transport::ib::gpu_qp::{CudaDma, GpuQp, Posting, RingPlacement};
     use std::sync::Arc;
     let gpu = Gpu::open(0).expect("GPU 0");
     let s = gpu.new_stream().unwrap();
@@ -301,10 +301,13 @@ fn gpu_posted_writes_and_atomics_through_the_emulated_nic() {
         peer: -1,
         ..Default::default()
     };
-    for (q, posting) in [Posting::Ibgda, Posting::CpuAssisted]
-        .into_iter()
-        .enumerate()
-    {
+    let cases = [
+        (Posting::Ibgda, RingPlacement::Host),
+        (Posting::CpuAssisted, RingPlacement::Host),
+        (Posting::Ibgda, RingPlacement::Gpu),
+        (Posting::CpuAssisted, RingPlacement::Gpu),
+    ];
+    for (q, (posting, placement)) in cases.into_iter().enumerate() {
         let case = ib_puts::Puts::new(&s);
         let nic =
             Arc::new(EmulatedNic::start(Box::new(CudaDma::new(&gpu)), Delivery::Strict).unwrap());
@@ -315,13 +318,14 @@ fn gpu_posted_writes_and_atomics_through_the_emulated_nic() {
                 .unwrap()
         });
         let qpn = 0x100 + q as u32;
-        let qp = GpuQp::new(&gpu, &nic, qpn, 7, posting, site).unwrap();
-        let took = case.run(&gpu, &s, qp.handle(), keys, &format!("{posting:?}"));
-        assert!(nic.faults().is_empty(), "{posting:?}: {:?}", nic.faults());
+        let qp = GpuQp::placed(&gpu, &nic, qpn, 7, posting, site, placement).unwrap();
+        let what = format!("{posting:?}, rings in {placement:?} memory");
+        let took = case.run(&gpu, &s, qp.handle(), keys, &what);
+        assert!(nic.faults().is_empty(), "{what}: {:?}", nic.faults());
         let wqes = ib_puts::wqes();
-        assert_eq!(nic.executed(qpn), wqes);
+        assert_eq!(nic.executed(qpn), wqes, "{what}");
         eprintln!(
-            "{posting:?}: {wqes} WQEs from {} GPU threads through a 128-WQEBB queue in {:.1} ms ({:.0} WQEs/s, emulator included)",
+            "{what}: {wqes} WQEs from {} GPU threads through a 128-WQEBB queue in {:.1} ms ({:.0} WQEs/s, emulator included)",
             ib_puts::threads(),
             took.as_secs_f64() * 1e3,
             wqes as f64 / took.as_secs_f64()

@@ -219,6 +219,7 @@ __device__ void stage_part(const MoeNetArgs& a, uint32_t g, uint32_t part, uint6
       if (seen == old) break;
       old = seen;
     }
+    probe_max(a, 3);
   }
 }
 

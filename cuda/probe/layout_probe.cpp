@@ -73,7 +73,7 @@ int main() {
   FIELD(IbQpHandle, qpn);
   FIELD(IbQpHandle, sq_log2);
   FIELD(IbQpHandle, cq_log2);
-  FIELD(IbQpHandle, reserved);
+  FIELD(IbQpHandle, flags);
   FIELD(IbQpHandle, site);
 
   STRUCT(FifoHandle);

@@ -198,10 +198,17 @@ pub struct IbQpHandle {
     pub sq_log2: u32,
     /// log2 of the CQ's entries.
     pub cq_log2: u32,
-    /// Zero.
-    pub reserved: u32,
+    /// [`IbQpHandle::RINGS_IN_GPU`] when the send queue and its record are GPU memory (then a
+    /// GPU-scope fence orders a batch's WQEs before it is published; host-memory rings take a
+    /// system-scope one), else zero.
+    pub flags: u32,
     /// Who waits (posters on a full queue, quiet).
     pub site: WaitSite,
+}
+
+impl IbQpHandle {
+    /// `flags` bit: the send queue and doorbell record are GPU memory (`kRingsInGpu`).
+    pub const RINGS_IN_GPU: u32 = 1;
 }
 
 /// The device side of a proxy's FIFO (`fifo.cuh`).
@@ -915,7 +922,7 @@ mod layout {
                 IbQpHandle,
                 [
                     sq, dbr, doorbell, cq, cq_ci, state, sizes, host_ready, qpn, sq_log2, cq_log2,
-                    reserved, site
+                    flags, site
                 ]
             ),
             layout!(

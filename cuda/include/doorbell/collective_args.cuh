@@ -230,8 +230,9 @@ struct MoeNetArgs {
   uint32_t* recv_count;         // mine: [local expert] rows received
   uint32_t* list;               // mine: [world][max_tokens] the token of each message to a peer on
                                 //   another node, this call (posted by the last block in batches)
-  uint64_t* probe;              // optional [3] global timer (ns): first block's start (min), last
-                                //   doorbell of the send (max), send's end (max); null: off
+  uint64_t* probe;              // optional [4] global timer (ns): first block's start (min), last
+                                //   doorbell of the send (max), send's end (max), last stage task's
+                                //   end (max; moe_net_send only); null: off
   uint32_t* arrived;            // mine: [world] (token group, rank) tasks of moe_net_send done, this call
   uint64_t* staged;             // mine: [ceil(max_tokens / 32)] stage tasks finished per token group
                                 //   over all calls (moe_net_send: 4 per group and dispatch)

@@ -163,14 +163,27 @@ struct IbQpHandle {
   uint32_t qpn;
   uint32_t sq_log2;
   uint32_t cq_log2;
-  uint32_t reserved;
+  uint32_t flags;  // kRingsInGpu, or 0
   WaitSite site;
+
+  // flags: the send queue and its record are GPU memory (NVSHMEM's placement): a batch's WQEs
+  // need only a GPU-scope fence before they are published (ring() fences system-wide before the
+  // doorbell); rings in host memory take a system-scope fence per batch, as NVSHMEM does.
+  static constexpr uint32_t kRingsInGpu = 1;
 
   static constexpr uint32_t kReserved = 0, kReady = 1, kRung = 2, kCompleted = 3, kRingLock = 4, kPollLock = 5,
                             kCqConsumed = 6;
 
 #if DOORBELL_CUDA
   DOORBELL_DEVICE_INLINE uint64_t depth() const { return uint64_t(1) << sq_log2; }
+  // Orders this thread's WQE bytes before anything that publishes them (see kRingsInGpu).
+  DOORBELL_DEVICE_INLINE void order_wqes() const {
+    if (flags & kRingsInGpu) {
+      __threadfence();
+    } else {
+      fence_acq_rel_sys();
+    }
+  }
   // State words are shared by every SM: read and written volatile (never from a stale L1 line).
   DOORBELL_DEVICE_INLINE volatile uint64_t& word(uint32_t i) const { return reinterpret_cast<volatile uint64_t*>(state)[i]; }
   DOORBELL_DEVICE_INLINE uint64_t completed() const { return word(kCompleted); }
@@ -234,7 +247,7 @@ struct IbQpHandle {
   // Publishes WQEBBs [base, base + n), written by this thread, once every earlier reservation is
   // published, then rings.
   DOORBELL_DEVICE_INLINE void submit(uint64_t base, uint32_t n) const {
-    fence_acq_rel_sys();  // the WQE's bytes before anything that lets the NIC read them
+    order_wqes();  // the WQE's bytes before anything that lets the NIC read them
     publish(base, n);
   }
 
@@ -298,7 +311,7 @@ struct IbQpHandle {
     const uint64_t at = base + lane;
     ib::rdma_wqe(sq, sq_log2, at, qpn, ib::kOpWrite, lane == 31 ? ib::kCqUpdate : 0, raddr, rkey, laddr, lkey, len);
     if (lane == 31) signaled(at, 1);
-    fence_acq_rel_sys();  // each lane's WQE (and lane 31's size) before lane 0 publishes
+    order_wqes();  // each lane's WQE (and lane 31's size) before lane 0 publishes
     __syncwarp();
     if (lane == 0) publish(base, 32);
     __syncwarp();
@@ -330,7 +343,7 @@ struct IbQpHandle {
                      result, result_lkey);
       signaled(base + rows + 1, 1);
     }
-    fence_acq_rel_sys();  // every lane's WQE before lane 0 publishes
+    order_wqes();  // every lane's WQE before lane 0 publishes
     __syncwarp();
     if (lane == 0) publish(base, rows + 2);
     __syncwarp();
@@ -372,7 +385,7 @@ struct IbQpHandle {
       }
       if (cq != 0) signaled(base + i, 1);
     }
-    fence_acq_rel_sys();  // every lane's WQE (and the size of the signaled one) before lane 0 publishes
+    order_wqes();  // every lane's WQE (and the size of the signaled one) before lane 0 publishes
     __syncwarp();
     if (lane == 0) publish(base, n, doorbell);
     __syncwarp();

@@ -793,6 +793,7 @@ impl Provider for Emulated {
             cq: cq_ring,
             cq_entries,
             cq_ci,
+            ring_dma: None,
         };
         let conf = Arc::new(Mutex::new(QpConf::reset(qpn)));
         let gate = Arc::new(EmuGate {

@@ -157,7 +157,7 @@ impl Region {
 
 /// The memory of one queue pair the poster and the NIC share (host memory here; a ConnectX
 /// reads the same layout from wherever the driver put it).
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 pub struct QpRings {
     /// Send queue: `sq_wqebbs` blocks of 64 bytes (a power of two).
     pub sq: *mut u8,
@@ -175,6 +175,21 @@ pub struct QpRings {
     /// The CQ's consumer index record (big-endian 24-bit), or null for a CQ that may be
     /// overrun (pollers that only look at the newest CQE).
     pub cq_ci: *const u32,
+    /// `None`: `sq` and `dbr` are host pointers the NIC's thread reads directly. `Some(dma)`:
+    /// they are device addresses (the send queue and its record in GPU memory, where NVSHMEM's
+    /// IBGDA places them through DEVX), which the NIC reads through `dma` as a ConnectX reads
+    /// GPU memory over PCIe: the record at each doorbell, then the WQEBBs it covers.
+    pub ring_dma: Option<RingDma>,
+}
+
+/// How the NIC reads rings in device memory ([`QpRings::ring_dma`]).
+#[derive(Clone)]
+pub struct RingDma(pub Arc<dyn Dma>);
+
+impl std::fmt::Debug for RingDma {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("RingDma")
+    }
 }
 
 /// Where a QP's writes with immediate complete.
@@ -222,6 +237,9 @@ struct Qp {
     rng: u64,
     /// WQEs executed, and CQEs written.
     wqes: u64,
+    /// A send queue in device memory ([`QpRings::ring_dma`]): the WQEBBs fetched at the last
+    /// doorbells, at their ring offsets.
+    shadow: Vec<u8>,
 }
 
 struct Shared {
@@ -470,6 +488,7 @@ impl EmulatedNic {
             } ^ (0x9e37_79b9_7f4a_7c15 ^ u64::from(qpn)).wrapping_mul(0xbf58_476d_1ce4_e5b9)
                 | 1,
             wqes: 0,
+            shadow: Vec::new(),
         });
         Ok(())
     }
@@ -568,7 +587,13 @@ fn step(s: &Shared, regions: &[Region], qp: &mut Qp) -> bool {
             fault(s, qp, format!("doorbell names QPN {db_qpn:#x}"));
             return false;
         }
-        let dbr = (u32::from_be(unsafe { std::ptr::read_volatile(qp.rings.dbr) }) & 0xffff) as u16;
+        let dbr = match read_dbr(qp) {
+            Ok(v) => (u32::from_be(v) & 0xffff) as u16,
+            Err(e) => {
+                fault(s, qp, format!("doorbell record unreadable: {e}"));
+                return false;
+            }
+        };
         let rung = db_idx.wrapping_sub(qp.ci as u16);
         if dbr.wrapping_sub(qp.ci as u16) < rung {
             fault(
@@ -576,6 +601,10 @@ fn step(s: &Shared, regions: &[Region], qp: &mut Qp) -> bool {
                 qp,
                 format!("doorbell at index {db_idx} is ahead of its record {dbr}"),
             );
+            return false;
+        }
+        if let Err(e) = fetch_rung(qp, u64::from(dbr.wrapping_sub(qp.ci as u16))) {
+            fault(s, qp, format!("send queue unreadable: {e}"));
             return false;
         }
         qp.rd_in_flight = 0;
@@ -596,6 +625,43 @@ fn step(s: &Shared, regions: &[Region], qp: &mut Qp) -> bool {
         worked = true;
     }
     worked
+}
+
+/// The send doorbell record's word (big-endian), wherever it lives.
+fn read_dbr(qp: &Qp) -> Result<u32> {
+    match &qp.rings.ring_dma {
+        // SAFETY: add_qp's contract; volatile because the poster writes it concurrently.
+        None => Ok(unsafe { std::ptr::read_volatile(qp.rings.dbr) }),
+        Some(dma) => {
+            let mut b = [0u8; 4];
+            dma.0.read(qp.rings.dbr as u64, &mut b)?;
+            Ok(u32::from_ne_bytes(b))
+        }
+    }
+}
+
+/// For a send queue in device memory, copies the `n` WQEBBs from the consumer index on (all
+/// published: the record covers them) into the shadow the WQEs are read from.
+fn fetch_rung(qp: &mut Qp, n: u64) -> Result<()> {
+    let Some(dma) = qp.rings.ring_dma.clone() else {
+        return Ok(());
+    };
+    let depth = qp.rings.sq_wqebbs;
+    qp.shadow.resize(depth as usize * WQEBB, 0);
+    let (first, n) = (qp.ci & (depth - 1), n.min(depth));
+    let head = n.min(depth - first);
+    let at = first as usize * WQEBB;
+    let base = qp.rings.sq as u64;
+    dma.0.read(
+        base + at as u64,
+        &mut qp.shadow[at..at + head as usize * WQEBB],
+    )?;
+    if n > head {
+        dma.0
+            .read(base, &mut qp.shadow[..(n - head) as usize * WQEBB])?;
+    }
+    fence(Ordering::Acquire);
+    Ok(())
 }
 
 fn fault(s: &Shared, qp: &mut Qp, what: String) {
@@ -651,8 +717,12 @@ fn execute(s: &Shared, regions: &[Region], qp: &mut Qp) -> Option<u64> {
     let block = |i: u64| -> [u8; WQEBB] {
         let mut b = [0u8; WQEBB];
         let at = ((qp.ci + i) & (depth - 1)) as usize * WQEBB;
-        // SAFETY: the slot lies in the send queue (add_qp's contract).
-        unsafe { std::ptr::copy(qp.rings.sq.add(at), b.as_mut_ptr(), WQEBB) };
+        if qp.rings.ring_dma.is_some() {
+            b.copy_from_slice(&qp.shadow[at..at + WQEBB]);
+        } else {
+            // SAFETY: the slot lies in the send queue (add_qp's contract).
+            unsafe { std::ptr::copy(qp.rings.sq.add(at), b.as_mut_ptr(), WQEBB) };
+        }
         b
     };
     let first = block(0);

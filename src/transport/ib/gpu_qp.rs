@@ -14,7 +14,7 @@
 //! memory of this process (or a peer's mapped into it) and pinned host memory.
 
 use super::cq::{CQE_BYTES, EMPTY_OP_OWN};
-use super::emulator::{Dma, EmulatedNic, QpRings};
+use super::emulator::{Dma, EmulatedNic, QpRings, RingDma};
 use super::wqe::WQEBB;
 use crate::device_api::{IbQpHandle, WaitSite};
 use crate::error::{Error, Result};
@@ -90,6 +90,8 @@ pub(crate) struct DeviceRings {
     pub qpn: u32,
     pub sq_log2: u32,
     pub cq_log2: u32,
+    /// The send queue and its record are GPU memory ([`IbQpHandle::RINGS_IN_GPU`]).
+    pub in_gpu: bool,
 }
 
 impl GpuPoster {
@@ -130,7 +132,11 @@ impl GpuPoster {
             qpn: rings.qpn,
             sq_log2: rings.sq_log2,
             cq_log2: rings.cq_log2,
-            reserved: 0,
+            flags: if rings.in_gpu {
+                IbQpHandle::RINGS_IN_GPU
+            } else {
+                0
+            },
             site,
         };
         let ringing = match &ready {
@@ -169,14 +175,46 @@ impl Drop for GpuPoster {
     }
 }
 
+/// Where a [`GpuQp`]'s send queue and doorbell record live.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RingPlacement {
+    /// Pinned host memory mapped into the GPU: where libmlx5 allocates a verbs queue pair's
+    /// rings, so what [`MappedQp`] gives kernels on a ConnectX (every WQE store crosses PCIe,
+    /// and each batch takes a system-scope fence).
+    Host,
+    /// GPU memory, which the NIC reads over PCIe (NVSHMEM's default for IBGDA, through DEVX
+    /// umem registration, which doorbell does not do on real NICs yet): WQE stores stay in the
+    /// GPU and a batch takes a GPU-scope fence. The emulated NIC reads them with `cuMemcpy`.
+    Gpu,
+}
+
+/// A send queue and its record where a [`RingPlacement`] put them: their device addresses, the
+/// addresses the emulated NIC reads (host pointers, or device addresses read through
+/// `ring_dma`), and how the CPU-assisted ringer writes the record.
+struct PlacedRings {
+    sq_dev: u64,
+    dbr_dev: u64,
+    sq_host: *mut u8,
+    dbr_host: *const u32,
+    ring_dma: Option<RingDma>,
+    write_dbr: Box<dyn Fn(u32) + Send>,
+}
+
+/// Device memory that a [`RingPlacement::Gpu`] queue pair's rings live in.
+struct GpuRings {
+    _sq: CudaSlice<u8>,
+    _dbr: CudaSlice<u64>,
+}
+
 /// A queue pair of the emulated NIC that kernels post to. Dropping it stops its doorbell thread
 /// (CPU-assisted) and removes it from the NIC.
 pub struct GpuQp {
     nic: Arc<EmulatedNic>,
     handle: IbQpHandle,
     poster: GpuPoster,
-    _sq: HostArray<u8>,
-    _dbr: Arc<HostArray<u32>>,
+    _sq: Option<HostArray<u8>>,
+    _dbr: Option<Arc<HostArray<u32>>>,
+    _gpu_rings: Option<GpuRings>,
     _doorbell: Arc<HostArray<u64>>,
     _cq: HostArray<u8>,
     _cq_ci: HostArray<u32>,
@@ -184,7 +222,8 @@ pub struct GpuQp {
 
 impl GpuQp {
     /// A QP numbered `qpn` with a send queue of `2^sq_log2` WQEBBs (7..=15) and a CQ as deep,
-    /// served by `nic`, posted as `posting` says; device waits report through `site`.
+    /// served by `nic`, posted as `posting` says; device waits report through `site`. Its rings
+    /// are pinned host memory ([`RingPlacement::Host`]).
     pub fn new(
         gpu: &Arc<Gpu>,
         nic: &Arc<EmulatedNic>,
@@ -193,6 +232,20 @@ impl GpuQp {
         posting: Posting,
         site: WaitSite,
     ) -> Result<GpuQp> {
+        GpuQp::placed(gpu, nic, qpn, sq_log2, posting, site, RingPlacement::Host)
+    }
+
+    /// [`GpuQp::new`] with the send queue and its record where `placement` says (the doorbell
+    /// word, the CQ and its record stay in pinned host memory).
+    pub fn placed(
+        gpu: &Arc<Gpu>,
+        nic: &Arc<EmulatedNic>,
+        qpn: u32,
+        sq_log2: u32,
+        posting: Posting,
+        site: WaitSite,
+        placement: RingPlacement,
+    ) -> Result<GpuQp> {
         if !(7..=15).contains(&sq_log2) {
             return Err(Error::invalid(
                 "send queue",
@@ -200,50 +253,101 @@ impl GpuQp {
             ));
         }
         let depth = 1usize << sq_log2;
-        let sq = HostArray::<u8>::new(gpu, depth * WQEBB)?;
-        let dbr = Arc::new(HostArray::<u32>::new(gpu, 1)?);
         let doorbell = Arc::new(HostArray::<u64>::new(gpu, 1)?);
         let cq = HostArray::<u8>::new(gpu, depth * CQE_BYTES)?;
         for i in 0..depth {
             cq.write(i * CQE_BYTES + 63, EMPTY_OP_OWN);
         }
         let cq_ci = HostArray::<u32>::new(gpu, 1)?;
-        let (d, b) = (dbr.clone(), doorbell.clone());
+        let b = doorbell.clone();
+        let write_doorbell = move |v| b.write(0, v);
+        let (mut host_sq, mut host_dbr, mut gpu_rings) = (None, None, None);
+        let placed = match placement {
+            RingPlacement::Host => {
+                let sq = HostArray::<u8>::new(gpu, depth * WQEBB)?;
+                let dbr = Arc::new(HostArray::<u32>::new(gpu, 1)?);
+                let d = dbr.clone();
+                let out = PlacedRings {
+                    sq_dev: sq.device_ptr(),
+                    dbr_dev: dbr.device_ptr(),
+                    sq_host: sq.host_ptr(),
+                    dbr_host: dbr.host_ptr() as *const u32,
+                    ring_dma: None,
+                    write_dbr: Box::new(move |v| d.write(0, v)),
+                };
+                host_sq = Some(sq);
+                host_dbr = Some(dbr);
+                out
+            }
+            RingPlacement::Gpu => {
+                let stream = gpu.new_stream()?;
+                let sq = stream
+                    .alloc_zeros::<u8>(depth * WQEBB)
+                    .map_err(cuda_err("cuMemAlloc"))?;
+                let dbr = stream
+                    .alloc_zeros::<u64>(1)
+                    .map_err(cuda_err("cuMemAlloc"))?;
+                stream
+                    .synchronize()
+                    .map_err(cuda_err("cuStreamSynchronize"))?;
+                let (sq_p, dbr_p) = (sq.device_ptr(&stream).0, dbr.device_ptr(&stream).0);
+                let dma: Arc<dyn Dma> = Arc::new(CudaDma::new(gpu));
+                let writer = dma.clone();
+                gpu_rings = Some(GpuRings { _sq: sq, _dbr: dbr });
+                PlacedRings {
+                    sq_dev: sq_p,
+                    dbr_dev: dbr_p,
+                    sq_host: sq_p as *mut u8,
+                    dbr_host: dbr_p as *const u32,
+                    ring_dma: Some(RingDma(dma)),
+                    // The ringer's record store: a copy into GPU memory, done before it rings.
+                    write_dbr: Box::new(move |v: u32| {
+                        if let Err(e) = writer.write(dbr_p, &v.to_ne_bytes()) {
+                            tracing::error!("doorbell record of QP {qpn:#x}: {e}");
+                        }
+                    }),
+                }
+            }
+        };
         let (poster, handle) = GpuPoster::start(
             gpu,
             DeviceRings {
-                sq: sq.device_ptr(),
-                dbr: dbr.device_ptr(),
+                sq: placed.sq_dev,
+                dbr: placed.dbr_dev,
                 doorbell: doorbell.device_ptr(),
                 cq: cq.device_ptr(),
                 cq_ci: cq_ci.device_ptr(),
                 qpn,
                 sq_log2,
                 cq_log2: sq_log2,
+                in_gpu: placement == RingPlacement::Gpu,
             },
             posting,
             site,
-            move |v| d.write(0, v),
-            move |v| b.write(0, v),
+            placed.write_dbr,
+            write_doorbell,
         )?;
         let rings = QpRings {
-            sq: sq.host_ptr(),
+            sq: placed.sq_host,
             sq_wqebbs: depth as u64,
-            dbr: dbr.host_ptr(),
+            dbr: placed.dbr_host,
             doorbell: doorbell.host_ptr(),
             cq: cq.host_ptr(),
             cq_entries: depth as u64,
             cq_ci: cq_ci.host_ptr(),
+            ring_dma: placed.ring_dma,
         };
-        // SAFETY: the rings are pinned allocations owned by the returned value, whose Drop
-        // removes the QP from the NIC before they are freed.
+        // SAFETY: the rings are allocations owned by the returned value (pinned host memory, or
+        // GPU memory read through `ring_dma`), whose Drop removes the QP from the NIC before
+        // they are freed.
         unsafe { nic.add_qp(qpn, rings, None) }?;
         Ok(GpuQp {
             nic: nic.clone(),
             handle,
             poster,
-            _sq: sq,
-            _dbr: dbr,
+            _sq: host_sq,
+            _dbr: host_dbr,
+            _gpu_rings: gpu_rings,
             _doorbell: doorbell,
             _cq: cq,
             _cq_ci: cq_ci,
@@ -503,6 +607,7 @@ impl MappedQp {
                 qpn: r.qpn,
                 sq_log2,
                 cq_log2,
+                in_gpu: false, // libmlx5's rings: host memory
             },
             posting,
             site,

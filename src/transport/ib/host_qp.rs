@@ -88,6 +88,7 @@ impl HostQp {
             cq: buffers[3].ptr(),
             cq_entries: depth,
             cq_ci: buffers[4].ptr() as *const u32,
+            ring_dma: None,
         };
         for i in 0..depth as usize {
             // SAFETY: inside the CQ, before the NIC knows it.
@@ -99,7 +100,7 @@ impl HostQp {
             };
         }
         // SAFETY: the buffers live in the returned value, whose Drop removes the QP first.
-        unsafe { nic.add_qp(qpn, rings, None) }?;
+        unsafe { nic.add_qp(qpn, rings.clone(), None) }?;
         Ok(HostQp::with(
             Backing::Emulated {
                 nic: nic.clone(),
