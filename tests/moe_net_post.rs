@@ -185,7 +185,7 @@ fn gpu_time_to_post_a_decode_dispatch_across_nodes() {
                 alloc(world * 4),
                 alloc(TOKENS.div_ceil(32) * 8),
             );
-            let mut probe = s.alloc_zeros::<u64>(4).unwrap();
+            let mut probe = s.alloc_zeros::<u64>(8).unwrap();
             let probe_p = probe.device_ptr(&s).0;
             let p = |b: &cudarc::driver::CudaSlice<u8>| b.device_ptr(&s).0;
             let args = MoeNetArgs {
@@ -223,8 +223,9 @@ fn gpu_time_to_post_a_decode_dispatch_across_nodes() {
             let mut posted = Vec::new();
             let mut ended = Vec::new();
             let mut staged = Vec::new();
+            let mut steps: Vec<[f64; 4]> = Vec::new();
             for rep in 0..reps {
-                let start: [u64; 4] = [u64::MAX, 0, 0, 0];
+                let start: [u64; 8] = [u64::MAX, 0, 0, 0, 0, 0, 0, u64::MAX];
                 s.memcpy_htod(&start, &mut probe).unwrap();
                 let mut b = s.launch_builder(&send);
                 b.arg(&args);
@@ -245,6 +246,12 @@ fn gpu_time_to_post_a_decode_dispatch_across_nodes() {
                     posted.push(t[1].max(t[0]).max(t[3]) as f64 / 1e3 - t[0] as f64 / 1e3);
                     ended.push((t[2] - t[0]) as f64 / 1e3);
                     staged.push((t[3] - t[0]) as f64 / 1e3);
+                    if !remote.is_empty() {
+                        // Network tasks: first start, last past its staging waits, last
+                        // beginning its batch, last done.
+                        let at = |i: usize| t[i].saturating_sub(t[0]) as f64 / 1e3;
+                        steps.push([at(7), at(4), at(5), at(6)]);
+                    }
                 }
             }
             // Every WQE reached the NIC and completed: each remote rank's messages, then its
@@ -266,6 +273,15 @@ fn gpu_time_to_post_a_decode_dispatch_across_nodes() {
             } else {
                 format!("{:.1} / {:.1}", posted[posted.len() / 2], posted[0])
             };
+            if !steps.is_empty() {
+                steps.sort_by(|x, y| x[3].total_cmp(&y[3]));
+                let m = steps[steps.len() / 2];
+                eprintln!(
+                    "{posting:?}, {placement:?}, {nodes} x 8: network tasks start {:.1} us, past staging {:.1}, \
+                     batch begun {:.1}, posted {:.1} (one run, the median by the last)",
+                    m[0], m[1], m[2], m[3]
+                );
+            }
             println!(
                 "| {posting:?} | {placement:?} | {nodes} x 8 | {remote_msgs} | {wqes} | {:.2} | {:.2} | {:.1} | {doorbell} | {:.1} / {:.1} |",
                 wqes as f64 / TOKENS as f64,

@@ -142,21 +142,22 @@ __device__ void wait_dispatch(const MoeNetArgs& a, uint64_t epoch, Counts& count
 // ---- The low-latency dispatch send (moe_net_send): every part of it at once over the grid. ----
 // Tokens form groups of 32 (at least one group, so every rank gets its counts). The work is a list
 // of tasks, each block taking tasks blockIdx.x, blockIdx.x + gridDim.x, ... in order:
-//   stage tasks (a block each, kStageParts per group): build 8 tokens' messages of group g in the
-//     staging area, then count on staged[g] (epoch x kStageParts once the group is staged);
-//   NVLink task (g, r) for a rank r whose area is mapped here (a block): writes the messages of
-//     group g's tokens that selected an expert on r straight into r's slots (from x: no staging),
-//     then arrives at r;
-//   network task (g, r) for any other rank (a warp; blockDim / 32 of them per block task): waits
-//     for group g to be staged, posts those messages as one batch of WRITEs (PortChannelHandle::put_warp: one
-//     reservation, publish and doorbell when the GPU posts), then arrives at r.
-// Slots come from an atomic per destination (fill[r]), so the groups' messages to r take
-// contiguous slots in any order. The task that arrives last at r (arrived[r] reaches the group
-// count) publishes r's count: over NVLink a store after a system fence, over the network the
-// count WRITE, a READ (the flush of every WRITE before it on the queue pair: the other groups'
-// batches were published before they arrived) and the fetch-add the receiver waits for.
+//   stage tasks (a block each, kStageParts per group): build kStageTokens messages of group g in
+//     the staging area (kStageSplit warps a message), then count on staged[g] (epoch x
+//     kStageParts once the group is staged);
+//   network tasks (a warp per rank on another node; blockDim / 32 ranks a block task): list the
+//     tokens that selected an expert on rank r (message j of this call goes to r's slot j), wait
+//     until their groups are staged, and post them, the count word and the signal as one batch
+//     (PortChannelHandle::put_rows_warp: one reservation, one publish and one doorbell when the
+//     GPU posts; the signal is a READ, the flush of every WRITE before it, then the fetch-add the
+//     receiver waits for);
+//   NVLink tasks (g, r) for a rank r whose area is mapped here (a block): write the messages of
+//     group g's tokens that selected an expert on r straight into r's slots (from x: no staging;
+//     slots from an atomic per destination, fill[r]), then arrive at r; the task that arrives
+//     last (arrived[r] reaches the group count) stores r's count after a system fence.
 // Only network tasks wait, and only for stage tasks, which come first in every block's order:
-// whatever the blocks' scheduling, a waited-for stage task is never behind its waiter.
+// whatever the blocks' scheduling, a waited-for stage task is never behind its waiter. Network
+// tasks come before the NVLink ones so that posting starts as soon as the staging is done.
 // The fused-send device API (moe_net::put_token / finish_send) produces the same messages and
 // counts with a warp per token and the last block posting.
 namespace {
@@ -191,24 +192,48 @@ __device__ void probe_max(const MoeNetArgs& a, uint32_t i) {
   }
 }
 
-// A stage task builds kStageTokens messages; a group takes kStageParts of them.
-constexpr uint32_t kStageTokens = 8, kStageParts = kWarp / kStageTokens;
+__device__ void probe_min(const MoeNetArgs& a, uint32_t i) {
+  if (a.probe != nullptr) {
+    atomicMin(reinterpret_cast<unsigned long long*>(&a.probe[i]), static_cast<unsigned long long>(global_timer_ns()));
+  }
+}
+
+// A stage task builds kStageTokens messages, kStageSplit warps each (blocks of 256 threads); a
+// group takes kStageParts tasks.
+constexpr uint32_t kStageTokens = 4, kStageSplit = 2, kStageParts = kWarp / kStageTokens;
 
 // Stage task `part` of group g (a block): its tokens' messages into the staging area, then one
 // more part on staged[g] (see below), which reads epoch << 8 | kStageParts once the whole group
 // of this dispatch is staged.
 __device__ void stage_part(const MoeNetArgs& a, uint32_t g, uint32_t part, uint64_t epoch) {
-  const uint32_t lane = threadIdx.x % kWarp, scales = a.hidden / 128;
-  for (uint32_t i = threadIdx.x / kWarp; i < kStageTokens; i += blockDim.x / kWarp) {
-    const uint32_t t = g * kWarp + part * kStageTokens + i;
-    if (t < a.num_tokens) {
-      moe_net::stage_token(a, t, a.x + uint64_t(t) * moe_net::row_bytes(a),
-                           a.fp8 ? a.scales + uint64_t(t) * scales : nullptr, lane);
+  const uint32_t lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp, scales = a.hidden / 128;
+  const uint32_t split = blockDim.x / kWarp >= kStageTokens * kStageSplit ? kStageSplit : 1;
+  const uint32_t half = uint32_t(epoch & 1);
+  for (uint32_t w = warp; w < kStageTokens * split; w += blockDim.x / kWarp) {
+    const uint32_t t = g * kWarp + part * kStageTokens + w / split, piece = w % split;
+    if (t >= a.num_tokens) continue;
+    char* m = a.stage + moe_net::stage_offset(a, half, t);
+    const uint8_t* row = a.x + uint64_t(t) * moe_net::row_bytes(a);
+    if (piece == 0) {
+      // The header and, with fp8, the scales; the row's first part.
+      moe_net::write_message_header(a, m, t, lane);
+      if (a.fp8) {
+        float* s = reinterpret_cast<float*>(m + a.header_bytes + moe_net::row_bytes(a));
+        for (uint32_t i = lane; i < scales; i += kWarp) s[i] = a.scales[uint64_t(t) * scales + i];
+      }
+    }
+    const uint32_t words = moe_net::row_bytes(a) / 16, per = (words + split - 1) / split;
+    const uint32_t lo = piece * per, hi = lo + per < words ? lo + per : words;
+    if (lo < hi) {
+      copy_words_batched<int4, 8>(reinterpret_cast<int4*>(m + a.header_bytes) + lo,
+                                  reinterpret_cast<const int4*>(row) + lo, hi - lo, lane, kWarp);
     }
   }
   __syncthreads();
   if (threadIdx.x == 0) {
-    __threadfence_system();  // the messages before the NIC can be asked to read them
+    // The messages before the count: GPU scope (the staging area is GPU memory, and the poster
+    // fences system-wide before its doorbell, as NVSHMEM does for GPU-memory data).
+    __threadfence();
     // staged[g] = epoch << 8 | parts staged this epoch (the fused send never stages here, so
     // the word restarts at each epoch of this kernel instead of counting calls).
     unsigned long long* w = reinterpret_cast<unsigned long long*>(&a.staged[g]);
@@ -224,8 +249,7 @@ __device__ void stage_part(const MoeNetArgs& a, uint32_t g, uint32_t part, uint6
 }
 
 // NVLink task (g, r) for a mapped rank r (a block).
-__device__ void nvlink_task(const MoeNetArgs& a, uint32_t g, uint32_t r, uint32_t groups,
-                                         uint64_t epoch) {
+__device__ void nvlink_task(const MoeNetArgs& a, uint32_t g, uint32_t r, uint32_t groups, uint64_t epoch) {
   __shared__ uint32_t base;
   const uint32_t lane = threadIdx.x % kWarp, scales = a.hidden / 128, half = uint32_t(epoch & 1);
   const uint64_t mapped = a.peer_area[r];
@@ -252,43 +276,41 @@ __device__ void nvlink_task(const MoeNetArgs& a, uint32_t g, uint32_t r, uint32_
   __syncthreads();  // `base` is rewritten by the next task
 }
 
-// Network task (g, r) for a rank r on another node (a warp).
-__device__ void network_task(const MoeNetArgs& a, uint32_t g, uint32_t r, uint32_t groups,
-                                          uint64_t epoch) {
+// Network task for a rank r on another node (a warp): r's messages of this call, in token order.
+__device__ void network_task(const MoeNetArgs& a, uint32_t r, uint32_t groups, uint64_t epoch) {
   const uint32_t lane = threadIdx.x % kWarp, half = uint32_t(epoch & 1);
-  const uint32_t mask = group_mask(a, g, r, lane);
-  const uint32_t cnt = __popc(mask);
-  uint32_t j0 = 0;
-  if (lane == 0 && cnt > 0) {
-    j0 = atomicAdd(&a.fill[r], cnt);
-    spin_until(a.sites[a.rank], kWaitPacket, epoch << 8 | kStageParts, [&](uint64_t& seen) {
-      seen = *reinterpret_cast<volatile uint64_t*>(&a.staged[g]);
-      return seen == (epoch << 8 | kStageParts);
-    });
-  }
-  j0 = __shfl_sync(0xffffffffu, j0, 0);
-  __syncwarp();
-  const PortChannelHandle& c = moe_net::channel(a, r);
-  const uint32_t t = lane < cnt ? g * kWarp + uint32_t(__fns(mask, 0, int(lane) + 1)) : 0;
-  // Published, not rung: the count batch below (last on this queue pair in this call) rings
-  // once for every group's batch.
-  c.put_warp(cnt, moe_net::wire_offset(a, half, a.rank, j0 + lane), moe_net::stage_offset(a, half, t),
-             moe_net::used_bytes(a), 0, 0, 0, false, lane, false);
+  if (lane == 0) probe_min(a, 7);
+  uint32_t* list = a.list + uint64_t(r) * a.max_tokens;
   uint32_t n = 0;
-  bool last = false;
-  if (lane == 0) last = arrive(a, r, groups, n);
-  if (__shfl_sync(0xffffffffu, last ? 1u : 0u, 0) != 0) {
-    n = __shfl_sync(0xffffffffu, n, 0);
-    const uint64_t count_src = a.stage_counts + (uint64_t(half) * a.world + r) * 8;
-    const uint64_t count_dst = a.off_counts + (uint64_t(half) * a.world + a.rank) * 8;
-    if (lane == 0) {
-      *reinterpret_cast<volatile uint64_t*>(a.stage + count_src) = epoch << 32 | n;
-      __threadfence_system();
+  for (uint32_t g = 0; g < groups; ++g) {
+    const uint32_t mask = group_mask(a, g, r, lane);
+    if (mask >> lane & 1) list[n + __popc(mask & ((1u << lane) - 1))] = g * kWarp + lane;
+    if (mask != 0 && lane == 0) {
+      spin_until(a.sites[a.rank], kWaitPacket, epoch << 8 | kStageParts, [&](uint64_t& seen) {
+        seen = *reinterpret_cast<volatile uint64_t*>(&a.staged[g]);
+        return seen == (epoch << 8 | kStageParts);
+      });
     }
-    __syncwarp();
-    c.put_warp(0, 0, 0, 0, count_dst, count_src, 8, true, lane);
+    n += __popc(mask);
   }
-  if (lane == 0) probe_max(a, 1);
+  if (lane == 0) probe_max(a, 4);
+  __syncwarp();  // the list and the staging waits before the posts
+  const uint64_t count_src = a.stage_counts + (uint64_t(half) * a.world + r) * 8;
+  const uint64_t count_dst = a.off_counts + (uint64_t(half) * a.world + a.rank) * 8;
+  if (lane == 0) *reinterpret_cast<volatile uint64_t*>(a.stage + count_src) = epoch << 32 | n;
+  __syncwarp();
+  if (lane == 0) probe_max(a, 5);
+  moe_net::channel(a, r).put_rows_warp(
+      n,
+      [&](uint32_t i) {
+        return make_ulonglong2(moe_net::wire_offset(a, half, a.rank, i),
+                               moe_net::stage_offset(a, half, reinterpret_cast<const volatile uint32_t*>(list)[i]));
+      },
+      moe_net::used_bytes(a), count_dst, count_src, 8, true, lane);
+  if (lane == 0) {
+    probe_max(a, 6);
+    probe_max(a, 1);
+  }
 }
 
 }  // namespace
@@ -302,18 +324,17 @@ extern "C" __global__ void __launch_bounds__(256) moe_net_send(MoeNetArgs a) {
   const uint32_t groups = a.num_tokens == 0 ? 1 : (a.num_tokens + kWarp - 1) / kWarp;
   const uint32_t pairs = groups * a.world;
   const uint32_t stages = groups * kStageParts;
-  const uint32_t tasks = stages + pairs + (pairs + warps - 1) / warps;
+  const uint32_t net = (a.world + warps - 1) / warps;
+  const uint32_t tasks = stages + net + pairs;
   for (uint32_t task = blockIdx.x; task < tasks; task += gridDim.x) {
     if (task < stages) {
       stage_part(a, task / kStageParts, task % kStageParts, epoch);
-    } else if (task < stages + pairs) {
-      const uint32_t g = (task - stages) / a.world, r = (task - stages) % a.world;
-      if (a.peer_area[r] != 0) nvlink_task(a, g, r, groups, epoch);  // uniform in the block
+    } else if (task < stages + net) {
+      const uint32_t r = (task - stages) * warps + threadIdx.x / kWarp;
+      if (r < a.world && a.peer_area[r] == 0) network_task(a, r, groups, epoch);  // uniform in the warp
     } else {
-      const uint32_t item = (task - stages - pairs) * (blockDim.x / kWarp) + threadIdx.x / kWarp;
-      if (item >= pairs) continue;
-      const uint32_t g = item / a.world, r = item % a.world;
-      if (a.peer_area[r] == 0) network_task(a, g, r, groups, epoch);  // uniform in the warp
+      const uint32_t g = (task - stages - net) / a.world, r = (task - stages - net) % a.world;
+      if (a.peer_area[r] != 0) nvlink_task(a, g, r, groups, epoch);  // uniform in the block
     }
   }
   if (last_block(&a.done[0]) && threadIdx.x == 0) {

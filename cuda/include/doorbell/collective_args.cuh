@@ -229,10 +229,12 @@ struct MoeNetArgs {
   uint32_t* layout;             // mine: [local expert][source] rows received
   uint32_t* recv_count;         // mine: [local expert] rows received
   uint32_t* list;               // mine: [world][max_tokens] the token of each message to a peer on
-                                //   another node, this call (posted by the last block in batches)
-  uint64_t* probe;              // optional [4] global timer (ns): first block's start (min), last
-                                //   doorbell of the send (max), send's end (max), last stage task's
-                                //   end (max; moe_net_send only); null: off
+                                //   another node, this call (message j goes to the peer's slot j)
+  uint64_t* probe;              // optional [8] global timer (ns): first block's start (min), last
+                                //   doorbell of the send (max), send's end (max); moe_net_send only:
+                                //   last stage task's end, last network task past its staging
+                                //   waits, last one beginning its batch, last one done (max), first
+                                //   network task's start (min); null: off
   uint32_t* arrived;            // mine: [world] (token group, rank) tasks of moe_net_send done, this call
   uint64_t* staged;             // mine: [ceil(max_tokens / 32)] stage tasks finished per token group
                                 //   over all calls (moe_net_send: 4 per group and dispatch)

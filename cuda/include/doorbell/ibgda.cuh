@@ -351,30 +351,33 @@ struct IbQpHandle {
   }
 
   // A batch posted by a full warp (all 32 lanes calling together) with one reservation, one
-  // publish and one doorbell: lanes below `rows` (0..=32, the same on every lane) one RDMA WRITE
-  // each of `len` bytes from their own `laddr` to their own `raddr`; then, when `tail_len` > 0, a
-  // WRITE of `tail_len` bytes from `tail_laddr` to `tail_raddr` (a count or chunk descriptor);
-  // then, when `flag`, an 8-byte READ of `flag_raddr` into `result` (the flush that keeps the
-  // flag behind every write before it, as relaxed ordering needs) and a fetch-add of `add` there
-  // (its old value lands at `result + 8`). Only the last WQE asks for a CQE. Returns the last
-  // WQE's index (every lane the same), or ~0 when the batch is empty.
-  DOORBELL_DEVICE_INLINE uint64_t post_warp(uint32_t rows, uint64_t raddr, uint32_t rkey, uint64_t laddr, uint32_t lkey,
-                                            uint32_t len, uint64_t tail_raddr, uint64_t tail_laddr, uint32_t tail_len,
-                                            bool flag, uint64_t flag_raddr, uint32_t flag_rkey, uint64_t add,
-                                            uint64_t result, uint32_t result_lkey, uint32_t lane,
-                                            bool doorbell = true) const {
+  // publish and one doorbell: `rows` RDMA WRITEs of `len` bytes each (any number, the same on
+  // every lane), row i from local `row(i).y` to remote `row(i).x` (row(i) is called by lane
+  // i % 32 only); then, when `tail_len` > 0, a WRITE of `tail_len` bytes from `tail_laddr` to
+  // `tail_raddr` (a count or chunk descriptor); then, when `flag`, an 8-byte READ of `flag_raddr`
+  // into `result` (the flush that keeps the flag behind every write before it, as relaxed
+  // ordering needs) and a fetch-add of `add` there (its old value lands at `result + 8`). Only the
+  // last WQE asks for a CQE. With `doorbell` false the batch is published, not rung (a later
+  // batch's doorbell covers it). Returns the last WQE's index (every lane the same), or ~0 when
+  // the batch is empty.
+  template <typename Row>
+  DOORBELL_DEVICE_INLINE uint64_t post_rows_warp(uint32_t rows, Row row, uint32_t rkey, uint32_t lkey, uint32_t len,
+                                                 uint64_t tail_raddr, uint64_t tail_laddr, uint32_t tail_len,
+                                                 bool flag, uint64_t flag_raddr, uint32_t flag_rkey, uint64_t add,
+                                                 uint64_t result, uint32_t result_lkey, uint32_t lane,
+                                                 bool doorbell = true) const {
     const uint32_t tail = tail_len > 0 ? 1 : 0;
     const uint32_t n = rows + tail + (flag ? 2 : 0);
     if (n == 0) return ~uint64_t(0);
     uint64_t base = 0;
     if (lane == 0) base = reserve(n);
     base = __shfl_sync(0xffffffffu, base, 0);
-    // WQE i of the batch is written by lane i % 32: the rows, then the tail, READ and fetch-add
-    // wrap to the first lanes.
+    // WQE i of the batch is written by lane i % 32: the rows, then the tail, READ and fetch-add.
     for (uint32_t i = lane; i < n; i += 32) {
       const uint32_t cq = i == n - 1 ? ib::kCqUpdate : 0;
       if (i < rows) {
-        ib::rdma_wqe(sq, sq_log2, base + i, qpn, ib::kOpWrite, cq, raddr, rkey, laddr, lkey, len);
+        const ulonglong2 at = row(i);
+        ib::rdma_wqe(sq, sq_log2, base + i, qpn, ib::kOpWrite, cq, at.x, rkey, at.y, lkey, len);
       } else if (i < rows + tail) {
         ib::rdma_wqe(sq, sq_log2, base + i, qpn, ib::kOpWrite, cq, tail_raddr, rkey, tail_laddr, lkey, tail_len);
       } else if (i == rows + tail) {
@@ -390,6 +393,17 @@ struct IbQpHandle {
     if (lane == 0) publish(base, n, doorbell);
     __syncwarp();
     return base + n - 1;
+  }
+
+  // post_rows_warp for at most 32 rows, lane i's row from its own `laddr` to its own `raddr`.
+  DOORBELL_DEVICE_INLINE uint64_t post_warp(uint32_t rows, uint64_t raddr, uint32_t rkey, uint64_t laddr, uint32_t lkey,
+                                            uint32_t len, uint64_t tail_raddr, uint64_t tail_laddr, uint32_t tail_len,
+                                            bool flag, uint64_t flag_raddr, uint32_t flag_rkey, uint64_t add,
+                                            uint64_t result, uint32_t result_lkey, uint32_t lane,
+                                            bool doorbell = true) const {
+    return post_rows_warp(
+        rows, [&](uint32_t) { return make_ulonglong2(raddr, laddr); }, rkey, lkey, len, tail_raddr, tail_laddr,
+        tail_len, flag, flag_raddr, flag_rkey, add, result, result_lkey, lane, doorbell);
   }
 
   // RDMA READ of `len` bytes from remote `raddr` into local `laddr`, with a CQE; returns its

@@ -8,9 +8,9 @@
 // own warp, where that rank's area is mapped here (same node, and this rank itself); by
 // PortChannel puts otherwise (RDMA WRITEs that the kernel or the proxy posts, whichever posting
 // mode the transports chose), which the token's warp only lists: the sending grid's last block
-// posts each network peer's list as batches of up to 32 WRITEs (one reservation, one publish and
-// one doorbell each when the GPU posts), the last batch carrying the count word and the signal
-// (a READ that flushes the writes before it, then the fetch-add the receiver waits for). The slot
+// posts each network peer's list as one batch of WRITEs (one reservation, one publish and one
+// doorbell when the GPU posts) followed by the count word and the signal (a READ that flushes the
+// writes before it, then the fetch-add the receiver waits for). The slot
 // is the sender's to pick (an atomic on its own counter per destination), so no receiver is ever
 // asked first: each source owns `max_tokens` message slots per half at each receiver, which one
 // call can never overrun (DeepEP's low-latency layout; a decode step cannot wait for a grant,
@@ -85,12 +85,8 @@ DOORBELL_DEVICE_INLINE uint64_t stage_offset(const MoeNetArgs& a, uint32_t half,
   return (uint64_t(half) * a.max_tokens + t) * a.msg_bytes;
 }
 
-// Writes token t's message at `m` (any memory this GPU reaches: the staging area, or a same-node
-// peer's slot): the header (token, row format, dispatch epoch, its top-k ids and weights), the
-// row (`row`: hidden bf16 or e4m3, 16-byte aligned, any memory) and with fp8 its scales. One
-// warp, every lane with its lane id.
-DOORBELL_DEVICE_INLINE void write_message(const MoeNetArgs& a, char* m, uint32_t t, const void* row,
-                                          const float* scales, uint32_t lane) {
+// The header of token t's message at `m` (see write_message). One warp.
+DOORBELL_DEVICE_INLINE void write_message_header(const MoeNetArgs& a, char* m, uint32_t t, uint32_t lane) {
   int32_t* h = reinterpret_cast<int32_t*>(m);
   if (lane == 0) {
     h[0] = int32_t(t);
@@ -101,6 +97,15 @@ DOORBELL_DEVICE_INLINE void write_message(const MoeNetArgs& a, char* m, uint32_t
     h[kHeaderIds + lane] = a.topk_idx[uint64_t(t) * a.topk + lane];
     reinterpret_cast<float*>(h)[kHeaderIds + a.topk + lane] = a.topk_weights[uint64_t(t) * a.topk + lane];
   }
+}
+
+// Writes token t's message at `m` (any memory this GPU reaches: the staging area, or a same-node
+// peer's slot): the header (token, row format, dispatch epoch, its top-k ids and weights), the
+// row (`row`: hidden bf16 or e4m3, 16-byte aligned, any memory) and with fp8 its scales. One
+// warp, every lane with its lane id.
+DOORBELL_DEVICE_INLINE void write_message(const MoeNetArgs& a, char* m, uint32_t t, const void* row,
+                                          const float* scales, uint32_t lane) {
+  write_message_header(a, m, t, lane);
   char* p = m + a.header_bytes;
   copy_words_batched<int4, 8>(reinterpret_cast<int4*>(p), static_cast<const int4*>(row), row_bytes(a) / 16, lane, 32);
   if (a.fp8) {
@@ -159,24 +164,23 @@ DOORBELL_DEVICE_INLINE void put_token(const MoeNetArgs& a, uint32_t t, const voi
   __syncwarp();
 }
 
-// Posts rank r's listed messages of this call (`n` of them, half `half`) as batches of up to 32
-// puts, the last batch followed by the count `word` and the signal. One warp.
+// Posts rank r's listed messages of this call (`n` of them, half `half`, listed in a.list) as one
+// batch, followed by the count `word` and the signal. One warp.
 DOORBELL_DEVICE_INLINE void post_messages(const MoeNetArgs& a, uint32_t r, uint32_t half, uint32_t n, uint64_t word,
                                           uint32_t lane) {
   const PortChannelHandle& c = channel(a, r);
   const uint64_t count_src = a.stage_counts + (uint64_t(half) * a.world + r) * 8;
   const uint64_t count_dst = a.off_counts + (uint64_t(half) * a.world + a.rank) * 8;
   if (lane == 0) *reinterpret_cast<volatile uint64_t*>(a.stage + count_src) = word;
-  const uint32_t batches = n == 0 ? 1 : (n + 31) / 32;
-  for (uint32_t b = 0; b < batches; ++b) {
-    const uint32_t first = 32 * b;
-    const uint32_t rows = n - first < 32 ? n - first : 32;
-    const bool last = b == batches - 1;
-    uint32_t t = 0;
-    if (lane < rows) t = reinterpret_cast<const volatile uint32_t*>(a.list)[uint64_t(r) * a.max_tokens + first + lane];
-    c.put_warp(rows, wire_offset(a, half, a.rank, first + lane), stage_offset(a, half, t), used_bytes(a),
-               last ? count_dst : 0, last ? count_src : 0, last ? 8 : 0, last, lane);
-  }
+  __syncwarp();
+  const uint32_t* list = a.list + uint64_t(r) * a.max_tokens;
+  c.put_rows_warp(
+      n,
+      [&](uint32_t i) {
+        const uint32_t t = reinterpret_cast<const volatile uint32_t*>(list)[i];
+        return make_ulonglong2(wire_offset(a, half, a.rank, i), stage_offset(a, half, t));
+      },
+      used_bytes(a), count_dst, count_src, 8, true, lane);
 }
 
 // Every block of the sending grid calls this once, with all its threads, after its puts. The

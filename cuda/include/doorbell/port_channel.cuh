@@ -102,6 +102,18 @@ struct PortChannelHandle {
   DOORBELL_DEVICE_INLINE void put_warp(uint32_t rows, uint64_t dst_off, uint64_t src_off, uint64_t bytes,
                                        uint64_t tail_dst, uint64_t tail_src, uint64_t tail_bytes, bool with_signal,
                                        uint32_t lane, bool ring = true) const {
+    put_rows_warp(
+        rows, [&](uint32_t) { return make_ulonglong2(dst_off, src_off); }, bytes, tail_dst, tail_src, tail_bytes,
+        with_signal, lane, ring);
+  }
+
+  // put_warp for any number of rows: row i (0 <= i < rows) puts `bytes` from `row(i).y` to
+  // `row(i).x` (offsets; row(i) is called by lane i % 32 only). Over RDMA posted by the kernel
+  // the rows, tail and signal are still one reservation, one publish and one doorbell.
+  template <typename Row>
+  DOORBELL_DEVICE_INLINE void put_rows_warp(uint32_t rows, Row row, uint64_t bytes, uint64_t tail_dst,
+                                            uint64_t tail_src, uint64_t tail_bytes, bool with_signal, uint32_t lane,
+                                            bool ring = true) const {
     constexpr uint64_t kStripeMin = uint64_t(1) << 20;
     if (ib != nullptr && bytes < kStripeMin && tail_bytes < kStripeMin) {
       if (with_signal && ib->stripes > 1 && lane == 0) {
@@ -112,12 +124,21 @@ struct PortChannelHandle {
         }
       }
       __syncwarp();
-      ib->qp.post_warp(rows, ib->dst + dst_off, ib->dst_key, ib->src + src_off, ib->src_key, uint32_t(bytes),
-                       ib->dst + tail_dst, ib->src + tail_src, uint32_t(tail_bytes), with_signal, ib->token,
-                       ib->token_key, 1, ib->scratch, ib->scratch_key, lane, ring);
+      const uint64_t dst = ib->dst, src = ib->src;
+      ib->qp.post_rows_warp(
+          rows,
+          [&](uint32_t i) {
+            const ulonglong2 o = row(i);
+            return make_ulonglong2(dst + o.x, src + o.y);
+          },
+          ib->dst_key, ib->src_key, uint32_t(bytes), dst + tail_dst, src + tail_src, uint32_t(tail_bytes), with_signal,
+          ib->token, ib->token_key, 1, ib->scratch, ib->scratch_key, lane, ring);
       return;
     }
-    if (lane < rows) put(dst_off, src_off, bytes);
+    for (uint32_t i = lane; i < rows; i += 32) {
+      const ulonglong2 o = row(i);
+      put(o.x, o.y, bytes);
+    }
     __syncwarp();
     if (lane == 0) {
       if (tail_bytes > 0) put(tail_dst, tail_src, tail_bytes);
