@@ -1,0 +1,78 @@
+"""Argument checks for tensors crossing into doorbell.
+
+Tensors are checked by duck typing (``is_cuda``, ``device``, ``dtype``, ``shape``,
+``is_contiguous()``, ``data_ptr()``, ``element_size()``), so this module imports no torch and
+the checks run (and are tested) without a GPU. Every message says what to change.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable, Optional, Sequence, Union
+
+DTypes = Union[str, Iterable[str]]
+
+
+def dtype_name(t: Any) -> str:
+    """``torch.bfloat16`` -> ``"bfloat16"``."""
+    return str(t.dtype).rsplit(".", 1)[-1]
+
+
+def describe(t: Any) -> str:
+    return f"a {dtype_name(t)} tensor of shape {tuple(t.shape)} on {t.device}"
+
+
+def check_tensor(
+    name: str,
+    t: Any,
+    *,
+    device: Optional[int],
+    dtypes: Optional[DTypes],
+    ndim: Optional[int] = None,
+    shape: Optional[Sequence[Optional[int]]] = None,
+    align: int = 16,
+) -> None:
+    """Raises TypeError / ValueError unless ``t`` is a contiguous CUDA tensor of GPU ``device``
+    with one of ``dtypes`` (None: any), ``ndim`` dimensions, the given ``shape`` (None entries: any size),
+    and a data pointer aligned to ``align`` bytes."""
+    if not all(hasattr(t, a) for a in ("is_cuda", "dtype", "shape", "data_ptr", "is_contiguous")):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    allowed = None if dtypes is None else [dtypes] if isinstance(dtypes, str) else list(dtypes)
+    if not t.is_cuda:
+        raise ValueError(f"{name}: {describe(t)}; move it to the GPU (e.g. {name}.cuda())")
+    if device is not None and t.device.index != device:
+        raise ValueError(
+            f"{name}: {describe(t)}, but this communicator runs on cuda:{device}; "
+            f"use a tensor of cuda:{device}"
+        )
+    if allowed is not None and dtype_name(t) not in allowed:
+        want = " or ".join(allowed)
+        raise TypeError(f"{name}: {describe(t)}; expected {want} (convert with {name}.to(...))")
+    if ndim is not None and len(t.shape) != ndim:
+        raise ValueError(f"{name}: {describe(t)}; expected {ndim} dimensions")
+    if shape is not None:
+        if len(t.shape) != len(shape) or any(
+            w is not None and int(s) != w for s, w in zip(t.shape, shape)
+        ):
+            want = "(" + ", ".join("*" if w is None else str(w) for w in shape) + ")"
+            raise ValueError(f"{name}: {describe(t)}; expected shape {want}")
+    if not t.is_contiguous():
+        raise ValueError(f"{name}: {describe(t)} is not contiguous; pass {name}.contiguous()")
+    if align > 1 and t.data_ptr() % align != 0:
+        raise ValueError(
+            f"{name}: its data starts at {t.data_ptr():#x}, not {align}-byte aligned; "
+            f"pass a fresh tensor (or {name}.clone()) rather than an offset view"
+        )
+
+
+def nbytes(t: Any) -> int:
+    n = 1
+    for s in t.shape:
+        n *= int(s)
+    return n * int(t.element_size())
+
+
+def numel(t: Any) -> int:
+    n = 1
+    for s in t.shape:
+        n *= int(s)
+    return n

@@ -1,0 +1,273 @@
+"""The communicator: joining the job, and the collectives on torch tensors."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import socket
+from typing import Any, List, Optional, Sequence, Tuple
+
+from . import _doorbell
+from ._check import check_tensor, describe, dtype_name, nbytes, numel
+from ._doorbell import NoGpuError
+
+_REDUCE_DTYPES = ("bfloat16", "float16", "float32")
+
+
+def get_include() -> str:
+    """The directory holding doorbell's CUDA headers (``#include <doorbell/doorbell.cuh>``), for
+    CUDA extensions and Triton kernels that fuse communication into their own kernels."""
+    return os.path.join(os.path.dirname(os.path.abspath(__file__)), "include")
+
+
+class Work:
+    """What an ``async_op=True`` call returns: the call is already on the stream it was issued
+    on; ``wait()`` makes the current stream wait for it, ``is_completed()`` polls it."""
+
+    def __init__(self, stream: Any) -> None:
+        import torch
+
+        self._event = torch.cuda.Event()
+        self._event.record(stream)
+
+    def wait(self) -> None:
+        import torch
+
+        torch.cuda.current_stream().wait_event(self._event)
+
+    def is_completed(self) -> bool:
+        return bool(self._event.query())
+
+
+class Communicator:
+    """A doorbell communicator on one GPU (use :func:`init`). Its calls take torch tensors of
+    that GPU and enqueue on ``torch.cuda.current_stream()``, returning at once as
+    ``torch.distributed`` calls do: keep the tensors alive until the stream has run the call.
+    They are capturable in ``torch.cuda.graph``. Calls are collective: every rank makes the same
+    calls in the same order."""
+
+    def __init__(self, native: Any) -> None:
+        self._native = native
+
+    @property
+    def rank(self) -> int:
+        return int(self._native.rank)
+
+    @property
+    def world_size(self) -> int:
+        return int(self._native.world_size)
+
+    @property
+    def device(self) -> int:
+        """The CUDA device index this communicator runs on."""
+        return int(self._native.device)
+
+    @property
+    def spans_nodes(self) -> bool:
+        return bool(self._native.spans_nodes)
+
+    def _stream(self) -> Tuple[Any, int]:
+        import torch
+
+        s = torch.cuda.current_stream(self.device)
+        return s, int(s.cuda_stream)
+
+    def _done(self, stream: Any, async_op: bool) -> Optional[Work]:
+        return Work(stream) if async_op else None
+
+    def all_reduce(self, tensor: Any, op: str = "sum", async_op: bool = False) -> Optional[Work]:
+        """Sums ``tensor`` (bfloat16, float16 or float32) over the ranks, in place."""
+        if op != "sum":
+            raise ValueError(f"op {op!r}: doorbell's all_reduce sums (op='sum')")
+        check_tensor("tensor", tensor, device=self.device, dtypes=_REDUCE_DTYPES)
+        stream, handle = self._stream()
+        p = tensor.data_ptr()
+        self._native.all_reduce(p, p, numel(tensor), dtype_name(tensor), handle)
+        return self._done(stream, async_op)
+
+    def all_to_all(self, output: Any, input: Any, async_op: bool = False) -> Optional[Work]:
+        """``torch.distributed.all_to_all_single`` with equal splits: block ``p`` of ``input``
+        (dimension 0 cut into world_size equal parts) goes to rank ``p``; block ``p`` of
+        ``output`` comes from rank ``p``. Any dtype."""
+        world = self.world_size
+        check_tensor("input", input, device=self.device, dtypes=None)
+        check_tensor("output", output, device=self.device, dtypes=[dtype_name(input)])
+        if tuple(output.shape) != tuple(input.shape):
+            raise ValueError(f"output: {describe(output)}; expected the input's shape {tuple(input.shape)}")
+        total = nbytes(input)
+        if total % world != 0 or (len(input.shape) > 0 and int(input.shape[0]) % world != 0):
+            raise ValueError(
+                f"input: {describe(input)}; its first dimension must split into {world} equal "
+                "blocks (use all_to_all_v for uneven ones)"
+            )
+        if output.data_ptr() == input.data_ptr():
+            raise ValueError("output and input are the same memory; all_to_all is not in place")
+        stream, handle = self._stream()
+        self._native.all_to_all(input.data_ptr(), output.data_ptr(), total // world, handle)
+        return self._done(stream, async_op)
+
+    def all_to_all_v(
+        self,
+        output: Any,
+        input: Any,
+        output_split_sizes: Optional[Sequence[int]] = None,
+        input_split_sizes: Optional[Sequence[int]] = None,
+        counts: Any = None,
+        async_op: bool = False,
+    ) -> Optional[Work]:
+        """``torch.distributed.all_to_all_single`` with splits (rows of dimension 0): rank ``p``
+        gets ``input_split_sizes[p]`` rows of ``input`` (taken in rank order) and sends
+        ``output_split_sizes[p]`` rows into ``output``. Lists are checked here and uploaded on
+        the stream (not capturable); for CUDA graphs pass ``counts`` instead: an int64 CUDA
+        tensor of shape (4, world_size) holding, in bytes, send counts, send offsets, receive
+        counts and receive offsets, which replays may change."""
+        world = self.world_size
+        check_tensor("input", input, device=self.device, dtypes=None)
+        check_tensor("output", output, device=self.device, dtypes=[dtype_name(input)])
+        if counts is None:
+            if output_split_sizes is None or input_split_sizes is None:
+                raise ValueError("pass output_split_sizes and input_split_sizes, or counts")
+            counts = self._counts(output, input, list(output_split_sizes), list(input_split_sizes))
+        else:
+            check_tensor("counts", counts, device=self.device, dtypes="int64", shape=(4, world), align=8)
+        stream, handle = self._stream()
+        self._native.all_to_all_v(input.data_ptr(), output.data_ptr(), counts.data_ptr(), handle)
+        if async_op:
+            return Work(stream)
+        self._keep = counts  # alive until the next call (the upload is stream-ordered)
+        return None
+
+    def _counts(self, output: Any, input: Any, out_splits: List[int], in_splits: List[int]) -> Any:
+        import torch
+
+        world = self.world_size
+        for name, splits, t in (("input_split_sizes", in_splits, input), ("output_split_sizes", out_splits, output)):
+            if len(splits) != world or any(int(s) < 0 for s in splits):
+                raise ValueError(f"{name}: {splits!r}; expected {world} non-negative row counts")
+            rows = int(t.shape[0]) if len(t.shape) > 0 else 0
+            if sum(splits) > rows:
+                raise ValueError(f"{name}: {sum(splits)} rows in all, but the tensor has {rows}")
+        row_bytes = lambda t: nbytes(t) // max(int(t.shape[0]), 1) if len(t.shape) > 0 else 0  # noqa: E731
+        rb_in, rb_out = row_bytes(input), row_bytes(output)
+        if rb_in != rb_out:
+            raise ValueError(f"output: {describe(output)}; its rows must match the input's ({describe(input)})")
+
+        def offsets(s: List[int]) -> List[int]:
+            o, acc = [], 0
+            for v in s:
+                o.append(acc)
+                acc += v
+            return o
+
+        host = [
+            [v * rb_in for v in in_splits],
+            [v * rb_in for v in offsets(in_splits)],
+            [v * rb_out for v in out_splits],
+            [v * rb_out for v in offsets(out_splits)],
+        ]
+        return torch.tensor(host, dtype=torch.int64).to(f"cuda:{self.device}", non_blocking=False)
+
+    def check_health(self) -> None:
+        """Raises DoorbellError naming failed ranks, if any."""
+        self._native.check_health()
+
+
+def _launch_env() -> Tuple[int, int, int, int]:
+    """(rank, world_size, local_rank, local_world_size) from torchrun, Slurm or Open MPI
+    variables; a lone process without any is rank 0 of 1."""
+    conventions = [
+        ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"),
+        ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE"),
+        ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", None),
+        ("PMI_RANK", "PMI_SIZE", None, None),
+    ]
+    for rank_v, size_v, lr_v, lw_v in conventions:
+        if rank_v in os.environ or size_v in os.environ:
+            try:
+                rank = int(os.environ[rank_v])
+                world = int(os.environ[size_v])
+                local_rank = int(os.environ[lr_v]) if lr_v and lr_v in os.environ else rank
+                local_world = int(os.environ[lw_v]) if lw_v and lw_v in os.environ else world
+            except (KeyError, ValueError) as e:
+                raise ValueError(f"launcher variables {rank_v}/{size_v}: {e!s}; set both to integers") from e
+            if not 0 <= rank < world:
+                raise ValueError(f"{rank_v}={rank} is not below {size_v}={world}")
+            return rank, world, local_rank, local_world
+    return 0, 1, 0, 1
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("", 0))
+        return int(s.getsockname()[1])
+
+
+def _my_address() -> str:
+    addr = os.environ.get("DOORBELL_MASTER_ADDR") or os.environ.get("MASTER_ADDR")
+    if addr:
+        return addr
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return "127.0.0.1"
+
+
+def init(group: Any = None, device: Optional[int] = None, timeout: float = 300.0) -> Communicator:
+    """Joins the job and returns its communicator on GPU ``device`` (default: PyTorch's current
+    device). Collective: every rank calls it.
+
+    - With ``group`` (a ``torch.distributed`` process group), or when ``torch.distributed`` is
+      initialized, rank 0 of the group picks a port and a secret and broadcasts them through
+      the group: doorbell joins an existing job beside NCCL.
+    - Otherwise ranks come from torchrun (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
+      ``LOCAL_WORLD_SIZE``), Open MPI or Slurm variables; rank 0 listens on ``MASTER_ADDR`` at
+      ``DOORBELL_MASTER_PORT`` (default ``MASTER_PORT + 1``: torchrun's own store holds
+      ``MASTER_PORT``); the secret is ``DOORBELL_JOB_SECRET`` or derived from the job's
+      variables. A process started alone is rank 0 of 1.
+
+    Raises NoGpuError without a CUDA driver or GPU."""
+    if not _doorbell.cuda_driver_present():
+        raise NoGpuError(
+            "no CUDA driver: libcuda.so could not be loaded (doorbell needs an NVIDIA GPU and "
+            "its driver); importing doorbell works without one, its calls do not"
+        )
+    _doorbell.device_count()  # raises NoGpuError when the driver sees no GPU
+    import torch
+
+    if device is None:
+        device = torch.cuda.current_device()
+    torch.cuda.set_device(device)
+    torch.cuda.init()  # PyTorch's primary context exists before doorbell retains it
+
+    dist = torch.distributed if torch.distributed.is_available() else None
+    if group is not None or (dist is not None and dist.is_initialized()):
+        assert dist is not None
+        rank, world = dist.get_rank(group), dist.get_world_size(group)
+        hosts = [None] * world
+        dist.all_gather_object(hosts, socket.gethostname(), group=group)
+        local = [r for r, h in enumerate(hosts) if h == hosts[rank]]
+        local_rank, local_world = local.index(rank), len(local)
+        info: List[Any] = [None, None, None]
+        if rank == 0:
+            info = [_my_address(), _free_port(), os.urandom(32)]
+        src = dist.get_global_rank(group, 0) if group is not None else 0
+        dist.broadcast_object_list(info, src=src, group=group)
+        addr, port, secret = str(info[0]), int(info[1]), bytes(info[2])
+    else:
+        rank, world, local_rank, local_world = _launch_env()
+        addr = _my_address() if world > 1 else "127.0.0.1"
+        if "DOORBELL_MASTER_PORT" in os.environ:
+            port = int(os.environ["DOORBELL_MASTER_PORT"])
+        elif "MASTER_PORT" in os.environ:
+            port = int(os.environ["MASTER_PORT"]) + 1
+        elif world == 1:
+            port = 0
+        else:
+            raise ValueError("MASTER_PORT (or DOORBELL_MASTER_PORT) is not set: rank 0 must listen somewhere")
+        if "DOORBELL_JOB_SECRET" in os.environ:
+            secret = os.environ["DOORBELL_JOB_SECRET"].encode()
+        else:
+            job = [os.environ.get(v, "") for v in ("TORCHELASTIC_RUN_ID", "SLURM_JOB_ID", "OMPI_MCA_ess_base_jobid")]
+            secret = hashlib.sha256(repr((addr, port, world, job)).encode()).digest()
+    native = _doorbell.Comm.connect(rank, world, local_rank, local_world, addr, port, secret, device, timeout)
+    return Communicator(native)

@@ -1,0 +1,509 @@
+//! `doorbell._doorbell`: the Rust core as seen from Python. Everything crosses as plain numbers:
+//! device addresses, element counts, dtype names and CUDA stream handles (PyTorch's
+//! `torch.cuda.current_stream().cuda_stream`), so no libtorch is linked. The Python package
+//! (`python/py/doorbell`) checks tensors (device, dtype, contiguity, alignment, sizes) before
+//! anything reaches this module; the functions here trust the addresses they are given, which is
+//! why only that package should call them.
+//!
+//! Every blocking call (bootstrap, collective setup, argument agreement) releases the GIL.
+//! Errors raise `doorbell.DoorbellError` with the library's message (which names the rank and
+//! the cause), or `doorbell.NoGpuError` when there is no CUDA driver or GPU.
+
+use cudarc::driver::{sys, CudaStream};
+use doorbell::collectives::allreduce::{AllReduce, AllReduceOptions};
+use doorbell::collectives::alltoall::{AllToAll, AllToAllOptions};
+use doorbell::collectives::moe::{MoeConfig, MoeDispatcher, MoeLowLatency};
+use doorbell::collectives::DataType;
+use doorbell::communicator::Communicator;
+use doorbell::job::bootstrap::{Bootstrap, BootstrapConfig};
+use doorbell::Error;
+use pyo3::create_exception;
+use pyo3::exceptions::{PyRuntimeError, PyValueError};
+use pyo3::prelude::*;
+use pyo3::types::PyDict;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+create_exception!(
+    _doorbell,
+    DoorbellError,
+    PyRuntimeError,
+    "A doorbell call failed; the message names the rank and the cause."
+);
+create_exception!(
+    _doorbell,
+    NoGpuError,
+    DoorbellError,
+    "No CUDA driver or no GPU: doorbell's calls need an NVIDIA GPU."
+);
+
+fn py_err(e: Error) -> PyErr {
+    match e {
+        Error::NoCudaDriver { .. } => NoGpuError::new_err(e.to_string()),
+        _ => DoorbellError::new_err(e.to_string()),
+    }
+}
+
+/// The library's version.
+#[pyfunction]
+fn version() -> &'static str {
+    env!("CARGO_PKG_VERSION")
+}
+
+/// Whether libcuda can be loaded here (no driver call is made).
+#[pyfunction]
+fn cuda_driver_present() -> bool {
+    // SAFETY: only probes whether the library loads.
+    unsafe { sys::is_culib_present() }
+}
+
+/// GPUs this process sees; raises NoGpuError without a driver or a GPU.
+#[pyfunction]
+fn device_count() -> PyResult<usize> {
+    doorbell::gpu::cuda::device_count().map_err(py_err)
+}
+
+fn dtype(name: &str) -> PyResult<DataType> {
+    match name {
+        "bfloat16" => Ok(DataType::Bf16),
+        "float16" => Ok(DataType::F16),
+        "float32" => Ok(DataType::F32),
+        other => Err(PyValueError::new_err(format!(
+            "dtype {other}: all_reduce sums bfloat16, float16 or float32"
+        ))),
+    }
+}
+
+/// A communicator of the job, on one GPU of this process (its primary context, the one PyTorch
+/// uses), with its collectives built on first use.
+#[pyclass(frozen, module = "doorbell._doorbell")]
+struct Comm {
+    comm: Arc<Communicator>,
+    allreduce: Mutex<Option<AllReduce>>,
+    alltoall: Mutex<Option<AllToAll>>,
+}
+
+impl Comm {
+    /// PyTorch's stream `handle` (0: the legacy default stream) as a cudarc stream of this GPU.
+    fn stream(&self, handle: u64) -> PyResult<Arc<CudaStream>> {
+        self.comm.gpu().bind().map_err(py_err)?;
+        // SAFETY: the handle is a live stream of this device's primary context (the package
+        // passes torch.cuda.current_stream(device).cuda_stream); the wrapper does not own it.
+        Ok(unsafe {
+            self.comm
+                .gpu()
+                .context()
+                .wrap_borrowed_stream(handle as sys::CUstream)
+        })
+    }
+}
+
+#[pymethods]
+impl Comm {
+    /// Joins the job: rank 0 listens on `port` of `addr`, every rank proves `secret`, then the
+    /// communicator is built on GPU `device`. Collective; blocks (without the GIL) until every
+    /// rank has joined or `timeout_s` passed.
+    #[staticmethod]
+    #[allow(clippy::too_many_arguments)]
+    #[pyo3(signature = (rank, world_size, local_rank, local_world_size, addr, port, secret, device, timeout_s=300.0))]
+    fn connect(
+        py: Python<'_>,
+        rank: usize,
+        world_size: usize,
+        local_rank: usize,
+        local_world_size: usize,
+        addr: String,
+        port: u16,
+        secret: Vec<u8>,
+        device: usize,
+        timeout_s: f64,
+    ) -> PyResult<Comm> {
+        if !(timeout_s.is_finite() && timeout_s > 0.0) {
+            return Err(PyValueError::new_err(format!(
+                "timeout_s {timeout_s}: a positive number of seconds"
+            )));
+        }
+        let comm = py
+            .allow_threads(|| {
+                doorbell::gpu::cuda::device_count()?;
+                let settings = doorbell::job::config::Settings::from_env()?;
+                let bootstrap = Bootstrap::connect(BootstrapConfig {
+                    rank,
+                    world_size,
+                    local_rank,
+                    local_world_size,
+                    master_addr: addr,
+                    master_port: port,
+                    secret,
+                    timeout: Duration::from_secs_f64(timeout_s),
+                    heartbeat: settings.heartbeat_timeout,
+                })?;
+                Communicator::new(bootstrap, device)
+            })
+            .map_err(py_err)?;
+        Ok(Comm {
+            comm: Arc::new(comm),
+            allreduce: Mutex::new(None),
+            alltoall: Mutex::new(None),
+        })
+    }
+
+    #[getter]
+    fn rank(&self) -> usize {
+        self.comm.rank()
+    }
+
+    #[getter]
+    fn world_size(&self) -> usize {
+        self.comm.world_size()
+    }
+
+    #[getter]
+    fn device(&self) -> usize {
+        self.comm.gpu().ordinal()
+    }
+
+    /// Whether the ranks span more than one node (host).
+    #[getter]
+    fn spans_nodes(&self) -> bool {
+        let ids = self.comm.node_ids();
+        ids.iter().any(|id| *id != ids[self.comm.rank()])
+    }
+
+    /// Sums `count` elements of `dtype` at `input` over the ranks into `output` (may equal
+    /// `input`), on `stream`. The first call builds the allreduce (collective).
+    fn all_reduce(
+        &self,
+        py: Python<'_>,
+        input: u64,
+        output: u64,
+        count: usize,
+        dtype_name: &str,
+        stream: u64,
+    ) -> PyResult<()> {
+        let dt = dtype(dtype_name)?;
+        let s = self.stream(stream)?;
+        py.allow_threads(|| {
+            let mut slot = self.allreduce.lock().unwrap_or_else(|p| p.into_inner());
+            if slot.is_none() {
+                *slot = Some(AllReduce::new(&self.comm, AllReduceOptions::default())?);
+            }
+            let ar = slot.as_ref().expect("built above");
+            // SAFETY: the package checked both tensors: CUDA tensors of this device, contiguous,
+            // `count` elements of `dtype`, alive until the stream's work is done (the caller
+            // keeps them, as with torch.distributed).
+            unsafe { ar.run_raw(&s, input, output, count, dt) }
+        })
+        .map_err(py_err)
+    }
+
+    /// Equal blocks of `bytes_per_peer` from `input` to every rank, into `output`.
+    fn all_to_all(
+        &self,
+        py: Python<'_>,
+        input: u64,
+        output: u64,
+        bytes_per_peer: usize,
+        stream: u64,
+    ) -> PyResult<()> {
+        let s = self.stream(stream)?;
+        py.allow_threads(|| {
+            let a2a = self.all_to_all_built()?;
+            let a2a = a2a.as_ref().expect("built");
+            // SAFETY: checked by the package (see all_reduce); world * bytes_per_peer each.
+            unsafe { a2a.run_raw(&s, input, output, bytes_per_peer) }
+        })
+        .map_err(py_err)
+    }
+
+    /// Per-peer blocks whose byte counts and offsets sit in device memory at `counts` (4 x world
+    /// u64: send counts, send offsets, recv counts, recv offsets), read by the kernel (graph
+    /// replays may change them).
+    fn all_to_all_v(
+        &self,
+        py: Python<'_>,
+        input: u64,
+        output: u64,
+        counts: u64,
+        stream: u64,
+    ) -> PyResult<()> {
+        let s = self.stream(stream)?;
+        py.allow_threads(|| {
+            let a2a = self.all_to_all_built()?;
+            let a2a = a2a.as_ref().expect("built");
+            // SAFETY: checked by the package: the ranges lie inside the tensors.
+            unsafe { a2a.run_v_raw(&s, input, output, counts) }
+        })
+        .map_err(py_err)
+    }
+
+    /// Checks the job's health: raises naming the failed ranks, if any.
+    fn check_health(&self) -> PyResult<()> {
+        self.comm.check_health().map_err(py_err)
+    }
+}
+
+impl Comm {
+    fn all_to_all_built(&self) -> doorbell::Result<std::sync::MutexGuard<'_, Option<AllToAll>>> {
+        let mut slot = self.alltoall.lock().unwrap_or_else(|p| p.into_inner());
+        if slot.is_none() {
+            *slot = Some(AllToAll::new(&self.comm, AllToAllOptions::default())?);
+        }
+        Ok(slot)
+    }
+}
+
+fn moe_config(
+    hidden: usize,
+    topk: usize,
+    num_experts: usize,
+    max_tokens: usize,
+    sms: Option<u32>,
+    net_chunks: Option<usize>,
+) -> MoeConfig {
+    MoeConfig {
+        hidden,
+        topk,
+        num_experts,
+        max_tokens,
+        blocks: sms,
+        net_chunks,
+    }
+}
+
+/// MoE dispatch/combine, high-throughput layout (DeepEP's normal kernels); node-spanning when the
+/// communicator spans nodes.
+#[pyclass(frozen, module = "doorbell._doorbell")]
+struct MoeHt {
+    comm: Py<Comm>,
+    inner: MoeDispatcher,
+}
+
+fn results_dict<'py>(py: Python<'py>, items: &[(&str, u64)]) -> PyResult<Bound<'py, PyDict>> {
+    let d = PyDict::new(py);
+    for (k, v) in items {
+        d.set_item(k, v)?;
+    }
+    Ok(d)
+}
+
+#[pymethods]
+impl MoeHt {
+    /// Collective: allocates and exchanges the buffers for `max_tokens` tokens per rank.
+    #[new]
+    #[allow(clippy::too_many_arguments)]
+    #[pyo3(signature = (comm, hidden, topk, num_experts, max_tokens, sms=None, net_chunks=None))]
+    fn new(
+        py: Python<'_>,
+        comm: Py<Comm>,
+        hidden: usize,
+        topk: usize,
+        num_experts: usize,
+        max_tokens: usize,
+        sms: Option<u32>,
+        net_chunks: Option<usize>,
+    ) -> PyResult<MoeHt> {
+        let c = comm.get().comm.clone();
+        let cfg = moe_config(hidden, topk, num_experts, max_tokens, sms, net_chunks);
+        let inner = py
+            .allow_threads(|| MoeDispatcher::new(&c, cfg))
+            .map_err(py_err)?;
+        Ok(MoeHt { comm, inner })
+    }
+
+    #[getter]
+    fn spans_nodes(&self) -> bool {
+        self.inner.spans_nodes()
+    }
+
+    #[getter]
+    fn sms(&self) -> u32 {
+        self.inner.sms()
+    }
+
+    /// bf16 rows `x [num_tokens, hidden]`, `topk_idx` i32 and `topk_weights` f32 `[num_tokens,
+    /// topk]` (device addresses checked by the package).
+    fn dispatch(
+        &self,
+        py: Python<'_>,
+        x: u64,
+        topk_idx: u64,
+        topk_weights: u64,
+        num_tokens: usize,
+        stream: u64,
+    ) -> PyResult<()> {
+        let s = self.comm.get().stream(stream)?;
+        // SAFETY: checked by the package (shapes, dtypes, device, alignment, id range).
+        py.allow_threads(|| unsafe {
+            self.inner
+                .dispatch(&s, x, topk_idx, topk_weights, num_tokens)
+        })
+        .map_err(py_err)
+    }
+
+    /// e4m3 rows and one f32 scale per 128 values.
+    #[allow(clippy::too_many_arguments)]
+    fn dispatch_fp8(
+        &self,
+        py: Python<'_>,
+        x: u64,
+        scales: u64,
+        topk_idx: u64,
+        topk_weights: u64,
+        num_tokens: usize,
+        stream: u64,
+    ) -> PyResult<()> {
+        let s = self.comm.get().stream(stream)?;
+        // SAFETY: as for dispatch.
+        py.allow_threads(|| unsafe {
+            self.inner
+                .dispatch_fp8(&s, x, scales, topk_idx, topk_weights, num_tokens)
+        })
+        .map_err(py_err)
+    }
+
+    /// `y` (one bf16 row per received row of the last dispatch) into `out [num_tokens, hidden]`.
+    fn combine(&self, py: Python<'_>, y: u64, out: u64, stream: u64) -> PyResult<()> {
+        let s = self.comm.get().stream(stream)?;
+        // SAFETY: checked by the package against the last dispatch's shapes.
+        py.allow_threads(|| unsafe { self.inner.combine(&s, y, out) })
+            .map_err(py_err)
+    }
+
+    /// Device addresses of the last dispatch's results and the room for rows.
+    fn results<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let r = self.inner.results();
+        results_dict(
+            py,
+            &[
+                ("recv_x", r.recv_x),
+                ("recv_idx", r.recv_idx),
+                ("recv_weights", r.recv_weights),
+                ("recv_src", r.recv_src),
+                ("recv_scales", r.recv_scales),
+                ("num_recv", r.num_recv),
+                ("expert_counts", r.expert_counts),
+                ("max_rows", r.max_rows as u64),
+                ("combine_buffer", self.inner.combine_buffer()),
+            ],
+        )
+    }
+}
+
+/// MoE dispatch/combine, low-latency layout (DeepEP's decode kernels).
+#[pyclass(frozen, module = "doorbell._doorbell")]
+struct MoeLl {
+    comm: Py<Comm>,
+    inner: MoeLowLatency,
+}
+
+#[pymethods]
+impl MoeLl {
+    /// Collective: allocates and exchanges the receive areas for `max_tokens` tokens per rank.
+    #[new]
+    #[pyo3(signature = (comm, hidden, topk, num_experts, max_tokens, sms=None))]
+    fn new(
+        py: Python<'_>,
+        comm: Py<Comm>,
+        hidden: usize,
+        topk: usize,
+        num_experts: usize,
+        max_tokens: usize,
+        sms: Option<u32>,
+    ) -> PyResult<MoeLl> {
+        let c = comm.get().comm.clone();
+        let cfg = moe_config(hidden, topk, num_experts, max_tokens, sms, None);
+        let inner = py
+            .allow_threads(|| MoeLowLatency::new(&c, cfg))
+            .map_err(py_err)?;
+        Ok(MoeLl { comm, inner })
+    }
+
+    #[getter]
+    fn spans_nodes(&self) -> bool {
+        self.inner.spans_nodes()
+    }
+
+    /// The send half (bf16 rows, or e4m3 rows with `scales` != 0).
+    #[allow(clippy::too_many_arguments)]
+    fn dispatch_send(
+        &self,
+        py: Python<'_>,
+        x: u64,
+        scales: u64,
+        topk_idx: u64,
+        topk_weights: u64,
+        num_tokens: usize,
+        stream: u64,
+    ) -> PyResult<()> {
+        let s = self.comm.get().stream(stream)?;
+        // SAFETY: checked by the package (shapes, dtypes, device, alignment, id range).
+        py.allow_threads(|| unsafe {
+            if scales != 0 {
+                self.inner
+                    .dispatch_send_fp8(&s, x, scales, topk_idx, topk_weights, num_tokens)
+            } else {
+                self.inner
+                    .dispatch_send(&s, x, topk_idx, topk_weights, num_tokens)
+            }
+        })
+        .map_err(py_err)
+    }
+
+    /// The receive half.
+    fn dispatch_recv(&self, py: Python<'_>, stream: u64) -> PyResult<()> {
+        let s = self.comm.get().stream(stream)?;
+        py.allow_threads(|| self.inner.dispatch_recv(&s))
+            .map_err(py_err)
+    }
+
+    /// The combine's send half: the combine buffer's rows go back to their tokens' ranks.
+    fn combine_send(&self, py: Python<'_>, stream: u64) -> PyResult<()> {
+        let s = self.comm.get().stream(stream)?;
+        py.allow_threads(|| self.inner.combine_send(&s))
+            .map_err(py_err)
+    }
+
+    /// The combine's receive half, into `out [num_tokens, hidden]` bf16.
+    fn combine_recv(&self, py: Python<'_>, out: u64, stream: u64) -> PyResult<()> {
+        let s = self.comm.get().stream(stream)?;
+        // SAFETY: checked by the package against the last dispatch's shapes.
+        py.allow_threads(|| unsafe { self.inner.combine_recv(&s, out) })
+            .map_err(py_err)
+    }
+
+    /// Device addresses of the results of dispatch number `n` (1-based; None: the last one
+    /// issued from the host), and the combine buffer.
+    #[pyo3(signature = (n=None))]
+    fn results<'py>(&self, py: Python<'py>, n: Option<u64>) -> PyResult<Bound<'py, PyDict>> {
+        let r = match n {
+            Some(n) => self.inner.results_of(n),
+            None => self.inner.results(),
+        };
+        results_dict(
+            py,
+            &[
+                ("recv_x", r.recv_x),
+                ("recv_src", r.recv_src),
+                ("recv_weights", r.recv_weights),
+                ("recv_scales", r.recv_scales),
+                ("layout", r.layout),
+                ("recv_count", r.recv_count),
+                ("combine_buffer", self.inner.combine_buffer()),
+            ],
+        )
+    }
+}
+
+#[pymodule]
+fn _doorbell(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_function(wrap_pyfunction!(version, m)?)?;
+    m.add_function(wrap_pyfunction!(cuda_driver_present, m)?)?;
+    m.add_function(wrap_pyfunction!(device_count, m)?)?;
+    m.add_class::<Comm>()?;
+    m.add_class::<MoeHt>()?;
+    m.add_class::<MoeLl>()?;
+    m.add("DoorbellError", m.py().get_type::<DoorbellError>())?;
+    m.add("NoGpuError", m.py().get_type::<NoGpuError>())?;
+    Ok(())
+}

@@ -1,0 +1,173 @@
+"""One rank of the GPU tests (started by test_gpu.py with torchrun-style variables; every rank
+uses GPU 0 unless DOORBELL_TEST_GPUS says how many to spread over). Exits non-zero with the
+reason on a mismatch."""
+
+import sys
+
+import torch
+
+import doorbell
+from doorbell import moe
+
+
+def check(cond, what):
+    if not cond:
+        raise AssertionError(what)
+
+
+def all_reduce(comm):
+    r, w = comm.rank, comm.world_size
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        for n in (1, 1000, 1 << 20):
+            t = (torch.arange(n, device="cuda") % 7 + r).to(dtype)
+            want = (torch.arange(n, device="cuda") % 7 * w + w * (w - 1) // 2).to(dtype)
+            comm.all_reduce(t)
+            torch.cuda.synchronize()
+            check(torch.equal(t, want), f"all_reduce {dtype} n={n} rank {r}")
+    # Graph capture, replays with changing input.
+    t = torch.zeros(4096, device="cuda")
+    g = torch.cuda.CUDAGraph()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        comm.all_reduce(t)  # warm-up builds the allreduce outside the capture
+    torch.cuda.current_stream().wait_stream(s)
+    with torch.cuda.graph(g):
+        comm.all_reduce(t)
+    for i in range(20):
+        t.fill_(float(r + i))
+        g.replay()
+        torch.cuda.synchronize()
+        check(bool((t == w * i + w * (w - 1) / 2).all()), f"all_reduce graph replay {i} rank {r}")
+
+
+def all_to_all(comm):
+    r, w = comm.rank, comm.world_size
+    rows = 3
+    inp = torch.empty(w * rows, 2, dtype=torch.int32, device="cuda")
+    for p in range(w):
+        inp[p * rows:(p + 1) * rows, 0] = r
+        inp[p * rows:(p + 1) * rows, 1] = p
+    out = torch.full_like(inp, -1)
+    comm.all_to_all(out, inp)
+    torch.cuda.synchronize()
+    for p in range(w):
+        check(bool((out[p * rows:(p + 1) * rows, 0] == p).all()), f"all_to_all from {p}")
+        check(bool((out[p * rows:(p + 1) * rows, 1] == r).all()), f"all_to_all to {r}")
+    # Uneven: rank r sends p + 1 rows to rank p.
+    send = [p + 1 for p in range(w)]
+    recv = [r + 1] * w
+    inp = torch.cat([torch.full((p + 1, 4), r * 100 + p, dtype=torch.float32, device="cuda") for p in range(w)])
+    out = torch.full((sum(recv), 4), -1.0, device="cuda")
+    comm.all_to_all_v(out, inp, output_split_sizes=recv, input_split_sizes=send)
+    torch.cuda.synchronize()
+    at = 0
+    for p in range(w):
+        check(bool((out[at:at + r + 1] == p * 100 + r).all()), f"all_to_all_v from {p}")
+        at += r + 1
+
+
+def routing(rank, tokens, topk, experts, seed):
+    g = torch.Generator().manual_seed(seed * 1000 + rank)
+    idx = torch.stack([torch.randperm(experts, generator=g)[:topk] for _ in range(tokens)])
+    idx[0, :] = -1  # a token with no expert
+    if tokens > 1:
+        idx[1, 1:] = -1  # a token with one
+    return idx
+
+
+def moe_normal(comm):
+    r, w = comm.rank, comm.world_size
+    hidden, experts, topk, tokens = 256, 4 * w, 4, 64
+    buf = moe.Buffer(comm, hidden, experts, tokens, topk)
+    for seed in range(3):
+        n = tokens - 7 * seed  # uneven token counts
+        idx = routing(r, n, topk, experts, seed).cuda()
+        x = torch.zeros(n, hidden, dtype=torch.bfloat16, device="cuda")
+        x[:, 0] = r
+        x[:, 1] = torch.arange(n, device="cuda").to(torch.bfloat16)
+        x[:, 2:] = 1
+        wts = torch.ones(n, topk, device="cuda")
+        recv_x, recv_idx, recv_w, counts, handle, _ = buf.dispatch(x, idx, wts)
+        torch.cuda.synchronize()
+        got = int(handle.num_recv.item())
+        want = 0
+        for s in range(w):
+            other = routing(s, tokens - 7 * seed, topk, experts, seed)
+            mine = ((other >= 0) & (other // (experts // w) == r)).any(1)
+            want += int(mine.sum())
+        check(got == want, f"moe dispatch rank {r}: {got} rows, expected {want}")
+        check(bool((recv_x[:got, 2:] == 1).all()), "moe payload")
+        y = recv_x[:got].clone()
+        out, _, _ = buf.combine(y, handle)
+        torch.cuda.synchronize()
+        ranks_of = ((idx >= 0)[:, :, None] & ((idx // (experts // w))[:, :, None] == torch.arange(w, device="cuda"))).any(1).sum(1)
+        check(bool((out[:, 2:] == ranks_of[:, None].to(torch.bfloat16)).all()), f"moe combine rank {r}")
+
+
+def moe_low_latency_graph(comm, replays):
+    r, w = comm.rank, comm.world_size
+    hidden, experts, topk, tokens = 256, 4 * w, 4, 32
+    buf = moe.Buffer(comm, hidden, experts, tokens, topk, low_latency_mode=True)
+    idx = routing(r, tokens, topk, experts, 7).cuda()
+    valid = (idx >= 0).sum(1)
+    x = torch.zeros(tokens, hidden, dtype=torch.bfloat16, device="cuda")
+    wts = torch.ones(tokens, topk, device="cuda")
+
+    def step():
+        recv_x, count, handle, _, hook = buf.low_latency_dispatch(
+            x, idx, tokens, experts, return_recv_hook=True, topk_weights=wts
+        )
+        hook()
+        comb = buf.get_next_low_latency_combine_buffer(handle)
+        comb.copy_(recv_x)  # the identity expert
+        out, _, _ = buf.low_latency_combine(comb, idx, wts, handle)
+        return out
+
+    x.fill_(1)
+    out = step()  # eager, and it builds everything before the capture
+    torch.cuda.synchronize()
+    check(bool((out == valid[:, None].to(torch.bfloat16)).all()), f"LL eager rank {r}")
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        step()
+        outs = step()  # two per replay: the receive halves alternate with the dispatch's parity
+    for i in range(replays):
+        v = float(i % 13 + 1)
+        x.fill_(v)
+        g.replay()
+        torch.cuda.synchronize()
+        check(bool((outs == valid[:, None].to(torch.bfloat16) * v).all()), f"LL graph replay {i} rank {r}")
+
+
+def bad_arguments(comm):
+    t = torch.zeros(8, dtype=torch.int32, device="cuda")
+    try:
+        comm.all_reduce(t)
+    except TypeError as e:
+        check("float32" in str(e), str(e))
+    else:
+        raise AssertionError("all_reduce took int32")
+
+
+def main():
+    case = sys.argv[1]
+    gpus = torch.cuda.device_count()
+    comm = doorbell.init(device=int(__import__("os").environ.get("LOCAL_RANK", "0")) % gpus)
+    if case == "all_reduce":
+        all_reduce(comm)
+    elif case == "all_to_all":
+        all_to_all(comm)
+    elif case == "moe":
+        moe_normal(comm)
+    elif case == "moe_graph":
+        moe_low_latency_graph(comm, int(sys.argv[2]))
+    elif case == "bad_arguments":
+        bad_arguments(comm)
+    else:
+        raise SystemExit(f"unknown case {case}")
+    print(f"rank {comm.rank}: {case} ok", flush=True)
+
+
+if __name__ == "__main__":
+    main()

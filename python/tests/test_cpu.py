@@ -1,0 +1,150 @@
+"""CPU tests of the installed wheel (CI): import without a GPU, the errors without one, the
+tensor checks' messages, launcher variables, argument checks, and what the wheel ships."""
+
+import importlib.metadata
+import os
+import pathlib
+
+import pytest
+
+import doorbell
+from doorbell import _check, _comm, moe
+
+
+class FakeDevice:
+    def __init__(self, kind="cuda", index=0):
+        self.type, self.index = kind, index
+
+    def __str__(self):
+        return f"{self.type}:{self.index}" if self.type == "cuda" else self.type
+
+
+class FakeTensor:
+    """Just enough of torch.Tensor for the checks."""
+
+    def __init__(self, shape, dtype="bfloat16", cuda=True, index=0, contiguous=True, ptr=0x10000, size=2):
+        self.shape = tuple(shape)
+        self.dtype = f"torch.{dtype}"
+        self.is_cuda = cuda
+        self.device = FakeDevice("cuda" if cuda else "cpu", index if cuda else None)
+        self._contiguous, self._ptr, self._size = contiguous, ptr, size
+
+    def is_contiguous(self):
+        return self._contiguous
+
+    def data_ptr(self):
+        return self._ptr
+
+    def element_size(self):
+        return self._size
+
+
+def test_imports_without_a_gpu_and_reports_its_version():
+    assert doorbell.__version__ == "0.1.0"
+    assert issubclass(doorbell.NoGpuError, doorbell.DoorbellError)
+    assert issubclass(doorbell.DoorbellError, RuntimeError)
+
+
+@pytest.mark.skipif(doorbell.cuda_driver_present(), reason="this machine has a CUDA driver")
+def test_calls_without_a_driver_raise_no_gpu_error():
+    with pytest.raises(doorbell.NoGpuError, match="no CUDA driver"):
+        doorbell.device_count()
+    with pytest.raises(doorbell.NoGpuError, match="libcuda"):
+        doorbell.init()
+
+
+def test_ships_the_cuda_headers():
+    inc = pathlib.Path(doorbell.get_include())
+    for h in ("doorbell.cuh", "moe.cuh", "moe_net.cuh", "port_channel.cuh", "ibgda.cuh", "collective_args.cuh"):
+        assert (inc / "doorbell" / h).is_file(), h
+
+
+def test_the_wheel_is_abi3_for_manylinux_2_28():
+    wheel = importlib.metadata.distribution("doorbell").read_text("WHEEL")
+    assert "Tag: cp39-abi3-manylinux_2_28_x86_64" in wheel, wheel
+    native = pathlib.Path(doorbell._doorbell.__file__).name
+    assert native.endswith(".abi3.so"), native
+
+
+@pytest.mark.parametrize(
+    "tensor, kwargs, error, words",
+    [
+        (object(), {}, TypeError, "expected a torch.Tensor"),
+        (FakeTensor((4, 8), cuda=False), {}, ValueError, "move it to the GPU"),
+        (FakeTensor((4, 8), index=1), {}, ValueError, "runs on cuda:0"),
+        (FakeTensor((4, 8), dtype="float64"), {}, TypeError, "expected bfloat16 or float32"),
+        (FakeTensor((4, 8)), {"ndim": 3}, ValueError, "expected 3 dimensions"),
+        (FakeTensor((4, 8)), {"shape": (4, 16)}, ValueError, "expected shape (4, 16)"),
+        (FakeTensor((4, 8), contiguous=False), {}, ValueError, ".contiguous()"),
+        (FakeTensor((4, 8), ptr=0x10008), {}, ValueError, "not 16-byte aligned"),
+    ],
+)
+def test_tensor_checks_say_what_to_change(tensor, kwargs, error, words):
+    with pytest.raises(error) as e:
+        _check.check_tensor("x", tensor, device=0, dtypes=("bfloat16", "float32"), **kwargs)
+    assert words in str(e.value)
+
+
+def test_a_good_tensor_passes():
+    _check.check_tensor("x", FakeTensor((4, 8)), device=0, dtypes="bfloat16", shape=(4, None))
+
+
+class FakeNative:
+    rank, world_size, device, spans_nodes = 0, 4, 0, False
+
+
+def test_collective_arguments_are_checked_before_any_launch():
+    comm = doorbell.Communicator(FakeNative())
+    with pytest.raises(ValueError, match="op='sum'"):
+        comm.all_reduce(FakeTensor((8,)), op="max")
+    with pytest.raises(TypeError, match="float32"):
+        comm.all_reduce(FakeTensor((8,), dtype="int32", size=4))
+    with pytest.raises(ValueError, match="4 equal"):
+        comm.all_to_all(FakeTensor((6, 2)), FakeTensor((6, 2), ptr=0x20000))
+    with pytest.raises(ValueError, match="shape"):
+        comm.all_to_all(FakeTensor((8, 4)), FakeTensor((8, 2), ptr=0x20000))
+    with pytest.raises(ValueError, match="not in place"):
+        comm.all_to_all(FakeTensor((8, 2)), FakeTensor((8, 2)))
+    with pytest.raises(ValueError, match="counts"):
+        comm.all_to_all_v(FakeTensor((8, 2)), FakeTensor((8, 2), ptr=0x20000))
+    with pytest.raises(ValueError, match="shape"):
+        comm.all_to_all_v(
+            FakeTensor((8, 2)), FakeTensor((8, 2), ptr=0x20000), counts=FakeTensor((4, 3), dtype="int64", size=8)
+        )
+
+
+def test_moe_buffer_shapes_are_checked():
+    comm = doorbell.Communicator(FakeNative())
+    for kwargs, words in [
+        (dict(hidden=100, num_experts=8, num_max_tokens=4, num_topk=2), "multiple of 128"),
+        (dict(hidden=128, num_experts=6, num_max_tokens=4, num_topk=2), "multiple of the 4 ranks"),
+        (dict(hidden=128, num_experts=8, num_max_tokens=4, num_topk=9), "num_topk"),
+        (dict(hidden=128, num_experts=8, num_max_tokens=0, num_topk=2), "num_max_tokens"),
+        (dict(hidden=128, num_experts=8, num_max_tokens=4, num_topk=2, num_sms=0), "num_sms"),
+    ]:
+        with pytest.raises(ValueError, match=words):
+            moe.Buffer(comm, **kwargs)
+
+
+def test_launcher_variables(monkeypatch):
+    for v in list(os.environ):
+        if v.startswith(("RANK", "WORLD_SIZE", "LOCAL_", "OMPI_", "SLURM_", "PMI_")):
+            monkeypatch.delenv(v)
+    assert _comm._launch_env() == (0, 1, 0, 1)
+    monkeypatch.setenv("RANK", "3")
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert _comm._launch_env() == (3, 8, 1, 2)
+    monkeypatch.setenv("RANK", "8")
+    with pytest.raises(ValueError, match="RANK=8 is not below WORLD_SIZE=8"):
+        _comm._launch_env()
+    monkeypatch.setenv("RANK", "x")
+    with pytest.raises(ValueError, match="RANK/WORLD_SIZE"):
+        _comm._launch_env()
+    for v in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(v)
+    monkeypatch.setenv("SLURM_PROCID", "5")
+    monkeypatch.setenv("SLURM_NTASKS", "16")
+    monkeypatch.setenv("SLURM_LOCALID", "1")
+    assert _comm._launch_env() == (5, 16, 1, 16)
