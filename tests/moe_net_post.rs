@@ -1,7 +1,7 @@
 //! The GPU-side cost of the node-spanning low-latency MoE dispatch (issue 16's budget: a decode
 //! dispatch of 128 tokens x top-8 posts all its WQEs within 10 us of GPU time), measured on the
 //! library's own send kernel (`moe_net_send`, `doorbell/moe_net.cuh`) in one process: rank 0 of
-//! `nodes` x 8 ranks, DeepSeek-V3's shape (256 experts, top-8, hidden 7168, FP8 rows with one
+//! `nodes` x 8 ranks (and 16 x 1), DeepSeek-V3's shape (256 experts, top-8, hidden 7168, FP8 rows with one
 //! scale per 128). Its 7 same-node peers' areas are mapped (local memory standing in for NVLink,
 //! so their stores cost less than over NVLink); every rank on another node is reached by a
 //! PortChannel over a queue pair of an emulated NIC with the null data path (`NullDma`: WQEs are
@@ -83,10 +83,12 @@ fn gpu_time_to_post_a_decode_dispatch_across_nodes() {
     ];
     for (posting, placement) in cases {
         // One node first: the same kernel with every rank over NVLink (nothing to post).
-        for nodes in [1usize, 2, 4, 8] {
-            let world = nodes * 8;
+        // Last: 16 nodes of one rank, the 2 x 8 routing with every peer remote (no NVLink
+        // copies beside the posting, against 2 x 8's seven same-node peers).
+        for (nodes, per_node) in [(1usize, 8usize), (2, 8), (4, 8), (8, 8), (16, 1)] {
+            let world = nodes * per_node;
             let per_rank = EXPERTS / world;
-            let idx = routing(0x9e37 + nodes as u64);
+            let idx = routing(0x9e37 + (world / 8) as u64);
             // Messages to each rank: a token goes once to every rank holding one of its experts.
             let mut to_rank = vec![0u64; world];
             for t in 0..TOKENS {
@@ -100,7 +102,7 @@ fn gpu_time_to_post_a_decode_dispatch_across_nodes() {
                     to_rank[r] += 1;
                 }
             }
-            let remote: Vec<usize> = (8..world).collect();
+            let remote: Vec<usize> = (per_node..world).collect();
             let remote_msgs: u64 = remote.iter().map(|&r| to_rank[r]).sum();
             let wqes = remote_msgs + 3 * remote.len() as u64;
             let wire = remote_msgs * used + 24 * remote.len() as u64;
@@ -163,10 +165,10 @@ fn gpu_time_to_post_a_decode_dispatch_across_nodes() {
             let mut handles = vec![PortChannelHandle::default(); world];
             let mut peer_area = vec![0u64; world];
             for r in 0..world {
-                if r < 8 {
+                if r < per_node {
                     peer_area[r] = area_p; // same node: mapped (one area stands in for all)
                 } else {
-                    handles[r].ib = links_p + (r - 8) as u64 * size;
+                    handles[r].ib = links_p + (r - per_node) as u64 * size;
                 }
             }
             let upload = |b: &[u8]| s.clone_htod(b).unwrap();
@@ -277,13 +279,13 @@ fn gpu_time_to_post_a_decode_dispatch_across_nodes() {
                 steps.sort_by(|x, y| x[3].total_cmp(&y[3]));
                 let m = steps[steps.len() / 2];
                 eprintln!(
-                    "{posting:?}, {placement:?}, {nodes} x 8: network tasks start {:.1} us, past staging {:.1}, \
+                    "{posting:?}, {placement:?}, {nodes} x {per_node}: network tasks start {:.1} us, past staging {:.1}, \
                      batch begun {:.1}, posted {:.1} (one run, the median by the last)",
                     m[0], m[1], m[2], m[3]
                 );
             }
             println!(
-                "| {posting:?} | {placement:?} | {nodes} x 8 | {remote_msgs} | {wqes} | {:.2} | {:.2} | {:.1} | {doorbell} | {:.1} / {:.1} |",
+                "| {posting:?} | {placement:?} | {nodes} x {per_node} | {remote_msgs} | {wqes} | {:.2} | {:.2} | {:.1} | {doorbell} | {:.1} / {:.1} |",
                 wqes as f64 / TOKENS as f64,
                 wire as f64 / 1e6,
                 staged[staged.len() / 2],

@@ -450,6 +450,30 @@ impl MoeLl {
         .map_err(py_err)
     }
 
+    /// Prepares a dispatch whose send half runs in the caller's kernel: launches nothing and
+    /// returns ("nvlink", the bytes of a `doorbell::MoeLlArgs`) or ("net", the bytes of a
+    /// `doorbell::MoeNetArgs`), the struct that kernel passes to `moe_ll::put_token` /
+    /// `moe_net::put_token` and `finish_send` (layouts in `doorbell/collective_args.cuh`).
+    fn begin_fused_send(
+        &self,
+        topk_idx: u64,
+        topk_weights: u64,
+        num_tokens: usize,
+    ) -> PyResult<(&'static str, Vec<u8>)> {
+        use doorbell::collectives::moe::FusedSend;
+        // SAFETY: checked by the package (shapes, dtypes, device); the tensors are kept until
+        // the matching combine.
+        let f = unsafe {
+            self.inner
+                .begin_fused_send(topk_idx, topk_weights, num_tokens)
+        }
+        .map_err(py_err)?;
+        Ok(match f {
+            FusedSend::Nvlink(a) => ("nvlink", bytemuck::bytes_of(&a).to_vec()),
+            FusedSend::Net(a) => ("net", bytemuck::bytes_of(&a).to_vec()),
+        })
+    }
+
     /// The receive half.
     fn dispatch_recv(&self, py: Python<'_>, stream: u64) -> PyResult<()> {
         let s = self.comm.get().stream(stream)?;

@@ -272,6 +272,39 @@ class Buffer:
         hook()
         return recv_x, recv_count, handle, None, None
 
+    def begin_fused_low_latency_dispatch(
+        self, topk_idx: Any, topk_weights: Any
+    ) -> Tuple["FusedSend", Any, DispatchHandle, Callable[[], None]]:
+        """A low-latency dispatch whose send half runs in your own CUDA kernel (fused with the
+        computation that produces the rows). Launches nothing; returns ``(fused, recv_x,
+        handle, hook)``: launch your kernel with ``fused.args`` (the bytes of the struct
+        ``fused.struct`` from ``doorbell/collective_args.cuh``, under ``get_include()``) and, in
+        it, have one warp per token call ``put_token`` and every block ``finish_send`` (see the
+        top of ``doorbell/moe.cuh`` or ``doorbell/moe_net.cuh``, per ``fused.kind``); then call
+        ``hook()`` for the receive half. ``recv_x`` and ``handle`` are as
+        ``low_latency_dispatch``'s (bf16 rows)."""
+        self._need(True, "begin_fused_low_latency_dispatch")
+        comm = self.comm
+        num_tokens = int(topk_idx.shape[0]) if len(getattr(topk_idx, "shape", ())) == 2 else -1
+        if not 0 <= num_tokens <= self.num_max_tokens:
+            raise ValueError(f"topk_idx: expected shape (num_tokens <= {self.num_max_tokens}, {self.num_topk})")
+        idx = _topk_i32(comm, topk_idx, num_tokens, self.num_topk)
+        check_tensor("topk_weights", topk_weights, device=comm.device, dtypes="float32", shape=(num_tokens, self.num_topk), align=4)
+        kind, args = self._native.begin_fused_send(idx.data_ptr(), topk_weights.data_ptr(), num_tokens)
+        self._dispatches += 1
+        n = self._dispatches
+        r = self._native.results(n)
+        el, slots = self.num_local_experts, comm.world_size * self.num_max_tokens
+        recv_x = _view(r["recv_x"], (el, slots, self.hidden), "bfloat16", comm.device, self)
+        recv_count = _view(r["recv_count"], (el,), "int32", comm.device, self)
+        handle = DispatchHandle(num_tokens, self.hidden, (idx, topk_weights), recv_count, n)
+
+        def hook() -> None:
+            _, s = comm._stream()
+            self._native.dispatch_recv(s)
+
+        return FusedSend(kind, args), recv_x, handle, hook
+
     def get_next_low_latency_combine_buffer(self, handle: DispatchHandle) -> Any:
         """The combine buffer as a bf16 ``[num_local_experts, world * num_max_tokens, hidden]``
         tensor: write expert outputs here and pass it to ``low_latency_combine`` (no copy)."""
@@ -323,6 +356,20 @@ class Buffer:
         if low_latency != self.low_latency_mode:
             mode = "low_latency_mode=True" if low_latency else "low_latency_mode=False"
             raise RuntimeError(f"{call} needs a Buffer built with {mode}")
+
+
+class FusedSend:
+    """The argument struct of a fused send: ``kind`` is ``"nvlink"`` (struct ``MoeLlArgs``, calls
+    in ``doorbell/moe.cuh``) or ``"net"`` (``MoeNetArgs``, ``doorbell/moe_net.cuh``); ``args``
+    its bytes, to pass by value as the kernel parameter of that type."""
+
+    def __init__(self, kind: str, args: bytes) -> None:
+        self.kind = kind
+        self.struct = "doorbell::MoeLlArgs" if kind == "nvlink" else "doorbell::MoeNetArgs"
+        self.args = bytes(args)
+
+    def __repr__(self) -> str:
+        return f"FusedSend({self.kind!r}, {self.struct}, {len(self.args)} bytes)"
 
 
 def cast_fp8(x: Any) -> Tuple[Any, Any]:
