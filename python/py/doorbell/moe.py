@@ -203,6 +203,14 @@ class Buffer:
         self._native.combine(x.data_ptr(), out.data_ptr(), stream)
         return out, None, None
 
+    def get_combine_buffer(self) -> Any:
+        """Normal mode: the combine buffer, bf16 ``[rows, hidden]`` aligned with ``recv_x``.
+        Expert kernels may write their outputs here (after the dispatch) and pass it to
+        ``combine``, which then copies nothing in."""
+        self._need(False, "get_combine_buffer")
+        r = self._native.results()
+        return _view(r["combine_buffer"], (int(r["max_rows"]), self.hidden), "bfloat16", self.comm.device, self)
+
     # ---- low-latency mode ----
 
     def low_latency_dispatch(
@@ -250,7 +258,7 @@ class Buffer:
             self._native.dispatch_send(x.data_ptr(), 0, idx.data_ptr(), topk_weights.data_ptr(), num_tokens, stream)
         self._dispatches += 1
         n = self._dispatches
-        r = self._native.results(n)
+        r = self._native.results()  # the dispatch just issued (halves alternate)
         dev, world, el = comm.device, comm.world_size, self.num_local_experts
         slots = world * self.num_max_tokens
         if use_fp8:
@@ -293,7 +301,7 @@ class Buffer:
         kind, args = self._native.begin_fused_send(idx.data_ptr(), topk_weights.data_ptr(), num_tokens)
         self._dispatches += 1
         n = self._dispatches
-        r = self._native.results(n)
+        r = self._native.results()  # the dispatch just issued (halves alternate)
         el, slots = self.num_local_experts, comm.world_size * self.num_max_tokens
         recv_x = _view(r["recv_x"], (el, slots, self.hidden), "bfloat16", comm.device, self)
         recv_count = _view(r["recv_count"], (el,), "int32", comm.device, self)
@@ -309,7 +317,7 @@ class Buffer:
         """The combine buffer as a bf16 ``[num_local_experts, world * num_max_tokens, hidden]``
         tensor: write expert outputs here and pass it to ``low_latency_combine`` (no copy)."""
         self._need(True, "get_next_low_latency_combine_buffer")
-        r = self._native.results(handle.dispatch_no)
+        r = self._native.results()
         shape = (self.num_local_experts, self.comm.world_size * self.num_max_tokens, self.hidden)
         return _view(r["combine_buffer"], shape, "bfloat16", self.comm.device, self)
 
