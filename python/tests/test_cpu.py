@@ -148,3 +148,15 @@ def test_launcher_variables(monkeypatch):
     monkeypatch.setenv("SLURM_NTASKS", "16")
     monkeypatch.setenv("SLURM_LOCALID", "1")
     assert _comm._launch_env() == (5, 16, 1, 16)
+
+
+def test_bench_help_runs_without_torch_or_gpu():
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-m", "doorbell.bench", "--help"], capture_output=True, text=True, check=True
+    ).stdout
+    assert "allreduce" in out and "alltoall" in out and "moe" in out
+    bad = subprocess.run([sys.executable, "-m", "doorbell.bench", "nope"], capture_output=True, text=True)
+    assert bad.returncode == 2 and "invalid choice" in bad.stderr

@@ -1,67 +1,190 @@
-"""``python -m doorbell.bench allreduce|alltoall|moe`` under torchrun: doorbell beside
-``torch.distributed`` (NCCL) and, for allreduce where the machine allows it, PyTorch symmetric
-memory, in the same run, with nccl-tests columns (time is the max over ranks, eager and CUDA
-graph) and a ratio per peer. NVLink multicast stays off (the variables below)."""
+"""``python -m doorbell.bench allreduce|alltoall|moe`` under torchrun (one rank per GPU): doorbell
+beside ``torch.distributed`` (NCCL) and, for allreduce where the machine allows it, PyTorch
+symmetric memory's one-shot allreduce, in the same run. The table has the Rust examples'
+columns (size, count, type, then per library CUDA-graph and eager time in us with busbw in GB/s,
+max over ranks, and doorbell's speedup over the fastest peer); ``#wrong`` counts elements of
+doorbell's result that differ from the exact answer (max over ranks). NVLink multicast stays
+off (the variables set below)."""
 
 from __future__ import annotations
 
 import argparse
 import os
-from typing import Callable, List, Optional
+from typing import Any, Callable, List, Optional
 
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
 os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
 os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
 
 
-def _time_us(fn: Callable[[], None], iters: int, graph: bool) -> float:
+def _time_us(fn: Callable[[], Any], iters: int, graph: bool) -> Optional[float]:
+    """Mean time of one call, eager or replayed from a CUDA graph of ``iters`` calls; None when
+    the call cannot run (or cannot be captured) here."""
     import torch
 
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    if graph:
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            for _ in range(iters):
-                fn()
-        run = g.replay
-    else:
+    try:
+        for _ in range(3):
+            fn()
+        torch.cuda.synchronize()
+        if graph:
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                for _ in range(iters):
+                    fn()
+            run: Callable[[], Any] = g.replay
+            run()  # the first replay uploads the graph
+        else:
 
-        def run() -> None:
-            for _ in range(iters):
-                fn()
+            def run() -> None:
+                for _ in range(iters):
+                    fn()
 
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    run()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / iters
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        run()
+        end.record()
+        torch.cuda.synchronize()
+        return start.elapsed_time(end) * 1e3 / iters
+    except Exception:  # noqa: BLE001 - a peer that cannot run here shows as "-"
+        torch.cuda.synchronize()
+        return None
 
 
-def _max_over_ranks(v: float) -> float:
+def _max(v: Optional[float]) -> Optional[float]:
     import torch
     import torch.distributed as dist
 
-    t = torch.tensor([v], device="cuda")
+    t = torch.tensor([-1.0 if v is None else v], device="cuda")
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t.item())
+    mine = torch.tensor([1.0 if v is None else 0.0], device="cuda")
+    dist.all_reduce(mine, op=dist.ReduceOp.MAX)  # missing anywhere: missing
+    return None if mine.item() > 0 else float(t.item())
+
+
+def _fmt(v: Optional[float], prec: int) -> str:
+    return "-" if v is None else f"{v:.{prec}f}"
 
 
 def _sizes(lo: int, hi: int) -> List[int]:
     out, s = [], lo
     while s <= hi:
         out.append(s)
-        s *= 4
+        s *= 2
     return out
 
 
-def _row(size: int, count: int, dtype: str, us: float, bus_factor: float, peers: List[Optional[float]]) -> str:
-    algbw = size / us / 1e3
-    cols = [f"{size:>12}", f"{count:>12}", f"{dtype:>8}", f"{us:>10.2f}", f"{algbw:>8.2f}", f"{algbw * bus_factor:>8.2f}"]
-    cols += ["       -" if p is None else f"{p / us:>8.2f}" for p in peers]
-    return " ".join(cols)
+def _bus(size: int, us: Optional[float], factor: float) -> Optional[float]:
+    return None if us is None else size / us / 1e3 * factor
+
+
+def _best(*v: Optional[float]) -> Optional[float]:
+    got = [x for x in v if x is not None]
+    return min(got) if got else None
+
+
+def _ratio(peer: Optional[float], ours: Optional[float]) -> Optional[float]:
+    return None if peer is None or ours is None else peer / ours
+
+
+def _collective(a: argparse.Namespace, comm: Any) -> None:
+    import torch
+    import torch.distributed as dist
+
+    w = comm.world_size
+    me = comm.rank == 0
+    allreduce = a.collective == "allreduce"
+    factor = 2 * (w - 1) / w if allreduce else (w - 1) / w
+    peer3 = "symm one-shot" if allreduce else "-"
+    if me:
+        print(f"# doorbell {a.collective}, {w} ranks; times in us (max over ranks), busbw in GB/s")
+        print(
+            f"#{'size':>11} {'count':>11} {'type':>8} | {'graph':>8} {'busbw':>7} {'eager':>8} {'busbw':>7} {'#wrong':>6} | "
+            f"{'graph':>8} {'busbw':>7} {'eager':>8} {'busbw':>7} | {'graph':>8} {'eager':>8} | {'x graph':>7} {'x eager':>7}"
+        )
+        print(
+            f"#{'(B)':>11} {'(elements)':>11} {'':>8} | {'doorbell':^39} | {'torch.distributed (NCCL)':^33} | "
+            f"{peer3:^17} | {'speedup':^15}"
+        )
+    for size in _sizes(a.min_bytes, a.max_bytes):
+        n = max(size // 4, w)
+        n -= n % w
+        size = n * 4
+        if allreduce:
+            t = torch.empty(n, device="cuda")
+            t.copy_(torch.arange(n, device="cuda") % 7 + comm.rank)
+            comm.all_reduce(t)
+            want = (torch.arange(n, device="cuda") % 7) * w + w * (w - 1) // 2
+            wrong = int((t != want).sum().item())
+            ours = [_time_us(lambda: comm.all_reduce(t), a.iters, g) for g in (True, False)]
+            nccl = [_time_us(lambda: dist.all_reduce(t), a.iters, g) for g in (True, False)]
+            try:
+                import torch.distributed._symmetric_memory as symm_mem
+
+                buf = symm_mem.empty(n, device="cuda")
+                name = dist.group.WORLD.group_name
+                symm_mem.rendezvous(buf, name)
+                third = [
+                    _time_us(lambda: torch.ops.symm_mem.one_shot_all_reduce(buf, "sum", name), a.iters, g)
+                    for g in (True, False)
+                ]
+            except Exception:  # noqa: BLE001 - not available on this machine
+                third = [None, None]
+        else:
+            inp = (torch.arange(n, device="cuda", dtype=torch.int32) // (n // w)) * 1000 + comm.rank
+            out = torch.empty_like(inp)
+            comm.all_to_all(out, inp)
+            # Block p of my output is rank p's block for me: (my rank) * 1000 + p.
+            want = comm.rank * 1000 + (torch.arange(n, device="cuda", dtype=torch.int32) // (n // w))
+            wrong = int((out != want).sum().item())
+            ours = [_time_us(lambda: comm.all_to_all(out, inp), a.iters, g) for g in (True, False)]
+            nccl = [_time_us(lambda: dist.all_to_all_single(out, inp), a.iters, g) for g in (True, False)]
+            third = [None, None]
+        ours = [_max(v) for v in ours]
+        nccl = [_max(v) for v in nccl]
+        third = [_max(v) for v in third]
+        wrong = int(_max(float(wrong)) or 0)
+        if me:
+            print(
+                f"{size:>12} {n:>11} {'float' if allreduce else 'int32':>8} | "
+                f"{_fmt(ours[0], 2):>8} {_fmt(_bus(size, ours[0], factor), 1):>7} "
+                f"{_fmt(ours[1], 2):>8} {_fmt(_bus(size, ours[1], factor), 1):>7} {wrong:>6} | "
+                f"{_fmt(nccl[0], 2):>8} {_fmt(_bus(size, nccl[0], factor), 1):>7} "
+                f"{_fmt(nccl[1], 2):>8} {_fmt(_bus(size, nccl[1], factor), 1):>7} | "
+                f"{_fmt(third[0], 2):>8} {_fmt(third[1], 2):>8} | "
+                f"{_fmt(_ratio(_best(nccl[0], third[0]), ours[0]), 2):>7} "
+                f"{_fmt(_ratio(_best(nccl[1], third[1]), ours[1]), 2):>7}",
+                flush=True,
+            )
+
+
+def _moe(a: argparse.Namespace, comm: Any) -> None:
+    import torch
+
+    from . import moe
+
+    w = comm.world_size
+    hidden, experts, topk, tokens = 7168, 64 * w, 8, a.tokens
+    buf = moe.Buffer(comm, hidden, experts, tokens, topk)
+    x = torch.randn(tokens, hidden, device="cuda").to(torch.bfloat16)
+    idx = torch.stack([torch.randperm(experts, device="cuda")[:topk] for _ in range(tokens)]).int()
+    wts = torch.ones(tokens, topk, device="cuda")
+    r = buf.dispatch(x, idx, wts)
+    handle = r[4]
+
+    def dispatch() -> None:
+        buf.dispatch(x, idx, wts)
+
+    def combine() -> None:
+        buf.combine(buf.get_combine_buffer(), handle)
+
+    d = [_max(_time_us(dispatch, a.iters, g)) for g in (True, False)]
+    c = [_max(_time_us(combine, a.iters, g)) for g in (True, False)]
+    if comm.rank == 0:
+        print(f"# doorbell MoE (normal mode), {w} ranks, {tokens} tokens x top-{topk} of {experts}, hidden {hidden}, bf16")
+        print(f"#{'call':>9} | {'graph us':>9} {'eager us':>9}")
+        print(f"{'dispatch':>10} | {_fmt(d[0], 1):>9} {_fmt(d[1], 1):>9}")
+        print(f"{'combine':>10} | {_fmt(c[0], 1):>9} {_fmt(c[1], 1):>9}")
 
 
 def main(argv: Optional[List[str]] = None) -> None:
@@ -70,74 +193,22 @@ def main(argv: Optional[List[str]] = None) -> None:
     p.add_argument("--min-bytes", type=int, default=1024)
     p.add_argument("--max-bytes", type=int, default=256 << 20)
     p.add_argument("--iters", type=int, default=20)
-    p.add_argument("--graph", action="store_true", help="time CUDA-graph replays instead of eager calls")
+    p.add_argument("--tokens", type=int, default=4096, help="moe: tokens per rank")
     a = p.parse_args(argv)
 
     import torch
     import torch.distributed as dist
 
     import doorbell
-    from doorbell import moe
 
     local = int(os.environ.get("LOCAL_RANK", "0"))
     torch.cuda.set_device(local % torch.cuda.device_count())
-    dist.init_process_group("nccl")
+    dist.init_process_group("nccl", device_id=torch.device("cuda", torch.cuda.current_device()))
     comm = doorbell.init()
-    w = comm.world_size
-    me = comm.rank == 0
-    mode = "graph" if a.graph else "eager"
-    if a.collective in ("allreduce", "alltoall"):
-        peers = ["nccl"] + (["symm_mem"] if a.collective == "allreduce" else [])
-        if me:
-            print(f"# doorbell {a.collective}, {w} ranks, {mode}; ratio = peer time / doorbell time")
-            print(" ".join(["        size", "       count", "    type", "  time(us)", "  algbw", "  busbw"] + [f"{x:>8}" for x in peers]))
-        for size in _sizes(a.min_bytes, a.max_bytes):
-            n = size // 4
-            if a.collective == "allreduce":
-                t = torch.ones(n, device="cuda")
-                ours = _time_us(lambda: comm.all_reduce(t), a.iters, a.graph)
-                nccl = _time_us(lambda: dist.all_reduce(t), a.iters, a.graph)
-                symm = None
-                try:
-                    import torch.distributed._symmetric_memory as symm_mem
-
-                    buf = symm_mem.empty(n, device="cuda")
-                    symm_mem.rendezvous(buf, dist.group.WORLD.group_name)
-                    name = dist.group.WORLD.group_name
-                    symm = _time_us(lambda: torch.ops.symm_mem.one_shot_all_reduce(buf, "sum", name), a.iters, a.graph)
-                except Exception:  # not available on this machine (peers not symmetric-capable)
-                    symm = None
-                row = [_max_over_ranks(x) if x is not None else None for x in (ours, nccl, symm)]
-                factor = 2 * (w - 1) / w
-            else:
-                n -= n % w
-                inp, out = torch.ones(n, device="cuda"), torch.empty(n, device="cuda")
-                ours = _time_us(lambda: comm.all_to_all(out, inp), a.iters, a.graph)
-                nccl = _time_us(lambda: dist.all_to_all_single(out, inp), a.iters, a.graph)
-                row = [_max_over_ranks(ours), _max_over_ranks(nccl)]
-                factor = (w - 1) / w
-            if me:
-                print(_row(n * 4, n, "float", row[0], factor, row[1:]))
+    if a.collective == "moe":
+        _moe(a, comm)
     else:
-        hidden, experts, topk, tokens = 7168, 64 * w, 8, 4096
-        buf = moe.Buffer(comm, hidden, experts, tokens, topk)
-        x = torch.randn(tokens, hidden, device="cuda").to(torch.bfloat16)
-        idx = torch.stack([torch.randperm(experts, device="cuda")[:topk] for _ in range(tokens)])
-        wts = torch.ones(tokens, topk, device="cuda")
-        state = {}
-
-        def dispatch() -> None:
-            state["r"] = buf.dispatch(x, idx, wts)
-
-        def combine() -> None:
-            rx, _, _, _, h, _ = state["r"]
-            buf.combine(rx, h)
-
-        d = _max_over_ranks(_time_us(dispatch, a.iters, False))
-        c = _max_over_ranks(_time_us(combine, a.iters, False))
-        if me:
-            print(f"# doorbell MoE high-throughput, {w} ranks, {tokens} tokens x top-{topk}, hidden {hidden}, bf16 (eager)")
-            print(f"dispatch {d:.1f} us, combine {c:.1f} us")
+        _collective(a, comm)
     dist.destroy_process_group()
 
 
