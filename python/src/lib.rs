@@ -10,17 +10,20 @@
 //! the cause), or `doorbell.NoGpuError` when there is no CUDA driver or GPU.
 
 use cudarc::driver::{sys, CudaStream};
+use doorbell::channel::memory_channel::{MemoryChannels, RegisteredMemory};
 use doorbell::collectives::allreduce::{AllReduce, AllReduceOptions};
 use doorbell::collectives::alltoall::{AllToAll, AllToAllOptions};
 use doorbell::collectives::moe::{MoeConfig, MoeDispatcher, MoeLowLatency};
 use doorbell::collectives::DataType;
 use doorbell::communicator::Communicator;
+use doorbell::device_api::MemoryChannelHandle;
 use doorbell::job::bootstrap::{Bootstrap, BootstrapConfig};
 use doorbell::Error;
 use pyo3::create_exception;
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
+use std::borrow::Cow;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -241,6 +244,87 @@ impl Comm {
     fn check_health(&self) -> PyResult<()> {
         self.comm.check_health().map_err(py_err)
     }
+
+    /// `nbytes` of zero-filled GPU memory that peers on this host can map (for MemoryChannels).
+    fn alloc(&self, py: Python<'_>, nbytes: usize) -> PyResult<Registered> {
+        if nbytes == 0 {
+            return Err(PyValueError::new_err("nbytes: at least 1"));
+        }
+        let mem = py
+            .allow_threads(|| {
+                let buf = self.comm.alloc(nbytes)?;
+                self.comm.register(&buf)
+            })
+            .map_err(py_err)?;
+        Ok(Registered { mem })
+    }
+
+    /// MemoryChannels to every peer (collective; every rank on this host): puts from `src` land
+    /// in each peer's `dst`; `packets` (optional) is the LL packet area.
+    #[pyo3(signature = (src, dst, packets=None))]
+    fn memory_channels(
+        &self,
+        py: Python<'_>,
+        src: &Registered,
+        dst: &Registered,
+        packets: Option<&Registered>,
+    ) -> PyResult<MemChannels> {
+        let inner = py
+            .allow_threads(|| {
+                self.comm
+                    .memory_channels(&src.mem, &dst.mem, packets.map(|p| &p.mem))
+            })
+            .map_err(py_err)?;
+        Ok(MemChannels {
+            inner,
+            world: self.comm.world_size(),
+        })
+    }
+}
+
+/// GPU memory allocated and registered by doorbell (peers on this host can map it).
+#[pyclass(frozen, module = "doorbell._doorbell")]
+struct Registered {
+    mem: Arc<RegisteredMemory>,
+}
+
+#[pymethods]
+impl Registered {
+    #[getter]
+    fn ptr(&self) -> u64 {
+        self.mem.device_ptr()
+    }
+
+    #[getter]
+    fn nbytes(&self) -> usize {
+        self.mem.len()
+    }
+}
+
+/// MemoryChannels to every peer; alive as long as this object.
+#[pyclass(frozen, module = "doorbell._doorbell")]
+struct MemChannels {
+    inner: MemoryChannels,
+    world: usize,
+}
+
+#[pymethods]
+impl MemChannels {
+    /// `world` handles of `handle_size()` bytes each, entry p the channel to rank p (this rank's
+    /// own entry zero): the `doorbell::MemoryChannelHandle` array kernels take.
+    fn handles(&self) -> Cow<'static, [u8]> {
+        let mut all = vec![MemoryChannelHandle::default(); self.world];
+        for c in self.inner.iter() {
+            all[c.peer()] = c.device_handle();
+        }
+        Cow::Owned(bytemuck::cast_slice(&all).to_vec())
+    }
+
+    /// Bytes of one `doorbell::MemoryChannelHandle`.
+    #[staticmethod]
+    fn handle_size() -> usize {
+        std::mem::size_of::<MemoryChannelHandle>()
+    }
 }
 
 impl Comm {
@@ -459,7 +543,7 @@ impl MoeLl {
         topk_idx: u64,
         topk_weights: u64,
         num_tokens: usize,
-    ) -> PyResult<(&'static str, Vec<u8>)> {
+    ) -> PyResult<(&'static str, Cow<'static, [u8]>)> {
         use doorbell::collectives::moe::FusedSend;
         // SAFETY: checked by the package (shapes, dtypes, device); the tensors are kept until
         // the matching combine.
@@ -469,8 +553,8 @@ impl MoeLl {
         }
         .map_err(py_err)?;
         Ok(match f {
-            FusedSend::Nvlink(a) => ("nvlink", bytemuck::bytes_of(&a).to_vec()),
-            FusedSend::Net(a) => ("net", bytemuck::bytes_of(&a).to_vec()),
+            FusedSend::Nvlink(a) => ("nvlink", Cow::Owned(bytemuck::bytes_of(&a).to_vec())),
+            FusedSend::Net(a) => ("net", Cow::Owned(bytemuck::bytes_of(&a).to_vec())),
         })
     }
 
@@ -527,6 +611,8 @@ fn _doorbell(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Comm>()?;
     m.add_class::<MoeHt>()?;
     m.add_class::<MoeLl>()?;
+    m.add_class::<Registered>()?;
+    m.add_class::<MemChannels>()?;
     m.add("DoorbellError", m.py().get_type::<DoorbellError>())?;
     m.add("NoGpuError", m.py().get_type::<NoGpuError>())?;
     Ok(())

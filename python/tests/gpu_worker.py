@@ -140,6 +140,22 @@ def moe_low_latency_graph(comm, replays):
         check(bool((outs == valid[:, None].to(torch.bfloat16) * v).all()), f"LL graph replay {i} rank {r}")
 
 
+def channels(comm):
+    r, w = comm.rank, comm.world_size
+    src, dst = comm.alloc(1 << 20), comm.alloc(1 << 20)
+    chans = comm.memory_channels(src, dst)
+    h = chans.handles
+    check(tuple(h.shape) == (w, chans.handle_size), f"handles shape {tuple(h.shape)}")
+    check(bool((h[r] == 0).all()), "own handle row is zero")
+    for p in range(w):
+        if p != r:
+            check(bool((h[p] != 0).any()), f"handle to {p} is empty")
+    t = src.tensor(torch.float32, (256, 1024))
+    t.fill_(r)
+    torch.cuda.synchronize()
+    check(bool((t == r).all()), "SymmetricMemory view")
+
+
 def bad_arguments(comm):
     t = torch.zeros(8, dtype=torch.int32, device="cuda")
     try:
@@ -162,6 +178,8 @@ def main():
         moe_normal(comm)
     elif case == "moe_graph":
         moe_low_latency_graph(comm, int(sys.argv[2]))
+    elif case == "channels":
+        channels(comm)
     elif case == "bad_arguments":
         bad_arguments(comm)
     else:

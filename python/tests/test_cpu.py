@@ -160,3 +160,9 @@ def test_bench_help_runs_without_torch_or_gpu():
     assert "allreduce" in out and "alltoall" in out and "moe" in out
     bad = subprocess.run([sys.executable, "-m", "doorbell.bench", "nope"], capture_output=True, text=True)
     assert bad.returncode == 2 and "invalid choice" in bad.stderr
+
+
+def test_memory_channels_take_doorbell_memory_only():
+    comm = doorbell.Communicator(FakeNative())
+    with pytest.raises(TypeError, match="Communicator.alloc"):
+        comm.memory_channels(FakeTensor((8,)), FakeTensor((8,)))

@@ -60,7 +60,7 @@ def run_ranks(n, *args, timeout=600):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("ranks", RANKS)
-@pytest.mark.parametrize("case", ["all_reduce", "all_to_all", "moe", "bad_arguments"])
+@pytest.mark.parametrize("case", ["all_reduce", "all_to_all", "moe", "channels", "bad_arguments"])
 def test_collectives_against_torch(case, ranks):
     run_ranks(ranks, case)
 

@@ -9,7 +9,7 @@ as ``doorbell._doorbell``; the CUDA driver (and for benchmarks NCCL) are loaded 
 """
 
 from . import moe
-from ._comm import Communicator, Work, get_include, init
+from ._comm import Communicator, MemoryChannels, SymmetricMemory, Work, get_include, init
 from ._doorbell import DoorbellError, NoGpuError, cuda_driver_present, device_count
 from ._doorbell import version as _version
 
@@ -17,6 +17,8 @@ __version__: str = _version()
 
 __all__ = [
     "Communicator",
+    "MemoryChannels",
+    "SymmetricMemory",
     "DoorbellError",
     "NoGpuError",
     "Work",

@@ -171,6 +171,76 @@ class Communicator:
         """Raises DoorbellError naming failed ranks, if any."""
         self._native.check_health()
 
+    # ---- the device API, for kernels of your own ----
+
+    def alloc(self, nbytes: int) -> "SymmetricMemory":
+        """``nbytes`` of zero-filled GPU memory allocated by doorbell, which the peers on this
+        host can map (the memory MemoryChannels move between). Collective only through
+        ``memory_channels``."""
+        return SymmetricMemory(self._native.alloc(int(nbytes)), self.device)
+
+    def memory_channels(
+        self, src: "SymmetricMemory", dst: "SymmetricMemory", packets: Optional["SymmetricMemory"] = None
+    ) -> "MemoryChannels":
+        """MemoryChannels from this rank's ``src`` to every peer's ``dst`` (NVLink loads and
+        stores; every rank on one host). Collective."""
+        for name, m in (("src", src), ("dst", dst), ("packets", packets)):
+            if m is not None and not isinstance(m, SymmetricMemory):
+                raise TypeError(f"{name}: pass memory from Communicator.alloc (peers must be able to map it)")
+        native = self._native.memory_channels(src._native, dst._native, None if packets is None else packets._native)
+        return MemoryChannels(native, self.world_size, self.device, (src, dst, packets))
+
+
+class SymmetricMemory:
+    """GPU memory from :meth:`Communicator.alloc`."""
+
+    def __init__(self, native: Any, device: int) -> None:
+        self._native = native
+        self.device = device
+
+    @property
+    def data_ptr(self) -> int:
+        return int(self._native.ptr)
+
+    @property
+    def nbytes(self) -> int:
+        return int(self._native.nbytes)
+
+    def tensor(self, dtype: Any, shape: Sequence[int]) -> Any:
+        """A torch view of the memory (no copy), alive as long as this object is referenced by
+        the view."""
+        import torch
+
+        n = 1
+        for d in shape:
+            n *= int(d)
+        size = torch.empty((), dtype=dtype).element_size()
+        if n * size > self.nbytes:
+            raise ValueError(f"shape {tuple(shape)} of {dtype} needs {n * size} bytes; this memory has {self.nbytes}")
+        from .moe import _view
+
+        raw = _view(self.data_ptr, (n * size,), "uint8", self.device, self)
+        return raw.view(dtype).view(*shape)
+
+
+class MemoryChannels:
+    """MemoryChannels to every peer. ``handles`` is a CUDA uint8 tensor ``[world_size,
+    handle_size]``: row ``p`` is the ``doorbell::MemoryChannelHandle`` to rank ``p`` (this rank's
+    row is zero), to pass to a kernel as ``const doorbell::MemoryChannelHandle*``; the calls are in
+    ``doorbell/memory_channel.cuh`` under :func:`get_include`. Keep this object alive while
+    kernels use the handles."""
+
+    struct = "doorbell::MemoryChannelHandle"
+
+    def __init__(self, native: Any, world: int, device: int, keep: Any) -> None:
+        import torch
+
+        self._native = native
+        self._keep = keep
+        self.handle_size = int(_doorbell.MemChannels.handle_size())
+        raw = bytes(native.handles())
+        self.handles = torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(world, self.handle_size).to(f"cuda:{device}")
+
 
 def _launch_env() -> Tuple[int, int, int, int]:
     """(rank, world_size, local_rank, local_world_size) from torchrun, Slurm or Open MPI
