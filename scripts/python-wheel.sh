@@ -5,7 +5,8 @@
 #                                   linked by zig against glibc 2.28 (manylinux_2_28: Ubuntu 20.04+,
 #                                   RHEL 8+), so the build host's glibc does not leak in
 #   scripts/python-wheel.sh test    installs python/dist's wheel in a fresh venv with pytest and
-#                                   runs the CPU suite (python/tests, GPU tests deselected)
+#                                   mypy, checks the package's types (--strict, as Python 3.9)
+#                                   and runs the CPU suite (python/tests, GPU tests deselected)
 #   scripts/python-wheel.sh         both
 #
 # Needs what the Rust build needs (scripts/install-nvcc.sh) and Python 3 with venv; maturin and
@@ -29,7 +30,9 @@ test_wheel() {
   local venv
   venv=$(mktemp -d)/venv
   python3 -m venv "$venv"
-  "$venv/bin/pip" install -q --disable-pip-version-check pytest==8.3.3 "$root"/python/dist/doorbell-*.whl
+  "$venv/bin/pip" install -q --disable-pip-version-check pytest==8.3.3 mypy==1.13.0 "$root"/python/dist/doorbell-*.whl
+  # The package's types, as Python 3.9 reads them (the stubs of the extension included).
+  (cd "$root/python/py" && "$venv/bin/mypy" --python-version 3.9 --strict --ignore-missing-imports doorbell)
   # From outside the source tree, so the installed wheel is what gets imported.
   (cd "$(dirname "$venv")" && "$venv/bin/python" -m pytest -q -m "not gpu" "$root/python/tests")
 }

@@ -147,7 +147,9 @@ class Communicator:
             rows = int(t.shape[0]) if len(t.shape) > 0 else 0
             if sum(splits) > rows:
                 raise ValueError(f"{name}: {sum(splits)} rows in all, but the tensor has {rows}")
-        row_bytes = lambda t: nbytes(t) // max(int(t.shape[0]), 1) if len(t.shape) > 0 else 0  # noqa: E731
+        def row_bytes(t: Any) -> int:
+            return nbytes(t) // max(int(t.shape[0]), 1) if len(t.shape) > 0 else 0
+
         rb_in, rb_out = row_bytes(input), row_bytes(output)
         if rb_in != rb_out:
             raise ValueError(f"output: {describe(output)}; its rows must match the input's ({describe(input)})")

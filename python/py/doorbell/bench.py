@@ -45,7 +45,7 @@ def _time_us(fn: Callable[[], Any], iters: int, graph: bool) -> Optional[float]:
         run()
         end.record()
         torch.cuda.synchronize()
-        return start.elapsed_time(end) * 1e3 / iters
+        return float(start.elapsed_time(end)) * 1e3 / iters
     except Exception:  # noqa: BLE001 - a peer that cannot run here shows as "-"
         torch.cuda.synchronize()
         return None

@@ -100,6 +100,7 @@ class Buffer:
         self.num_max_tokens = num_max_tokens
         self.num_topk = num_topk
         self.low_latency_mode = low_latency_mode
+        self._native: Any
         if low_latency_mode:
             self._native = _doorbell.MoeLl(comm._native, hidden, num_topk, num_experts, num_max_tokens, num_sms)
         else:
@@ -149,7 +150,7 @@ class Buffer:
         self._need(False, "dispatch")
         comm = self.comm
         fp8 = isinstance(x, tuple)
-        rows = x[0] if fp8 else x
+        rows: Any = x[0] if fp8 else x
         num_tokens = int(rows.shape[0]) if len(getattr(rows, "shape", ())) == 2 else -1
         if num_tokens < 0:
             raise ValueError("x: expected shape (num_tokens, hidden)")
@@ -163,8 +164,8 @@ class Buffer:
             check_tensor("x[1]", x[1], device=comm.device, dtypes="float32", shape=(num_tokens, self.hidden // 128), align=4)
             self._native.dispatch_fp8(x[0].data_ptr(), x[1].data_ptr(), idx.data_ptr(), topk_weights.data_ptr(), num_tokens, stream)
         else:
-            check_tensor("x", x, device=comm.device, dtypes="bfloat16", shape=(num_tokens, self.hidden))
-            self._native.dispatch(x.data_ptr(), idx.data_ptr(), topk_weights.data_ptr(), num_tokens, stream)
+            check_tensor("x", rows, device=comm.device, dtypes="bfloat16", shape=(num_tokens, self.hidden))
+            self._native.dispatch(rows.data_ptr(), idx.data_ptr(), topk_weights.data_ptr(), num_tokens, stream)
         r = self._native.results()
         dev, cap, k = comm.device, int(r["max_rows"]), self.num_topk
         if fp8:
