@@ -9,7 +9,8 @@
 #                                     GPU test (--ignored) and the benchmarks from .gpu-bundle/,
 #                                     writing logs to DIR (default $OUT, else ./gpu-logs)
 #
-# Environment for run: SUITE=tests|bench|all (default all); TESTS="gpu allreduce" runs only those
+# Environment for run: SUITE=tests|bench|all|python (default all; python: the wheel that build
+# packed, from scripts/python-wheel.sh, installed beside the machine's torch, and its GPU tests); TESTS="gpu allreduce" runs only those
 # test binaries; BENCHES="pingpong allreduce" picks the examples, PINGPONG_ARGS / ALLREDUCE_ARGS
 # pass them arguments (ALLGATHER_ARGS too); TEST_ARGS are added to every test binary's arguments (e.g. "--skip forced_");
 # NIC_TESTS=1 also runs tests/ib_hw and the nic_ tests of tests/port and tests/net (need an RDMA NIC);
@@ -50,7 +51,9 @@ for line in sys.stdin:
   # does not, nor does gzip (every binary embeds the same 13 MB of kernels): xz with a dictionary
   # larger than one binary stores those once (about 6 MB). Carry .gpu-pack and `run` unpacks it.
   mkdir -p "$root/.gpu-pack"
-  rm -f "$root/.gpu-pack/bundle.tgz"
+  rm -f "$root/.gpu-pack/bundle.tgz" "$root"/.gpu-pack/doorbell-*.whl
+  # The Python wheel too, when scripts/python-wheel.sh built one (SUITE=python runs its tests).
+  cp "$root"/python/dist/doorbell-*.whl "$root/.gpu-pack/" 2>/dev/null || true
   tar -C "$root" -cf - .gpu-bundle | xz -T2 --lzma2=preset=6,dict=192MiB > "$root/.gpu-pack/bundle.txz"
   du -sh "$bundle" "$root/.gpu-pack/bundle.txz"
   ls -la "$bundle"/*
@@ -92,6 +95,23 @@ run() {
         failed=1
       fi
     done
+  fi
+  if [ "$suite" = python ]; then
+    # The wheel beside the machine's torch (no network there: no dependencies installed), then
+    # python/tests/run_gpu.py (pytest is not needed).
+    local venv="$logs/.venv" start=$SECONDS
+    python3 -m venv --system-site-packages "$venv" &&
+      "$venv/bin/pip" install -q --no-index --no-deps "$root"/.gpu-pack/doorbell-*.whl &&
+      (cd "$root/python/tests" && "$venv/bin/python" run_gpu.py) > "$logs/python.log" 2>&1
+    local rc=$?
+    rm -rf "$venv"
+    if [ $rc = 0 ]; then
+      echo "PASS python ($((SECONDS - start)) s)" | tee -a "$summary"
+    else
+      echo "FAIL python ($((SECONDS - start)) s)" | tee -a "$summary"
+      failed=1
+    fi
+    grep -E "^(PASS|FAIL)" "$logs/python.log"
   fi
   if [ "$suite" = all ] || [ "$suite" = bench ]; then
     for ex in ${BENCHES:-pingpong portchannel allgather allreduce}; do

@@ -1,0 +1,66 @@
+"""Starting the GPU tests' ranks: processes sharing the machine's GPUs, each running
+gpu_worker.py with torchrun-style variables. Used by test_gpu.py (pytest) and run_gpu.py (no
+pytest needed, for GPU machines without it)."""
+
+import os
+import pathlib
+import socket
+import subprocess
+import sys
+from typing import List, Tuple
+
+WORKER = pathlib.Path(__file__).with_name("gpu_worker.py")
+RANKS = [int(n) for n in os.environ.get("DOORBELL_TEST_RANKS", "2 4").split()]
+CASES: List[Tuple[str, ...]] = [
+    ("all_reduce",),
+    ("all_to_all",),
+    ("moe",),
+    ("channels",),
+    ("bad_arguments",),
+    ("moe_graph", "1000"),
+]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_ranks(n: int, *args: str, timeout: float = 600) -> List[str]:
+    """Runs gpu_worker.py with `args` as `n` ranks; returns the failures (empty: all passed)."""
+    port = free_port()
+    procs = []
+    for r in range(n):
+        env = dict(os.environ)
+        env.update(
+            RANK=str(r),
+            WORLD_SIZE=str(n),
+            LOCAL_RANK=str(r),
+            LOCAL_WORLD_SIZE=str(n),
+            MASTER_ADDR="127.0.0.1",
+            DOORBELL_MASTER_PORT=str(port),
+            NCCL_NVLS_ENABLE="0",
+            TORCH_SYMM_MEM_DISABLE_MULTICAST="1",
+            NVSHMEM_DISABLE_NVLS="1",
+        )
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, str(WORKER), *args],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+        )
+    failed = []
+    for r, p in enumerate(procs):
+        try:
+            out, _ = p.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            return [f"rank {r} of {n} did not finish {args} in {timeout} s"]
+        if p.returncode != 0:
+            failed.append(f"rank {r} (exit {p.returncode}):\n{out}")
+    return failed
