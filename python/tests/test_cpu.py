@@ -166,3 +166,14 @@ def test_memory_channels_take_doorbell_memory_only():
     comm = doorbell.Communicator(FakeNative())
     with pytest.raises(TypeError, match="Communicator.alloc"):
         comm.memory_channels(FakeTensor((8,)), FakeTensor((8,)))
+
+
+def test_the_extension_converts_its_arguments():
+    native = doorbell._doorbell
+    with pytest.raises(ValueError, match="positive number of seconds"):
+        native.Comm.connect(0, 1, 0, 1, "127.0.0.1", 0, b"secret", 0, timeout_s=-1.0)
+    if not doorbell.cuda_driver_present():
+        with pytest.raises(doorbell.NoGpuError):
+            native.Comm.connect(0, 1, 0, 1, "127.0.0.1", 0, b"secret", 0, 5.0)
+    size = native.MemChannels.handle_size()
+    assert size > 0 and size % 8 == 0
