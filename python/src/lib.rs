@@ -187,15 +187,16 @@ impl Comm {
         let dt = dtype(dtype_name)?;
         let s = self.stream(stream)?;
         py.allow_threads(|| {
-            let mut slot = self.allreduce.lock().unwrap_or_else(|p| p.into_inner());
-            if slot.is_none() {
-                *slot = Some(AllReduce::new(&self.comm, AllReduceOptions::default())?);
-            }
-            let ar = slot.as_ref().expect("built above");
-            // SAFETY: the package checked both tensors: CUDA tensors of this device, contiguous,
-            // `count` elements of `dtype`, alive until the stream's work is done (the caller
-            // keeps them, as with torch.distributed).
-            unsafe { ar.run_raw(&s, input, output, count, dt) }
+            built(
+                &self.allreduce,
+                || AllReduce::new(&self.comm, AllReduceOptions::default()),
+                |ar| {
+                    // SAFETY: the package checked both tensors: CUDA tensors of this device,
+                    // contiguous, `count` elements of `dtype`, alive until the stream's work is done
+                    // (the caller keeps them, as with torch.distributed).
+                    unsafe { ar.run_raw(&s, input, output, count, dt) }
+                },
+            )
         })
         .map_err(py_err)
     }
@@ -211,10 +212,10 @@ impl Comm {
     ) -> PyResult<()> {
         let s = self.stream(stream)?;
         py.allow_threads(|| {
-            let a2a = self.all_to_all_built()?;
-            let a2a = a2a.as_ref().expect("built");
-            // SAFETY: checked by the package (see all_reduce); world * bytes_per_peer each.
-            unsafe { a2a.run_raw(&s, input, output, bytes_per_peer) }
+            self.with_all_to_all(|a2a| {
+                // SAFETY: checked by the package (see all_reduce); world * bytes_per_peer each.
+                unsafe { a2a.run_raw(&s, input, output, bytes_per_peer) }
+            })
         })
         .map_err(py_err)
     }
@@ -232,10 +233,10 @@ impl Comm {
     ) -> PyResult<()> {
         let s = self.stream(stream)?;
         py.allow_threads(|| {
-            let a2a = self.all_to_all_built()?;
-            let a2a = a2a.as_ref().expect("built");
-            // SAFETY: checked by the package: the ranges lie inside the tensors.
-            unsafe { a2a.run_v_raw(&s, input, output, counts) }
+            self.with_all_to_all(|a2a| {
+                // SAFETY: checked by the package: the ranges lie inside the tensors.
+                unsafe { a2a.run_v_raw(&s, input, output, counts) }
+            })
         })
         .map_err(py_err)
     }
@@ -328,13 +329,30 @@ impl MemChannels {
 }
 
 impl Comm {
-    fn all_to_all_built(&self) -> doorbell::Result<std::sync::MutexGuard<'_, Option<AllToAll>>> {
-        let mut slot = self.alltoall.lock().unwrap_or_else(|p| p.into_inner());
-        if slot.is_none() {
-            *slot = Some(AllToAll::new(&self.comm, AllToAllOptions::default())?);
-        }
-        Ok(slot)
+    fn with_all_to_all(
+        &self,
+        f: impl FnOnce(&AllToAll) -> doorbell::Result<()>,
+    ) -> doorbell::Result<()> {
+        built(
+            &self.alltoall,
+            || AllToAll::new(&self.comm, AllToAllOptions::default()),
+            f,
+        )
     }
+}
+
+/// Runs `f` on the collective in `slot`, building it with `make` on first use (collective: every
+/// rank's first call of that kind builds it at the same point).
+fn built<T>(
+    slot: &Mutex<Option<T>>,
+    make: impl FnOnce() -> doorbell::Result<T>,
+    f: impl FnOnce(&T) -> doorbell::Result<()>,
+) -> doorbell::Result<()> {
+    let mut slot = slot.lock().unwrap_or_else(|p| p.into_inner());
+    if slot.is_none() {
+        *slot = Some(make()?);
+    }
+    f(slot.as_ref().expect("built above"))
 }
 
 fn moe_config(

@@ -1,13 +1,14 @@
 """Argument checks for tensors crossing into doorbell.
 
-Tensors are checked by duck typing (``is_cuda``, ``device``, ``dtype``, ``shape``,
+Results doorbell owns come back as torch views through ``__cuda_array_interface__``
+(``device_view``). Tensors are checked by duck typing (``is_cuda``, ``device``, ``dtype``, ``shape``,
 ``is_contiguous()``, ``data_ptr()``, ``element_size()``), so this module imports no torch and
 the checks run (and are tested) without a GPU. Every message says what to change.
 """
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Optional, Sequence, Union
+from typing import Any, Iterable, Optional, Sequence, Tuple, Union
 
 DTypes = Union[str, Iterable[str]]
 
@@ -76,3 +77,34 @@ def numel(t: Any) -> int:
     for s in t.shape:
         n *= int(s)
     return n
+
+
+# __cuda_array_interface__ type strings; bf16 and e4m3 travel as integers and are viewed back.
+_TYPESTR = {"int16": "<i2", "int32": "<i4", "float32": "<f4", "uint8": "|u1"}
+
+
+class _Device:
+    """Device memory owned by doorbell, exposed through ``__cuda_array_interface__``."""
+
+    def __init__(self, ptr: int, shape: Tuple[int, ...], typestr: str, owner: Any) -> None:
+        self.__cuda_array_interface__ = {
+            "shape": shape,
+            "typestr": typestr,
+            "data": (int(ptr), False),
+            "version": 3,
+            "strides": None,
+            "stream": None,
+        }
+        self._owner = owner  # keeps the buffer alive while a view exists
+
+
+def device_view(ptr: int, shape: Tuple[int, ...], dtype: str, device: int, owner: Any) -> Any:
+    import torch
+
+    if ptr == 0:
+        raise RuntimeError("doorbell returned no buffer for this result (not produced by this path)")
+    base = {"bfloat16": "int16", "float8_e4m3fn": "uint8"}.get(dtype, dtype)
+    t = torch.as_tensor(_Device(ptr, shape, _TYPESTR[base], owner), device=f"cuda:{device}")
+    if base != dtype:
+        t = t.view(getattr(torch, dtype))
+    return t

@@ -8,7 +8,7 @@ import socket
 from typing import Any, List, Optional, Sequence, Tuple
 
 from . import _doorbell
-from ._check import check_tensor, describe, dtype_name, nbytes, numel
+from ._check import check_tensor, describe, device_view, dtype_name, nbytes, numel
 from ._doorbell import NoGpuError
 
 _REDUCE_DTYPES = ("bfloat16", "float16", "float32")
@@ -219,9 +219,7 @@ class SymmetricMemory:
         size = torch.empty((), dtype=dtype).element_size()
         if n * size > self.nbytes:
             raise ValueError(f"shape {tuple(shape)} of {dtype} needs {n * size} bytes; this memory has {self.nbytes}")
-        from .moe import _view
-
-        raw = _view(self.data_ptr, (n * size,), "uint8", self.device, self)
+        raw = device_view(self.data_ptr, (n * size,), "uint8", self.device, self)
         return raw.view(dtype).view(*shape)
 
 

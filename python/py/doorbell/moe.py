@@ -11,44 +11,17 @@ from __future__ import annotations
 from typing import Any, Callable, Optional, Tuple, Union
 
 from . import _doorbell
-from ._check import check_tensor, describe, dtype_name
+from ._check import check_tensor, describe, device_view, dtype_name
 from ._comm import Communicator
-
-# __cuda_array_interface__ type strings; bf16 and e4m3 travel as integers and are viewed back.
-_TYPESTR = {"int16": "<i2", "int32": "<i4", "float32": "<f4", "uint8": "|u1"}
-
-
-class _Device:
-    """Device memory owned by doorbell, exposed through ``__cuda_array_interface__``."""
-
-    def __init__(self, ptr: int, shape: Tuple[int, ...], typestr: str, owner: Any) -> None:
-        self.__cuda_array_interface__ = {
-            "shape": shape,
-            "typestr": typestr,
-            "data": (int(ptr), False),
-            "version": 3,
-            "strides": None,
-            "stream": None,
-        }
-        self._owner = owner  # keeps the buffer alive while a view exists
-
-
-def _view(ptr: int, shape: Tuple[int, ...], dtype: str, device: int, owner: Any) -> Any:
-    import torch
-
-    if ptr == 0:
-        raise RuntimeError("doorbell returned no buffer for this result (not produced by this path)")
-    base = {"bfloat16": "int16", "float8_e4m3fn": "uint8"}.get(dtype, dtype)
-    t = torch.as_tensor(_Device(ptr, shape, _TYPESTR[base], owner), device=f"cuda:{device}")
-    if base != dtype:
-        t = t.view(getattr(torch, dtype))
-    return t
-
 
 def _topk_i32(comm: Communicator, topk_idx: Any, num_tokens: int, topk: int) -> Any:
     """DeepEP passes int64 ids; the kernels read int32 (converted on the stream)."""
     check_tensor("topk_idx", topk_idx, device=comm.device, dtypes=("int64", "int32"), shape=(num_tokens, topk), align=4)
-    return topk_idx if dtype_name(topk_idx) == "int32" else topk_idx.to(getattr(__import__("torch"), "int32"))
+    if dtype_name(topk_idx) == "int32":
+        return topk_idx
+    import torch
+
+    return topk_idx.to(torch.int32)
 
 
 class DispatchHandle:
@@ -170,15 +143,15 @@ class Buffer:
         dev, cap, k = comm.device, int(r["max_rows"]), self.num_topk
         if fp8:
             recv_x = (
-                _view(r["recv_x"], (cap, self.hidden), "float8_e4m3fn", dev, self),
-                _view(r["recv_scales"], (cap, self.hidden // 128), "float32", dev, self),
+                device_view(r["recv_x"], (cap, self.hidden), "float8_e4m3fn", dev, self),
+                device_view(r["recv_scales"], (cap, self.hidden // 128), "float32", dev, self),
             )
         else:
-            recv_x = _view(r["recv_x"], (cap, self.hidden), "bfloat16", dev, self)
-        recv_idx = _view(r["recv_idx"], (cap, k), "int32", dev, self)
-        recv_w = _view(r["recv_weights"], (cap, k), "float32", dev, self)
-        counts = _view(r["expert_counts"], (self.num_local_experts,), "int32", dev, self)
-        num_recv = _view(r["num_recv"], (1,), "int32", dev, self)
+            recv_x = device_view(r["recv_x"], (cap, self.hidden), "bfloat16", dev, self)
+        recv_idx = device_view(r["recv_idx"], (cap, k), "int32", dev, self)
+        recv_w = device_view(r["recv_weights"], (cap, k), "float32", dev, self)
+        counts = device_view(r["expert_counts"], (self.num_local_experts,), "int32", dev, self)
+        num_recv = device_view(r["num_recv"], (1,), "int32", dev, self)
         handle = DispatchHandle(num_tokens, self.hidden, (x, idx, topk_weights), num_recv)
         self._dispatches += 1
         return recv_x, recv_idx, recv_w, counts, handle, None
@@ -210,7 +183,7 @@ class Buffer:
         ``combine``, which then copies nothing in."""
         self._need(False, "get_combine_buffer")
         r = self._native.results()
-        return _view(r["combine_buffer"], (int(r["max_rows"]), self.hidden), "bfloat16", self.comm.device, self)
+        return device_view(r["combine_buffer"], (int(r["max_rows"]), self.hidden), "bfloat16", self.comm.device, self)
 
     # ---- low-latency mode ----
 
@@ -257,25 +230,8 @@ class Buffer:
             self._native.dispatch_send(rows.data_ptr(), scales.data_ptr(), idx.data_ptr(), topk_weights.data_ptr(), num_tokens, stream)
         else:
             self._native.dispatch_send(x.data_ptr(), 0, idx.data_ptr(), topk_weights.data_ptr(), num_tokens, stream)
-        self._dispatches += 1
-        n = self._dispatches
-        r = self._native.results()  # the dispatch just issued (halves alternate)
-        dev, world, el = comm.device, comm.world_size, self.num_local_experts
-        slots = world * self.num_max_tokens
-        if use_fp8:
-            recv_x: Any = (
-                _view(r["recv_x"], (el, slots, self.hidden), "float8_e4m3fn", dev, self),
-                _view(r["recv_scales"], (el, slots, self.hidden // 128), "float32", dev, self),
-            )
-        else:
-            recv_x = _view(r["recv_x"], (el, slots, self.hidden), "bfloat16", dev, self)
-        recv_count = _view(r["recv_count"], (el,), "int32", dev, self)
-        handle = DispatchHandle(num_tokens, self.hidden, keep, recv_count, n)
-
-        def hook() -> None:
-            _, s = comm._stream()
-            self._native.dispatch_recv(s)
-
+        recv_x, recv_count, handle = self._ll_results(use_fp8, num_tokens, keep)
+        hook = self._dispatch_recv_hook()
         if return_recv_hook:
             return recv_x, recv_count, handle, None, hook
         hook()
@@ -300,19 +256,35 @@ class Buffer:
         idx = _topk_i32(comm, topk_idx, num_tokens, self.num_topk)
         check_tensor("topk_weights", topk_weights, device=comm.device, dtypes="float32", shape=(num_tokens, self.num_topk), align=4)
         kind, args = self._native.begin_fused_send(idx.data_ptr(), topk_weights.data_ptr(), num_tokens)
+        recv_x, _, handle = self._ll_results(False, num_tokens, (idx, topk_weights))
+        return FusedSend(kind, args), recv_x, handle, self._dispatch_recv_hook()
+
+    def _ll_results(self, fp8: bool, num_tokens: int, keep: Tuple[Any, ...]) -> Tuple[Any, Any, DispatchHandle]:
+        """Views of the low-latency dispatch just issued (its half: halves alternate), and its
+        handle, which keeps ``keep`` alive until the combine."""
         self._dispatches += 1
-        n = self._dispatches
-        r = self._native.results()  # the dispatch just issued (halves alternate)
-        el, slots = self.num_local_experts, comm.world_size * self.num_max_tokens
-        recv_x = _view(r["recv_x"], (el, slots, self.hidden), "bfloat16", comm.device, self)
-        recv_count = _view(r["recv_count"], (el,), "int32", comm.device, self)
-        handle = DispatchHandle(num_tokens, self.hidden, (idx, topk_weights), recv_count, n)
+        r = self._native.results()
+        dev, el = self.comm.device, self.num_local_experts
+        slots = self.comm.world_size * self.num_max_tokens
+        recv_x: Any
+        if fp8:
+            recv_x = (
+                device_view(r["recv_x"], (el, slots, self.hidden), "float8_e4m3fn", dev, self),
+                device_view(r["recv_scales"], (el, slots, self.hidden // 128), "float32", dev, self),
+            )
+        else:
+            recv_x = device_view(r["recv_x"], (el, slots, self.hidden), "bfloat16", dev, self)
+        recv_count = device_view(r["recv_count"], (el,), "int32", dev, self)
+        return recv_x, recv_count, DispatchHandle(num_tokens, self.hidden, keep, recv_count, self._dispatches)
+
+    def _dispatch_recv_hook(self) -> Callable[[], None]:
+        """Queues the receive half of the last dispatch on the then-current stream."""
 
         def hook() -> None:
-            _, s = comm._stream()
+            _, s = self.comm._stream()
             self._native.dispatch_recv(s)
 
-        return FusedSend(kind, args), recv_x, handle, hook
+        return hook
 
     def get_next_low_latency_combine_buffer(self, handle: DispatchHandle) -> Any:
         """The combine buffer as a bf16 ``[num_local_experts, world * num_max_tokens, hidden]``
@@ -320,7 +292,7 @@ class Buffer:
         self._need(True, "get_next_low_latency_combine_buffer")
         r = self._native.results()
         shape = (self.num_local_experts, self.comm.world_size * self.num_max_tokens, self.hidden)
-        return _view(r["combine_buffer"], shape, "bfloat16", self.comm.device, self)
+        return device_view(r["combine_buffer"], shape, "bfloat16", self.comm.device, self)
 
     def low_latency_combine(
         self,
