@@ -185,7 +185,7 @@ fn gpu_time_to_post_a_decode_dispatch_across_nodes() {
                 alloc(16),
                 alloc(32),
                 alloc(world * 4),
-                alloc(TOKENS.div_ceil(32) * 8),
+                alloc(TOKENS.div_ceil(32) * 8 * 8),
             );
             let mut probe = s.alloc_zeros::<u64>(8).unwrap();
             let probe_p = probe.device_ptr(&s).0;
@@ -225,7 +225,7 @@ fn gpu_time_to_post_a_decode_dispatch_across_nodes() {
             let mut posted = Vec::new();
             let mut ended = Vec::new();
             let mut staged = Vec::new();
-            let mut steps: Vec<[f64; 4]> = Vec::new();
+            let mut steps: Vec<[f64; 5]> = Vec::new();
             for rep in 0..reps {
                 let start: [u64; 8] = [u64::MAX, 0, 0, 0, 0, 0, 0, u64::MAX];
                 s.memcpy_htod(&start, &mut probe).unwrap();
@@ -249,10 +249,10 @@ fn gpu_time_to_post_a_decode_dispatch_across_nodes() {
                     ended.push((t[2] - t[0]) as f64 / 1e3);
                     staged.push((t[3] - t[0]) as f64 / 1e3);
                     if !remote.is_empty() {
-                        // Network tasks: first start, last past its staging waits, last
-                        // beginning its batch, last done.
+                        // Network tasks: first start, last done listing its tokens, last done
+                        // writing its batch, last past the staging, last doorbell.
                         let at = |i: usize| t[i].saturating_sub(t[0]) as f64 / 1e3;
-                        steps.push([at(7), at(4), at(5), at(6)]);
+                        steps.push([at(7), at(4), at(5), at(6), at(1)]);
                     }
                 }
             }
@@ -276,12 +276,12 @@ fn gpu_time_to_post_a_decode_dispatch_across_nodes() {
                 format!("{:.1} / {:.1}", posted[posted.len() / 2], posted[0])
             };
             if !steps.is_empty() {
-                steps.sort_by(|x, y| x[3].total_cmp(&y[3]));
+                steps.sort_by(|x, y| x[4].total_cmp(&y[4]));
                 let m = steps[steps.len() / 2];
                 eprintln!(
-                    "{posting:?}, {placement:?}, {nodes} x {per_node}: network tasks start {:.1} us, past staging {:.1}, \
-                     batch begun {:.1}, posted {:.1} (one run, the median by the last)",
-                    m[0], m[1], m[2], m[3]
+                    "{posting:?}, {placement:?}, {nodes} x {per_node}: network tasks start {:.1} us, listed {:.1}, \
+                     batch written {:.1}, past the staging {:.1}, rung {:.1} (the run of median last doorbell)",
+                    m[0], m[1], m[2], m[3], m[4]
                 );
             }
             println!(

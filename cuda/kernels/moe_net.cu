@@ -199,14 +199,15 @@ __device__ void probe_min(const MoeNetArgs& a, uint32_t i) {
 }
 
 // A stage task builds kStageTokens messages, kStageSplit warps each (blocks of 256 threads); a
-// group takes kStageParts tasks.
+// group takes kStageParts tasks, each announcing itself in its own word staged[g * kStageParts +
+// part] (the epoch it staged).
 constexpr uint32_t kStageTokens = 4, kStageSplit = 2, kStageParts = kWarp / kStageTokens;
 
-// Stage task `part` of group g (a block): its tokens' messages into the staging area, then one
-// more part on staged[g] (see below), which reads epoch << 8 | kStageParts once the whole group
-// of this dispatch is staged.
+// Stage task `part` of group g (a block): its tokens' messages into the staging area, then the
+// epoch in staged[g * kStageParts + part]. Each warp issues every load it needs (the header's ids
+// and weights, the scales, its piece of the row) before its first store: one trip to memory.
 __device__ void stage_part(const MoeNetArgs& a, uint32_t g, uint32_t part, uint64_t epoch) {
-  const uint32_t lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp, scales = a.hidden / 128;
+  const uint32_t lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp, scales = a.fp8 ? a.hidden / 128 : 0;
   const uint32_t split = blockDim.x / kWarp >= kStageTokens * kStageSplit ? kStageSplit : 1;
   const uint32_t half = uint32_t(epoch & 1);
   for (uint32_t w = warp; w < kStageTokens * split; w += blockDim.x / kWarp) {
@@ -214,12 +215,18 @@ __device__ void stage_part(const MoeNetArgs& a, uint32_t g, uint32_t part, uint6
     if (t >= a.num_tokens) continue;
     char* m = a.stage + moe_net::stage_offset(a, half, t);
     const uint8_t* row = a.x + uint64_t(t) * moe_net::row_bytes(a);
+    // The header's inputs and the first 64 scales (piece 0), loaded before the row.
+    int32_t id = 0;
+    float weight = 0.0f, sc[2] = {0.0f, 0.0f};
+    const float* sc_src = a.scales + uint64_t(t) * scales;
     if (piece == 0) {
-      // The header and, with fp8, the scales; the row's first part.
-      moe_net::write_message_header(a, m, t, lane);
-      if (a.fp8) {
-        float* s = reinterpret_cast<float*>(m + a.header_bytes + moe_net::row_bytes(a));
-        for (uint32_t i = lane; i < scales; i += kWarp) s[i] = a.scales[uint64_t(t) * scales + i];
+      if (lane < a.topk) {
+        id = __ldg(a.topk_idx + uint64_t(t) * a.topk + lane);
+        weight = __ldg(a.topk_weights + uint64_t(t) * a.topk + lane);
+      }
+#pragma unroll
+      for (uint32_t j = 0; j < 2; ++j) {
+        if (lane + j * kWarp < scales) sc[j] = __ldg(sc_src + lane + j * kWarp);
       }
     }
     const uint32_t words = moe_net::row_bytes(a) / 16, per = (words + split - 1) / split;
@@ -228,22 +235,31 @@ __device__ void stage_part(const MoeNetArgs& a, uint32_t g, uint32_t part, uint6
       copy_words_batched<int4, 8>(reinterpret_cast<int4*>(m + a.header_bytes) + lo,
                                   reinterpret_cast<const int4*>(row) + lo, hi - lo, lane, kWarp);
     }
+    if (piece == 0) {
+      int32_t* h = reinterpret_cast<int32_t*>(m);
+      if (lane == 0) {
+        h[0] = int32_t(t);
+        h[1] = int32_t(a.fp8);
+        reinterpret_cast<uint64_t*>(h)[1] = epoch;
+      }
+      if (lane < a.topk) {
+        h[moe_net::kHeaderIds + lane] = id;
+        reinterpret_cast<float*>(h)[moe_net::kHeaderIds + a.topk + lane] = weight;
+      }
+      float* s = reinterpret_cast<float*>(m + a.header_bytes + moe_net::row_bytes(a));
+#pragma unroll
+      for (uint32_t j = 0; j < 2; ++j) {
+        if (lane + j * kWarp < scales) s[lane + j * kWarp] = sc[j];
+      }
+      for (uint32_t i = lane + 2 * kWarp; i < scales; i += kWarp) s[i] = sc_src[i];
+    }
   }
   __syncthreads();
   if (threadIdx.x == 0) {
-    // The messages before the count: GPU scope (the staging area is GPU memory, and the poster
-    // fences system-wide before its doorbell, as NVSHMEM does for GPU-memory data).
-    __threadfence();
-    // staged[g] = epoch << 8 | parts staged this epoch (the fused send never stages here, so
-    // the word restarts at each epoch of this kernel instead of counting calls).
-    unsigned long long* w = reinterpret_cast<unsigned long long*>(&a.staged[g]);
-    unsigned long long old = *reinterpret_cast<volatile unsigned long long*>(w);
-    for (;;) {
-      const unsigned long long next = (old >> 8) == epoch ? old + 1 : (static_cast<unsigned long long>(epoch) << 8) | 1;
-      const unsigned long long seen = atomicCAS(w, old, next);
-      if (seen == old) break;
-      old = seen;
-    }
+    // The block's messages before the word (release, cumulative over the block's stores after
+    // the barrier): GPU scope, as the staging area is GPU memory and the poster fences
+    // system-wide before its doorbell, as NVSHMEM does for GPU-memory data.
+    store_release_gpu(&a.staged[g * kStageParts + part], epoch);
     probe_max(a, 3);
   }
 }
@@ -276,41 +292,95 @@ __device__ void nvlink_task(const MoeNetArgs& a, uint32_t g, uint32_t r, uint32_
   __syncthreads();  // `base` is rewritten by the next task
 }
 
-// Network task for a rank r on another node (a warp): r's messages of this call, in token order.
+// Masks of kMaskGroups groups from g0 on, like group_mask: every load of their top-k ids is
+// issued before the first compare (one trip to memory for a decode batch). One warp.
+constexpr uint32_t kMaskGroups = 4;
+__device__ void group_masks(const MoeNetArgs& a, uint32_t g0, uint32_t r, uint32_t lane, uint32_t (&m)[kMaskGroups]) {
+  const int32_t lo = int32_t(r * a.experts_per_rank), hi = lo + int32_t(a.experts_per_rank);
+  bool hit[kMaskGroups] = {};
+#pragma unroll 8
+  for (uint32_t k = 0; k < a.topk; ++k) {
+#pragma unroll
+    for (uint32_t j = 0; j < kMaskGroups; ++j) {
+      const uint32_t t = (g0 + j) * kWarp + lane;
+      const int32_t e = t < a.num_tokens ? __ldg(a.topk_idx + uint64_t(t) * a.topk + k) : -1;
+      hit[j] |= e >= lo && e < hi;
+    }
+  }
+#pragma unroll
+  for (uint32_t j = 0; j < kMaskGroups; ++j) m[j] = __ballot_sync(0xffffffffu, hit[j]);
+}
+
+// The token of r's message i when every token is in the first kMaskGroups groups (their masks).
+__device__ uint32_t nth_token(const uint32_t (&m)[kMaskGroups], uint32_t i) {
+  uint32_t t = 0;
+  bool found = false;
+#pragma unroll
+  for (uint32_t j = 0; j < kMaskGroups; ++j) {
+    const uint32_t c = __popc(m[j]);
+    if (!found && i < c) {
+      t = j * kWarp + uint32_t(__fns(m[j], 0, int(i) + 1));
+      found = true;
+    }
+    i -= found ? 0 : c;
+  }
+  return t;
+}
+
+// Network task for a rank r on another node (a warp): r's messages of this call, in token order,
+// posted as one batch with the count word and the signal. The batch is written while the stage
+// tasks still work and published once every group is staged (put_rows_warp's gate).
 __device__ void network_task(const MoeNetArgs& a, uint32_t r, uint32_t groups, uint64_t epoch) {
   const uint32_t lane = threadIdx.x % kWarp, half = uint32_t(epoch & 1);
   if (lane == 0) probe_min(a, 7);
+  // The queue pair's fields, read while the tokens are listed.
+  const PortChannelHandle& channel = moe_net::channel(a, r);
+  const IbPortLink* ib = channel.ib;
+  IbLinkView link{};
+  if (ib != nullptr) link = link_view(*ib);
+  // A decode batch (at most kMaskGroups groups) keeps its masks in registers; a larger one lists
+  // its tokens in a.list too.
+  uint32_t first[kMaskGroups];
   uint32_t* list = a.list + uint64_t(r) * a.max_tokens;
+  const bool listed = groups > kMaskGroups;
   uint32_t n = 0;
-  for (uint32_t g = 0; g < groups; ++g) {
-    const uint32_t mask = group_mask(a, g, r, lane);
-    if (mask >> lane & 1) list[n + __popc(mask & ((1u << lane) - 1))] = g * kWarp + lane;
-    if (mask != 0 && lane == 0) {
-      spin_until(a.sites[a.rank], kWaitPacket, epoch << 8 | kStageParts, [&](uint64_t& seen) {
-        seen = *reinterpret_cast<volatile uint64_t*>(&a.staged[g]);
-        return seen == (epoch << 8 | kStageParts);
-      });
+  for (uint32_t g0 = 0; g0 < groups; g0 += kMaskGroups) {
+    uint32_t m[kMaskGroups];
+    group_masks(a, g0, r, lane, m);
+#pragma unroll
+    for (uint32_t j = 0; j < kMaskGroups; ++j) {
+      if (g0 == 0) first[j] = m[j];
+      if (listed && (m[j] >> lane & 1)) list[n + __popc(m[j] & ((1u << lane) - 1))] = (g0 + j) * kWarp + lane;
+      n += __popc(m[j]);
     }
-    n += __popc(mask);
   }
   if (lane == 0) probe_max(a, 4);
-  __syncwarp();  // the list and the staging waits before the posts
   const uint64_t count_src = a.stage_counts + (uint64_t(half) * a.world + r) * 8;
   const uint64_t count_dst = a.off_counts + (uint64_t(half) * a.world + a.rank) * 8;
   if (lane == 0) *reinterpret_cast<volatile uint64_t*>(a.stage + count_src) = epoch << 32 | n;
   __syncwarp();
-  if (lane == 0) probe_max(a, 5);
-  moe_net::channel(a, r).put_rows_warp(
-      n,
-      [&](uint32_t i) {
-        return make_ulonglong2(moe_net::wire_offset(a, half, a.rank, i),
-                               moe_net::stage_offset(a, half, reinterpret_cast<const volatile uint32_t*>(list)[i]));
-      },
-      moe_net::used_bytes(a), count_dst, count_src, 8, true, lane);
-  if (lane == 0) {
-    probe_max(a, 6);
-    probe_max(a, 1);
+  const auto row = [&](uint32_t i) {
+    const uint32_t t = listed ? reinterpret_cast<const volatile uint32_t*>(list)[i] : nth_token(first, i);
+    return make_ulonglong2(moe_net::wire_offset(a, half, a.rank, i), moe_net::stage_offset(a, half, t));
+  };
+  const auto staged = [&](uint32_t l) {
+    if (l == 0) probe_max(a, 5);
+    // Every group staged (a word per stage task, polled a lane each).
+    for (uint32_t w = l; w < groups * kStageParts; w += kWarp) {
+      spin_until(a.sites[a.rank], kWaitPacket, epoch, [&](uint64_t& seen) {
+        seen = load_acquire_gpu(&a.staged[w]);
+        return seen == epoch;
+      });
+    }
+    __syncwarp();
+    if (l == 0) probe_max(a, 6);
+  };
+  if (ib != nullptr) {
+    channel.put_rows_warp(link, n, row, moe_net::used_bytes(a), count_dst, count_src, 8, true, lane, true, staged);
+  } else {
+    channel.put_rows_warp(n, row, moe_net::used_bytes(a), count_dst, count_src, 8, true, lane, true, staged);
   }
+  if (lane == 0) probe_max(a, 1);
 }
 
 }  // namespace

@@ -26,6 +26,10 @@ use cudarc::driver::{CudaFunction, CudaSlice, CudaStream, DevicePtr};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
+/// Stage tasks per group of 32 tokens in `moe_net_send` (`kStageParts` in `moe_net.cu`): each has
+/// its own word in `staged`.
+const STAGE_PARTS: usize = 8;
+
 /// Most ranks of the node-spanning path (`moe_net::kMaxRanks`).
 pub const MAX_NET_RANKS: usize = 64;
 
@@ -265,17 +269,17 @@ impl LlNet {
                 .map_err(cuda_err("cuMemAlloc"))
         };
         let device = vec![
-            alloc(rows * cfg.hidden * 2)?,                     // 0 y
-            alloc(2 * rows * cfg.hidden * 2)?,                 // 1 recv_x
-            alloc(2 * rows * 4)?,                              // 2 recv_src
-            alloc(2 * rows * 4)?,                              // 3 recv_weights
-            alloc(2 * rows * (cfg.hidden / 128).max(1) * 4)?,  // 4 recv_scales
-            alloc(2 * world * cfg.max_tokens * cfg.topk * 4)?, // 5 rec
-            alloc(local * world * 4)?,                         // 6 layout
-            alloc(local * 4)?,                                 // 7 recv_count
-            alloc(world * cfg.max_tokens * 4)?,                // 8 list
-            alloc(world * 4)?,                                 // 9 arrived
-            alloc(cfg.max_tokens.div_ceil(32) * 8)?,           // 10 staged
+            alloc(rows * cfg.hidden * 2)?,                         // 0 y
+            alloc(2 * rows * cfg.hidden * 2)?,                     // 1 recv_x
+            alloc(2 * rows * 4)?,                                  // 2 recv_src
+            alloc(2 * rows * 4)?,                                  // 3 recv_weights
+            alloc(2 * rows * (cfg.hidden / 128).max(1) * 4)?,      // 4 recv_scales
+            alloc(2 * world * cfg.max_tokens * cfg.topk * 4)?,     // 5 rec
+            alloc(local * world * 4)?,                             // 6 layout
+            alloc(local * 4)?,                                     // 7 recv_count
+            alloc(world * cfg.max_tokens * 4)?,                    // 8 list
+            alloc(world * 4)?,                                     // 9 arrived
+            alloc(cfg.max_tokens.div_ceil(32) * STAGE_PARTS * 8)?, // 10 staged
         ];
         let p = |i: usize| device[i].device_ptr(&stream).0;
         let base = MoeNetArgs {

@@ -17,6 +17,12 @@ DOORBELL_DEVICE_INLINE uint64_t load_acquire_sys(const uint64_t* p) {
   return v;
 }
 
+DOORBELL_DEVICE_INLINE uint64_t load_acquire_gpu(const uint64_t* p) {
+  uint64_t v;
+  asm volatile("ld.acquire.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+
 DOORBELL_DEVICE_INLINE uint64_t load_relaxed_sys(const uint64_t* p) {
   uint64_t v;
   asm volatile("ld.relaxed.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
@@ -79,6 +85,20 @@ DOORBELL_DEVICE_INLINE uint32_t cas_relaxed_gpu(uint32_t* p, uint32_t expected, 
                : "l"(p), "r"(expected), "r"(desired)
                : "memory");
   return old;
+}
+
+// Returns the old value; this GPU's threads only, acquire on success or failure.
+DOORBELL_DEVICE_INLINE uint64_t cas_acquire_gpu(uint64_t* p, uint64_t expected, uint64_t desired) {
+  uint64_t old;
+  asm volatile("atom.acquire.gpu.global.cas.b64 %0, [%1], %2, %3;"
+               : "=l"(old)
+               : "l"(p), "l"(expected), "l"(desired)
+               : "memory");
+  return old;
+}
+
+DOORBELL_DEVICE_INLINE void store_release_gpu(uint64_t* p, uint64_t v) {
+  asm volatile("st.release.gpu.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
 }
 
 DOORBELL_DEVICE_INLINE void fence_acq_rel_sys() { asm volatile("fence.acq_rel.sys;" ::: "memory"); }

@@ -232,12 +232,13 @@ struct MoeNetArgs {
                                 //   another node, this call (message j goes to the peer's slot j)
   uint64_t* probe;              // optional [8] global timer (ns): first block's start (min), last
                                 //   doorbell of the send (max), send's end (max); moe_net_send only:
-                                //   last stage task's end, last network task past its staging
-                                //   waits, last one beginning its batch, last one done (max), first
-                                //   network task's start (min); null: off
+                                //   last stage task's end, last network task done listing its
+                                //   tokens, last one done writing its batch, last one past the
+                                //   staging (its gate) (max), first network task's start (min);
+                                //   null: off
   uint32_t* arrived;            // mine: [world] (token group, rank) tasks of moe_net_send done, this call
-  uint64_t* staged;             // mine: [ceil(max_tokens / 32)] stage tasks finished per token group
-                                //   over all calls (moe_net_send: 4 per group and dispatch)
+  uint64_t* staged;             // mine: [ceil(max_tokens / 32) * 8] the dispatch epoch each stage task
+                                //   of moe_net_send (8 per token group) last staged
 };
 DOORBELL_CHECK_SIZE(MoeNetArgs, 288);
 

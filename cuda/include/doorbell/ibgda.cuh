@@ -139,13 +139,21 @@ DOORBELL_DEVICE_INLINE uint32_t nop_wqe(void* sq, uint32_t depth_log2, uint64_t 
 
 }  // namespace ib
 
+// A gate that is always open (post_rows_warp's default).
+struct NoGate {
+#if DOORBELL_CUDA
+  DOORBELL_DEVICE_INLINE void operator()(uint32_t) const {}
+#endif
+};
+
 // A queue pair the GPU posts to. Many threads may post at once: each reserves WQEBBs (an atomic
 // on `state[kReserved]`), writes its WQE, then publishes in reservation order (`state[kReady]`
 // moves from its base to its end by compare-and-swap), and rings: under a lock, if the ready
 // index passed what was rung, either (IBGDA) the doorbell record gets the new index and, after a
 // system fence, the doorbell register gets `{index << 8, qpn << 8}` big-endian, or (CPU-assisted,
 // `host_ready` set) the index is published to a host thread that does both. A poster whose WQEs
-// someone else already rang returns without ringing (doorbells coalesce). Completions: a WQE
+// someone else already rang returns without ringing (doorbells coalesce); one that finds nothing
+// in its way publishes and takes the ring lock with two atomics in flight at once. Completions: a WQE
 // that asks for a CQE records its size in `sizes` at its slot; one thread at a time consumes
 // CQEs in order (owner bit by lap parity) and advances `state[kCompleted]` past each signaled
 // WQE (the unsignaled ones before it completed too), publishing the CQ's consumer index. An
@@ -224,8 +232,11 @@ struct IbQpHandle {
 
   // Reserves `n` WQEBBs (waiting, bounded, for room); returns the first.
   DOORBELL_DEVICE_INLINE uint64_t reserve(uint32_t n) const {
+    // Completions read beside the atomic, not after it: one trip to memory when there is room (a
+    // stale count only sends the check below to the slow path, which polls).
+    const uint64_t done = completed();
     const uint64_t base = fetch_add_relaxed_gpu(&state[kReserved], n);
-    if (base + n > completed() + depth()) {
+    if (base + n > done + depth()) {
       // Published work nobody rang yet (publish without doorbell) must reach the NIC, or its
       // room never comes back.
       __threadfence();
@@ -255,12 +266,15 @@ struct IbQpHandle {
   // WQEBBs are only published: a later ring (another batch's, or reserve() before it waits for
   // room) covers them.
   DOORBELL_DEVICE_INLINE void publish(uint64_t base, uint32_t n, bool doorbell = true) const {
+    if (doorbell) {
+      publish_and_ring(base, n);
+      return;
+    }
     spin_until(site, kWaitIbProgress, base, [&](uint64_t& seen) {
       seen = atomicCAS(reinterpret_cast<unsigned long long*>(&state[kReady]), static_cast<unsigned long long>(base),
                        static_cast<unsigned long long>(base + n));
       return seen == base;
     });
-    if (doorbell) ring(base + n);
   }
 
   // Makes sure a doorbell covering WQEBBs before `end` (all published) rings: returns at once if
@@ -268,28 +282,57 @@ struct IbQpHandle {
   // covers `end` too (it reads the ready index after taking the lock).
   DOORBELL_DEVICE_INLINE void ring(uint64_t end) const {
     spin_until(site, kWaitIbProgress, end, [&](uint64_t& seen) {
-      seen = word(kRung);
-      if (seen >= end) return true;
-      if (atomicCAS(reinterpret_cast<unsigned long long*>(&state[kRingLock]), 0ull, 1ull) != 0) return false;
-      __threadfence();
-      const uint64_t ready = word(kReady);
-      if (ready > word(kRung)) {
-        if (host_ready != nullptr) {
-          store_release_sys(host_ready, ready);
-        } else {
-          store_release_sys(dbr, ib::bswap32(uint32_t(ready & 0xffff)));
-          fence_acq_rel_sys();
-          const uint64_t word_ = uint64_t(ib::bswap32(uint32_t(ready & 0xffff) << 8)) |
-                                 (uint64_t(ib::bswap32((qpn & 0xffffff) << 8)) << 32);
-          store_relaxed_sys(doorbell, word_);
-        }
-        word(kRung) = ready;
+      if (cas_acquire_gpu(&state[kRingLock], 0, 1) != 0) {
+        seen = word(kRung);  // another thread rings: done once its doorbell covers `end`
+        return seen >= end;
       }
-      __threadfence();
-      atomicExch(reinterpret_cast<unsigned long long*>(&state[kRingLock]), 0ull);
+      const uint64_t ready = word(kReady), rung = word(kRung);
+      if (ready > rung) ring_locked(ready);
+      unlock_ring();
+      seen = ready;
       return true;
     });
   }
+
+  // publish(base, n) then ring(base + n), in one round trip when nothing stands in the way: the
+  // publish and the ring lock are taken with two atomics in flight at once (a queue pair posted by
+  // one warp at a time always takes this path); otherwise the two steps one after the other.
+  DOORBELL_DEVICE_INLINE void publish_and_ring(uint64_t base, uint32_t n) const {
+    const uint64_t was = atomicCAS(reinterpret_cast<unsigned long long*>(&state[kReady]),
+                                   static_cast<unsigned long long>(base), static_cast<unsigned long long>(base + n));
+    const uint64_t locked = cas_acquire_gpu(&state[kRingLock], 0, 1);
+    if (locked == 0) {
+      if (was == base) {
+        // Everything before `base` was published before this publish succeeded, and no doorbell
+        // can have covered past `base`: ring up to our end (later publishers ring for theirs).
+        ring_locked(base + n);
+        unlock_ring();
+        return;
+      }
+      unlock_ring();
+    }
+    if (was != base) publish(base, n, false);
+    ring(base + n);
+  }
+
+  // Rings for WQEBBs before `ready` (all published), holding the ring lock: the doorbell record,
+  // one system fence (every published WQE and the record before the doorbell), the doorbell; or,
+  // posting CPU-assisted, the ready index for the host thread, which rings.
+  DOORBELL_DEVICE_INLINE void ring_locked(uint64_t ready) const {
+    if (host_ready != nullptr) {
+      store_release_sys(host_ready, ready);
+    } else {
+      *reinterpret_cast<volatile uint32_t*>(dbr) = ib::bswap32(uint32_t(ready & 0xffff));
+      fence_acq_rel_sys();
+      const uint64_t word_ = uint64_t(ib::bswap32(uint32_t(ready & 0xffff) << 8)) |
+                             (uint64_t(ib::bswap32((qpn & 0xffffff) << 8)) << 32);
+      store_relaxed_sys(doorbell, word_);
+    }
+    word(kRung) = ready;
+  }
+
+  // Releases the ring lock (the rung index, stored before, is seen by the next holder).
+  DOORBELL_DEVICE_INLINE void unlock_ring() const { store_release_gpu(&state[kRingLock], 0); }
 
   // RDMA WRITE of `len` bytes from local `laddr` to remote `raddr`, with a CQE; returns its index.
   DOORBELL_DEVICE_INLINE uint64_t put(uint64_t raddr, uint32_t rkey, uint64_t laddr, uint32_t lkey, uint32_t len) const {
@@ -358,14 +401,16 @@ struct IbQpHandle {
   // into `result` (the flush that keeps the flag behind every write before it, as relaxed
   // ordering needs) and a fetch-add of `add` there (its old value lands at `result + 8`). Only the
   // last WQE asks for a CQE. With `doorbell` false the batch is published, not rung (a later
-  // batch's doorbell covers it). Returns the last WQE's index (every lane the same), or ~0 when
-  // the batch is empty.
-  template <typename Row>
+  // batch's doorbell covers it). `gate(lane)`, called by every lane once the WQEs are written and
+  // fenced, returns when the NIC may read what they point at (data other threads are still
+  // writing): the batch is built while that data is in the making and published only after.
+  // Returns the last WQE's index (every lane the same), or ~0 when the batch is empty.
+  template <typename Row, typename Gate = NoGate>
   DOORBELL_DEVICE_INLINE uint64_t post_rows_warp(uint32_t rows, Row row, uint32_t rkey, uint32_t lkey, uint32_t len,
                                                  uint64_t tail_raddr, uint64_t tail_laddr, uint32_t tail_len,
                                                  bool flag, uint64_t flag_raddr, uint32_t flag_rkey, uint64_t add,
                                                  uint64_t result, uint32_t result_lkey, uint32_t lane,
-                                                 bool doorbell = true) const {
+                                                 bool doorbell = true, Gate gate = Gate()) const {
     const uint32_t tail = tail_len > 0 ? 1 : 0;
     const uint32_t n = rows + tail + (flag ? 2 : 0);
     if (n == 0) return ~uint64_t(0);
@@ -389,6 +434,7 @@ struct IbQpHandle {
       if (cq != 0) signaled(base + i, 1);
     }
     order_wqes();  // every lane's WQE (and the size of the signaled one) before lane 0 publishes
+    gate(lane);
     __syncwarp();
     if (lane == 0) publish(base, n, doorbell);
     __syncwarp();

@@ -44,6 +44,21 @@ struct IbPortLink {
 };
 DOORBELL_CHECK_SIZE(IbPortLink, 536);
 
+// The fields of an IbPortLink that a batch post reads, by value: loaded early (link_view(), before
+// the work that decides the batch), they are in registers when the post starts instead of costing
+// it trips to device memory.
+struct IbLinkView {
+  IbQpHandle qp;
+  uint64_t src, dst, token, scratch;
+  uint32_t src_key, dst_key, token_key, scratch_key, stripes;
+};
+
+#if DOORBELL_CUDA
+DOORBELL_DEVICE_INLINE IbLinkView link_view(const IbPortLink& l) {
+  return IbLinkView{l.qp, l.src, l.dst, l.token, l.scratch, l.src_key, l.dst_key, l.token_key, l.scratch_key, l.stripes};
+}
+#endif
+
 struct PortChannelHandle {
   FifoHandle fifo;
   uint64_t* inbound_token;     // mine: the peer's proxy writes its running count here
@@ -54,6 +69,9 @@ struct PortChannelHandle {
   uint32_t src_mem;            // proxy memory id of my buffer
   uint32_t reserved;
   const IbPortLink* ib;        // device memory: set when kernels post RDMA work themselves
+
+  // Puts of at least this many bytes are striped over the link's queue pairs.
+  static constexpr uint64_t kStripeMin = uint64_t(1) << 20;
 
 #if DOORBELL_CUDA
   // Each call returns a position: the FIFO's (proxy posting) or the WQE's index (GPU posting).
@@ -109,32 +127,20 @@ struct PortChannelHandle {
 
   // put_warp for any number of rows: row i (0 <= i < rows) puts `bytes` from `row(i).y` to
   // `row(i).x` (offsets; row(i) is called by lane i % 32 only). Over RDMA posted by the kernel
-  // the rows, tail and signal are still one reservation, one publish and one doorbell.
-  template <typename Row>
+  // the rows, tail and signal are still one reservation, one publish and one doorbell. `gate(lane)`
+  // (every lane) returns once the sources may be read (see IbQpHandle::post_rows_warp): over RDMA
+  // the work requests are written before it and published after; through the proxy every put
+  // waits for it.
+  template <typename Row, typename Gate = NoGate>
   DOORBELL_DEVICE_INLINE void put_rows_warp(uint32_t rows, Row row, uint64_t bytes, uint64_t tail_dst,
                                             uint64_t tail_src, uint64_t tail_bytes, bool with_signal, uint32_t lane,
-                                            bool ring = true) const {
-    constexpr uint64_t kStripeMin = uint64_t(1) << 20;
+                                            bool ring = true, Gate gate = Gate()) const {
     if (ib != nullptr && bytes < kStripeMin && tail_bytes < kStripeMin) {
-      if (with_signal && ib->stripes > 1 && lane == 0) {
-        // Earlier puts of this channel may have gone over the other queue pairs: flush them first.
-        for (uint32_t q = 1; q < ib->stripes; ++q) {
-          ib->stripe(q).get(ib->token, ib->token_key, ib->scratch, ib->scratch_key, 8);
-          ib->stripe(q).quiet();
-        }
-      }
-      __syncwarp();
-      const uint64_t dst = ib->dst, src = ib->src;
-      ib->qp.post_rows_warp(
-          rows,
-          [&](uint32_t i) {
-            const ulonglong2 o = row(i);
-            return make_ulonglong2(dst + o.x, src + o.y);
-          },
-          ib->dst_key, ib->src_key, uint32_t(bytes), dst + tail_dst, src + tail_src, uint32_t(tail_bytes), with_signal,
-          ib->token, ib->token_key, 1, ib->scratch, ib->scratch_key, lane, ring);
+      put_rows_warp(link_view(*ib), rows, row, bytes, tail_dst, tail_src, tail_bytes, with_signal, lane, ring, gate);
       return;
     }
+    gate(lane);
+    __syncwarp();
     for (uint32_t i = lane; i < rows; i += 32) {
       const ulonglong2 o = row(i);
       put(o.x, o.y, bytes);
@@ -147,12 +153,41 @@ struct PortChannelHandle {
     __syncwarp();
   }
 
+  // put_rows_warp over RDMA posted by the kernel, with this channel's link read beforehand
+  // (`link` = link_view(*ib), ib set): one reservation, one publish and one doorbell. Puts of
+  // kStripeMin bytes or more take the general path.
+  template <typename Row, typename Gate = NoGate>
+  DOORBELL_DEVICE_INLINE void put_rows_warp(const IbLinkView& link, uint32_t rows, Row row, uint64_t bytes,
+                                            uint64_t tail_dst, uint64_t tail_src, uint64_t tail_bytes,
+                                            bool with_signal, uint32_t lane, bool ring = true,
+                                            Gate gate = Gate()) const {
+    if (bytes >= kStripeMin || tail_bytes >= kStripeMin) {
+      put_rows_warp(rows, row, bytes, tail_dst, tail_src, tail_bytes, with_signal, lane, ring, gate);
+      return;
+    }
+    if (with_signal && link.stripes > 1 && lane == 0) {
+      // Earlier puts of this channel may have gone over the other queue pairs: flush them first.
+      for (uint32_t q = 1; q < link.stripes; ++q) {
+        ib->stripe(q).get(link.token, link.token_key, link.scratch, link.scratch_key, 8);
+        ib->stripe(q).quiet();
+      }
+    }
+    __syncwarp();
+    link.qp.post_rows_warp(
+        rows,
+        [&](uint32_t i) {
+          const ulonglong2 o = row(i);
+          return make_ulonglong2(link.dst + o.x, link.src + o.y);
+        },
+        link.dst_key, link.src_key, uint32_t(bytes), link.dst + tail_dst, link.src + tail_src, uint32_t(tail_bytes),
+        with_signal, link.token, link.token_key, 1, link.scratch, link.scratch_key, lane, ring, gate);
+  }
+
   // A put of at least kStripeMin bytes is cut into `stripes` contiguous parts (4 KiB multiples),
   // one per queue pair; each part goes as WRITEs of at most 1 GiB (a data segment carries less
   // than 2 GiB). Returns the last WQE's index on the first QP.
   DOORBELL_DEVICE_INLINE uint64_t ib_put(uint64_t dst_off, uint64_t src_off, uint64_t bytes) const {
     constexpr uint64_t kPiece = uint64_t(1) << 30;
-    constexpr uint64_t kStripeMin = uint64_t(1) << 20;
     const uint32_t qps = bytes >= kStripeMin && ib->stripes > 1 ? ib->stripes : 1;
     const uint64_t part = ((bytes + qps - 1) / qps + 4095) & ~uint64_t(4095);
     uint64_t at = 0;
