@@ -293,56 +293,55 @@ __device__ void nvlink_task(const MoeNetArgs& a, uint32_t g, uint32_t r, uint32_
 }
 
 // Masks of kMaskGroups groups from g0 on, like group_mask: every load of their top-k ids is
-// issued before the first compare (one trip to memory for a decode batch). One warp.
+// issued before the first compare (one trip to memory for a decode batch), 16 bytes at a time
+// when the rows allow. One warp.
 constexpr uint32_t kMaskGroups = 4;
 __device__ void group_masks(const MoeNetArgs& a, uint32_t g0, uint32_t r, uint32_t lane, uint32_t (&m)[kMaskGroups]) {
   const int32_t lo = int32_t(r * a.experts_per_rank), hi = lo + int32_t(a.experts_per_rank);
+  const auto in = [&](int32_t e) { return e >= lo && e < hi; };
   bool hit[kMaskGroups] = {};
-#pragma unroll 8
-  for (uint32_t k = 0; k < a.topk; ++k) {
+  if (a.topk % 4 == 0 && reinterpret_cast<uintptr_t>(a.topk_idx) % 16 == 0) {
+#pragma unroll 2
+    for (uint32_t k = 0; k < a.topk / 4; ++k) {
 #pragma unroll
-    for (uint32_t j = 0; j < kMaskGroups; ++j) {
-      const uint32_t t = (g0 + j) * kWarp + lane;
-      const int32_t e = t < a.num_tokens ? __ldg(a.topk_idx + uint64_t(t) * a.topk + k) : -1;
-      hit[j] |= e >= lo && e < hi;
+      for (uint32_t j = 0; j < kMaskGroups; ++j) {
+        const uint32_t t = (g0 + j) * kWarp + lane;
+        const int4 e = t < a.num_tokens ? __ldg(reinterpret_cast<const int4*>(a.topk_idx + uint64_t(t) * a.topk) + k)
+                                        : make_int4(-1, -1, -1, -1);
+        hit[j] |= in(e.x) || in(e.y) || in(e.z) || in(e.w);
+      }
+    }
+  } else {
+#pragma unroll 8
+    for (uint32_t k = 0; k < a.topk; ++k) {
+#pragma unroll
+      for (uint32_t j = 0; j < kMaskGroups; ++j) {
+        const uint32_t t = (g0 + j) * kWarp + lane;
+        hit[j] |= t < a.num_tokens && in(__ldg(a.topk_idx + uint64_t(t) * a.topk + k));
+      }
     }
   }
 #pragma unroll
   for (uint32_t j = 0; j < kMaskGroups; ++j) m[j] = __ballot_sync(0xffffffffu, hit[j]);
 }
 
-// The token of r's message i when every token is in the first kMaskGroups groups (their masks).
-__device__ uint32_t nth_token(const uint32_t (&m)[kMaskGroups], uint32_t i) {
-  uint32_t t = 0;
-  bool found = false;
-#pragma unroll
-  for (uint32_t j = 0; j < kMaskGroups; ++j) {
-    const uint32_t c = __popc(m[j]);
-    if (!found && i < c) {
-      t = j * kWarp + uint32_t(__fns(m[j], 0, int(i) + 1));
-      found = true;
-    }
-    i -= found ? 0 : c;
-  }
-  return t;
-}
-
 // Network task for a rank r on another node (a warp): r's messages of this call, in token order,
 // posted as one batch with the count word and the signal. The batch is written while the stage
-// tasks still work and published once every group is staged (put_rows_warp's gate).
-__device__ void network_task(const MoeNetArgs& a, uint32_t r, uint32_t groups, uint64_t epoch) {
+// tasks still work and published once every group is staged (the gate); each lane writes the
+// work requests of the tokens it found.
+__device__ __forceinline__ void network_task(const MoeNetArgs& a, uint32_t r, uint32_t groups, uint64_t epoch) {
   const uint32_t lane = threadIdx.x % kWarp, half = uint32_t(epoch & 1);
   if (lane == 0) probe_min(a, 7);
-  // The queue pair's fields, read while the tokens are listed.
+  // The queue pair's fields, loaded while the tokens are listed.
   const PortChannelHandle& channel = moe_net::channel(a, r);
   const IbPortLink* ib = channel.ib;
-  IbLinkView link{};
-  if (ib != nullptr) link = link_view(*ib);
+  const uint64_t word = ib != nullptr ? link_word(ib, lane) : 0;
   // A decode batch (at most kMaskGroups groups) keeps its masks in registers; a larger one lists
-  // its tokens in a.list too.
+  // its tokens in a.list.
   uint32_t first[kMaskGroups];
   uint32_t* list = a.list + uint64_t(r) * a.max_tokens;
   const bool listed = groups > kMaskGroups;
+  const uint32_t below = (1u << lane) - 1;
   uint32_t n = 0;
   for (uint32_t g0 = 0; g0 < groups; g0 += kMaskGroups) {
     uint32_t m[kMaskGroups];
@@ -350,7 +349,7 @@ __device__ void network_task(const MoeNetArgs& a, uint32_t r, uint32_t groups, u
 #pragma unroll
     for (uint32_t j = 0; j < kMaskGroups; ++j) {
       if (g0 == 0) first[j] = m[j];
-      if (listed && (m[j] >> lane & 1)) list[n + __popc(m[j] & ((1u << lane) - 1))] = (g0 + j) * kWarp + lane;
+      if (listed && (m[j] >> lane & 1)) list[n + __popc(m[j] & below)] = (g0 + j) * kWarp + lane;
       n += __popc(m[j]);
     }
   }
@@ -359,9 +358,23 @@ __device__ void network_task(const MoeNetArgs& a, uint32_t r, uint32_t groups, u
   const uint64_t count_dst = a.off_counts + (uint64_t(half) * a.world + a.rank) * 8;
   if (lane == 0) *reinterpret_cast<volatile uint64_t*>(a.stage + count_src) = epoch << 32 | n;
   __syncwarp();
-  const auto row = [&](uint32_t i) {
-    const uint32_t t = listed ? reinterpret_cast<const volatile uint32_t*>(list)[i] : nth_token(first, i);
-    return make_ulonglong2(moe_net::wire_offset(a, half, a.rank, i), moe_net::stage_offset(a, half, t));
+  const auto rows_of = [&](auto emit) {
+    if (listed) {
+      for (uint32_t i = lane; i < n; i += kWarp) {
+        const uint32_t t = reinterpret_cast<const volatile uint32_t*>(list)[i];
+        emit(i, moe_net::wire_offset(a, half, a.rank, i), moe_net::stage_offset(a, half, t));
+      }
+      return;
+    }
+    uint32_t before = 0;  // messages of the groups before j
+#pragma unroll
+    for (uint32_t j = 0; j < kMaskGroups; ++j) {
+      if (first[j] >> lane & 1) {
+        const uint32_t i = before + __popc(first[j] & below);
+        emit(i, moe_net::wire_offset(a, half, a.rank, i), moe_net::stage_offset(a, half, j * kWarp + lane));
+      }
+      before += __popc(first[j]);
+    }
   };
   const auto staged = [&](uint32_t l) {
     if (l == 0) probe_max(a, 5);
@@ -376,9 +389,10 @@ __device__ void network_task(const MoeNetArgs& a, uint32_t r, uint32_t groups, u
     if (l == 0) probe_max(a, 6);
   };
   if (ib != nullptr) {
-    channel.put_rows_warp(link, n, row, moe_net::used_bytes(a), count_dst, count_src, 8, true, lane, true, staged);
+    channel.put_emitted_warp(link_view_from(word), n, rows_of, moe_net::used_bytes(a), count_dst, count_src, 8, true,
+                             lane, true, staged);
   } else {
-    channel.put_rows_warp(n, row, moe_net::used_bytes(a), count_dst, count_src, 8, true, lane, true, staged);
+    channel.put_emitted_warp(n, rows_of, moe_net::used_bytes(a), count_dst, count_src, 8, true, lane, true, staged);
   }
   if (lane == 0) probe_max(a, 1);
 }

@@ -411,19 +411,45 @@ struct IbQpHandle {
                                                  bool flag, uint64_t flag_raddr, uint32_t flag_rkey, uint64_t add,
                                                  uint64_t result, uint32_t result_lkey, uint32_t lane,
                                                  bool doorbell = true, Gate gate = Gate()) const {
+    return post_emitted_warp(
+        rows,
+        [&](auto emit) {
+          for (uint32_t i = lane; i < rows; i += 32) {
+            const ulonglong2 at = row(i);
+            emit(i, at.x, at.y);
+          }
+        },
+        rkey, lkey, len, tail_raddr, tail_laddr, tail_len, flag, flag_raddr, flag_rkey, add, result, result_lkey, lane,
+        doorbell, gate);
+  }
+
+  // post_rows_warp with the rows' writers chosen by the caller: `rows_of(emit)`, called on every
+  // lane, calls emit(i, raddr, laddr) for each row i that lane writes (every i in 0..rows exactly
+  // once over the warp), so a lane that already holds a row's addresses writes its WQE without
+  // working out which row is the i-th.
+  template <typename RowsOf, typename Gate = NoGate>
+  DOORBELL_DEVICE_INLINE uint64_t post_emitted_warp(uint32_t rows, RowsOf rows_of, uint32_t rkey, uint32_t lkey,
+                                                    uint32_t len, uint64_t tail_raddr, uint64_t tail_laddr,
+                                                    uint32_t tail_len, bool flag, uint64_t flag_raddr,
+                                                    uint32_t flag_rkey, uint64_t add, uint64_t result,
+                                                    uint32_t result_lkey, uint32_t lane, bool doorbell = true,
+                                                    Gate gate = Gate()) const {
     const uint32_t tail = tail_len > 0 ? 1 : 0;
     const uint32_t n = rows + tail + (flag ? 2 : 0);
     if (n == 0) return ~uint64_t(0);
     uint64_t base = 0;
     if (lane == 0) base = reserve(n);
     base = __shfl_sync(0xffffffffu, base, 0);
-    // WQE i of the batch is written by lane i % 32: the rows, then the tail, READ and fetch-add.
-    for (uint32_t i = lane; i < n; i += 32) {
+    rows_of([&](uint32_t i, uint64_t raddr, uint64_t laddr) {
       const uint32_t cq = i == n - 1 ? ib::kCqUpdate : 0;
-      if (i < rows) {
-        const ulonglong2 at = row(i);
-        ib::rdma_wqe(sq, sq_log2, base + i, qpn, ib::kOpWrite, cq, at.x, rkey, at.y, lkey, len);
-      } else if (i < rows + tail) {
+      ib::rdma_wqe(sq, sq_log2, base + i, qpn, ib::kOpWrite, cq, raddr, rkey, laddr, lkey, len);
+      if (cq != 0) signaled(base + i, 1);
+    });
+    // The tail, READ and fetch-add after the rows, a lane each.
+    const uint32_t i = rows + lane;
+    if (i < n) {
+      const uint32_t cq = i == n - 1 ? ib::kCqUpdate : 0;
+      if (i < rows + tail) {
         ib::rdma_wqe(sq, sq_log2, base + i, qpn, ib::kOpWrite, cq, tail_raddr, rkey, tail_laddr, lkey, tail_len);
       } else if (i == rows + tail) {
         ib::rdma_wqe(sq, sq_log2, base + i, qpn, ib::kOpRead, cq, flag_raddr, flag_rkey, result, result_lkey, 8);
@@ -433,8 +459,9 @@ struct IbQpHandle {
       }
       if (cq != 0) signaled(base + i, 1);
     }
-    order_wqes();  // every lane's WQE (and the size of the signaled one) before lane 0 publishes
+    // The gate's wait overlaps the fence's: both precede the publish, in either order.
     gate(lane);
+    order_wqes();  // every lane's WQE (and the size of the signaled one) before lane 0 publishes
     __syncwarp();
     if (lane == 0) publish(base, n, doorbell);
     __syncwarp();

@@ -44,18 +44,42 @@ struct IbPortLink {
 };
 DOORBELL_CHECK_SIZE(IbPortLink, 536);
 
-// The fields of an IbPortLink that a batch post reads, by value: loaded early (link_view(), before
-// the work that decides the batch), they are in registers when the post starts instead of costing
-// it trips to device memory.
+// The fields of an IbPortLink that a batch post reads (its first kLinkWords words: the first queue
+// pair and the link's addresses, keys and stripes), by value: loaded early, before the work that
+// decides the batch, they are in registers when the post starts instead of costing it trips to
+// device memory. A warp loads them with one coalesced load (link_word on every lane) and
+// assembles them when it needs them (link_view_from).
 struct IbLinkView {
   IbQpHandle qp;
   uint64_t src, dst, token, scratch;
-  uint32_t src_key, dst_key, token_key, scratch_key, stripes;
+  uint32_t src_key, dst_key, token_key, scratch_key, stripes, reserved;
 };
+constexpr uint32_t kLinkWords = sizeof(IbLinkView) / 8;
+static_assert(sizeof(IbLinkView) % 8 == 0 && kLinkWords <= 32, "a link view is one word per lane");
+static_assert(offsetof(IbLinkView, src) == offsetof(IbPortLink, src) &&
+                  offsetof(IbLinkView, scratch_key) == offsetof(IbPortLink, scratch_key) &&
+                  offsetof(IbLinkView, reserved) == offsetof(IbPortLink, reserved),
+              "IbLinkView is IbPortLink's prefix");
 
 #if DOORBELL_CUDA
 DOORBELL_DEVICE_INLINE IbLinkView link_view(const IbPortLink& l) {
-  return IbLinkView{l.qp, l.src, l.dst, l.token, l.scratch, l.src_key, l.dst_key, l.token_key, l.scratch_key, l.stripes};
+  return IbLinkView{l.qp,      l.src,     l.dst,       l.token,       l.scratch, l.src_key,
+                    l.dst_key, l.token_key, l.scratch_key, l.stripes, l.reserved};
+}
+
+// Lane `lane`'s word of link l's view (every lane of a warp: one coalesced load).
+DOORBELL_DEVICE_INLINE uint64_t link_word(const IbPortLink* l, uint32_t lane) {
+  return lane < kLinkWords ? reinterpret_cast<const uint64_t*>(l)[lane] : 0;
+}
+
+// The view from every lane's link_word (a full warp).
+DOORBELL_DEVICE_INLINE IbLinkView link_view_from(uint64_t word) {
+  uint64_t w[kLinkWords];
+#pragma unroll
+  for (uint32_t k = 0; k < kLinkWords; ++k) w[k] = __shfl_sync(0xffffffffu, word, k);
+  IbLinkView v;
+  memcpy(&v, w, sizeof v);
+  return v;
 }
 #endif
 
@@ -135,16 +159,31 @@ struct PortChannelHandle {
   DOORBELL_DEVICE_INLINE void put_rows_warp(uint32_t rows, Row row, uint64_t bytes, uint64_t tail_dst,
                                             uint64_t tail_src, uint64_t tail_bytes, bool with_signal, uint32_t lane,
                                             bool ring = true, Gate gate = Gate()) const {
+    put_emitted_warp(
+        rows,
+        [&](auto emit) {
+          for (uint32_t i = lane; i < rows; i += 32) {
+            const ulonglong2 o = row(i);
+            emit(i, o.x, o.y);
+          }
+        },
+        bytes, tail_dst, tail_src, tail_bytes, with_signal, lane, ring, gate);
+  }
+
+  // put_rows_warp with the rows' writers chosen by the caller (IbQpHandle::post_emitted_warp):
+  // `rows_of(emit)`, on every lane, calls emit(i, dst_off, src_off) for each row i that lane puts.
+  template <typename RowsOf, typename Gate = NoGate>
+  DOORBELL_DEVICE_INLINE void put_emitted_warp(uint32_t rows, RowsOf rows_of, uint64_t bytes, uint64_t tail_dst,
+                                               uint64_t tail_src, uint64_t tail_bytes, bool with_signal,
+                                               uint32_t lane, bool ring = true, Gate gate = Gate()) const {
     if (ib != nullptr && bytes < kStripeMin && tail_bytes < kStripeMin) {
-      put_rows_warp(link_view(*ib), rows, row, bytes, tail_dst, tail_src, tail_bytes, with_signal, lane, ring, gate);
+      put_emitted_warp(link_view(*ib), rows, rows_of, bytes, tail_dst, tail_src, tail_bytes, with_signal, lane, ring,
+                       gate);
       return;
     }
     gate(lane);
     __syncwarp();
-    for (uint32_t i = lane; i < rows; i += 32) {
-      const ulonglong2 o = row(i);
-      put(o.x, o.y, bytes);
-    }
+    rows_of([&](uint32_t, uint64_t dst_off, uint64_t src_off) { put(dst_off, src_off, bytes); });
     __syncwarp();
     if (lane == 0) {
       if (tail_bytes > 0) put(tail_dst, tail_src, tail_bytes);
@@ -153,16 +192,16 @@ struct PortChannelHandle {
     __syncwarp();
   }
 
-  // put_rows_warp over RDMA posted by the kernel, with this channel's link read beforehand
+  // put_emitted_warp over RDMA posted by the kernel, with this channel's link read beforehand
   // (`link` = link_view(*ib), ib set): one reservation, one publish and one doorbell. Puts of
   // kStripeMin bytes or more take the general path.
-  template <typename Row, typename Gate = NoGate>
-  DOORBELL_DEVICE_INLINE void put_rows_warp(const IbLinkView& link, uint32_t rows, Row row, uint64_t bytes,
-                                            uint64_t tail_dst, uint64_t tail_src, uint64_t tail_bytes,
-                                            bool with_signal, uint32_t lane, bool ring = true,
-                                            Gate gate = Gate()) const {
+  template <typename RowsOf, typename Gate = NoGate>
+  DOORBELL_DEVICE_INLINE void put_emitted_warp(const IbLinkView& link, uint32_t rows, RowsOf rows_of, uint64_t bytes,
+                                               uint64_t tail_dst, uint64_t tail_src, uint64_t tail_bytes,
+                                               bool with_signal, uint32_t lane, bool ring = true,
+                                               Gate gate = Gate()) const {
     if (bytes >= kStripeMin || tail_bytes >= kStripeMin) {
-      put_rows_warp(rows, row, bytes, tail_dst, tail_src, tail_bytes, with_signal, lane, ring, gate);
+      put_emitted_warp(rows, rows_of, bytes, tail_dst, tail_src, tail_bytes, with_signal, lane, ring, gate);
       return;
     }
     if (with_signal && link.stripes > 1 && lane == 0) {
@@ -173,11 +212,10 @@ struct PortChannelHandle {
       }
     }
     __syncwarp();
-    link.qp.post_rows_warp(
+    link.qp.post_emitted_warp(
         rows,
-        [&](uint32_t i) {
-          const ulonglong2 o = row(i);
-          return make_ulonglong2(link.dst + o.x, link.src + o.y);
+        [&](auto emit) {
+          rows_of([&](uint32_t i, uint64_t dst_off, uint64_t src_off) { emit(i, link.dst + dst_off, link.src + src_off); });
         },
         link.dst_key, link.src_key, uint32_t(bytes), link.dst + tail_dst, link.src + tail_src, uint32_t(tail_bytes),
         with_signal, link.token, link.token_key, 1, link.scratch, link.scratch_key, lane, ring, gate);
