@@ -98,13 +98,21 @@ run() {
   fi
   if [ "$suite" = python ]; then
     # The wheel beside the machine's torch (no network there: no dependencies installed), then
-    # python/tests/run_gpu.py (pytest is not needed).
-    local venv="$logs/.venv" start=$SECONDS
-    python3 -m venv --system-site-packages "$venv" &&
-      "$venv/bin/pip" install -q --no-index --no-deps "$root"/.gpu-pack/doorbell-*.whl &&
-      (cd "$root/python/tests" && "$venv/bin/python" run_gpu.py) > "$logs/python.log" 2>&1
-    local rc=$?
-    rm -rf "$venv"
+    # python/tests/run_gpu.py (pytest is not needed). The interpreter is the first that imports
+    # torch; the wheel goes to a folder of its own on PYTHONPATH (torch may live in a user or
+    # system site that a virtual environment would hide).
+    local start=$SECONDS py="" site="$logs/.pysite" rc=1
+    for p in "${PYTHON:-}" python3 /usr/bin/python3 /usr/local/bin/python3 /opt/conda/bin/python python; do
+      [ -n "$p" ] && command -v "$p" > /dev/null && "$p" -c "import torch" 2> /dev/null && { py=$p; break; }
+    done
+    if [ -z "$py" ]; then
+      echo "no Python with torch found (set PYTHON)" > "$logs/python.log"
+    else
+      "$py" -m pip install -q --no-index --no-deps --target "$site" "$root"/.gpu-pack/doorbell-*.whl > "$logs/python.log" 2>&1 &&
+        (cd "$root/python/tests" && PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}" "$py" run_gpu.py) >> "$logs/python.log" 2>&1
+      rc=$?
+    fi
+    rm -rf "$site"
     if [ $rc = 0 ]; then
       echo "PASS python ($((SECONDS - start)) s)" | tee -a "$summary"
     else

@@ -85,7 +85,16 @@ fn gpu_time_to_post_a_decode_dispatch_across_nodes() {
         // One node first: the same kernel with every rank over NVLink (nothing to post).
         // Last: 16 nodes of one rank, the 2 x 8 routing with every peer remote (no NVLink
         // copies beside the posting, against 2 x 8's seven same-node peers).
-        for (nodes, per_node) in [(1usize, 8usize), (2, 8), (4, 8), (8, 8), (16, 1)] {
+        // Last but one: 2 x 8 with the top-k ids 4 bytes off a 16-byte boundary (the send reads
+        // them an id at a time instead of 16 bytes at a time; the WQE counts check its lists).
+        for (nodes, per_node, unaligned) in [
+            (1usize, 8usize, false),
+            (2, 8, false),
+            (4, 8, false),
+            (8, 8, false),
+            (2, 8, true),
+            (16, 1, false),
+        ] {
             let world = nodes * per_node;
             let per_rank = EXPERTS / world;
             let idx = routing(0x9e37 + (world / 8) as u64);
@@ -177,7 +186,10 @@ fn gpu_time_to_post_a_decode_dispatch_across_nodes() {
             let sites_dev = upload(bytemuck::cast_slice(&vec![site; world]));
             let x = alloc(TOKENS * HIDDEN);
             let scales = alloc(TOKENS * HIDDEN / 128 * 4);
-            let idx_dev = upload(bytemuck::cast_slice(&idx));
+            let idx_dev = upload(bytemuck::cast_slice(
+                &[if unaligned { vec![0i32] } else { vec![] }, idx.clone()].concat(),
+            ));
+            let idx_p = idx_dev.device_ptr(&s).0 + if unaligned { 4 } else { 0 };
             let w_dev = upload(bytemuck::cast_slice(&vec![0.125f32; TOKENS * TOPK]));
             let (fill, list, done, epochs, arrived, staged) = (
                 alloc(world * 4),
@@ -193,7 +205,7 @@ fn gpu_time_to_post_a_decode_dispatch_across_nodes() {
             let args = MoeNetArgs {
                 x: p(&x),
                 scales: p(&scales),
-                topk_idx: p(&idx_dev),
+                topk_idx: idx_p,
                 topk_weights: p(&w_dev),
                 num_tokens: TOKENS as u32,
                 fp8: 1,
@@ -279,13 +291,15 @@ fn gpu_time_to_post_a_decode_dispatch_across_nodes() {
                 steps.sort_by(|x, y| x[4].total_cmp(&y[4]));
                 let m = steps[steps.len() / 2];
                 eprintln!(
-                    "{posting:?}, {placement:?}, {nodes} x {per_node}: network tasks start {:.1} us, listed {:.1}, \
+                    "{posting:?}, {placement:?}, {nodes} x {per_node}{}: network tasks start {:.1} us, listed {:.1}, \
                      batch written {:.1}, past the staging {:.1}, rung {:.1} (the run of median last doorbell)",
+                    if unaligned { " (ids unaligned)" } else { "" },
                     m[0], m[1], m[2], m[3], m[4]
                 );
             }
             println!(
-                "| {posting:?} | {placement:?} | {nodes} x {per_node} | {remote_msgs} | {wqes} | {:.2} | {:.2} | {:.1} | {doorbell} | {:.1} / {:.1} |",
+                "| {posting:?} | {placement:?} | {nodes} x {per_node}{} | {remote_msgs} | {wqes} | {:.2} | {:.2} | {:.1} | {doorbell} | {:.1} / {:.1} |",
+                if unaligned { " (ids unaligned)" } else { "" },
                 wqes as f64 / TOKENS as f64,
                 wire as f64 / 1e6,
                 staged[staged.len() / 2],
