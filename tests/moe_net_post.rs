@@ -1,8 +1,8 @@
 //! The GPU-side cost of the node-spanning low-latency MoE dispatch (issue 16's budget: a decode
 //! dispatch of 128 tokens x top-8 posts all its WQEs within 10 us of GPU time), measured on the
 //! library's own send kernel (`moe_net_send`, `doorbell/moe_net.cuh`) in one process: rank 0 of
-//! `nodes` x 8 ranks (and 16 x 1), DeepSeek-V3's shape (256 experts, top-8, hidden 7168, FP8 rows with one
-//! scale per 128). Its 7 same-node peers' areas are mapped (local memory standing in for NVLink,
+//! `nodes` x 8 ranks (and 16 x 1, and 2 x 8 with the top-k ids off a 16-byte boundary),
+//! DeepSeek-V3's shape (256 experts, top-8, hidden 7168, FP8 rows with one scale per 128). Its 7 same-node peers' areas are mapped (local memory standing in for NVLink,
 //! so their stores cost less than over NVLink); every rank on another node is reached by a
 //! PortChannel over a queue pair of an emulated NIC with the null data path (`NullDma`: WQEs are
 //! parsed and completed, no byte moves), posted by the kernel (IBGDA) or rung by the host thread
@@ -10,8 +10,9 @@
 //! libmlx5 puts a verbs queue pair's rings: what doorbell maps on a ConnectX today) or in GPU
 //! memory (NVSHMEM's IBGDA placement; the emulator reads them with `cuMemcpy`, as a NIC reads GPU
 //! memory over PCIe). A first row per mode runs the same kernel on one node of 8 (no network
-//! peer) for the cost of staging and NVLink stores alone. `#[ignore = "needs GPU"]`; prints the
-//! table for docs/performance.md:
+//! peer) for the cost of staging and NVLink stores alone. Every WQE must reach the NIC and
+//! complete (counted per queue pair). `#[ignore = "needs GPU"]`; prints the table for
+//! docs/performance.md:
 //! `tests/moe_net_post --ignored --nocapture`.
 
 use cudarc::driver::{DevicePtr, LaunchConfig, PushKernelArg};
