@@ -401,9 +401,10 @@ struct IbQpHandle {
   // into `result` (the flush that keeps the flag behind every write before it, as relaxed
   // ordering needs) and a fetch-add of `add` there (its old value lands at `result + 8`). Only the
   // last WQE asks for a CQE. With `doorbell` false the batch is published, not rung (a later
-  // batch's doorbell covers it). `gate(lane)`, called by every lane once the WQEs are written and
-  // fenced, returns when the NIC may read what they point at (data other threads are still
-  // writing): the batch is built while that data is in the making and published only after.
+  // batch's doorbell covers it). `gate(lane)`, called by every lane once the WQEs are written
+  // (before their fence, so the two waits overlap), returns when the NIC may read what they point
+  // at (data other threads are still writing): the batch is built while that data is in the
+  // making and published only after.
   // Returns the last WQE's index (every lane the same), or ~0 when the batch is empty.
   template <typename Row, typename Gate = NoGate>
   DOORBELL_DEVICE_INLINE uint64_t post_rows_warp(uint32_t rows, Row row, uint32_t rkey, uint32_t lkey, uint32_t len,
