@@ -667,7 +667,8 @@ fn low_latency(comm: &Arc<Communicator>, s: &Arc<CudaStream>) {
         || (env("DOORBELL_SEPARATE_NODES") == "1" && world > node_size);
     assert_eq!(ll.spans_nodes(), spans, "rank {me}: the node-spanning path");
     let x: CudaSlice<u16> = s.alloc_zeros(LL_MAX * HIDDEN).unwrap();
-    let idx: CudaSlice<i32> = s.alloc_zeros(LL_MAX * TOPK).unwrap();
+    // One id more: round 3 passes the ids 4 bytes off a 16-byte boundary (ids_at).
+    let idx: CudaSlice<i32> = s.alloc_zeros(LL_MAX * TOPK + 1).unwrap();
     let w: CudaSlice<f32> = s.alloc_zeros(LL_MAX * TOPK).unwrap();
     let out: CudaSlice<u16> = s.alloc_zeros(LL_MAX * HIDDEN).unwrap();
     let (xp, ip, wp, op) = (
@@ -676,6 +677,9 @@ fn low_latency(comm: &Arc<Communicator>, s: &Arc<CudaStream>) {
         w.device_ptr(s).0,
         out.device_ptr(s).0,
     );
+    // Where round `round`'s top-k ids go: in round 3, 4 bytes past a 16-byte boundary (the
+    // node-spanning send then reads them an id at a time instead of 16 bytes at a time).
+    let ids_at = |round: u64| if round == 3 { ip + 4 } else { ip };
     let htod = |ptr: u64, v: &[u8]| upload_bytes(s, ptr, v);
     let dtoh = |ptr: u64, n: usize| download_bytes(comm, s, ptr, n);
     let upload = |round: u64| -> Routing {
@@ -684,7 +688,7 @@ fn low_latency(comm: &Arc<Communicator>, s: &Arc<CudaStream>) {
             .map(|i| x_value(me, i / HIDDEN, i % HIDDEN).to_bits())
             .collect();
         htod(xp, bytemuck::cast_slice(&xs));
-        htod(ip, bytemuck::cast_slice(&mine.idx));
+        htod(ids_at(round), bytemuck::cast_slice(&mine.idx));
         htod(wp, bytemuck::cast_slice(&mine.weights));
         mine
     };
@@ -800,12 +804,12 @@ fn low_latency(comm: &Arc<Communicator>, s: &Arc<CudaStream>) {
         // that do both.
         if round % 2 == 0 {
             // SAFETY: the inputs hold `tokens` rows.
-            unsafe { ll.dispatch_send(s, xp, ip, wp, mine.tokens) }.unwrap();
+            unsafe { ll.dispatch_send(s, xp, ids_at(round), wp, mine.tokens) }.unwrap();
             htod(op, &[0u8; 16]);
             ll.dispatch_recv(s).unwrap();
         } else {
             // SAFETY: as above.
-            unsafe { ll.dispatch(s, xp, ip, wp, mine.tokens) }.unwrap();
+            unsafe { ll.dispatch(s, xp, ids_at(round), wp, mine.tokens) }.unwrap();
         }
         n += 1;
         check(round, n, &format!("round {round}"));
