@@ -18,7 +18,9 @@ use doorbell::communicator::Communicator;
 use doorbell::gpu::cuda::device_count;
 use doorbell::job::launch::run_job;
 use doorbell::{Error, Result};
-use doorbell_bench::harness::{human, measure, parse_size, sum_over_ranks, sweep, Repeat, Timing};
+use doorbell_bench::harness::{
+    human, limit_nccl_ctas, measure, parse_size, sum_over_ranks, sweep, Repeat, Timing,
+};
 use doorbell_bench::nccl::Nccl;
 use doorbell_bench::plot::{Chart, Panel, Series};
 use std::io::Write;
@@ -70,6 +72,11 @@ struct Args {
     /// Blocks of every LL launch (default: the library's).
     #[arg(long)]
     ll_blocks: Option<u32>,
+    /// SM budget: every doorbell kernel runs at most this many blocks (pipeline lanes and LL
+    /// blocks, unless --lanes / --ll-blocks say otherwise) and NCCL at most this many CTAs
+    /// (NCCL_MAX_CTAS) in the same run.
+    #[arg(long)]
+    sms: Option<u32>,
     /// Skip NCCL.
     #[arg(long)]
     no_nccl: bool,
@@ -87,6 +94,9 @@ struct Args {
 fn main() {
     doorbell::init_logging();
     let args = Args::parse();
+    if let Some(sms) = args.sms {
+        limit_nccl_ctas(sms);
+    }
     run_job("allreduce", args.nranks, device_count, || run(&args))
 }
 
@@ -125,10 +135,10 @@ fn run(args: &Args) -> Result<i32> {
         &comm,
         AllReduceOptions {
             algorithm,
-            max_lanes: args.lanes.unwrap_or(defaults.max_lanes),
+            max_lanes: args.lanes.or(args.sms).unwrap_or(defaults.max_lanes),
             max_tile_bytes: args.tile_kib.map(|k| k << 10).or(defaults.max_tile_bytes),
             pipeline_threads: args.threads.unwrap_or(defaults.pipeline_threads),
-            ll_blocks: args.ll_blocks.unwrap_or(defaults.ll_blocks),
+            ll_blocks: args.ll_blocks.or(args.sms).unwrap_or(defaults.ll_blocks),
             ..defaults
         },
     )?;
@@ -170,7 +180,7 @@ fn run(args: &Args) -> Result<i32> {
 
     if lead {
         println!(
-            "# doorbell allreduce: {world} ranks, {} GPU(s) visible, {}, {}, NVLS {}",
+            "# doorbell allreduce: {world} ranks, {} GPU(s) visible, {}, {}, NVLS {}, SMs {}",
             device_count().unwrap_or(0),
             dtype.name(),
             if args.inplace {
@@ -179,7 +189,10 @@ fn run(args: &Args) -> Result<i32> {
                 "out of place"
             },
             std::env::var("NCCL_NVLS_ENABLE")
-                .map_or("default".into(), |v| format!("NCCL_NVLS_ENABLE={v}"))
+                .map_or("default".into(), |v| format!("NCCL_NVLS_ENABLE={v}")),
+            args.sms.map_or("all".into(), |n| format!(
+                "at most {n} (doorbell blocks, NCCL_MAX_CTAS={n})"
+            ))
         );
         if let Some(n) = &nccl {
             println!(

@@ -15,7 +15,9 @@ use doorbell::communicator::Communicator;
 use doorbell::gpu::cuda::device_count;
 use doorbell::job::launch::run_job;
 use doorbell::{Error, Result};
-use doorbell_bench::harness::{human, measure, parse_size, sum_over_ranks, sweep, Repeat};
+use doorbell_bench::harness::{
+    alltoall_lanes, human, limit_nccl_ctas, measure, parse_size, sum_over_ranks, sweep, Repeat,
+};
 use doorbell_bench::nccl::Nccl;
 use std::sync::Arc;
 
@@ -66,6 +68,11 @@ struct Args {
     /// 0 turns them off).
     #[arg(long)]
     ll_max: Option<String>,
+    /// SM budget: the copy kernels run at most this many blocks (split between the peers and
+    /// the own block unless --lanes / --own-lanes say otherwise, and as many LL blocks at most)
+    /// and NCCL at most this many CTAs (NCCL_MAX_CTAS) in the same run.
+    #[arg(long)]
+    sms: Option<u32>,
     /// Skip NCCL.
     #[arg(long)]
     no_nccl: bool,
@@ -77,6 +84,9 @@ struct Args {
 fn main() {
     doorbell::init_logging();
     let args = Args::parse();
+    if let Some(sms) = args.sms {
+        limit_nccl_ctas(sms);
+    }
     run_job("alltoall", args.nranks, device_count, || run(&args))
 }
 
@@ -94,11 +104,15 @@ fn run(args: &Args) -> Result<i32> {
     let (rank, world) = (comm.rank(), comm.world_size());
     let lead = rank == 0;
     let d = AllToAllOptions::default();
+    let budget = args
+        .sms
+        .map(|n| alltoall_lanes(n, (world as u32).saturating_sub(1)));
     let a2a = AllToAll::new(
         &comm,
         AllToAllOptions {
-            lanes: args.lanes.or(d.lanes),
-            own_lanes: args.own_lanes.or(d.own_lanes),
+            lanes: args.lanes.or(budget.map(|b| b.0)).or(d.lanes),
+            own_lanes: args.own_lanes.or(budget.map(|b| b.1)).or(d.own_lanes),
+            ll_blocks: args.sms.map_or(d.ll_blocks, |n| n.clamp(1, d.ll_blocks)),
             send_threads: args.send_threads.or(d.send_threads),
             tile_bytes: match &args.tile {
                 Some(t) => parse_size(t)?,
@@ -135,13 +149,14 @@ fn run(args: &Args) -> Result<i32> {
     let (in_ptr, out_ptr) = (input.device_ptr(&s).0, output.device_ptr(&s).0);
     if lead {
         println!(
-            "# doorbell all-to-all: {world} ranks, {} GPU(s) visible, {}, {} lanes per peer ({} SMs), NVLS {}",
+            "# doorbell all-to-all: {world} ranks, {} GPU(s) visible, {}, {} lanes per peer ({} SMs), NVLS {}, NCCL CTAs {}",
             device_count().unwrap_or(0),
             dtype.name(),
             a2a.lanes(),
             a2a.sms(),
             std::env::var("NCCL_NVLS_ENABLE")
-                .map_or("default".into(), |v| format!("NCCL_NVLS_ENABLE={v}"))
+                .map_or("default".into(), |v| format!("NCCL_NVLS_ENABLE={v}")),
+            std::env::var("NCCL_MAX_CTAS").map_or("default".into(), |v| format!("at most {v}"))
         );
         if let Some(n) = &nccl {
             println!(

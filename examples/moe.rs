@@ -18,7 +18,7 @@ use doorbell::communicator::Communicator;
 use doorbell::gpu::cuda::device_count;
 use doorbell::job::launch::run_job;
 use doorbell::{Error, Result};
-use doorbell_bench::harness::{measure, Repeat, Timing};
+use doorbell_bench::harness::{limit_nccl_ctas, measure, Repeat, Timing};
 use doorbell_bench::nccl::Nccl;
 use std::sync::Arc;
 
@@ -42,7 +42,8 @@ struct Args {
     /// Token counts per rank to run (comma separated).
     #[arg(long, default_value = "4096,128")]
     tokens: String,
-    /// Blocks (SMs) of the send and receive kernels (default: all SMs).
+    /// Blocks (SMs) of the send and receive kernels (default: all SMs); NCCL then runs at most
+    /// as many CTAs (NCCL_MAX_CTAS).
     #[arg(long)]
     sms: Option<u32>,
     /// Timed iterations per eager measurement.
@@ -68,6 +69,9 @@ struct Args {
 fn main() {
     doorbell::init_logging();
     let args = Args::parse();
+    if let Some(sms) = args.sms {
+        limit_nccl_ctas(sms);
+    }
     run_job("moe", args.nranks, device_count, || run(&args))
 }
 

@@ -186,6 +186,32 @@ pub fn sweep(min: usize, max: usize, factor: usize) -> Vec<usize> {
     v
 }
 
+/// An SM budget for NCCL beside doorbell (`--sms N`): at most `sms` CTAs per NCCL kernel
+/// (`NCCL_MAX_CTAS`, and `NCCL_MIN_CTAS` lowered to it where set higher), as NCCL reads them when
+/// a communicator starts. Call from `main` before any thread or rank starts: ranks the example
+/// spawns inherit the variables.
+pub fn limit_nccl_ctas(sms: u32) {
+    let sms = sms.max(1);
+    // Before any other thread exists (see above), so nothing reads the environment meanwhile.
+    std::env::set_var("NCCL_MAX_CTAS", sms.to_string());
+    let min = std::env::var("NCCL_MIN_CTAS")
+        .ok()
+        .and_then(|v| v.trim().parse::<u32>().ok());
+    if min.is_some_and(|m| m > sms) {
+        std::env::set_var("NCCL_MIN_CTAS", sms.to_string());
+    }
+}
+
+/// An all-to-all's blocks within an SM budget of `sms` among `peers` other ranks: (blocks per
+/// peer, blocks copying the rank's own block), each at least 1 and together at most `sms` when
+/// `sms >= peers + 1`. The own copy gets what a peer gets, at most 4 (the library's default).
+pub fn alltoall_lanes(sms: u32, peers: u32) -> (u32, u32) {
+    let shares = peers + 1;
+    let own = (sms / shares).clamp(1, 4);
+    let lanes = (sms.saturating_sub(own) / peers.max(1)).max(1);
+    (lanes, own)
+}
+
 fn cuda(call: &'static str) -> impl Fn(cudarc::driver::DriverError) -> Error {
     move |e| Error::Cuda {
         call,
@@ -196,6 +222,24 @@ fn cuda(call: &'static str) -> impl Fn(cudarc::driver::DriverError) -> Error {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn alltoall_lanes_stay_within_the_budget() {
+        assert_eq!(alltoall_lanes(16, 3), (4, 4));
+        assert_eq!(alltoall_lanes(8, 3), (2, 2));
+        assert_eq!(alltoall_lanes(4, 3), (1, 1));
+        assert_eq!(alltoall_lanes(132, 3), (42, 4));
+        assert_eq!(alltoall_lanes(32, 1), (28, 4));
+        for sms in [2u32, 4, 8, 16, 24, 32, 132] {
+            for peers in 1..8u32 {
+                let (lanes, own) = alltoall_lanes(sms, peers);
+                assert!(lanes >= 1 && own >= 1);
+                if sms > peers {
+                    assert!(lanes * peers + own <= sms, "{sms} SMs, {peers} peers");
+                }
+            }
+        }
+    }
 
     #[test]
     fn sizes_parse_and_print() {
