@@ -92,19 +92,7 @@ fn run(args: &Args) -> Result<i32> {
         },
     )?;
     let s = comm.gpu().new_stream()?;
-    let nccl = if args.no_nccl {
-        None
-    } else {
-        match Nccl::new(comm.bootstrap(), comm.gpu()) {
-            Ok(n) => Some(n),
-            Err(e) => {
-                if lead {
-                    eprintln!("NCCL unavailable, doorbell only: {e}");
-                }
-                None
-            }
-        }
-    };
+    let nccl = Nccl::optional(comm.bootstrap(), comm.gpu(), args.no_nccl);
     let input: CudaSlice<u8> = s.alloc_zeros(max_shard).map_err(cuda("cuMemAlloc"))?;
     let output: CudaSlice<u8> = s
         .alloc_zeros(max_shard * world)

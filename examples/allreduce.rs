@@ -144,19 +144,7 @@ fn run(args: &Args) -> Result<i32> {
     )?;
     let checker = Checker::new(comm.gpu())?;
     let s = comm.gpu().new_stream()?;
-    let nccl = if args.no_nccl {
-        None
-    } else {
-        match Nccl::new(comm.bootstrap(), comm.gpu()) {
-            Ok(n) => Some(n),
-            Err(e) => {
-                if lead {
-                    eprintln!("NCCL unavailable, doorbell only: {e}");
-                }
-                None
-            }
-        }
-    };
+    let nccl = Nccl::optional(comm.bootstrap(), comm.gpu(), args.no_nccl);
     let symm = match &nccl {
         Some(n) => match (n.symmetric_buffer(max_bytes), n.symmetric_buffer(max_bytes)) {
             (Ok(a), Ok(b)) => Some((a, b)),

@@ -129,19 +129,7 @@ fn run(args: &Args) -> Result<i32> {
     )?;
     let checker = Checker::new(comm.gpu())?;
     let s = comm.gpu().new_stream()?;
-    let nccl = if args.no_nccl {
-        None
-    } else {
-        match Nccl::new(comm.bootstrap(), comm.gpu()) {
-            Ok(n) => Some(n),
-            Err(e) => {
-                if lead {
-                    eprintln!("NCCL unavailable, doorbell only: {e}");
-                }
-                None
-            }
-        }
-    };
+    let nccl = Nccl::optional(comm.bootstrap(), comm.gpu(), args.no_nccl);
     let unit = world * dtype.size();
     let cap = (max_bytes / unit).max(1) * unit;
     let input: CudaSlice<u8> = s.alloc_zeros(cap).map_err(cuda("cuMemAlloc"))?;

@@ -140,19 +140,7 @@ fn run(args: &Args) -> Result<i32> {
     let input: CudaSlice<u8> = s.alloc_zeros(bytes).map_err(cuda("cuMemAlloc"))?;
     let output: CudaSlice<u8> = s.alloc_zeros(bytes).map_err(cuda("cuMemAlloc"))?;
     let (in_ptr, out_ptr) = (input.device_ptr(&s).0, output.device_ptr(&s).0);
-    let nccl = if args.no_nccl {
-        None
-    } else {
-        match Nccl::new(comm.bootstrap(), comm.gpu()) {
-            Ok(n) => Some(n),
-            Err(e) => {
-                if lead {
-                    eprintln!("NCCL unavailable, doorbell only: {e}");
-                }
-                None
-            }
-        }
-    };
+    let nccl = Nccl::optional(comm.bootstrap(), comm.gpu(), args.no_nccl);
 
     // The collectives: doorbell at each budget, then NCCL.
     let mut allreduces = Vec::new();

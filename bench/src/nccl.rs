@@ -193,6 +193,21 @@ impl std::fmt::Debug for Nccl {
 }
 
 impl Nccl {
+    /// The examples' baseline: `None` when `skip`, or when NCCL cannot start (rank 0 then says
+    /// why on stderr and the run goes on with doorbell only). Collective, as [`Nccl::new`].
+    pub fn optional(bootstrap: &Bootstrap, gpu: &Arc<Gpu>, skip: bool) -> Option<Nccl> {
+        if skip {
+            return None;
+        }
+        Nccl::new(bootstrap, gpu)
+            .map_err(|e| {
+                if bootstrap.rank() == 0 {
+                    eprintln!("NCCL unavailable, doorbell only: {e}");
+                }
+            })
+            .ok()
+    }
+
     /// Creates the communicator (collective over `bootstrap`). Each rank checks NCCL and binds
     /// `gpu`; rank 0 also makes the unique id. One all-gather then spreads the id, or the first
     /// failure, so that a rank without NCCL makes every rank fail with its reason instead of
