@@ -418,8 +418,8 @@ fn gpu_posting_rate_through_the_emulated_nic() {
 
 /// The GPU-side cost of a low-latency MoE dispatch across nodes (issue 16: at most 10 us for
 /// 128 tokens x top-8): one warp per remote rank posts its rows as 7408-byte RDMA WRITEs
-/// (`put_warp`), a count block and a fetch-add flag, on a QP of its own, through the emulated
-/// NIC's null data path (`NullDma`). Rows per remote rank from `collectives::moe_net`'s model
+/// (`put_warp`), a count block, the READ that flushes them and a fetch-add flag (`post_warp`), on
+/// a QP of its own, through the emulated NIC's null data path (`NullDma`). Rows per remote rank from `collectives::moe_net`'s model
 /// (`docs/performance.md`: 360 / 592 / 725 rows at 2 / 4 / 8 nodes of 8), rounded up to whole
 /// warps. Printed: GPU time from the first warp's start to the last WQE posted, and to the last
 /// completion (the emulator's one thread consumes them); asserts every WQE executed.
@@ -490,7 +490,7 @@ fn gpu_posting_cost_of_a_decode_dispatch_through_the_emulated_nic() {
                     completed.push(done as f64 / 1e3);
                 }
             }
-            let per_qp = u64::from(rows) + 2;
+            let per_qp = u64::from(rows) + 3; // rows, count block, flushing READ, fetch-add
             for q in 0..remote {
                 assert_eq!(nic.executed(0x300 + q), 21 * per_qp);
             }
@@ -498,7 +498,7 @@ fn gpu_posting_cost_of_a_decode_dispatch_through_the_emulated_nic() {
             posted.sort_by(f64::total_cmp);
             completed.sort_by(f64::total_cmp);
             eprintln!(
-                "dispatch posting {posting:?}: {nodes} nodes x 8, {remote} QPs x ({rows} rows + 2) = {} WQEs: \
+                "dispatch posting {posting:?}: {nodes} nodes x 8, {remote} QPs x ({rows} rows + 3) = {} WQEs: \
                  posted in {:.1} us (median of 20; min {:.1}), completed in {:.1} us (min {:.1})",
                 u64::from(remote) * per_qp,
                 posted[10],

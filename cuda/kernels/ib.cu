@@ -119,8 +119,9 @@ extern "C" __global__ void ib_test_wait(const uint64_t* signal, uint64_t expecte
 
 // The posting cost of a low-latency MoE dispatch across nodes (issue 16's budget): warp w posts
 // to qps[w] (one QP per remote rank) `rows` RDMA WRITEs of `row_bytes` (32 per reservation and
-// doorbell), the last batch together with a WRITE of the rank's count block (`count_bytes`) and
-// an 8-byte fetch-add flag (put_warp_and_flag: no single-WQE posts). Each warp records when it
+// doorbell), the last batch together with a WRITE of the rank's count block (`count_bytes`), the
+// READ that flushes them and an 8-byte fetch-add flag (post_warp: no single-WQE posts; the flag's
+// old value lands at flag_result + 16 w + 8). Each warp records when it
 // started, when its last WQE was posted and when all had completed (globaltimer, ns) at
 // times[3 w ..].
 extern "C" __global__ void ib_test_dispatch_post(const IbQpHandle* qps, uint32_t nqps, uint64_t src, uint32_t src_key,
@@ -139,8 +140,8 @@ extern "C" __global__ void ib_test_dispatch_post(const IbQpHandle* qps, uint32_t
     qp.put_warp(dst + off, dst_key, src + off, src_key, row_bytes, lane);
   }
   const uint64_t off = uint64_t(j + lane) * row_bytes;
-  qp.put_warp_and_flag(dst + off, dst_key, src + off, src_key, row_bytes, rows - j, dst, src, count_bytes, dst,
-                       dst_key, 1, flag_result + w * 8, result_key, lane);
+  qp.post_warp(rows - j, dst + off, dst_key, src + off, src_key, row_bytes, dst, src, count_bytes, true, dst, dst_key, 1,
+               flag_result + w * 16, result_key, lane);
   __syncwarp();
   const uint64_t t1 = doorbell::global_timer_ns();
   if (lane == 0) qp.quiet();

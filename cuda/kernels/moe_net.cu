@@ -216,14 +216,11 @@ __device__ void stage_part(const MoeNetArgs& a, uint32_t g, uint32_t part, uint6
     char* m = a.stage + moe_net::stage_offset(a, half, t);
     const uint8_t* row = a.x + uint64_t(t) * moe_net::row_bytes(a);
     // The header's inputs and the first 64 scales (piece 0), loaded before the row.
-    int32_t id = 0;
-    float weight = 0.0f, sc[2] = {0.0f, 0.0f};
+    moe_net::HeaderLane head{0, 0.0f};
+    float sc[2] = {0.0f, 0.0f};
     const float* sc_src = a.scales + uint64_t(t) * scales;
     if (piece == 0) {
-      if (lane < a.topk) {
-        id = __ldg(a.topk_idx + uint64_t(t) * a.topk + lane);
-        weight = __ldg(a.topk_weights + uint64_t(t) * a.topk + lane);
-      }
+      head = moe_net::load_header_lane(a, t, lane);
 #pragma unroll
       for (uint32_t j = 0; j < 2; ++j) {
         if (lane + j * kWarp < scales) sc[j] = __ldg(sc_src + lane + j * kWarp);
@@ -236,16 +233,7 @@ __device__ void stage_part(const MoeNetArgs& a, uint32_t g, uint32_t part, uint6
                                   reinterpret_cast<const int4*>(row) + lo, hi - lo, lane, kWarp);
     }
     if (piece == 0) {
-      int32_t* h = reinterpret_cast<int32_t*>(m);
-      if (lane == 0) {
-        h[0] = int32_t(t);
-        h[1] = int32_t(a.fp8);
-        reinterpret_cast<uint64_t*>(h)[1] = epoch;
-      }
-      if (lane < a.topk) {
-        h[moe_net::kHeaderIds + lane] = id;
-        reinterpret_cast<float*>(h)[moe_net::kHeaderIds + a.topk + lane] = weight;
-      }
+      moe_net::store_message_header(a, m, t, epoch, head, lane);
       float* s = reinterpret_cast<float*>(m + a.header_bytes + moe_net::row_bytes(a));
 #pragma unroll
       for (uint32_t j = 0; j < 2; ++j) {

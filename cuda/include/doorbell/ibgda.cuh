@@ -279,7 +279,9 @@ struct IbQpHandle {
 
   // Makes sure a doorbell covering WQEBBs before `end` (all published) rings: returns at once if
   // one did; else rings for everything published, unless another thread is doing it, which then
-  // covers `end` too (it reads the ready index after taking the lock).
+  // covers `end` too (it reads the ready index after taking the lock). Each retry tries the
+  // atomic first: a GPU atomic resolves at L2 with no cache line to bounce, so reading the lock
+  // before it (test-and-test-and-set) only adds a trip (measured: no gain, docs/open-work.md).
   DOORBELL_DEVICE_INLINE void ring(uint64_t end) const {
     spin_until(site, kWaitIbProgress, end, [&](uint64_t& seen) {
       if (cas_acquire_gpu(&state[kRingLock], 0, 1) != 0) {
@@ -359,38 +361,6 @@ struct IbQpHandle {
     if (lane == 0) publish(base, 32);
     __syncwarp();
     return at;
-  }
-
-  // The last rows of a message and what announces it, posted by a full warp with one
-  // reservation, one publish and one doorbell (no single-WQE posts at the end of a message):
-  // lanes below `rows` (the same on every lane, 0..32) post their row's WRITE as put_warp does,
-  // then a WRITE of `tail_len` bytes from `tail_laddr` to `tail_raddr` (a count block) and an
-  // 8-byte fetch-add of `add` at `flag_raddr` (the flag a receiver polls; its old value lands at
-  // `result`), the only WQE asking for a CQE. Returns the flag's index.
-  DOORBELL_DEVICE_INLINE uint64_t put_warp_and_flag(uint64_t raddr, uint32_t rkey, uint64_t laddr, uint32_t lkey,
-                                                    uint32_t len, uint32_t rows, uint64_t tail_raddr,
-                                                    uint64_t tail_laddr, uint32_t tail_len, uint64_t flag_raddr,
-                                                    uint32_t flag_rkey, uint64_t add, uint64_t result,
-                                                    uint32_t result_lkey, uint32_t lane) const {
-    uint64_t base = 0;
-    if (lane == 0) base = reserve(rows + 2);
-    base = __shfl_sync(0xffffffffu, base, 0);
-    // The tail and the flag go to the lanes after the rows, wrapping to lanes 0 and 1.
-    const uint32_t tail_lane = rows % 32, flag_lane = (rows + 1) % 32;
-    if (lane < rows) ib::rdma_wqe(sq, sq_log2, base + lane, qpn, ib::kOpWrite, 0, raddr, rkey, laddr, lkey, len);
-    if (lane == tail_lane) {
-      ib::rdma_wqe(sq, sq_log2, base + rows, qpn, ib::kOpWrite, 0, tail_raddr, rkey, tail_laddr, lkey, tail_len);
-    }
-    if (lane == flag_lane) {
-      ib::atomic_wqe(sq, sq_log2, base + rows + 1, qpn, ib::kOpFetchAdd, ib::kCqUpdate, flag_raddr, flag_rkey, add, 0,
-                     result, result_lkey);
-      signaled(base + rows + 1, 1);
-    }
-    order_wqes();  // every lane's WQE before lane 0 publishes
-    __syncwarp();
-    if (lane == 0) publish(base, rows + 2);
-    __syncwarp();
-    return base + rows + 1;
   }
 
   // A batch posted by a full warp (all 32 lanes calling together) with one reservation, one

@@ -85,18 +85,43 @@ DOORBELL_DEVICE_INLINE uint64_t stage_offset(const MoeNetArgs& a, uint32_t half,
   return (uint64_t(half) * a.max_tokens + t) * a.msg_bytes;
 }
 
-// The header of token t's message at `m` (see write_message). One warp.
-DOORBELL_DEVICE_INLINE void write_message_header(const MoeNetArgs& a, char* m, uint32_t t, uint32_t lane) {
+// What one lane of a warp puts in token t's message header: top-k entry `lane`'s expert id and
+// weight (zeros past top-k). Loaded apart from the store so a caller can issue these loads beside
+// others before its first store.
+struct HeaderLane {
+  int32_t id;
+  float weight;
+};
+
+DOORBELL_DEVICE_INLINE HeaderLane load_header_lane(const MoeNetArgs& a, uint32_t t, uint32_t lane) {
+  HeaderLane v{0, 0.0f};
+  if (lane < a.topk) {
+    v.id = a.topk_idx[uint64_t(t) * a.topk + lane];
+    v.weight = a.topk_weights[uint64_t(t) * a.topk + lane];
+  }
+  return v;
+}
+
+// Stores the header of token t's message at `m`: the token, the row format (the receive half
+// learns it here), the dispatch `epoch`, then the top-k ids and weights (each lane its `v`). One
+// warp.
+DOORBELL_DEVICE_INLINE void store_message_header(const MoeNetArgs& a, char* m, uint32_t t, uint64_t epoch,
+                                                 HeaderLane v, uint32_t lane) {
   int32_t* h = reinterpret_cast<int32_t*>(m);
   if (lane == 0) {
     h[0] = int32_t(t);
-    h[1] = int32_t(a.fp8);  // the receive half learns the row format here
-    reinterpret_cast<uint64_t*>(h)[1] = send_epoch(a);
+    h[1] = int32_t(a.fp8);
+    reinterpret_cast<uint64_t*>(h)[1] = epoch;
   }
   if (lane < a.topk) {
-    h[kHeaderIds + lane] = a.topk_idx[uint64_t(t) * a.topk + lane];
-    reinterpret_cast<float*>(h)[kHeaderIds + a.topk + lane] = a.topk_weights[uint64_t(t) * a.topk + lane];
+    h[kHeaderIds + lane] = v.id;
+    reinterpret_cast<float*>(h)[kHeaderIds + a.topk + lane] = v.weight;
   }
+}
+
+// The header of token t's message at `m` (see write_message). One warp.
+DOORBELL_DEVICE_INLINE void write_message_header(const MoeNetArgs& a, char* m, uint32_t t, uint32_t lane) {
+  store_message_header(a, m, t, send_epoch(a), load_header_lane(a, t, lane), lane);
 }
 
 // Writes token t's message at `m` (any memory this GPU reaches: the staging area, or a same-node
