@@ -1,8 +1,8 @@
 //! Allreduce on GPUs (`#[ignore = "needs GPU"]`; run with `--ignored`): every algorithm x data
 //! type x rank count x awkward size (1 element, not a multiple of 16 bytes, one past a tile or
 //! shard boundary) x in/out of place, eager and as 100 CUDA-graph replays; a pressure mode that
-//! repeats random sizes and compares result hashes across ranks and across runs; and the
-//! argument-agreement check.
+//! repeats random sizes and compares result hashes across ranks and across runs; graphs of
+//! several calls; and the argument-agreement check.
 
 mod common;
 
@@ -22,6 +22,7 @@ fn gpu_rank() {
     rank_main(|case, comm, stream| match case {
         "matrix" => matrix(comm, stream),
         "pressure" => pressure(comm, stream),
+        "graph_of_three" => graph_of_three(comm, stream),
         "disagree" => disagree(comm, stream),
         other => panic!("unknown case {other}"),
     });
@@ -40,6 +41,18 @@ fn every_algorithm_dtype_size_and_placement() {
 fn pressure_random_sizes_same_hash_everywhere() {
     for n in rank_counts() {
         run_case("pressure", n, &[]);
+    }
+}
+
+#[test]
+#[ignore = "needs GPU"]
+fn graphs_of_an_odd_number_of_calls_replay() {
+    for n in rank_counts() {
+        run_case(
+            "graph_of_three",
+            n,
+            &[("DOORBELL_WAIT_TIMEOUT_MS", "10000")],
+        );
     }
 }
 
@@ -223,6 +236,64 @@ fn pressure(comm: &Arc<Communicator>, s: &Arc<CudaStream>) {
         runs[0], runs[1],
         "the same sequence gave different results on its second run"
     );
+}
+
+/// Three calls of one allreduce object in one CUDA graph (a small, a medium and a large size, so
+/// LL, two-shot and pipelined kernels as the sizes pick them), the graph replayed 60 times. With
+/// an odd number of calls per graph, each replay's first call follows the previous replay's last
+/// one, whose captured call index has the same parity: the call check once picked its inbox half
+/// by that parity, so a rank one call ahead overwrote the word its peer was about to check and
+/// both waited until the budget (examples/allreduce hung at its first size above 1 MiB, whose
+/// graphs hold 5 calls).
+fn graph_of_three(comm: &Arc<Communicator>, s: &Arc<CudaStream>) {
+    let rank = comm.rank() as u32;
+    let world = comm.world_size() as u32;
+    let checker = Checker::new(comm.gpu()).unwrap();
+    let ar = AllReduce::new(comm, AllReduceOptions::default()).unwrap();
+    let dtype = DataType::Bf16;
+    let counts = [4096usize, 1 << 20, 8 << 20];
+    let bufs: Vec<Bufs> = counts
+        .iter()
+        .map(|&n| Bufs {
+            input: s.alloc_zeros::<u8>(n * dtype.size()).unwrap(),
+            output: s.alloc_zeros::<u8>(n * dtype.size()).unwrap(),
+        })
+        .collect();
+    let seed = |i: usize| 7000 + i as u32;
+    comm.synchronize(s).unwrap();
+    s.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)
+        .unwrap();
+    for (i, (&count, b)) in counts.iter().zip(&bufs).enumerate() {
+        let (inp, out) = (ptr(s, &b.input, 0), ptr(s, &b.output, 0));
+        // SAFETY: each buffer holds `count` elements and outlives the graph's replays.
+        unsafe {
+            checker.fill(s, inp, count, dtype, rank, seed(i)).unwrap();
+            ar.run_raw(s, inp, out, count, dtype).unwrap();
+        }
+    }
+    let graph = s
+        .end_capture(cudarc::driver::sys::CUgraphInstantiate_flags(0))
+        .unwrap()
+        .expect("captured graph");
+    for replay in 1..=60 {
+        graph.launch().unwrap();
+        if replay % 20 == 0 {
+            comm.synchronize(s).unwrap();
+            for (i, (&count, b)) in counts.iter().zip(&bufs).enumerate() {
+                // SAFETY: as above.
+                let wrong = unsafe {
+                    checker.count_wrong(s, ptr(s, &b.output, 0), count, dtype, world, seed(i))
+                }
+                .unwrap();
+                let algo = ar.plan(count, dtype).unwrap().algorithm.name();
+                assert_eq!(
+                    wrong, 0,
+                    "rank {rank}: {count} x bf16 ({algo}), call {i} of 3: {wrong} wrong after {replay} replays"
+                );
+            }
+        }
+    }
+    comm.synchronize(s).unwrap();
 }
 
 /// With DOORBELL_CHECK=1, rank 1 calls with a different count: every rank gets an error naming

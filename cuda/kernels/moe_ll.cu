@@ -204,12 +204,13 @@ __device__ void combine_recv(const MoeLlArgs& a, uint64_t call) {
 // block's warps send while the other half copy what arrives). The kernels that wait on peers
 // have grids of at most one block per SM, all resident at once. Epochs are read at kernel
 // start, before the last block stores the new ones.
-// The send kernels announce the call at their start too (finish_send announces it for fused sends,
-// after the rows): a send that waits (for queue room, say) must not keep the peers' checks waiting.
+// The send kernels announce the call at their start (finish_send announces it for fused sends,
+// after the rows, and is told not to here: a call is announced once): a send that waits (for
+// queue room, say) must not keep the peers' checks waiting.
 extern "C" __global__ void __launch_bounds__(512) moe_ll_send(MoeLlArgs a) {
   announce_call(a.call, a.rank, a.world);
   send_items(a, threadIdx.x / kWarp, blockDim.x / kWarp);
-  moe_ll::finish_send(a);
+  moe_ll::finish_send(a, true);
 }
 
 // The call check (call_check.cuh): the send halves announce the call (finish_send, combine_send),
@@ -235,7 +236,7 @@ extern "C" __global__ void __launch_bounds__(512) moe_ll_dispatch(MoeLlArgs a) {
   } else {
     copy_announced(a, epoch, (warp - nsend) * gridDim.x + blockIdx.x, (nwarps - nsend) * gridDim.x);
   }
-  moe_ll::finish_send(a);
+  moe_ll::finish_send(a, true);
   if (blockIdx.x == 0) write_layout(a, epoch);
   check_moe_call(a);
 }

@@ -297,7 +297,7 @@ pub const MAX_RANKS: usize = 8;
 pub struct CallCheck {
     /// This call's word (see [`crate::gpu::signature`]).
     pub word: u64,
-    /// Every rank's inbox (`[2][MAX_RANKS]` words), mapped here (own at `rank`).
+    /// Every rank's inbox ([`crate::gpu::signature::INBOX_BYTES`]), mapped here (own at `rank`).
     pub inbox: [u64; MAX_RANKS],
 }
 

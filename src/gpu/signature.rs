@@ -8,7 +8,7 @@
 //! Layout (bit ranges, low first):
 //!
 //! ```text
-//! 0..16   call index, modulo 2^16 (counts calls of one collective object; parity picks the inbox half)
+//! 0..16   call index, modulo 2^16 (counts calls of one collective object)
 //! 16..20  collective (CallKind)
 //! 20..24  element type code (DataType::code; 15 for bytes)
 //! 24..28  variant: the algorithm (allreduce) or mode
@@ -145,8 +145,12 @@ pub fn describe(word: u64) -> String {
     text
 }
 
-/// Bytes of one rank's inbox: `[2 parities][MAX_RANKS]` words.
-pub const INBOX_BYTES: usize = 2 * MAX_RANKS * 8;
+/// Bytes of one rank's inbox (`kInboxWords` in `call_check.cuh`): `[2 parities][MAX_RANKS]` slots
+/// its peers write, then its own counts of calls announced to and checked against each peer,
+/// `MAX_RANKS` words each. The inbox half a call uses is picked by that count on the device, not
+/// by the call index: a CUDA graph replays the indices it captured, so with an odd number of
+/// calls in a graph two calls in a row would share a half.
+pub const INBOX_BYTES: usize = 4 * MAX_RANKS * 8;
 
 /// The call check of one collective object: every rank's inbox (mapped here) and the count of
 /// calls made so far.

@@ -2,8 +2,10 @@
 //
 // Every collective call carries a 64-bit call word that names it: call index, collective, element
 // type, algorithm, operation and count (made by src/gpu/signature.rs; bit 63 marks a word as
-// written, so a zeroed slot reads as "nothing yet"). Each rank has an inbox of
-// [2 parities][kMaxRanks] words in its collective's scratch, mapped by its peers.
+// written, so a zeroed slot reads as "nothing yet"). Each rank has an inbox of kInboxWords words in
+// its collective's scratch (zeroed at allocation): [2 parities][kMaxRanks] slots its peers write,
+// mapped by them, then two rows of counters only this rank touches: for each peer p, how many
+// calls it announced to p and how many it checked against p.
 //
 // Who: block 0's thread p announces (block 0 is scheduled first, so a peer sees the word even
 // where the grids of ranks sharing a GPU cannot all be resident); the last `world` threads of the
@@ -11,22 +13,29 @@
 // data to move, so their check runs beside the data path instead of after it, and large ones
 // hide its one load in their length.
 //
-// Protocol (for each peer p != rank):
-//   start of the kernel, block 0's thread p: store my word into peer p's inbox slot
-//     [parity][rank] (relaxed; the reader only compares it, nothing is read under its protection).
+// Protocol (for each peer p != rank), n = this call's ordinal among the object's checked calls:
+//   start of the kernel, block 0's thread p: store my word into peer p's inbox slot [n & 1][rank]
+//     (relaxed; the reader only compares it, nothing is read under its protection).
 //   end of the kernel, checker thread p, after its own share of the work: wait (bounded,
-//     abort-aware) until my inbox slot [parity][p] holds a word with this call's key (index and
+//     abort-aware) until my inbox slot [n & 1][p] holds a word with this call's key (index and
 //     graph bit), and compare it with mine. A different word is reported as a mismatch (WaitReport's mismatch
 //     record) and aborts the communicator, so the host call returns Error::ArgumentMismatch
 //     naming both calls. A peer that skipped or repeated a call never shows this key: its waits
 //     and this one give up at the budget (Error::Timeout naming it).
-// Why two parities suffice: peer p writes call i+2's word into slot [parity][rank] only after it
-// finished call i+1, which needs this rank's data of call i+1, which this rank sends only after this
-// kernel (call i) ended. So while call i runs, the slot holds an older word (wait) or call i's.
-// Graph replays reuse their captured words; a replayed slot already holding this call's word from
-// the previous replay makes the check pass at once (the words were compared at the first replay).
+// The parity is n's, counted on the device (each announcing and checking thread keeps its own
+// count per peer, so no two threads share one), not the host's call index: a CUDA graph replays
+// the indices it captured, so with an odd number of calls in a graph the first call of a replay
+// has the parity of the last call of the one before, and a peer one call ahead would overwrite
+// the slot this rank is about to check (the check then waited for a word that never came).
+// Why two parities suffice: peer p writes call n+2's word into slot [n & 1][rank] only after it
+// finished call n+1, which needs this rank's data of call n+1, which this rank sends only after this
+// kernel (call n) ended. So while call n runs, the slot holds call n-2's word (wait) or call n's.
+// Graph replays reuse their captured words; a slot already holding this call's key from an
+// earlier replay (call n-2 captured as the same call) makes the check pass at once (the words
+// were compared at the first replay).
 // Cost: the store is fire-and-forget and the load at the end normally finds the word already there
-// (the peer's data arrived, so the peer had started): nothing on the critical path.
+// (the peer's data arrived, so the peer had started): nothing on the critical path; the counters
+// are one load and one store of this rank's memory each.
 #pragma once
 
 #include "wait.cuh"
@@ -36,10 +45,15 @@ namespace doorbell {
 // Most ranks a single-node collective kernel handles.
 constexpr uint32_t kMaxRanks = 8;
 
+// Words of one rank's inbox: [2][kMaxRanks] slots, then [kMaxRanks] counts of calls announced to
+// each peer and [kMaxRanks] counts of calls checked against each peer (signature::INBOX_BYTES).
+constexpr uint32_t kInboxWords = 4 * kMaxRanks;
+constexpr uint32_t kAnnouncedCounts = 2 * kMaxRanks, kCheckedCounts = 3 * kMaxRanks;
+
 // Launch-argument member of every checked collective.
 struct CallCheck {
   uint64_t word;                // this call's word; 0: no check (the kernel runs unchecked)
-  uint64_t* inbox[kMaxRanks];   // every rank's inbox ([2][kMaxRanks] words), mapped here (own at [rank])
+  uint64_t* inbox[kMaxRanks];   // every rank's inbox (kInboxWords words), mapped here (own at [rank])
 };
 DOORBELL_CHECK_SIZE(CallCheck, 72);
 
@@ -68,11 +82,22 @@ DOORBELL_DEVICE_INLINE uint32_t checked_peer(uint32_t world) {
 // bounded wait, a report) out of the kernel body keeps the body's instructions as compact as
 // without the check (inlined, the check cost 1 us per small allreduce, measured). Passing the
 // launch arguments by reference instead would make the compiler copy them to local memory.
-static __noinline__ __device__ void announce_call_to(uint64_t* slot, uint64_t word) { store_relaxed_sys(slot, word); }
+// `own`: this rank's inbox; `theirs`: peer p's, mapped here. Each count is read and advanced by
+// one thread only (block 0's thread p, or checker thread p), once per call; the next kernel reads
+// it after this one ended.
+static __noinline__ __device__ void announce_call_to(uint64_t* own, uint64_t* theirs, uint32_t p, uint32_t rank,
+                                                     uint64_t word) {
+  const uint64_t n = own[kAnnouncedCounts + p];
+  store_relaxed_sys(theirs + (n & 1) * kMaxRanks + rank, word);
+  own[kAnnouncedCounts + p] = n + 1;
+}
 
-static __noinline__ __device__ void check_call_of(const uint64_t* slot, uint64_t word, uint32_t p, WaitSite site,
+static __noinline__ __device__ void check_call_of(uint64_t* own, uint64_t word, uint32_t p, WaitSite site,
                                                   bool every_pair_exchanges) {
   site.peer = static_cast<int32_t>(p);
+  const uint64_t n = own[kCheckedCounts + p];
+  own[kCheckedCounts + p] = n + 1;
+  const uint64_t* slot = own + (n & 1) * kMaxRanks + p;
   uint64_t theirs = load_relaxed_sys(slot);
   if (every_pair_exchanges) {
     spin_until(site, kWaitArgMismatch, word, [&](uint64_t& seen) {
@@ -87,15 +112,17 @@ static __noinline__ __device__ void check_call_of(const uint64_t* slot, uint64_t
 }
 
 // Block 0's thread p tells peer p which call this is (block 0 runs first, even where the grids of
-// ranks sharing a GPU cannot all be resident). Call at the kernel's start.
+// ranks sharing a GPU cannot all be resident). Call at the kernel's start, once per call (a second
+// announce of the same call would count as the next one).
 DOORBELL_DEVICE_INLINE void announce_call(const CallCheck& c, uint32_t rank, uint32_t world) {
   const uint32_t p = threadIdx.x;
   if (c.word != 0 && blockIdx.x == 0 && p < world && p != rank) {
-    announce_call_to(c.inbox[p] + (c.word & 1) * kMaxRanks + rank, c.word);
+    announce_call_to(c.inbox[rank], c.inbox[p], p, rank, c.word);
   }
 }
 
-// Checker thread p checks that peer p makes the same call. Call at the kernel's end.
+// Checker thread p checks that peer p makes the same call. Call at the kernel's end, once per
+// call.
 // `every_pair_exchanges`: every rank's call needs data from every other rank (allreduce, all-to-all
 // of equal blocks), so peer p has announced this call by now and any other index is a mismatch.
 // Otherwise (all-to-all of variable blocks, where a pair may exchange nothing and a rank may run
@@ -105,7 +132,7 @@ DOORBELL_DEVICE_INLINE void check_call(const CallCheck& c, uint32_t rank, uint32
                                        bool every_pair_exchanges = true) {
   uint32_t p;
   if (c.word != 0 && call_checker(world, p) && p != rank) {
-    check_call_of(c.inbox[rank] + (c.word & 1) * kMaxRanks + p, c.word, p, site, every_pair_exchanges);
+    check_call_of(c.inbox[rank], c.word, p, site, every_pair_exchanges);
   }
 }
 

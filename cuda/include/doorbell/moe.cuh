@@ -190,9 +190,12 @@ DOORBELL_DEVICE_INLINE void put_token(const MoeLlArgs& a, uint32_t t, const void
 // last block to arrive stores the epoch for the next call (every block has read the old one by
 // then), so a dispatch needs no kernel before its send; with no tokens it also publishes the
 // (zero) counts, since no item did (a kernel that also receives must publish them earlier: see
-// send_items in moe_ll.cu).
-DOORBELL_DEVICE_INLINE void finish_send(const MoeLlArgs& a) {
-  announce_call(a.call, a.rank, a.world);  // the receive half checks it (call_check.cuh)
+// send_items in moe_ll.cu). It also announces the call, which the receive half checks
+// (call_check.cuh), unless `announced`: a kernel that announced it already, at its start (the
+// library's send kernels do, so a send that waits never keeps the peers' checks waiting), passes
+// true, as a call is announced once.
+DOORBELL_DEVICE_INLINE void finish_send(const MoeLlArgs& a, bool announced = false) {
+  if (!announced) announce_call(a.call, a.rank, a.world);
   __shared__ bool last;
   __syncthreads();
   if (threadIdx.x == 0) {
