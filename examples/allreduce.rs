@@ -19,7 +19,7 @@ use doorbell::gpu::cuda::device_count;
 use doorbell::job::launch::run_job;
 use doorbell::{Error, Result};
 use doorbell_bench::harness::{
-    human, limit_nccl_ctas, measure, parse_size, sum_over_ranks, sweep, Repeat, Timing,
+    human, limit_nccl_ctas, measure, parse_size, sum_over_ranks, sweep, Repeat, Timing, TimingCsv,
 };
 use doorbell_bench::nccl::Nccl;
 use doorbell_bench::plot::{Chart, Panel, Series};
@@ -89,6 +89,10 @@ struct Args {
     /// Also write the table as Markdown to this file.
     #[arg(long)]
     markdown: Option<std::path::PathBuf>,
+    /// Also write every library's timings as CSV to this file (for `python -m doorbell.peers`,
+    /// which adds the PyTorch peers measured in another run).
+    #[arg(long)]
+    csv: Option<std::path::PathBuf>,
 }
 
 fn main() {
@@ -209,6 +213,7 @@ fn run(args: &Args) -> Result<i32> {
         no_eager: args.no_eager,
     };
     let mut rows = Vec::new();
+    let mut csv = args.csv.as_deref().filter(|_| lead).map(TimingCsv::new);
     let mut failed = false;
     for (idx, &bytes) in sizes.iter().enumerate() {
         let count = (bytes / dtype.size()).max(1);
@@ -267,6 +272,17 @@ fn run(args: &Args) -> Result<i32> {
                 symm_t = measure(&comm, &s, bytes, repeat, &|st| unsafe {
                     n.all_reduce(st, sin, sout, count, dtype)
                 })?;
+            }
+        }
+        if let Some(csv) = &mut csv {
+            for (library, t) in [
+                ("doorbell", doorbell),
+                ("NCCL", nccl_t),
+                ("NCCL symm", symm_t),
+            ] {
+                if library == "doorbell" || nccl.is_some() {
+                    csv.row("allreduce", world, dtype.name(), bytes, library, t)?;
+                }
             }
         }
         rows.push(Row {

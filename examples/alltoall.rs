@@ -17,6 +17,7 @@ use doorbell::job::launch::run_job;
 use doorbell::{Error, Result};
 use doorbell_bench::harness::{
     alltoall_lanes, human, limit_nccl_ctas, measure, parse_size, sum_over_ranks, sweep, Repeat,
+    TimingCsv,
 };
 use doorbell_bench::nccl::Nccl;
 use std::sync::Arc;
@@ -79,6 +80,10 @@ struct Args {
     /// Skip eager timing (graph only).
     #[arg(long)]
     no_eager: bool,
+    /// Also write every library's timings as CSV to this file (for `python -m doorbell.peers`,
+    /// which adds the PyTorch peers measured in another run).
+    #[arg(long)]
+    csv: Option<std::path::PathBuf>,
 }
 
 fn main() {
@@ -174,6 +179,7 @@ fn run(args: &Args) -> Result<i32> {
         .map(|b| (b / unit).max(1) * unit)
         .collect();
     let mut failed = false;
+    let mut csv = args.csv.as_deref().filter(|_| lead).map(TimingCsv::new);
     for (idx, &bytes) in sizes.iter().enumerate() {
         let blk = bytes / world;
         let count = blk / dtype.size();
@@ -242,6 +248,12 @@ fn run(args: &Args) -> Result<i32> {
             None => (None, None),
         };
         failed |= wrong.unwrap_or(0) > 0 || nccl_wrong.unwrap_or(0) > 0;
+        if let Some(csv) = &mut csv {
+            csv.row("alltoall", world, dtype.name(), bytes, "doorbell", ours)?;
+            if let Some(t) = theirs {
+                csv.row("alltoall", world, dtype.name(), bytes, "NCCL", t)?;
+            }
+        }
         if lead {
             let f = (world as f64 - 1.0) / world as f64;
             let bw = |us: Option<f64>, f: f64| {

@@ -212,6 +212,53 @@ pub fn alltoall_lanes(sms: u32, peers: u32) -> (u32, u32) {
     (lanes, own)
 }
 
+/// Timings as CSV, for a driver that merges them with other libraries' measured in another
+/// process (`python -m doorbell.peers`): a header, then one line per size and library,
+/// `collective,ranks,dtype,bytes,library,graph_us,eager_us` (empty where not measured). The file
+/// is rewritten after every line, so a run cut short keeps what it measured.
+pub struct TimingCsv {
+    path: std::path::PathBuf,
+    text: String,
+}
+
+impl TimingCsv {
+    /// The header line.
+    pub const HEADER: &'static str = "collective,ranks,dtype,bytes,library,graph_us,eager_us";
+
+    /// A CSV for `path` (nothing is written until the first row).
+    pub fn new(path: &std::path::Path) -> Self {
+        TimingCsv {
+            path: path.to_path_buf(),
+            text: format!("{}\n", Self::HEADER),
+        }
+    }
+
+    /// Adds `library`'s timing of one size and rewrites the file.
+    pub fn row(
+        &mut self,
+        collective: &str,
+        ranks: usize,
+        dtype: &str,
+        bytes: usize,
+        library: &str,
+        t: Timing,
+    ) -> Result<()> {
+        let us = |v: Option<f64>| v.map_or(String::new(), |x| format!("{x:.3}"));
+        self.text.push_str(&format!(
+            "{collective},{ranks},{dtype},{bytes},{library},{},{}\n",
+            us(t.graph),
+            us(t.eager)
+        ));
+        std::fs::write(&self.path, &self.text)
+            .map_err(|e| Error::io(format!("writing {}", self.path.display()), e))
+    }
+
+    /// What the file holds (or will hold).
+    pub fn text(&self) -> &str {
+        &self.text
+    }
+}
+
 fn cuda(call: &'static str) -> impl Fn(cudarc::driver::DriverError) -> Error {
     move |e| Error::Cuda {
         call,
@@ -222,6 +269,29 @@ fn cuda(call: &'static str) -> impl Fn(cudarc::driver::DriverError) -> Error {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn timing_csv_writes_a_line_per_library_and_size() {
+        let path = std::env::temp_dir().join(format!("doorbell-csv-{}.csv", std::process::id()));
+        let mut csv = TimingCsv::new(&path);
+        let t = Timing {
+            graph: Some(12.5),
+            eager: None,
+        };
+        csv.row("allreduce", 4, "bf16", 1024, "doorbell", t)
+            .unwrap();
+        csv.row("allreduce", 4, "bf16", 1024, "NCCL", Timing::default())
+            .unwrap();
+        let text = std::fs::read_to_string(&path).unwrap();
+        std::fs::remove_file(&path).unwrap();
+        assert_eq!(
+            text,
+            "collective,ranks,dtype,bytes,library,graph_us,eager_us\n\
+             allreduce,4,bf16,1024,doorbell,12.500,\n\
+             allreduce,4,bf16,1024,NCCL,,\n"
+        );
+        assert_eq!(csv.text(), text);
+    }
 
     #[test]
     fn alltoall_lanes_stay_within_the_budget() {

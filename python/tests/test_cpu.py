@@ -162,6 +162,77 @@ def test_bench_help_runs_without_torch_or_gpu():
     assert bad.returncode == 2 and "invalid choice" in bad.stderr
 
 
+EXAMPLES_CSV = """collective,ranks,dtype,bytes,library,graph_us,eager_us
+allreduce,4,bf16,1024,doorbell,5.000,8.000
+allreduce,4,bf16,1024,NCCL,15.000,20.000
+allreduce,4,bf16,1024,NCCL symm,10.000,
+allreduce,4,bf16,2097152,doorbell,40.000,44.000
+allreduce,4,bf16,2097152,NCCL,30.000,50.000
+allreduce,4,bf16,2097152,NCCL symm,,
+"""
+TORCH_CSV = """collective,ranks,dtype,bytes,library,graph_us,eager_us
+allreduce,4,bf16,1024,torch symm one-shot,4.000,9.000
+allreduce,4,bf16,2097152,torch symm one-shot,,
+"""
+
+
+def test_peers_merge_and_tables_give_a_ratio_per_peer():
+    from doorbell import peers
+
+    rows = peers.merge([EXAMPLES_CSV, TORCH_CSV])
+    assert peers.libraries(rows) == ["doorbell", "NCCL", "NCCL symm", "torch symm one-shot"]
+    assert rows[("allreduce", 1024)]["NCCL symm"] == (10.0, None)
+    lines = peers.tables(rows).splitlines()
+    graph = lines.index("| 1K | 5.00 | 15.00 | 10.00 | 4.00 | 3.00 | 2.00 | 0.80 | torch symm one-shot | 0.80 |")
+    assert lines[graph - 4].startswith("allreduce, CUDA graph")
+    # 2 MiB: only NCCL measured among the peers; doorbell is slower there in graph mode.
+    assert "| 2M | 40.00 | 30.00 | - | - | 0.75 | - | - | NCCL | 0.75 |" in lines
+    assert "| 2M | 44.00 | 50.00 | - | - | 1.14 | - | - | NCCL | 1.14 |" in lines
+    with pytest.raises(ValueError, match="not a timings CSV"):
+        peers.merge(["size,us\n1,2\n"])
+
+
+def test_peers_sizes_round_as_the_examples_do():
+    from doorbell import peers
+
+    assert peers.parse_size("8") == 8 and peers.parse_size("64K") == 65536 and peers.parse_size("1g") == 1 << 30
+    with pytest.raises(ValueError, match="not a size"):
+        peers.parse_size("2MB")
+    assert peers.sizes("allreduce", 1, 8, 4) == [2, 2, 4, 8]
+    assert peers.sizes("alltoall", 8, 64, 3) == [6, 12, 30, 60]
+    assert peers.human(1024) == "1K" and peers.human(3 << 20) == "3M" and peers.human(1000) == "1000"
+
+
+def test_peers_run_takes_its_options_after_the_collective():
+    from doorbell import peers
+
+    a = peers.parser().parse_args(
+        ["run", "alltoall", "--examples", "ex", "--nranks", "4", "--max-bytes", "64M", "--example-args", "--sms 16"]
+    )
+    assert (a.collective, a.examples, a.nranks, a.max_bytes, a.example_args) == ("alltoall", "ex", 4, "64M", "--sms 16")
+
+
+def test_peers_table_command_runs_without_torch_or_gpu(tmp_path):
+    import subprocess
+    import sys
+
+    a, b, merged = tmp_path / "a.csv", tmp_path / "b.csv", tmp_path / "m.csv"
+    a.write_text(EXAMPLES_CSV)
+    b.write_text(TORCH_CSV)
+    out = subprocess.run(
+        [sys.executable, "-m", "doorbell.peers", "table", str(a), str(b), "--out-csv", str(merged)],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    assert "allreduce, eager" in out and "x torch symm one-shot" in out
+    assert merged.read_text().count("\n") == 1 + 6 + 2
+    help_text = subprocess.run(
+        [sys.executable, "-m", "doorbell.peers", "--help"], capture_output=True, text=True, check=True
+    ).stdout
+    assert "run" in help_text and "worker" in help_text and "table" in help_text
+
+
 def test_memory_channels_take_doorbell_memory_only():
     comm = doorbell.Communicator(FakeNative())
     with pytest.raises(TypeError, match="Communicator.alloc"):
