@@ -15,7 +15,7 @@ use doorbell::communicator::Communicator;
 use doorbell::gpu::cuda::device_count;
 use doorbell::job::launch::run_job;
 use doorbell::{Error, Result};
-use doorbell_bench::harness::{human, measure, parse_size, sum_over_ranks, sweep, Repeat};
+use doorbell_bench::harness::{cuda, human, measure, parse_size, sum_over_ranks, sweep, Repeat};
 use doorbell_bench::nccl::Nccl;
 use std::sync::Arc;
 
@@ -224,11 +224,4 @@ fn run(args: &Args) -> Result<i32> {
         return Ok(2);
     }
     Ok(0)
-}
-
-fn cuda(call: &'static str) -> impl Fn(cudarc::driver::DriverError) -> Error {
-    move |e| Error::Cuda {
-        call,
-        code: e.to_string(),
-    }
 }

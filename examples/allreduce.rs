@@ -19,7 +19,8 @@ use doorbell::gpu::cuda::device_count;
 use doorbell::job::launch::run_job;
 use doorbell::{Error, Result};
 use doorbell_bench::harness::{
-    human, limit_nccl_ctas, measure, parse_size, sum_over_ranks, sweep, Repeat, Timing, TimingCsv,
+    cuda, human, limit_nccl_ctas, measure, parse_size, sum_over_ranks, sweep, Repeat, Timing,
+    TimingCsv,
 };
 use doorbell_bench::nccl::Nccl;
 use doorbell_bench::plot::{Chart, Panel, Series};
@@ -510,11 +511,4 @@ fn plot(path: &std::path::Path, rows: &[Row], world: usize, dtype: DataType) -> 
         ],
     };
     chart.render_png(path)
-}
-
-fn cuda(call: &'static str) -> impl Fn(cudarc::driver::DriverError) -> Error {
-    move |e| Error::Cuda {
-        call,
-        code: e.to_string(),
-    }
 }

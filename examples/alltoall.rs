@@ -16,8 +16,8 @@ use doorbell::gpu::cuda::device_count;
 use doorbell::job::launch::run_job;
 use doorbell::{Error, Result};
 use doorbell_bench::harness::{
-    alltoall_lanes, human, limit_nccl_ctas, measure, parse_size, sum_over_ranks, sweep, Repeat,
-    TimingCsv,
+    alltoall_lanes, cuda, human, limit_nccl_ctas, measure, parse_size, sum_over_ranks, sweep,
+    Repeat, TimingCsv,
 };
 use doorbell_bench::nccl::Nccl;
 use std::sync::Arc;
@@ -293,11 +293,4 @@ fn run(args: &Args) -> Result<i32> {
         return Ok(2);
     }
     Ok(0)
-}
-
-fn cuda(call: &'static str) -> impl Fn(cudarc::driver::DriverError) -> Error {
-    move |e| Error::Cuda {
-        call,
-        code: e.to_string(),
-    }
 }

@@ -18,7 +18,7 @@ use doorbell::communicator::Communicator;
 use doorbell::gpu::cuda::device_count;
 use doorbell::job::launch::run_job;
 use doorbell::{Error, Result};
-use doorbell_bench::harness::{limit_nccl_ctas, measure, Repeat, Timing};
+use doorbell_bench::harness::{cuda, limit_nccl_ctas, measure, Repeat, Timing};
 use doorbell_bench::nccl::Nccl;
 use std::sync::Arc;
 
@@ -432,11 +432,4 @@ fn low_latency(
         );
     }
     Ok(())
-}
-
-fn cuda(call: &'static str) -> impl Fn(cudarc::driver::DriverError) -> Error {
-    move |e| Error::Cuda {
-        call,
-        code: e.to_string(),
-    }
 }

@@ -24,7 +24,9 @@ use doorbell::gpu::cuda::device_count;
 use doorbell::job::launch::run_job;
 use doorbell::{Error, Result};
 use doorbell_bench::gemm::Gemm;
-use doorbell_bench::harness::{alltoall_lanes, human, limit_nccl_ctas, max_over_ranks, parse_size};
+use doorbell_bench::harness::{
+    alltoall_lanes, cuda, human, limit_nccl_ctas, max_over_ranks, parse_size,
+};
 use doorbell_bench::nccl::Nccl;
 use std::sync::Arc;
 
@@ -317,11 +319,4 @@ fn run(args: &Args) -> Result<i32> {
         }
     }
     Ok(0)
-}
-
-fn cuda(call: &'static str) -> impl Fn(cudarc::driver::DriverError) -> Error {
-    move |e| Error::Cuda {
-        call,
-        code: e.to_string(),
-    }
 }

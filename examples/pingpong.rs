@@ -14,6 +14,7 @@ use doorbell::communicator::Communicator;
 use doorbell::device_api::MemoryChannelHandle;
 use doorbell::job::launch::run_job;
 use doorbell::{Error, Result};
+use doorbell_bench::harness::cuda;
 use std::sync::Arc;
 
 #[derive(Parser, Debug)]
@@ -317,12 +318,5 @@ fn bandwidth_round(
         comm.check(unsafe { b.launch(cfg(1, 32)) }, "cuLaunchKernel")?;
         comm.synchronize(stream)?;
         Ok(0.0)
-    }
-}
-
-fn cuda(call: &'static str) -> impl Fn(cudarc::driver::DriverError) -> Error {
-    move |e| Error::Cuda {
-        call,
-        code: e.to_string(),
     }
 }

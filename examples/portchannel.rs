@@ -11,6 +11,7 @@ use cudarc::driver::{CudaStream, LaunchConfig, PushKernelArg};
 use doorbell::communicator::Communicator;
 use doorbell::job::launch::run_job;
 use doorbell::{Error, Result};
+use doorbell_bench::harness::cuda;
 use std::sync::Arc;
 
 #[derive(Parser, Debug)]
@@ -49,13 +50,6 @@ fn one() -> LaunchConfig {
         grid_dim: (1, 1, 1),
         block_dim: (32, 1, 1),
         shared_mem_bytes: 0,
-    }
-}
-
-fn cuda(call: &'static str) -> impl Fn(cudarc::driver::DriverError) -> Error {
-    move |e| Error::Cuda {
-        call,
-        code: e.to_string(),
     }
 }
 

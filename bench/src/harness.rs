@@ -259,7 +259,8 @@ impl TimingCsv {
     }
 }
 
-fn cuda(call: &'static str) -> impl Fn(cudarc::driver::DriverError) -> Error {
+/// Maps a CUDA driver error to doorbell's, naming the driver call (for `map_err`).
+pub fn cuda(call: &'static str) -> impl Fn(cudarc::driver::DriverError) -> Error {
     move |e| Error::Cuda {
         call,
         code: e.to_string(),
