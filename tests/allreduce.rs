@@ -6,7 +6,7 @@
 
 mod common;
 
-use common::{rank_counts, rank_main, run_case};
+use common::{assert_late_peer_cost, late_peer_cost, rank_counts, rank_main, run_case};
 use cudarc::driver::sys::CUstreamCaptureMode;
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
 use doorbell::collectives::allreduce::{Algorithm, AllReduce, AllReduceOptions};
@@ -24,6 +24,7 @@ fn gpu_rank() {
         "pressure" => pressure(comm, stream),
         "graph_of_three" => graph_of_three(comm, stream),
         "disagree" => disagree(comm, stream),
+        "late_peer" => late_peer(comm, stream),
         other => panic!("unknown case {other}"),
     });
 }
@@ -53,6 +54,16 @@ fn graphs_of_an_odd_number_of_calls_replay() {
             n,
             &[("DOORBELL_WAIT_TIMEOUT_MS", "10000")],
         );
+    }
+}
+
+/// A rank that starts late costs its peers its lateness and no more. Needs a GPU per rank (ranks
+/// sharing one GPU take turns, so nothing is measured there and the case says so).
+#[test]
+#[ignore = "needs GPU"]
+fn a_late_peer_costs_only_its_lateness() {
+    for n in rank_counts() {
+        run_case("late_peer", n, &[]);
     }
 }
 
@@ -236,6 +247,33 @@ fn pressure(comm: &Arc<Communicator>, s: &Arc<CudaStream>) {
         runs[0], runs[1],
         "the same sequence gave different results on its second run"
     );
+}
+
+/// The last rank starts every call 300 us late; on every other rank such a call may take at most
+/// 300 + 60 us more than one with every rank on time, at sizes that take each algorithm. Before
+/// the abort gate (wait.cuh) every waiting thread read the host's abort word after 33 us: 32768
+/// PCIe reads in flight that took 0.1-1.4 ms to drain, so a wait that outlived 33 us ended that
+/// much after its data came (on 2 x H100 this case measured 454 us at 32 KiB before the gate,
+/// 354 us after, with the skew of leaving a barrier in both).
+fn late_peer(comm: &Arc<Communicator>, s: &Arc<CudaStream>) {
+    let ar = AllReduce::new(comm, AllReduceOptions::default()).unwrap();
+    let dtype = DataType::Bf16;
+    let late = std::time::Duration::from_micros(300);
+    let slack = std::time::Duration::from_micros(60);
+    let cap = 32 << 20;
+    let bufs = Bufs {
+        input: s.alloc_zeros::<u8>(cap).unwrap(),
+        output: s.alloc_zeros::<u8>(cap).unwrap(),
+    };
+    let (i, o) = (ptr(s, &bufs.input, 0), ptr(s, &bufs.output, 0));
+    for bytes in [32usize << 10, 256 << 10, 2 << 20, 32 << 20] {
+        let count = bytes / dtype.size();
+        let algo = ar.plan(count, dtype).unwrap().algorithm.name();
+        // SAFETY: both buffers hold `cap` >= bytes.
+        let op = || unsafe { ar.run_raw(s, i, o, count, dtype) };
+        let got = late_peer_cost(comm, s, late, 20, &op);
+        assert_late_peer_cost(comm, &format!("{bytes} B ({algo})"), late, slack, got);
+    }
 }
 
 /// Three calls of one allreduce object in one CUDA graph (a small, a medium and a large size, so

@@ -6,7 +6,7 @@
 
 mod common;
 
-use common::{rank_counts, rank_main, run_case};
+use common::{assert_late_peer_cost, late_peer_cost, rank_counts, rank_main, run_case};
 use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
 use doorbell::collectives::alltoall::{AllToAll, AllToAllOptions, Counts};
@@ -20,6 +20,7 @@ fn gpu_rank() {
     rank_main(|case, comm, stream| match case {
         "equal" => equal(comm, stream),
         "uneven" => uneven(comm, stream),
+        "late_peer" => late_peer(comm, stream),
         other => panic!("unknown case {other}"),
     });
 }
@@ -41,6 +42,35 @@ fn uneven_zero_and_misaligned_blocks_and_graph_replays() {
 }
 
 const TILE: usize = 4 << 10;
+
+/// A rank that starts late costs its peers its lateness and no more (needs a GPU per rank).
+#[test]
+#[ignore = "needs GPU"]
+fn a_late_peer_costs_only_its_lateness() {
+    for n in rank_counts() {
+        run_case("late_peer", n, &[]);
+    }
+}
+
+/// As tests/allreduce's case: the last rank starts every call 300 us late, at a size that takes
+/// the LL16 kernel and one that takes the tile kernel; the others' calls may take at most 300 +
+/// 60 us more than with every rank on time (before the abort gate: 422 and 517 us).
+fn late_peer(comm: &Arc<Communicator>, s: &Arc<CudaStream>) {
+    let a2a = AllToAll::new(comm, AllToAllOptions::default()).unwrap();
+    let world = comm.world_size();
+    let late = std::time::Duration::from_micros(300);
+    let slack = std::time::Duration::from_micros(60);
+    let cap = 16usize << 20;
+    let input = s.alloc_zeros::<u8>(cap).unwrap();
+    let output = s.alloc_zeros::<u8>(cap).unwrap();
+    let (i, o) = (input.device_ptr(s).0, output.device_ptr(s).0);
+    for block in [32usize << 10, cap / world] {
+        // SAFETY: both buffers hold world x block <= cap bytes.
+        let op = || unsafe { a2a.run_raw(s, i, o, block) };
+        let got = late_peer_cost(comm, s, late, 20, &op);
+        assert_late_peer_cost(comm, &format!("blocks of {block} B"), late, slack, got);
+    }
+}
 
 fn small_rings(comm: &Arc<Communicator>) -> AllToAll {
     AllToAll::new(

@@ -60,7 +60,7 @@ DOORBELL_DEVICE_INLINE uint32_t ll_thread() {
 template <typename P>
 DOORBELL_DEVICE_INLINE void wait_packet(const P* pk, uint32_t flag, uint32_t* w, WaitSite& site, uint32_t peer) {
   site.peer = static_cast<int32_t>(peer);
-  spin_until(site, kWaitPacket, flag, [&](uint64_t& seen) { return pk->try_read(w[0], w[1], flag, seen); });
+  spin_until_packet(site, kWaitPacket, flag, [&](uint64_t& seen) { return pk->try_read(w[0], w[1], flag, seen); });
 }
 
 // One-shot: every rank pushes its whole input as packets into every peer's slot, then reduces
@@ -215,7 +215,7 @@ DOORBELL_DEVICE_INLINE void store_vec(void* p, const uint32_t (&w)[4]) {
 template <typename T>
 DOORBELL_DEVICE_INLINE void wait_vec(const uint32_t* p, uint32_t (&w)[4], WaitSite& site, uint32_t peer) {
   site.peer = static_cast<int32_t>(peer);
-  spin_until(site, kWaitPacket, kEmpty, [&](uint64_t& seen) {
+  spin_until_packet(site, kWaitPacket, kEmpty, [&](uint64_t& seen) {
     load_volatile_v4(p, w[0], w[1], w[2], w[3]);
     seen = w[0];
     return all_arrived<T>(w);

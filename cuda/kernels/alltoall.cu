@@ -147,7 +147,8 @@ DOORBELL_DEVICE_INLINE void ll16(const AllToAllArgs& a) {
     const WaitSite& site = a.data[p].site;
     for (uint64_t i = first; i * 8 < bytes; i += stride) {
       uint32_t lo = 0, hi = 0;
-      spin_until(site, kWaitPacket, epoch, [&](uint64_t& seen) { return slot[i].try_read(lo, hi, epoch, seen); });
+      spin_until_packet(site, kWaitPacket, epoch,
+                        [&](uint64_t& seen) { return slot[i].try_read(lo, hi, epoch, seen); });
       const uint64_t n = bytes - i * 8;
       store_payload(dst + i * 8, n < 8 ? uint32_t(n) : 8, lo, hi);
     }

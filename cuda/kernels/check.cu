@@ -3,6 +3,7 @@
 // to 8 ranks stays an integer in [-64, 64], exact in bf16, f16 and f32, so any wrong element is
 // a real error and the expected value names every contribution. The host twin is
 // `collectives::check::value`.
+#include <doorbell/atomics.cuh>
 #include <doorbell/reduce.cuh>
 
 using namespace doorbell;
@@ -80,3 +81,15 @@ __device__ __forceinline__ void hash_impl(const T* x, uint64_t count, unsigned l
 DOORBELL_CHECK_KERNELS(__nv_bfloat16, bf16)
 DOORBELL_CHECK_KERNELS(__half, f16)
 DOORBELL_CHECK_KERNELS(float, f32)
+
+// Holds its stream for `ns` nanoseconds of wall clock (the GPU's global timer), so a test or a
+// benchmark can make one rank late on purpose.
+extern "C" __global__ void check_delay(uint64_t ns) {
+  const uint64_t start = global_timer_ns();
+  while (global_timer_ns() - start < ns) __nanosleep(1000);
+}
+
+// Writes the GPU's global timer (ns) to `at`: between the calls of a CUDA graph, the benchmarks'
+// per-call clock (an event node there costs several microseconds a call; a kernel node about
+// half of one).
+extern "C" __global__ void check_stamp(uint64_t* at) { *at = global_timer_ns(); }

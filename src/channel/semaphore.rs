@@ -11,8 +11,9 @@ use std::sync::{Arc, Mutex};
 
 /// Tokens in one token pool. Each set of channels takes `world_size` of them.
 pub(crate) const TOKEN_SLOTS: usize = 64 * 1024;
-/// Slot 0 of the private half holds the wait diagnostics' claim word.
-pub(crate) const FIRST_TOKEN_SLOT: usize = 1;
+/// Slots 0 and 1 of the private half hold the wait diagnostics' claim word and abort gate
+/// (`wait.cuh`).
+pub(crate) const FIRST_TOKEN_SLOT: usize = 2;
 
 /// Semaphore tokens of one rank, in one VMM buffer that every same-host peer maps:
 /// `[inbound tokens: TOKEN_SLOTS x u64][private expected counters: TOKEN_SLOTS x u64]`.

@@ -30,6 +30,8 @@ pub struct Checker {
     hash: [CudaFunction; 3],
     route_fill: CudaFunction,
     route_count_wrong: CudaFunction,
+    delay: CudaFunction,
+    stamp: CudaFunction,
 }
 
 fn suffix(dtype: DataType) -> &'static str {
@@ -39,6 +41,13 @@ fn suffix(dtype: DataType) -> &'static str {
         DataType::F32 => "f32",
     }
 }
+
+/// One thread (the clock kernels).
+const ONE_THREAD: LaunchConfig = LaunchConfig {
+    grid_dim: (1, 1, 1),
+    block_dim: (1, 1, 1),
+    shared_mem_bytes: 0,
+};
 
 fn grid(count: usize) -> LaunchConfig {
     LaunchConfig {
@@ -80,7 +89,33 @@ impl Checker {
             hash: load("check_hash")?,
             route_fill: gpu.function("selftest", "selftest_fill")?,
             route_count_wrong: gpu.function("selftest", "selftest_count_wrong")?,
+            delay: gpu.function("check", "check_delay")?,
+            stamp: gpu.function("check", "check_stamp")?,
         })
+    }
+
+    /// Writes the GPU's global timer (nanoseconds) to the u64 at `at` when `s` gets there: a
+    /// clock between the calls of a CUDA graph (a kernel node costs less there than an event).
+    ///
+    /// # Safety
+    /// `at` must be 8 bytes of this GPU's memory, 8-byte aligned, alive until the kernel ran.
+    pub unsafe fn stamp(&self, s: &Arc<CudaStream>, at: u64) -> Result<()> {
+        let mut b = s.launch_builder(&self.stamp);
+        b.arg(&at);
+        // SAFETY: check_stamp(uint64_t*) writes 8 bytes at `at`, which the caller vouches for.
+        unsafe { b.launch(ONE_THREAD) }.map_err(cuda_err("cuLaunchKernel"))?;
+        Ok(())
+    }
+
+    /// Holds `s` for `d` of wall clock (one GPU thread sleeping), so one rank can be made late
+    /// on purpose: its peers' kernels then wait that long for it.
+    pub fn delay(&self, s: &Arc<CudaStream>, d: std::time::Duration) -> Result<()> {
+        let ns = d.as_nanos().min(u64::MAX as u128) as u64;
+        let mut b = s.launch_builder(&self.delay);
+        b.arg(&ns);
+        // SAFETY: check_delay(uint64_t) touches no memory.
+        unsafe { b.launch(ONE_THREAD) }.map_err(cuda_err("cuLaunchKernel"))?;
+        Ok(())
     }
 
     /// Writes the bytes of the message `from` sends `to` in `round` (a pattern of the byte index,

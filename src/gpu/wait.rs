@@ -40,7 +40,8 @@ pub struct WaitDiagnostics {
 const EXPLAIN_GRACE: Duration = Duration::from_millis(1500);
 
 impl WaitDiagnostics {
-    /// `claim` is the device address of a zeroed u32 in device memory that nothing else uses.
+    /// `claim` is the device address of 16 zeroed, 8-byte-aligned bytes of device memory that
+    /// nothing else uses: the claim word and the abort gate after it (`wait.cuh`).
     pub(crate) fn new(gpu: &Arc<Gpu>, claim: u64, budget: Duration, rank: usize) -> Result<Self> {
         Ok(WaitDiagnostics {
             report: HostArray::new(gpu, 1)?,

@@ -172,3 +172,82 @@ pub fn count_wrong(
     comm.synchronize(s).unwrap();
     s.clone_dtoh(&wrong).unwrap()[0]
 }
+
+/// What a peer's lateness costs: the median time of `op` on this rank over `reps` calls with
+/// every rank on time, and over `reps` calls while the last rank starts each call `late` after
+/// the others (a GPU sleep before its call), alternating, each call after a barrier (whose exit
+/// skew both medians share). Every rank calls this; only ranks other than the late one measure.
+/// `None` where ranks share a GPU (time-sliced, a late rank's sleep and its peers' waits take
+/// turns, so nothing about the waits can be measured).
+pub fn late_peer_cost(
+    comm: &Arc<Communicator>,
+    s: &Arc<CudaStream>,
+    late: Duration,
+    reps: usize,
+    op: &dyn Fn() -> doorbell::Result<()>,
+) -> Option<(Duration, Duration)> {
+    let checker = doorbell::collectives::check::Checker::new(comm.gpu()).expect("checker");
+    let shared = doorbell::gpu::cuda::device_count().unwrap_or(0) < comm.world_size();
+    let last = comm.rank() + 1 == comm.world_size();
+    let mut times = [Vec::with_capacity(reps), Vec::with_capacity(reps)];
+    for i in 0..2 * reps {
+        let delayed = i % 2 == 1;
+        comm.synchronize(s).expect("synchronize");
+        comm.bootstrap().barrier().expect("barrier");
+        if last && delayed {
+            checker.delay(s, late).expect("delay");
+        }
+        let flags = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
+        let start = s.record_event(flags).expect("event");
+        op().expect("collective");
+        let stop = s.record_event(flags).expect("event");
+        comm.synchronize(s).expect("synchronize");
+        let ms = start.elapsed_ms(&stop).expect("elapsed");
+        times[usize::from(delayed)].push(Duration::from_secs_f64(ms as f64 / 1e3));
+    }
+    if shared || last {
+        return None;
+    }
+    let median = |v: &mut Vec<Duration>| {
+        v.sort();
+        v[v.len() / 2]
+    };
+    let [mut on_time, mut delayed] = times;
+    Some((median(&mut on_time), median(&mut delayed)))
+}
+
+/// Asserts what [`late_peer_cost`] measured: a peer `late` late costs at most `late` plus
+/// `slack` more than a call with every rank on time.
+pub fn assert_late_peer_cost(
+    comm: &Communicator,
+    what: &str,
+    late: Duration,
+    slack: Duration,
+    got: Option<(Duration, Duration)>,
+) {
+    let us = |d: Duration| d.as_secs_f64() * 1e6;
+    match got {
+        Some((on_time, delayed)) => {
+            eprintln!(
+                "rank {}: {what}: median {:.1} us on time, {:.1} us with a peer {:.0} us late",
+                comm.rank(),
+                us(on_time),
+                us(delayed),
+                us(late)
+            );
+            assert!(
+                delayed < on_time + late + slack,
+                "rank {}: {what}: a peer {:.0} us late cost {:.1} us (on time {:.1} us, allowed {:.0} us more)",
+                comm.rank(),
+                us(late),
+                us(delayed),
+                us(on_time),
+                us(late + slack)
+            );
+        }
+        None if comm.rank() == 0 => {
+            eprintln!("{what}: ranks share a GPU here: not measurable (needs a GPU per rank)")
+        }
+        None => {}
+    }
+}

@@ -35,6 +35,12 @@ DOORBELL_DEVICE_INLINE uint32_t load_relaxed_gpu(const uint32_t* p) {
   return v;
 }
 
+DOORBELL_DEVICE_INLINE uint64_t load_relaxed_gpu(const uint64_t* p) {
+  uint64_t v;
+  asm volatile("ld.relaxed.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+
 DOORBELL_DEVICE_INLINE uint32_t load_acquire_sys(const uint32_t* p) {
   uint32_t v;
   asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
@@ -83,6 +89,16 @@ DOORBELL_DEVICE_INLINE uint32_t cas_relaxed_gpu(uint32_t* p, uint32_t expected, 
   asm volatile("atom.relaxed.gpu.global.cas.b32 %0, [%1], %2, %3;"
                : "=r"(old)
                : "l"(p), "r"(expected), "r"(desired)
+               : "memory");
+  return old;
+}
+
+// Returns the old value; this GPU's threads only, no ordering.
+DOORBELL_DEVICE_INLINE uint64_t cas_relaxed_gpu(uint64_t* p, uint64_t expected, uint64_t desired) {
+  uint64_t old;
+  asm volatile("atom.relaxed.gpu.global.cas.b64 %0, [%1], %2, %3;"
+               : "=l"(old)
+               : "l"(p), "l"(expected), "l"(desired)
                : "memory");
   return old;
 }

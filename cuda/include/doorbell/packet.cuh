@@ -124,7 +124,7 @@ DOORBELL_DEVICE_INLINE void copy_from_packets(void* dst, const Packet* src, uint
   const uint64_t n = packets_for<Packet>(bytes);
   for (uint64_t i = tid; i < n; i += nthreads) {
     uint32_t lo = 0, hi = 0;
-    spin_until(site, kWaitPacket, flag, [&](uint64_t& seen) { return src[i].try_read(lo, hi, flag, seen); });
+    spin_until_packet(site, kWaitPacket, flag, [&](uint64_t& seen) { return src[i].try_read(lo, hi, flag, seen); });
     const uint64_t off = i * Packet::kPayload;
     const uint64_t left = bytes - off;
     store_payload(d + off, left < Packet::kPayload ? uint32_t(left) : Packet::kPayload, lo, hi);
