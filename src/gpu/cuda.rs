@@ -78,6 +78,8 @@ pub fn device_count() -> Result<usize> {
 pub struct Gpu {
     ctx: Arc<CudaContext>,
     modules: Mutex<HashMap<&'static str, Arc<CudaModule>>>,
+    /// `DOORBELL_KERNEL_DIR`: fatbins that replace built-in modules (kernel development).
+    kernel_dir: Option<std::path::PathBuf>,
 }
 
 impl std::fmt::Debug for Gpu {
@@ -99,10 +101,12 @@ impl Gpu {
                 format!("GPU {ordinal} requested but this process sees {count}"),
             ));
         }
+        let kernel_dir = crate::job::config::Settings::from_env()?.kernel_dir;
         let ctx = CudaContext::new(ordinal).map_err(cuda_err("cuDevicePrimaryCtxRetain"))?;
         Ok(Arc::new(Gpu {
             ctx,
             modules: Mutex::new(HashMap::new()),
+            kernel_dir,
         }))
     }
 
@@ -169,9 +173,25 @@ impl Gpu {
             match loaded.get(stem) {
                 Some(m) => m.clone(),
                 None => {
+                    let replaced = self
+                        .kernel_dir
+                        .as_ref()
+                        .map(|d| d.join(format!("{stem}.fatbin")))
+                        .filter(|p| p.is_file());
+                    let image = match replaced {
+                        Some(path) => {
+                            tracing::warn!(
+                                "DOORBELL_KERNEL_DIR: kernels of {stem}.cu from {}, not the built-in ones",
+                                path.display()
+                            );
+                            std::fs::read(&path)
+                                .map_err(|e| Error::io(format!("reading {}", path.display()), e))?
+                        }
+                        None => image.to_vec(),
+                    };
                     let m = self
                         .ctx
-                        .load_module(cudarc::nvrtc::Ptx::from_binary(image.to_vec()))
+                        .load_module(cudarc::nvrtc::Ptx::from_binary(image))
                         .map_err(cuda_err("cuModuleLoadData"))?;
                     loaded.insert(stem, m.clone());
                     m

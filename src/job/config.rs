@@ -25,6 +25,7 @@
 //! | `DOORBELL_IB_QPS_PER_PEER` | queue pairs per PortChannel for whoever posts its RDMA work (kernels with `DOORBELL_IB_POSTING=ibgda` or `cpu`, else the proxy): puts of 1 MiB or more are striped over them, 1 to 4 | `1` |
 //! | `DOORBELL_IB_GID_INDEX` | the GID table index RDMA connections use, instead of the automatic choice (InfiniBand: 0; RoCE: the first RoCE v2 GID with an IPv4 address) | automatic |
 //! | `DOORBELL_IB_HCA` | which RDMA NIC ports may be used, NCCL_IB_HCA's syntax: a comma-separated list of `name[:port]`, each name a prefix (`mlx5` matches `mlx5_0`..`mlx5_11`), or exact after a leading `=`; a leading `^` excludes the listed ones. Each GPU takes the nearest allowed active port in the PCIe tree, GPUs spread over equally near ones (`transport::ib::topology`, as `doorbell-info` reports) | every active port |
+//! | `DOORBELL_KERNEL_DIR` | for kernel developers: a folder of fatbins (`<module>.fatbin`, as `nvcc --fatbin` makes them from `cuda/kernels/<module>.cu`) loaded instead of the kernels built into the library, module by module where a file exists (a warning is logged for each); for comparing kernel variants without rebuilding the host code | unset: the built-in kernels |
 //! | `RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `LOCAL_WORLD_SIZE` | this process's place in the job (torchrun's names) | from Slurm or MPI variables when absent |
 //! | `MASTER_ADDR`, `MASTER_PORT` | where rank 0's bootstrap listens | required with more than one rank |
 //! | `SLURM_PROCID`, `SLURM_NTASKS`, `SLURM_LOCALID`, `SLURM_NTASKS_PER_NODE` | srun's rank variables | |
@@ -115,6 +116,8 @@ pub struct Settings {
     pub ib_hca: Option<String>,
     /// `DOORBELL_IB_QPS_PER_PEER` (1..=4).
     pub ib_qps_per_peer: u32,
+    /// `DOORBELL_KERNEL_DIR`.
+    pub kernel_dir: Option<std::path::PathBuf>,
 }
 
 /// Who posts RDMA work (`DOORBELL_IB_POSTING`).
@@ -248,6 +251,10 @@ impl Settings {
                 .filter(|&n| n > 0),
             moe_net: flag(env, "DOORBELL_MOE_NET")?,
             ib_disable: flag(env, "DOORBELL_IB_DISABLE")?,
+            kernel_dir: env
+                .get("DOORBELL_KERNEL_DIR")
+                .filter(|s| !s.trim().is_empty())
+                .map(std::path::PathBuf::from),
         })
     }
 }
