@@ -30,8 +30,8 @@ pub struct AllToAllOptions {
     /// Blocks per peer (default: the SMs left by `own_lanes` divided among the peers, so the whole
     /// grid is resident at once, which the cross-GPU waits need).
     pub lanes: Option<u32>,
-    /// Blocks that copy this rank's own block (a local copy; default: 4, or as many as a peer
-    /// gets when `lanes` is given).
+    /// Blocks that copy this rank's own block (a local copy; default: 12 / peers, at least 4,
+    /// or as many as a peer gets when `lanes` is given).
     pub own_lanes: Option<u32>,
     /// Bytes per tile (a multiple of 16).
     pub tile_bytes: usize,
@@ -169,11 +169,13 @@ impl AllToAll {
             // Alone: no peers, every block copies.
             (None, o) if peers == 0 => (1, o.unwrap_or(sms)),
             (None, Some(o)) => (sms.saturating_sub(o) / peers, o),
-            // A local copy needs far fewer SMs than an NVLink stream: 4 blocks copy the own
-            // block and the peers share the rest (measured on 4 x H200: 1 GiB 6% faster than
-            // one peer's share, docs/performance.md).
+            // A local copy needs far fewer SMs than an NVLink stream: on 4 x H200, 4 blocks
+            // copying the own block (a quarter of the data) were 6% faster at 1 GiB than one
+            // peer's share (docs/performance.md). With fewer peers the own block is a larger
+            // share (half of it on 2 ranks) and 4 blocks (about 42 GB/s of copy each, 2 x H100)
+            // became the bound: 12 / peers blocks, at least 4.
             (None, None) => {
-                let o = (sms / world as u32).clamp(1, 4);
+                let o = 12u32.div_ceil(peers).max(4).min(sms / world as u32).max(1);
                 ((sms - o) / peers, o)
             }
         };
