@@ -15,7 +15,10 @@ use doorbell::communicator::Communicator;
 use doorbell::gpu::cuda::device_count;
 use doorbell::job::launch::run_job;
 use doorbell::{Error, Result};
-use doorbell_bench::harness::{cuda, human, measure, parse_size, sum_over_ranks, sweep, Repeat};
+use doorbell_bench::harness::{
+    cuda, human, measure, parse_size, print_calls, print_stall_summary, sum_over_ranks, sweep,
+    Repeat,
+};
 use doorbell_bench::nccl::Nccl;
 use std::sync::Arc;
 
@@ -125,6 +128,7 @@ fn run(args: &Args) -> Result<i32> {
         no_eager: args.no_eager,
     };
     let mut failed = false;
+    let mut stalls = Vec::new();
     let sizes: Vec<usize> = sweep(min_bytes, max_bytes, args.factor)
         .into_iter()
         .map(|b| (b / unit).max(1) * unit)
@@ -214,7 +218,15 @@ fn run(args: &Args) -> Result<i32> {
                 ratio(t.graph, ours.graph),
                 ratio(t.eager, ours.eager),
             );
+            let mut libraries = vec![("doorbell", ours)];
+            if let Some(t) = theirs {
+                libraries.push(("NCCL", t));
+            }
+            print_calls(&human(bytes), &libraries, &mut stalls);
         }
+    }
+    if lead {
+        print_stall_summary(&stalls);
     }
     comm.bootstrap().barrier()?;
     if failed {

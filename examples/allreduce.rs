@@ -19,8 +19,8 @@ use doorbell::gpu::cuda::device_count;
 use doorbell::job::launch::run_job;
 use doorbell::{Error, Result};
 use doorbell_bench::harness::{
-    cuda, human, limit_nccl_ctas, measure, parse_size, sum_over_ranks, sweep, Repeat, Timing,
-    TimingCsv,
+    cuda, human, limit_nccl_ctas, measure, parse_size, print_calls, print_stall_summary,
+    sum_over_ranks, sweep, Repeat, Timing, TimingCsv,
 };
 use doorbell_bench::nccl::Nccl;
 use doorbell_bench::plot::{Chart, Panel, Series};
@@ -73,6 +73,10 @@ struct Args {
     /// Blocks of every LL launch (default: the library's).
     #[arg(long)]
     ll_blocks: Option<u32>,
+    /// Bytes of one sender's slot of the sentinel two-shot, in MiB (its largest message is the
+    /// rank count x this; default: the library's).
+    #[arg(long)]
+    sentinel_slot_mib: Option<usize>,
     /// SM budget: every doorbell kernel runs at most this many blocks (pipeline lanes and LL
     /// blocks, unless --lanes / --ll-blocks say otherwise) and NCCL at most this many CTAs
     /// (NCCL_MAX_CTAS) in the same run.
@@ -144,6 +148,9 @@ fn run(args: &Args) -> Result<i32> {
             max_tile_bytes: args.tile_kib.map(|k| k << 10).or(defaults.max_tile_bytes),
             pipeline_threads: args.threads.unwrap_or(defaults.pipeline_threads),
             ll_blocks: args.ll_blocks.or(args.sms).unwrap_or(defaults.ll_blocks),
+            sentinel_slot_bytes: args
+                .sentinel_slot_mib
+                .map_or(defaults.sentinel_slot_bytes, |m| m << 20),
             ..defaults
         },
     )?;
@@ -216,6 +223,7 @@ fn run(args: &Args) -> Result<i32> {
     let mut rows = Vec::new();
     let mut csv = args.csv.as_deref().filter(|_| lead).map(TimingCsv::new);
     let mut failed = false;
+    let mut stalls = Vec::new();
     for (idx, &bytes) in sizes.iter().enumerate() {
         let count = (bytes / dtype.size()).max(1);
         let bytes = count * dtype.size();
@@ -297,11 +305,21 @@ fn run(args: &Args) -> Result<i32> {
             nccl_wrong,
         });
         if lead {
-            print_row(rows.last().expect("just pushed"), world, dtype, idx == 0);
+            let r = rows.last().expect("just pushed");
+            print_row(r, world, dtype, idx == 0);
+            let mut libraries = vec![("doorbell", r.doorbell)];
+            if nccl.is_some() {
+                libraries.push(("NCCL", r.nccl));
+                if symm.is_some() {
+                    libraries.push(("NCCL symm", r.nccl_symm));
+                }
+            }
+            print_calls(&human(bytes), &libraries, &mut stalls);
         }
     }
     if lead {
         summarize(&rows, world);
+        print_stall_summary(&stalls);
         if let Some(path) = &args.markdown {
             write_markdown(path, &rows, world, dtype)?;
         }

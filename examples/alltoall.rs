@@ -16,8 +16,8 @@ use doorbell::gpu::cuda::device_count;
 use doorbell::job::launch::run_job;
 use doorbell::{Error, Result};
 use doorbell_bench::harness::{
-    alltoall_lanes, cuda, human, limit_nccl_ctas, measure, parse_size, sum_over_ranks, sweep,
-    Repeat, TimingCsv,
+    alltoall_lanes, cuda, human, limit_nccl_ctas, measure, parse_size, print_calls,
+    print_stall_summary, sum_over_ranks, sweep, Repeat, TimingCsv,
 };
 use doorbell_bench::nccl::Nccl;
 use std::sync::Arc;
@@ -179,6 +179,7 @@ fn run(args: &Args) -> Result<i32> {
         .map(|b| (b / unit).max(1) * unit)
         .collect();
     let mut failed = false;
+    let mut stalls = Vec::new();
     let mut csv = args.csv.as_deref().filter(|_| lead).map(TimingCsv::new);
     for (idx, &bytes) in sizes.iter().enumerate() {
         let blk = bytes / world;
@@ -283,7 +284,15 @@ fn run(args: &Args) -> Result<i32> {
                 ratio(t.graph, ours.graph),
                 ratio(t.eager, ours.eager),
             );
+            let mut libraries = vec![("doorbell", ours)];
+            if let Some(t) = theirs {
+                libraries.push(("NCCL", t));
+            }
+            print_calls(&human(bytes), &libraries, &mut stalls);
         }
+    }
+    if lead {
+        print_stall_summary(&stalls);
     }
     comm.bootstrap().barrier()?;
     if failed {

@@ -18,7 +18,9 @@ use doorbell::communicator::Communicator;
 use doorbell::gpu::cuda::device_count;
 use doorbell::job::launch::run_job;
 use doorbell::{Error, Result};
-use doorbell_bench::harness::{cuda, limit_nccl_ctas, measure, Repeat, Timing};
+use doorbell_bench::harness::{
+    cuda, limit_nccl_ctas, measure, print_calls, print_stall_summary, Repeat, Timing, TimingCsv,
+};
 use doorbell_bench::nccl::Nccl;
 use std::sync::Arc;
 
@@ -64,6 +66,12 @@ struct Args {
     /// Skip NCCL.
     #[arg(long)]
     no_nccl: bool,
+    /// Also write every timing as CSV to this file (the examples' columns, for `python -m
+    /// doorbell.peers check`): collectives moe_dispatch, moe_combine (high-throughput) and
+    /// moe_ll_dispatch, moe_ll_combine, bytes = tokens per rank x hidden x 2, libraries doorbell
+    /// and "NCCL rows" (NCCL's all-to-all moving the same rows, listed under both halves).
+    #[arg(long)]
+    csv: Option<std::path::PathBuf>,
 }
 
 fn main() {
@@ -186,6 +194,8 @@ fn run(args: &Args) -> Result<i32> {
             "x comb"
         );
     }
+    let mut stalls = Vec::new();
+    let mut csv = args.csv.as_deref().filter(|_| lead).map(TimingCsv::new);
     for &tokens in &token_counts {
         let mine = routing(rank, tokens, args.topk, args.experts);
         let weights = vec![1.0f32 / args.topk as f32; tokens * args.topk];
@@ -299,10 +309,35 @@ fn run(args: &Args) -> Result<i32> {
                 ratio(theirs, dispatch),
                 ratio(theirs, combine),
             );
+            let mut libraries = vec![("dispatch", dispatch), ("combine", combine)];
+            if let Some(t) = theirs {
+                libraries.push(("NCCL rows", t));
+            }
+            print_calls(&format!("{tokens} tokens"), &libraries, &mut stalls);
+        }
+        if let Some(csv) = &mut csv {
+            let key = tokens * h * 2;
+            for (half, ours) in [("moe_dispatch", dispatch), ("moe_combine", combine)] {
+                csv.row(half, world, "bf16", key, "doorbell", ours)?;
+                if let Some(t) = theirs {
+                    csv.row(half, world, "bf16", key, "NCCL rows", t)?;
+                }
+            }
         }
     }
+    if lead {
+        print_stall_summary(&stalls);
+    }
     if args.low_latency_tokens > 0 {
-        low_latency(args, &comm, &s, nccl.as_ref(), (xp, ip, wp, op), (nsp, nrp))?;
+        low_latency(
+            args,
+            &comm,
+            &s,
+            nccl.as_ref(),
+            (xp, ip, wp, op),
+            (nsp, nrp),
+            csv.as_mut(),
+        )?;
     }
     comm.bootstrap().barrier()?;
     Ok(0)
@@ -318,6 +353,7 @@ fn low_latency(
     nccl: Option<&Nccl>,
     (xp, ip, wp, op): (u64, u64, u64, u64),
     (nsp, nrp): (u64, u64),
+    csv: Option<&mut TimingCsv>,
 ) -> Result<()> {
     let (rank, world) = (comm.rank(), comm.world_size());
     let (tokens, h, k) = (args.low_latency_tokens, args.hidden, args.topk);
@@ -430,6 +466,26 @@ fn low_latency(
             us(theirs.and_then(best)),
             gbs(theirs.and_then(best)),
         );
+        let mut found = Vec::new();
+        let mut libraries = vec![("dispatch", dispatch), ("combine", combine)];
+        if let Some(t) = theirs {
+            libraries.push(("NCCL rows", t));
+        }
+        print_calls(
+            &format!("low-latency {tokens} tokens"),
+            &libraries,
+            &mut found,
+        );
+        print_stall_summary(&found);
+    }
+    if let Some(csv) = csv {
+        let key = tokens * h * 2;
+        for (half, ours) in [("moe_ll_dispatch", dispatch), ("moe_ll_combine", combine)] {
+            csv.row(half, world, "bf16", key, "doorbell", ours)?;
+            if let Some(t) = theirs {
+                csv.row(half, world, "bf16", key, "NCCL rows", t)?;
+            }
+        }
     }
     Ok(())
 }

@@ -9,13 +9,23 @@
 #                                     GPU test (--ignored) and the benchmarks from .gpu-bundle/,
 #                                     writing logs to DIR (default $OUT, else ./gpu-logs)
 #
-# Environment for run: SUITE=tests|bench|all|python (default all; python: the wheel that build
-# packed, from scripts/python-wheel.sh, installed beside the machine's torch, and its GPU tests); TESTS="gpu allreduce" runs only those
+# Environment for run: SUITE=tests|bench|all|python|perf (default all; python: the wheel that build
+# packed, from scripts/python-wheel.sh, installed beside the machine's torch, and its GPU tests;
+# perf: the performance check, below, not part of all); TESTS="gpu allreduce" runs only those
 # test binaries; BENCHES="pingpong allreduce" picks the examples, PINGPONG_ARGS / ALLREDUCE_ARGS
 # pass them arguments (ALLGATHER_ARGS too); TEST_ARGS are added to every test binary's arguments (e.g. "--skip forced_");
 # NIC_TESTS=1 also runs tests/ib_hw and the nic_ tests of tests/port and tests/net (need an RDMA NIC);
 # DOORBELL_TEST_RANKS / DOORBELL_TEST_MAX_RANKS pick rank counts (tests/common); MPS=1 starts the CUDA MPS daemon first (ranks sharing one GPU then run
 # concurrently instead of time-sliced).
+# SUITE=perf (needs two or more GPUs: a GPU per rank; the wheel as for python): allreduce and
+# all-to-all against every peer in the same run (examples' NCCL default and symmetric, then
+# python -m doorbell.peers: torch.distributed, torch symmetric memory one-/two-shot,
+# all_to_all_single), MoE high-throughput and low-latency against NCCL moving the same rows, then
+# `python -m doorbell.peers check`, which fails on a stall (a call above 5 x its size's median),
+# on doorbell slower than the fastest peer without a stated reason (bench/perf/reasons.csv), or on
+# a size more than 10% slower than the last recorded table of this machine kind
+# (bench/perf/KIND.csv; record a passing run's merged.csv there). PERF_MAX_BYTES (default 1G)
+# caps the sweeps; PERF_ITERS sets the PyTorch peers' calls per timing (default 20).
 # NVLink multicast stays off everywhere (it can take shared GPUs out of service).
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -101,15 +111,11 @@ run() {
     # python/tests/run_gpu.py (pytest is not needed). The interpreter is the first that imports
     # torch; the wheel goes to a folder of its own on PYTHONPATH (torch may live in a user or
     # system site that a virtual environment would hide).
-    local start=$SECONDS py="" site="$logs/.pysite" rc=1
-    for p in "${PYTHON:-}" python3 /usr/bin/python3 /usr/local/bin/python3 /opt/conda/bin/python python; do
-      [ -n "$p" ] && command -v "$p" > /dev/null && "$p" -c "import torch" 2> /dev/null && { py=$p; break; }
-    done
-    if [ -z "$py" ]; then
-      echo "no Python with torch found (set PYTHON)" > "$logs/python.log"
+    local start=$SECONDS py site="$logs/.pysite" rc=1
+    if ! py=$(python_with_wheel "$site" 2> "$logs/python.log"); then
+      echo "no Python with torch found (set PYTHON), or the wheel did not install" >> "$logs/python.log"
     else
-      "$py" -m pip install -q --no-index --no-deps --target "$site" "$root"/.gpu-pack/doorbell-*.whl > "$logs/python.log" 2>&1 &&
-        (cd "$root/python/tests" && PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}" "$py" run_gpu.py) >> "$logs/python.log" 2>&1
+      (cd "$root/python/tests" && PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}" "$py" run_gpu.py) >> "$logs/python.log" 2>&1
       rc=$?
     fi
     rm -rf "$site"
@@ -120,6 +126,9 @@ run() {
       failed=1
     fi
     grep -E "^(PASS|FAIL)" "$logs/python.log"
+  fi
+  if [ "$suite" = perf ]; then
+    perf "$logs" "$summary" || failed=1
   fi
   if [ "$suite" = all ] || [ "$suite" = bench ]; then
     for ex in ${BENCHES:-pingpong portchannel allgather allreduce}; do
@@ -138,6 +147,62 @@ run() {
   if [ "${MPS:-0}" = 1 ]; then echo quit | nvidia-cuda-mps-control; fi
   cat "$summary"
   return $failed
+}
+
+# The machine kind a performance table belongs to: GPU count and model, e.g. 2xH100-80GB-HBM3.
+kind() {
+  nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null |
+    awk '{n++; name=$0} END {gsub(/NVIDIA /, "", name); gsub(/ /, "-", name); if (n) print n "x" name}'
+}
+
+# The first Python that imports torch, with the packed wheel on PYTHONPATH (prints the interpreter
+# and exports PYTHONPATH); fails when there is none.
+python_with_wheel() {
+  local site=$1 p
+  for p in "${PYTHON:-}" python3 /usr/bin/python3 /usr/local/bin/python3 /opt/conda/bin/python python; do
+    [ -n "$p" ] && command -v "$p" > /dev/null && "$p" -c "import torch" 2> /dev/null || continue
+    "$p" -m pip install -q --no-index --no-deps --target "$site" "$root"/.gpu-pack/doorbell-*.whl >&2 || return 1
+    echo "$p"
+    return 0
+  done
+  return 1
+}
+
+perf() {
+  local logs=$1 summary=$2 start=$SECONDS k py site="$1/.pysite" rc=0
+  local max=${PERF_MAX_BYTES:-1G} iters=${PERF_ITERS:-20} gpus
+  gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')
+  k=$(kind)
+  if [ "${gpus:-0}" -lt 2 ]; then
+    echo "FAIL perf: $gpus GPU(s) here; the performance check needs a GPU per rank (two or more)" | tee -a "$summary"
+    return 1
+  fi
+  if ! py=$(python_with_wheel "$site"); then
+    echo "FAIL perf: no Python with torch, or the wheel did not install (scripts/python-wheel.sh, then build)" | tee -a "$summary"
+    return 1
+  fi
+  export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
+  local ex="$bundle/examples" csvs=()
+  for c in allreduce alltoall; do
+    "$py" -m doorbell.peers run "$c" --examples "$ex" --min-bytes 8 --max-bytes "$max" --iters "$iters" \
+      --out-csv "$logs/perf-$c.csv" > "$logs/perf-$c.txt" 2>&1 || rc=1
+    csvs+=("$logs/perf-$c.csv")
+  done
+  "$ex/moe" --csv "$logs/perf-moe.csv" > "$logs/perf-moe.txt" 2>&1 || rc=1
+  csvs+=("$logs/perf-moe.csv")
+  local have=()
+  for f in "${csvs[@]}"; do [ -s "$f" ] && have+=("$f"); done
+  "$py" -m doorbell.peers table "${have[@]}" --out-csv "$logs/perf-merged.csv" > /dev/null 2>&1
+  "$py" -m doorbell.peers check "${have[@]}" --kind "$k" --baseline "$root/bench/perf/$k.csv" \
+    --reasons "$root/bench/perf/reasons.csv" > "$logs/perf-check.txt" 2>&1 || rc=1
+  rm -rf "$site"
+  grep -E "^(PERF|  )" "$logs/perf-check.txt"
+  if [ $rc = 0 ]; then
+    echo "PASS perf on $k ($((SECONDS - start)) s)" | tee -a "$summary"
+  else
+    echo "FAIL perf on $k ($((SECONDS - start)) s): see perf-check.txt and perf-*.txt" | tee -a "$summary"
+  fi
+  return $rc
 }
 
 case "${1:-}" in

@@ -4,7 +4,8 @@
 use cudarc::driver::sys::{
     CUevent_flags::CU_EVENT_DEFAULT, CUgraphInstantiate_flags, CUstreamCaptureMode,
 };
-use cudarc::driver::CudaStream;
+use cudarc::driver::{CudaEvent, CudaStream, DevicePtr};
+use doorbell::collectives::check::Checker;
 use doorbell::communicator::Communicator;
 use doorbell::{Error, Result};
 use std::sync::Arc;
@@ -30,11 +31,121 @@ pub struct Timing {
     pub graph: Option<f64>,
     /// Back-to-back launches.
     pub eager: Option<f64>,
+    /// Single calls inside a graph (an event between every two captured calls).
+    pub graph_calls: Option<Spread>,
+    /// Single eager calls (an event between every two launches).
+    pub eager_calls: Option<Spread>,
+}
+
+/// A call slower than this many times its size's median is a stall.
+pub const STALL_FACTOR: f64 = 5.0;
+
+/// How single calls of one size spread, in us: a mean cannot tell one 10 ms stall from a slow
+/// kernel. Percentiles by nearest rank; over ranks, each field is the largest any rank saw.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct Spread {
+    /// Median call.
+    pub p50: f64,
+    /// 99th percentile.
+    pub p99: f64,
+    /// Slowest call.
+    pub max: f64,
+    /// Calls timed.
+    pub calls: usize,
+    /// Calls slower than [`STALL_FACTOR`] x the median.
+    pub stalls: usize,
+}
+
+impl Spread {
+    /// The spread of `us` (per-call times); `None` when empty.
+    pub fn of(mut us: Vec<f64>) -> Option<Spread> {
+        if us.is_empty() {
+            return None;
+        }
+        us.sort_by(f64::total_cmp);
+        let rank = |q: f64| us[((q * us.len() as f64).ceil() as usize).clamp(1, us.len()) - 1];
+        let p50 = rank(0.50);
+        Some(Spread {
+            p50,
+            p99: rank(0.99),
+            max: us[us.len() - 1],
+            calls: us.len(),
+            stalls: us.iter().filter(|&&t| t > STALL_FACTOR * p50).count(),
+        })
+    }
+
+    /// `p50/p99/max`, with the stall count when there are stalls.
+    pub fn text(&self) -> String {
+        let mut t = format!("{:.2}/{:.2}/{:.2}", self.p50, self.p99, self.max);
+        if self.stalls > 0 {
+            t.push_str(&format!(" STALL x{}", self.stalls));
+        }
+        t
+    }
+}
+
+/// The per-call columns of one row: for each library, graph and eager `p50/p99/max` (us), each
+/// followed by `STALL xN` where N calls took more than [`STALL_FACTOR`] x the median.
+pub fn call_columns(libraries: &[(&str, Timing)]) -> String {
+    let one = |s: Option<Spread>| s.map_or("-".into(), |s| s.text());
+    libraries
+        .iter()
+        .map(|(name, t)| format!("{name}: g {} e {}", one(t.graph_calls), one(t.eager_calls)))
+        .collect::<Vec<_>>()
+        .join(" | ")
+}
+
+/// The stalls of `libraries` at one size, as `library mode (N calls, max M us, median P us)`.
+pub fn stalls(libraries: &[(&str, Timing)]) -> Vec<String> {
+    let mut found = Vec::new();
+    for (name, t) in libraries {
+        for (mode, s) in [("graph", t.graph_calls), ("eager", t.eager_calls)] {
+            if let Some(s) = s.filter(|s| s.stalls > 0) {
+                found.push(format!(
+                    "{name} {mode} ({} of {} calls > {STALL_FACTOR} x median {:.2} us, max {:.2} us)",
+                    s.stalls, s.calls, s.p50, s.max
+                ));
+            }
+        }
+    }
+    found
+}
+
+/// Prints one row's per-call line (`#   calls ...`, see [`call_columns`]) and adds the row's
+/// stalls, prefixed with `what` (a size or a phase), to `found`.
+pub fn print_calls(what: &str, libraries: &[(&str, Timing)], found: &mut Vec<String>) {
+    println!(
+        "#   calls (us, p50/p99/max) {what}: {}",
+        call_columns(libraries)
+    );
+    found.extend(
+        stalls(libraries)
+            .into_iter()
+            .map(|s| format!("{what}: {s}")),
+    );
+}
+
+/// The sweep's last line about stalls: `# stalls: none` or `# STALLS: ...` (one per library, mode
+/// and size).
+pub fn print_stall_summary(found: &[String]) {
+    if found.is_empty() {
+        println!("# stalls: none (no call above {STALL_FACTOR} x its size's median)");
+    } else {
+        println!("# STALLS: {}", found.join("; "));
+    }
 }
 
 /// Times `op` eagerly (back-to-back launches between two events) and in a CUDA graph (k
 /// operations captured once, replayed; k = 20 up to 1 MiB, 5 above), every rank starting after a
 /// barrier; returns the maximum over ranks. `bytes` picks the iteration counts.
+///
+/// Then single calls, so that a stall cannot hide in a mean: the same number of eager launches
+/// with an event between every two, and one graph of k x r captured calls with a clock kernel
+/// (`Checker::stamp`, the GPU's global timer) between every two, replayed once untimed, then
+/// timed. The first call of each sequence is left out of the spread: it starts right after a host
+/// barrier and absorbs the ranks' skew in leaving it, which is the harness's, not the library's.
+/// Both clocks add their own cost to every call (an event record eagerly, a one-thread kernel in
+/// the graph, about half a microsecond): compare a spread's p99 and max with its own p50.
 pub fn measure(
     comm: &Communicator,
     s: &Arc<CudaStream>,
@@ -73,10 +184,10 @@ pub fn measure(
     for _ in 0..repeat.warmup {
         op(s)?;
     }
-    let eager = if repeat.no_eager {
-        None
+    let (eager, eager_calls) = if repeat.no_eager {
+        (None, None)
     } else {
-        Some(time(
+        let mean = time(
             &|| {
                 for _ in 0..iters {
                     op(s)?;
@@ -84,7 +195,18 @@ pub fn measure(
                 Ok(())
             },
             iters,
-        )?)
+        )?;
+        let marks = events(s, iters + 1)?;
+        comm.synchronize(s)?;
+        comm.bootstrap().barrier()?;
+        for (i, mark) in marks.iter().enumerate() {
+            record(mark, s)?;
+            if i < iters {
+                op(s)?;
+            }
+        }
+        comm.synchronize(s)?;
+        (Some(mean), Spread::of(intervals(&marks)?))
     };
     let (k, r) = if big {
         (5, (iters / 5).max(2))
@@ -113,13 +235,109 @@ pub fn measure(
         },
         k * r,
     )?;
+    drop(graph);
+    // Single calls in a graph: k x r calls with a clock kernel before each and after the last.
+    let n = k * r;
+    let clock = Checker::new(comm.gpu())?;
+    let stamps = s.alloc_zeros::<u64>(n + 1).map_err(cuda("cuMemAlloc"))?;
+    // Taken before the capture (cudarc orders a slice's pointer after the slice's last use).
+    let at = stamps.device_ptr(s).0;
+    comm.synchronize(s)?;
+    s.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)
+        .map_err(cuda("cuStreamBeginCapture"))?;
+    let captured: Result<()> = (0..=n).try_for_each(|i| {
+        // SAFETY: `stamps` holds n + 1 u64s and outlives every replay below.
+        unsafe { clock.stamp(s, at + 8 * i as u64)? };
+        if i < n {
+            op(s)?;
+        }
+        Ok(())
+    });
+    let calls_graph = s
+        .end_capture(CUgraphInstantiate_flags(0))
+        .map_err(cuda("cuStreamEndCapture"))?;
+    captured?;
+    let calls_graph =
+        calls_graph.ok_or_else(|| Error::invalid("graph", "capture produced no graph"))?;
+    calls_graph.launch().map_err(cuda("cuGraphLaunch"))?;
+    comm.synchronize(s)?;
+    comm.bootstrap().barrier()?;
+    calls_graph.launch().map_err(cuda("cuGraphLaunch"))?;
+    comm.synchronize(s)?;
+    let ns = s.clone_dtoh(&stamps).map_err(cuda("cuMemcpyDtoH"))?;
+    let graph_calls = Spread::of(
+        ns.windows(2)
+            .skip(1)
+            .map(|w| w[1].saturating_sub(w[0]) as f64 / 1e3)
+            .collect(),
+    );
     Ok(Timing {
         graph: Some(max_over_ranks(comm, g)?),
         eager: match eager {
             Some(e) => Some(max_over_ranks(comm, e)?),
             None => None,
         },
+        graph_calls: spread_over_ranks(comm, graph_calls)?,
+        eager_calls: match eager_calls {
+            Some(c) => spread_over_ranks(comm, Some(c))?,
+            None => None,
+        },
     })
+}
+
+/// `n` timing events.
+fn events(s: &Arc<CudaStream>, n: usize) -> Result<Vec<CudaEvent>> {
+    (0..n)
+        .map(|_| {
+            s.context()
+                .new_event(Some(CU_EVENT_DEFAULT))
+                .map_err(cuda("cuEventCreate"))
+        })
+        .collect()
+}
+
+/// Records `e` on `s`.
+fn record(e: &CudaEvent, s: &Arc<CudaStream>) -> Result<()> {
+    e.record(s).map_err(cuda("cuEventRecord"))
+}
+
+/// The times between consecutive events, in us, leaving out the first (see [`measure`]).
+fn intervals(marks: &[CudaEvent]) -> Result<Vec<f64>> {
+    marks
+        .windows(2)
+        .skip(1)
+        .map(|w| {
+            w[0].elapsed_ms(&w[1])
+                .map(|ms| ms as f64 * 1e3)
+                .map_err(cuda("cuEventElapsedTime"))
+        })
+        .collect()
+}
+
+/// Each field of `s` at its largest over ranks, stalls summed (collective; every rank passes
+/// `Some` or every rank `None`).
+pub fn spread_over_ranks(comm: &Communicator, s: Option<Spread>) -> Result<Option<Spread>> {
+    let Some(s) = s else { return Ok(None) };
+    let mut mine = Vec::with_capacity(40);
+    for v in [s.p50, s.p99, s.max, s.calls as f64, s.stalls as f64] {
+        mine.extend_from_slice(&v.to_le_bytes());
+    }
+    let all = comm.bootstrap().all_gather(&mine)?;
+    let mut out = Spread::default();
+    for b in &all {
+        let f: Vec<f64> = b
+            .chunks_exact(8)
+            .filter_map(|c| c.try_into().ok().map(f64::from_le_bytes))
+            .collect();
+        if let [p50, p99, max, calls, stalls] = f[..] {
+            out.p50 = out.p50.max(p50);
+            out.p99 = out.p99.max(p99);
+            out.max = out.max.max(max);
+            out.calls = out.calls.max(calls as usize);
+            out.stalls += stalls as usize;
+        }
+    }
+    Ok(Some(out))
 }
 
 /// The largest `v` over all ranks (collective).
@@ -214,8 +432,10 @@ pub fn alltoall_lanes(sms: u32, peers: u32) -> (u32, u32) {
 
 /// Timings as CSV, for a driver that merges them with other libraries' measured in another
 /// process (`python -m doorbell.peers`): a header, then one line per size and library,
-/// `collective,ranks,dtype,bytes,library,graph_us,eager_us` (empty where not measured). The file
-/// is rewritten after every line, so a run cut short keeps what it measured.
+/// `collective,ranks,dtype,bytes,library,graph_us,eager_us`, then the single calls' spread per
+/// mode (`graph_p50,graph_p99,graph_max,graph_stalls,eager_p50,...`, see [`Spread`]); empty where
+/// not measured. The file is rewritten after every line, so a run cut short keeps what it
+/// measured.
 pub struct TimingCsv {
     path: std::path::PathBuf,
     text: String,
@@ -223,7 +443,8 @@ pub struct TimingCsv {
 
 impl TimingCsv {
     /// The header line.
-    pub const HEADER: &'static str = "collective,ranks,dtype,bytes,library,graph_us,eager_us";
+    pub const HEADER: &'static str = "collective,ranks,dtype,bytes,library,graph_us,eager_us,\
+         graph_p50,graph_p99,graph_max,graph_stalls,eager_p50,eager_p99,eager_max,eager_stalls";
 
     /// A CSV for `path` (nothing is written until the first row).
     pub fn new(path: &std::path::Path) -> Self {
@@ -244,10 +465,16 @@ impl TimingCsv {
         t: Timing,
     ) -> Result<()> {
         let us = |v: Option<f64>| v.map_or(String::new(), |x| format!("{x:.3}"));
+        let spread = |s: Option<Spread>| match s {
+            Some(s) => format!("{:.3},{:.3},{:.3},{}", s.p50, s.p99, s.max, s.stalls),
+            None => ",,,".into(),
+        };
         self.text.push_str(&format!(
-            "{collective},{ranks},{dtype},{bytes},{library},{},{}\n",
+            "{collective},{ranks},{dtype},{bytes},{library},{},{},{},{}\n",
             us(t.graph),
-            us(t.eager)
+            us(t.eager),
+            spread(t.graph_calls),
+            spread(t.eager_calls),
         ));
         std::fs::write(&self.path, &self.text)
             .map_err(|e| Error::io(format!("writing {}", self.path.display()), e))
@@ -277,7 +504,8 @@ mod tests {
         let mut csv = TimingCsv::new(&path);
         let t = Timing {
             graph: Some(12.5),
-            eager: None,
+            graph_calls: Spread::of(vec![12.0, 13.0, 80.0]),
+            ..Timing::default()
         };
         csv.row("allreduce", 4, "bf16", 1024, "doorbell", t)
             .unwrap();
@@ -287,11 +515,42 @@ mod tests {
         std::fs::remove_file(&path).unwrap();
         assert_eq!(
             text,
-            "collective,ranks,dtype,bytes,library,graph_us,eager_us\n\
-             allreduce,4,bf16,1024,doorbell,12.500,\n\
-             allreduce,4,bf16,1024,NCCL,,\n"
+            "collective,ranks,dtype,bytes,library,graph_us,eager_us,graph_p50,graph_p99,graph_max,\
+             graph_stalls,eager_p50,eager_p99,eager_max,eager_stalls\n\
+             allreduce,4,bf16,1024,doorbell,12.500,,13.000,80.000,80.000,1,,,,\n\
+             allreduce,4,bf16,1024,NCCL,,,,,,,,,,\n"
         );
         assert_eq!(csv.text(), text);
+    }
+
+    #[test]
+    fn a_call_above_five_medians_is_a_stall() {
+        let mut calls = vec![3.0; 98];
+        calls.extend([14.0, 900.0]);
+        let s = Spread::of(calls).unwrap();
+        assert_eq!(
+            (s.p50, s.p99, s.max, s.calls, s.stalls),
+            (3.0, 14.0, 900.0, 100, 1)
+        );
+        assert_eq!(s.text(), "3.00/14.00/900.00 STALL x1");
+        let steady = Spread::of(vec![5.0, 5.5, 6.0]).unwrap();
+        assert_eq!(steady.stalls, 0);
+        assert!(Spread::of(Vec::new()).is_none());
+        let t = Timing {
+            eager_calls: Some(s),
+            graph_calls: Some(steady),
+            ..Timing::default()
+        };
+        let found = stalls(&[("doorbell", t)]);
+        assert_eq!(found.len(), 1);
+        assert!(
+            found[0].starts_with("doorbell eager (1 of 100 calls"),
+            "{found:?}"
+        );
+        assert_eq!(
+            call_columns(&[("doorbell", t)]),
+            "doorbell: g 5.50/6.00/6.00 e 3.00/14.00/900.00 STALL x1"
+        );
     }
 
     #[test]

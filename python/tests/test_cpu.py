@@ -181,7 +181,7 @@ def test_peers_merge_and_tables_give_a_ratio_per_peer():
 
     rows = peers.merge([EXAMPLES_CSV, TORCH_CSV])
     assert peers.libraries(rows) == ["doorbell", "NCCL", "NCCL symm", "torch symm one-shot"]
-    assert rows[("allreduce", 1024)]["NCCL symm"] == (10.0, None)
+    assert rows[("allreduce", 1024)]["NCCL symm"] == peers.Entry(10.0, None)
     lines = peers.tables(rows).splitlines()
     graph = lines.index("| 1K | 5.00 | 15.00 | 10.00 | 4.00 | 3.00 | 2.00 | 0.80 | torch symm one-shot | 0.80 |")
     assert lines[graph - 4].startswith("allreduce, CUDA graph")
@@ -190,6 +190,40 @@ def test_peers_merge_and_tables_give_a_ratio_per_peer():
     assert "| 2M | 44.00 | 50.00 | - | - | 1.14 | - | - | NCCL | 1.14 |" in lines
     with pytest.raises(ValueError, match="not a timings CSV"):
         peers.merge(["size,us\n1,2\n"])
+
+
+SPREAD_CSV = """collective,ranks,dtype,bytes,library,graph_us,eager_us,graph_p50,graph_p99,graph_max,graph_stalls,eager_p50,eager_p99,eager_max,eager_stalls
+allreduce,2,bf16,1024,doorbell,3.000,5.000,3.100,3.500,4.000,0,5.000,6.000,900.000,1
+allreduce,2,bf16,1024,NCCL,7.000,9.000,,,,,,,,
+allreduce,2,bf16,8388608,doorbell,38.000,40.000,,,,,,,,
+allreduce,2,bf16,8388608,torch symm two-shot,33.000,45.000,,,,,,,,
+moe_ll_dispatch,2,bf16,1835008,doorbell,480.000,21.000,,,,,,,,
+moe_ll_dispatch,2,bf16,1835008,NCCL rows,50.000,60.000,,,,,,,,
+"""
+
+
+def test_peers_check_fails_on_stalls_slower_sizes_regressions_and_slow_graphs():
+    from doorbell import peers
+
+    assert peers.spread_of([3.0] * 98 + [14.0, 900.0]) == peers.Spread(3.0, 14.0, 900.0, 1)
+    rows = peers.merge([SPREAD_CSV])
+    assert rows[("allreduce", 1024)]["doorbell"].eager_calls == peers.Spread(5.0, 6.0, 900.0, 1)
+    failed = peers.check(rows, "2xH100")
+    assert any("allreduce 1K eager: stall" in f for f in failed), failed
+    assert any("allreduce 8M graph" in f and "torch symm two-shot" in f for f in failed), failed
+    assert not any("allreduce 8M eager" in f for f in failed), failed  # 40 us beats 45
+    assert any("moe_ll_dispatch" in f and "graph 480.00 us vs eager 21.00 us" in f for f in failed), failed
+    # A stated reason covers the 8M graph row on its kind only.
+    why = peers.read_reasons("kind,collective,mode,min_bytes,max_bytes,reason\n2xH100,allreduce,graph,4M,16M,probe says so\n")
+    assert not any("allreduce 8M graph" in f for f in peers.check(rows, "2xH100", reasons=why))
+    assert any("allreduce 8M graph" in f for f in peers.check(rows, "4xH200", reasons=why))
+    # A recorded table: 8M eager at 40 us against a recorded 30 us is a regression, 1K is not.
+    before = peers.merge([EXAMPLES_CSV.replace("4,bf16,2097152,doorbell,40.000,44.000", "2,bf16,8388608,doorbell,30.000,30.000")])
+    regressed = [f for f in peers.check(rows, "2xH100", baseline=before) if "recorded" in f]
+    assert len(regressed) == 2 and all("allreduce 8M" in f for f in regressed), regressed
+    lines = peers.tables(rows).splitlines()
+    assert any(line.startswith("| 1K | 5.00! |") for line in lines), lines  # eager: the stall is marked
+    assert any("900.00 STALL x1" in line for line in lines)
 
 
 def test_peers_sizes_round_as_the_examples_do():

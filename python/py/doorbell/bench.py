@@ -51,6 +51,42 @@ def _time_us(fn: Callable[[], Any], iters: int, graph: bool) -> Optional[float]:
         return None
 
 
+def _time_calls(fn: Callable[[], Any], iters: int, graph: bool) -> Optional[List[float]]:
+    """Single calls, us each: ``iters`` eager launches with an event between every two, or a
+    CUDA graph of ``iters`` calls with an event node between every two (replayed once untimed,
+    then timed). The first call is left out (it absorbs the ranks' skew in leaving the barrier
+    before it). None when the call (or the graph's event nodes) cannot run here."""
+    import torch
+    import torch.distributed as dist
+
+    try:
+        marks = [torch.cuda.Event(enable_timing=True, external=graph) for _ in range(iters + 1)]
+        fn()
+        torch.cuda.synchronize()
+        if graph:
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                for i, m in enumerate(marks):
+                    m.record()
+                    if i < iters:
+                        fn()
+            g.replay()
+            torch.cuda.synchronize()
+            dist.barrier()
+            g.replay()
+        else:
+            dist.barrier()
+            for i, m in enumerate(marks):
+                m.record()
+                if i < iters:
+                    fn()
+        torch.cuda.synchronize()
+        return [float(a.elapsed_time(b)) * 1e3 for a, b in zip(marks[1:], marks[2:])]
+    except Exception:  # noqa: BLE001 - a peer that cannot run here shows as "-"
+        torch.cuda.synchronize()
+        return None
+
+
 def _max(v: Optional[float]) -> Optional[float]:
     import torch
     import torch.distributed as dist
