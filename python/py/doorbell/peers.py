@@ -132,6 +132,14 @@ def _num(v: str) -> Optional[float]:
     return float(v) if v.strip() else None
 
 
+def csv_line(collective: str, ranks: int, size: int, library: str, e: Entry) -> str:
+    """One line of the CSV (HEADER's columns), bf16."""
+    cells = [_cell(e.graph), _cell(e.eager)]
+    for c in (e.graph_calls, e.eager_calls):
+        cells.append(",,," if c is None else f"{c.p50:.3f},{c.p99:.3f},{c.max:.3f},{c.stalls}")
+    return f"{collective},{ranks},bf16,{size},{library}," + ",".join(cells)
+
+
 def _spread(line: Dict[str, str], mode: str) -> Optional[Spread]:
     got = [line.get(f"{mode}_{c}") or "" for c in SPREAD_COLUMNS]
     if any(not v.strip() for v in got):
@@ -342,21 +350,27 @@ def _worker(a: argparse.Namespace) -> None:
     group = dist.group.WORLD.group_name
     lines = [HEADER]
 
-    def timed(fn: Callable[[], object]) -> List[object]:
-        """Mean and single calls, graph then eager, each the maximum over ranks."""
-        out: List[object] = []
+    def over_ranks(mine: Optional[Spread]) -> Optional[Spread]:
+        """Each field at its largest over ranks; None if any rank has none."""
+        fields = [_max(None if mine is None else float(v)) for v in (mine or Spread(0.0, 0.0, 0.0, 0))]
+        if mine is None or any(f is None for f in fields):
+            return None
+        p50, p99, top, stalls = (float(f or 0.0) for f in fields)
+        return Spread(p50, p99, top, int(stalls))
+
+    def timed(fn: Callable[[], object]) -> Entry:
+        """Means and single calls, graph and eager, each the maximum over ranks."""
+        means: List[Optional[float]] = []
+        spreads: List[Optional[Spread]] = []
         for g in (True, False):
-            mean = _max(_time_us(fn, a.iters, g))
-            mine = _time_calls(fn, a.iters, g)
-            spread = spread_of(mine) if mine else None
-            fields = [_max(None if spread is None else float(v)) for v in (spread or (0.0, 0.0, 0.0, 0))]
-            both = None if spread is None or any(f is None for f in fields) else Spread(*fields[:3], int(fields[3] or 0))
-            out += [mean, both]
-        return out
+            means.append(_max(_time_us(fn, a.iters, g)))
+            calls = _time_calls(fn, a.iters, g)
+            spreads.append(over_ranks(spread_of(calls) if calls else None))
+        return Entry(means[0], means[1], spreads[0], spreads[1])
 
     for size in sizes(a.collective, parse_size(a.min_bytes), parse_size(a.max_bytes), w):
         n = size // 2
-        got: Dict[str, List[object]] = {}
+        got: Dict[str, Entry] = {}
         if a.collective == "allreduce":
             x = torch.zeros(n, dtype=torch.bfloat16, device="cuda")
             got["torch.distributed"] = timed(lambda: dist.all_reduce(x))
@@ -371,17 +385,14 @@ def _worker(a: argparse.Namespace) -> None:
                 got["torch symm two-shot"] = timed(lambda: ops.two_shot_all_reduce_(buf, "sum", group))
                 del buf
             except Exception:  # noqa: BLE001 - symmetric memory unavailable here: those columns show "-"
-                got.setdefault("torch symm one-shot", [None] * 4)
-                got.setdefault("torch symm two-shot", [None] * 4)
+                got.setdefault("torch symm one-shot", Entry(None, None))
+                got.setdefault("torch symm two-shot", Entry(None, None))
         else:
             inp = torch.zeros(n, dtype=torch.bfloat16, device="cuda")
             out = torch.empty_like(inp)
             got["torch.distributed"] = timed(lambda: dist.all_to_all_single(out, inp))
-        for lib, (graph, graph_calls, eager, eager_calls) in got.items():
-            cells = [_cell(graph), _cell(eager)]  # type: ignore[arg-type]
-            for c in (graph_calls, eager_calls):
-                cells.append(",,," if c is None else f"{c.p50:.3f},{c.p99:.3f},{c.max:.3f},{c.stalls}")  # type: ignore[attr-defined]
-            lines.append(f"{a.collective},{w},bf16,{size},{lib}," + ",".join(cells))
+        for lib, e in got.items():
+            lines.append(csv_line(a.collective, w, size, lib, e))
         if dist.get_rank() == 0:
             Path(a.csv).write_text("\n".join(lines) + "\n")
     dist.destroy_process_group()
