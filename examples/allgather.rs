@@ -16,8 +16,8 @@ use doorbell::gpu::cuda::device_count;
 use doorbell::job::launch::run_job;
 use doorbell::{Error, Result};
 use doorbell_bench::harness::{
-    cuda, human, measure, parse_size, print_calls, print_stall_summary, sum_over_ranks, sweep,
-    Repeat,
+    cuda, human, measure, ours_and_nccl, parse_size, print_calls, print_stall_summary,
+    sum_over_ranks, sweep, Repeat,
 };
 use doorbell_bench::nccl::Nccl;
 use std::sync::Arc;
@@ -218,11 +218,7 @@ fn run(args: &Args) -> Result<i32> {
                 ratio(t.graph, ours.graph),
                 ratio(t.eager, ours.eager),
             );
-            let mut libraries = vec![("doorbell", ours)];
-            if let Some(t) = theirs {
-                libraries.push(("NCCL", t));
-            }
-            print_calls(&human(bytes), &libraries, &mut stalls);
+            print_calls(&human(bytes), &ours_and_nccl(ours, theirs), &mut stalls);
         }
     }
     if lead {

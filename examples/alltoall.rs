@@ -16,7 +16,7 @@ use doorbell::gpu::cuda::device_count;
 use doorbell::job::launch::run_job;
 use doorbell::{Error, Result};
 use doorbell_bench::harness::{
-    alltoall_lanes, cuda, human, limit_nccl_ctas, measure, parse_size, print_calls,
+    alltoall_lanes, cuda, human, limit_nccl_ctas, measure, ours_and_nccl, parse_size, print_calls,
     print_stall_summary, sum_over_ranks, sweep, Repeat, TimingCsv,
 };
 use doorbell_bench::nccl::Nccl;
@@ -284,11 +284,7 @@ fn run(args: &Args) -> Result<i32> {
                 ratio(t.graph, ours.graph),
                 ratio(t.eager, ours.eager),
             );
-            let mut libraries = vec![("doorbell", ours)];
-            if let Some(t) = theirs {
-                libraries.push(("NCCL", t));
-            }
-            print_calls(&human(bytes), &libraries, &mut stalls);
+            print_calls(&human(bytes), &ours_and_nccl(ours, theirs), &mut stalls);
         }
     }
     if lead {

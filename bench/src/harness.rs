@@ -24,8 +24,9 @@ pub struct Repeat {
 }
 
 /// One library's timings at one size: us per operation, the maximum over ranks; `None` where
-/// not measured.
+/// not measured. Build it with `Timing { graph, ..Timing::default() }` (fields may be added).
 #[derive(Debug, Clone, Copy, Default)]
+#[non_exhaustive]
 pub struct Timing {
     /// Operations captured in a CUDA graph and replayed.
     pub graph: Option<f64>,
@@ -123,6 +124,13 @@ pub fn print_calls(what: &str, libraries: &[(&str, Timing)], found: &mut Vec<Str
             .into_iter()
             .map(|s| format!("{what}: {s}")),
     );
+}
+
+/// doorbell's timing and, where it ran, NCCL's: the libraries of a row for [`print_calls`].
+pub fn ours_and_nccl(ours: Timing, nccl: Option<Timing>) -> Vec<(&'static str, Timing)> {
+    std::iter::once(("doorbell", ours))
+        .chain(nccl.map(|t| ("NCCL", t)))
+        .collect()
 }
 
 /// The sweep's last line about stalls: `# stalls: none` or `# STALLS: ...` (one per library, mode

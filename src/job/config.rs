@@ -78,6 +78,7 @@ fn parse<T: std::str::FromStr>(env: &dyn Lookup, name: &str) -> Result<Option<T>
 
 /// Library-wide settings (everything except the launcher's rank variables).
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct Settings {
     /// `DOORBELL_LOG`.
     pub log_filter: String,
