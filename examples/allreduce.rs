@@ -57,8 +57,13 @@ struct Args {
     /// Sum in place (output = input) instead of out of place.
     #[arg(long)]
     inplace: bool,
+    /// Doorbell's buffers are registered windows (`AllReduce::register_window`, as torch's
+    /// symmetric memory and NCCL's symmetric column): calls above 4 MiB (2 ranks) run the two-shot straight
+    /// between them, nothing staged.
+    #[arg(long)]
+    windows: bool,
     /// Force a doorbell algorithm (oneshot-ll8, oneshot-ll16, twoshot-ll8, twoshot-ll16,
-    /// twoshot-sentinel, pipelined).
+    /// twoshot-sentinel, pipelined, twoshot-direct: the last needs --windows).
     #[arg(long)]
     algo: Option<String>,
     /// Pipeline lanes (blocks), at most one per SM (default: the library's).
@@ -171,22 +176,37 @@ fn run(args: &Args) -> Result<i32> {
     };
     let input: CudaSlice<u8> = s.alloc_zeros(max_bytes).map_err(cuda("cuMemAlloc"))?;
     let output: CudaSlice<u8> = s.alloc_zeros(max_bytes).map_err(cuda("cuMemAlloc"))?;
-    let in_ptr = input.device_ptr(&s).0;
-    let out_ptr = if args.inplace {
-        in_ptr
+    // With --windows, doorbell's buffers are registered windows instead (every peer maps them).
+    let windows = if args.windows {
+        let (a, b) = (comm.alloc(max_bytes)?, comm.alloc(max_bytes)?);
+        a.fill(0, max_bytes, 0)?;
+        b.fill(0, max_bytes, 0)?;
+        ar.register_window(&a)?;
+        ar.register_window(&b)?;
+        Some((a, b))
     } else {
-        output.device_ptr(&s).0
+        None
     };
+    let (in_ptr, out_ptr) = match &windows {
+        Some((a, b)) => (a.device_ptr(), b.device_ptr()),
+        None => (input.device_ptr(&s).0, output.device_ptr(&s).0),
+    };
+    let out_ptr = if args.inplace { in_ptr } else { out_ptr };
 
     if lead {
         println!(
-            "# doorbell allreduce: {world} ranks, {} GPU(s) visible, {}, {}, NVLS {}, SMs {}",
+            "# doorbell allreduce: {world} ranks, {} GPU(s) visible, {}, {}{}, NVLS {}, SMs {}",
             device_count().unwrap_or(0),
             dtype.name(),
             if args.inplace {
                 "in place"
             } else {
                 "out of place"
+            },
+            if args.windows {
+                ", doorbell on registered windows"
+            } else {
+                ""
             },
             std::env::var("NCCL_NVLS_ENABLE")
                 .map_or("default".into(), |v| format!("NCCL_NVLS_ENABLE={v}")),
@@ -236,7 +256,11 @@ fn run(args: &Args) -> Result<i32> {
             );
         }
         let seed = idx as u32 + 1;
-        let plan = ar.plan(count, dtype)?;
+        let plan = if args.windows {
+            ar.plan_registered(count, dtype)?
+        } else {
+            ar.plan(count, dtype)?
+        };
         // Correctness first (also the warm-up for this size).
         let mut wrong = 0;
         if args.check {

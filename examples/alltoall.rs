@@ -125,8 +125,8 @@ fn run(args: &Args) -> Result<i32> {
             },
             depth: args.depth.unwrap_or(d.depth),
             ll_max_bytes: match &args.ll_max {
-                Some(t) if t.trim() == "0" => 0,
-                Some(t) => parse_size(t)?,
+                Some(t) if t.trim() == "0" => Some(0),
+                Some(t) => Some(parse_size(t)?),
                 None => d.ll_max_bytes,
             },
             ..d

@@ -17,8 +17,8 @@
 # NIC_TESTS=1 also runs tests/ib_hw and the nic_ tests of tests/port and tests/net (need an RDMA NIC);
 # DOORBELL_TEST_RANKS / DOORBELL_TEST_MAX_RANKS pick rank counts (tests/common); MPS=1 starts the CUDA MPS daemon first (ranks sharing one GPU then run
 # concurrently instead of time-sliced).
-# SUITE=perf (needs two or more GPUs: a GPU per rank; the wheel as for python): allreduce and
-# all-to-all against every peer in the same run (examples' NCCL default and symmetric, then
+# SUITE=perf (needs two or more GPUs: a GPU per rank; the wheel as for python): allreduce (doorbell
+# on registered windows, `--windows`, as the symmetric peers) and all-to-all against every peer in the same run (examples' NCCL default and symmetric, then
 # python -m doorbell.peers: torch.distributed, torch symmetric memory one-/two-shot,
 # all_to_all_single), MoE high-throughput and low-latency against NCCL moving the same rows, then
 # `python -m doorbell.peers check`, which fails on a stall (a call above 5 x its size's median),
@@ -184,8 +184,12 @@ perf() {
   export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
   local ex="$bundle/examples" csvs=()
   for c in allreduce alltoall; do
+    # allreduce: doorbell on registered windows, as torch's symmetric memory and NCCL's
+    # symmetric column are (the staged path on plain buffers: examples/allreduce without it).
+    local extra=""
+    [ "$c" = allreduce ] && extra="--windows"
     "$py" -m doorbell.peers run "$c" --examples "$ex" --min-bytes 8 --max-bytes "$max" --iters "$iters" \
-      --out-csv "$logs/perf-$c.csv" > "$logs/perf-$c.txt" 2>&1 || rc=1
+      --example-args="$extra" --out-csv "$logs/perf-$c.csv" > "$logs/perf-$c.txt" 2>&1 || rc=1
     csvs+=("$logs/perf-$c.csv")
   done
   "$ex/moe" --csv "$logs/perf-moe.csv" > "$logs/perf-moe.txt" 2>&1 || rc=1

@@ -25,6 +25,8 @@ fn gpu_rank() {
         "graph_of_three" => graph_of_three(comm, stream),
         "disagree" => disagree(comm, stream),
         "late_peer" => late_peer(comm, stream),
+        "windows" => windows(comm, stream),
+        "window_sizes_differ" => window_sizes_differ(comm, stream),
         other => panic!("unknown case {other}"),
     });
 }
@@ -34,6 +36,26 @@ fn gpu_rank() {
 fn every_algorithm_dtype_size_and_placement() {
     for n in rank_counts() {
         run_case("matrix", n, &[]);
+    }
+}
+
+/// The two-shot straight between registered windows: forced and by default, awkward sizes, in
+/// and out of place, at an offset inside the windows, eager and replayed, interleaved with
+/// staged calls that share its semaphores.
+#[test]
+#[ignore = "needs GPU"]
+fn registered_windows_reduce_in_place_and_out() {
+    for n in rank_counts() {
+        run_case("windows", n, &[]);
+    }
+}
+
+/// Windows of different sizes on different ranks are refused on every rank, naming them.
+#[test]
+#[ignore = "needs GPU"]
+fn windows_of_different_sizes_are_refused() {
+    for n in rank_counts() {
+        run_case("window_sizes_differ", n, &[]);
     }
 }
 
@@ -358,4 +380,134 @@ fn disagree(comm: &Arc<Communicator>, s: &Arc<CudaStream>) {
     }
     eprintln!("rank {} reported: {err}", comm.rank());
     comm.synchronize(s).unwrap();
+}
+
+fn windows(comm: &Arc<Communicator>, s: &Arc<CudaStream>) {
+    let rank = comm.rank() as u32;
+    let world = comm.world_size() as u32;
+    let checker = Checker::new(comm.gpu()).unwrap();
+    let cap = 24 << 20;
+    let win_in = comm.alloc(cap + 4096).unwrap();
+    let win_out = comm.alloc(cap + 4096).unwrap();
+    let plain = s.alloc_zeros::<u8>(cap).unwrap();
+    let mut seed = 100u32;
+    for forced in [Some(Algorithm::TwoShotDirect), None] {
+        let ar = AllReduce::new(
+            comm,
+            AllReduceOptions {
+                algorithm: forced,
+                ..Default::default()
+            },
+        )
+        .unwrap();
+        ar.register_window(&win_in).unwrap();
+        ar.register_window(&win_out).unwrap();
+        // The staged kernels share the direct one's semaphores: a pipelined call on plain
+        // buffers between direct calls checks that every call leaves them balanced.
+        let staged = AllReduce::new(comm, AllReduceOptions::default()).unwrap();
+        for dtype in DataType::ALL {
+            for count in [
+                1usize,
+                2,
+                7,
+                8,
+                1024,
+                4097,
+                65536 + 3,
+                (1 << 20) + 5,
+                3 << 20,
+                cap / dtype.size(),
+            ] {
+                for in_place in [false, true] {
+                    for offset in [0u64, 4096] {
+                        if count * dtype.size() + offset as usize > cap + 4096 {
+                            continue;
+                        }
+                        seed += 1;
+                        let inp = win_in.device_ptr() + offset;
+                        let out = if in_place {
+                            inp
+                        } else {
+                            win_out.device_ptr() + offset
+                        };
+                        let plan = ar.plan_registered(count, dtype).unwrap();
+                        if forced.is_some() {
+                            assert_eq!(plan.algorithm, Algorithm::TwoShotDirect);
+                        }
+                        let what = format!(
+                            "{} {count} x {} {} at +{offset}",
+                            plan.algorithm.name(),
+                            dtype.name(),
+                            if in_place { "in place" } else { "out of place" }
+                        );
+                        // SAFETY: every range lies inside its window (or `plain`), which outlive
+                        // the stream's work.
+                        unsafe {
+                            checker.fill(s, inp, count, dtype, rank, seed).unwrap();
+                            ar.run_raw(s, inp, out, count, dtype).unwrap();
+                            comm.synchronize(s).unwrap();
+                            let wrong = checker
+                                .count_wrong(s, out, count, dtype, world, seed)
+                                .unwrap();
+                            assert_eq!(wrong, 0, "rank {rank}: {what}: {wrong} wrong (eager)");
+                            let p = plain.device_ptr(s).0;
+                            let n = count.min(cap / dtype.size());
+                            checker.fill(s, p, n, dtype, rank, seed).unwrap();
+                            staged.run_raw(s, p, p, n, dtype).unwrap();
+                            comm.synchronize(s).unwrap();
+                            let wrong = checker.count_wrong(s, p, n, dtype, world, seed).unwrap();
+                            assert_eq!(wrong, 0, "rank {rank}: staged after {what}: {wrong} wrong");
+                        }
+                        if count > (1 << 20) && dtype != DataType::Bf16 {
+                            continue; // replays of the large sizes: bf16 covers them
+                        }
+                        comm.synchronize(s).unwrap();
+                        s.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)
+                            .unwrap();
+                        // SAFETY: as above.
+                        unsafe {
+                            checker.fill(s, inp, count, dtype, rank, seed).unwrap();
+                            ar.run_raw(s, inp, out, count, dtype).unwrap();
+                        }
+                        let graph = s
+                            .end_capture(cudarc::driver::sys::CUgraphInstantiate_flags(0))
+                            .unwrap()
+                            .expect("captured graph");
+                        for replay in 1..=20 {
+                            graph.launch().unwrap();
+                            if replay % 10 == 0 {
+                                // SAFETY: as above.
+                                let wrong = unsafe {
+                                    checker.count_wrong(s, out, count, dtype, world, seed)
+                                }
+                                .unwrap();
+                                assert_eq!(
+                                    wrong, 0,
+                                    "rank {rank}: {what}: {wrong} wrong after {replay} replays"
+                                );
+                            }
+                        }
+                        comm.synchronize(s).unwrap();
+                    }
+                }
+            }
+        }
+        comm.bootstrap().barrier().unwrap();
+    }
+}
+
+fn window_sizes_differ(comm: &Arc<Communicator>, _s: &Arc<CudaStream>) {
+    let ar = AllReduce::new(comm, AllReduceOptions::default()).unwrap();
+    // Multiples of the allocation granularity (2 MiB), which allocations are rounded up to.
+    let bytes = if comm.rank() == 1 { 8 << 20 } else { 4 << 20 };
+    let buf = comm.alloc(bytes).unwrap();
+    let e = ar.register_window(&buf).unwrap_err().to_string();
+    assert!(
+        e.contains("rank 1 registered 8388608 bytes"),
+        "rank {}: {e}",
+        comm.rank()
+    );
+    // The table stays usable: a window every rank sizes alike registers.
+    let same = comm.alloc(4 << 20).unwrap();
+    ar.register_window(&same).unwrap();
 }

@@ -46,6 +46,10 @@ struct Routing {
     weights: Vec<f32>,
 }
 
+fn check(what: &str, r: cudarc::driver::sys::CUresult) {
+    assert_eq!(r, cudarc::driver::sys::CUresult::CUDA_SUCCESS, "{what}");
+}
+
 fn hash(a: u64) -> u64 {
     let mut x = a.wrapping_mul(0x9E37_79B9_7F4A_7C15);
     x ^= x >> 29;
@@ -405,6 +409,16 @@ fn exchange(comm: &Arc<Communicator>, s: &Arc<CudaStream>) {
         check_network(round, before, used_bf16, &format!("round {round}"));
         unsafe { moe.combine(s, y_at, op) }.unwrap();
         check_combine(round, &format!("round {round}"));
+        if round == 1 {
+            // A second combine of the same dispatch (its own handshake: a peer may still read
+            // this rank's combine buffer), into a cleared output.
+            // SAFETY: `op` is `out`'s MAX_TOKENS * HIDDEN bf16.
+            check("cuMemsetD16Async", unsafe {
+                cudarc::driver::sys::cuMemsetD16Async(op, 0, MAX_TOKENS * HIDDEN, s.cu_stream())
+            });
+            unsafe { moe.combine(s, y_at, op) }.unwrap();
+            check_combine(round, "round 1, combined again");
+        }
     }
     // FP8 dispatch: e4m3 bytes and one scale per 128 values, derived from (source, token), must
     // arrive byte for byte in the same layout; then a bf16 combine on top of it.

@@ -145,7 +145,8 @@ pub fn print_stall_summary(found: &[String]) {
 
 /// Times `op` eagerly (back-to-back launches between two events) and in a CUDA graph (k
 /// operations captured once, replayed; k = 20 up to 1 MiB, 5 above), every rank starting after a
-/// barrier; returns the maximum over ranks. `bytes` picks the iteration counts.
+/// barrier, the launches queued behind a hold kernel so host jitter stays out; returns the maximum
+/// over ranks. `bytes` picks the iteration counts.
 ///
 /// Then single calls, so that a stall cannot hide in a mean: the same number of eager launches
 /// with an event between every two, and one graph of k x r captured calls with a clock kernel
@@ -173,9 +174,17 @@ pub fn measure(
     } else {
         10
     };
+    // Eager launches and graph replays queue behind a hold (one GPU thread sleeping longer than
+    // the host takes to enqueue them all), so the host's scheduling jitter (a thread descheduled
+    // for 60-450 us now and then, seen in every library's eager columns alike; once a 33 us gap
+    // between two graph replays at 32 MiB) stays out of the means and the single calls; the GPU
+    // then runs what is queued back to back, as in a training step whose host runs ahead.
+    let clock = Checker::new(comm.gpu())?;
+    let hold = std::time::Duration::from_micros(2000 + 20 * iters as u64);
     let time = |f: &dyn Fn() -> Result<()>, n: usize| -> Result<f64> {
         comm.synchronize(s)?;
         comm.bootstrap().barrier()?;
+        clock.delay(s, hold)?;
         let start = s
             .record_event(Some(CU_EVENT_DEFAULT))
             .map_err(cuda("cuEventRecord"))?;
@@ -207,6 +216,7 @@ pub fn measure(
         let marks = events(s, iters + 1)?;
         comm.synchronize(s)?;
         comm.bootstrap().barrier()?;
+        clock.delay(s, hold)?;
         for (i, mark) in marks.iter().enumerate() {
             record(mark, s)?;
             if i < iters {
@@ -246,7 +256,6 @@ pub fn measure(
     drop(graph);
     // Single calls in a graph: k x r calls with a clock kernel before each and after the last.
     let n = k * r;
-    let clock = Checker::new(comm.gpu())?;
     let stamps = s.alloc_zeros::<u64>(n + 1).map_err(cuda("cuMemAlloc"))?;
     // Taken before the capture (cudarc orders a slice's pointer after the slice's last use).
     let at = stamps.device_ptr(s).0;

@@ -1,34 +1,39 @@
 // MoE expert dispatch and combine inside a node over NVLink (high-throughput layout: a token goes
 // to each destination rank once, however many of that rank's experts it selected).
 //
-// Dispatch, four kernels on the caller's stream:
+// Dispatch, two kernels on the caller's stream:
 //   moe_dispatch_layout (one block per destination rank r): the positions of the tokens bound for
-//     r (a block-wide scan) and their count.
-//   moe_dispatch_counts (one thread per peer): my counts go into row `me` of every rank's count
-//     matrix, and a signal each way with every peer. Receiving a peer's signal also means its
-//     results area is free again (the peer's stream has finished everything before this call,
-//     the readers of its previous results included).
-//   moe_dispatch_send (B blocks): with the whole count matrix known, each sender knows where its
-//     rows start in each receiver's results (after the rows of lower ranks); a warp per (token,
-//     segment of its row) loads the row once and stores it, with the top-k ids rebased to the
-//     receiver's local ids (-1 elsewhere), the weights and (source rank, token), straight into
-//     the final place of every rank it goes to; every block then signals every peer once
-//     (release: its rows land first). Nothing is copied twice.
-//   moe_dispatch_finish (B blocks): waits until every peer's B signals of this call arrived (the
-//     monotonic token reaches calls x B; waiting consumes nothing, so every block may wait), then
-//     counts rows per local expert.
+//     r (a block-wide scan) and their count, written straight into row `me` of every rank's
+//     count matrix; then the block signals every peer (release; `world` signals per call and
+//     peer). A peer's signals also mean its results area is free again: its stream has finished
+//     everything before this call, the readers of its previous results included.
+//   moe_dispatch_send (B blocks): waits until every peer's layout signals of this call arrived,
+//     so the whole count matrix is known and each sender knows where its rows start in each
+//     receiver's results (after the rows of lower ranks); a warp per (token, segment of its row)
+//     loads the row once and stores it, with the top-k ids rebased to the receiver's local ids
+//     (-1 elsewhere), the weights and (source rank, token), straight into the final place of
+//     every rank it goes to; every block then signals every peer once (release: its rows land
+//     first) and counts itself done on this GPU; then waits until every peer's B signals and
+//     this GPU's B blocks are in, and counts rows per local expert. Nothing is copied twice.
+// The count matrix has two buffers, used by calls of alternating parity: a rank in call d + 1
+// writes a peer's matrix only after that peer's call-d signals, which come after everything of
+// call d - 1 on its stream (its combine's reads of the matrix included).
 // Combine pulls: every rank's expert outputs sit in its combine buffer (registered, mapped by every
-// peer; the caller's rows are copied in first unless it wrote them there itself), and each source
-// rank reads the rows of its own tokens straight from the ranks they went to:
-//   moe_combine_free (one thread per peer): a signal each way: the peer has finished reading my
-//     combine buffer in its previous combine (its stream reached this one), so I may refill it.
-//   moe_combine_copy_in (B blocks, skipped when the caller wrote the buffer): num_recv rows of y.
-//   moe_combine_ready (one thread per peer): a signal each way: every buffer is filled.
-//   moe_combine_reduce (B blocks): for each token, the rows of the ranks it went to, at (rows of
-//     lower source ranks on that rank, from the count matrix) + the token's position there, summed
-//     in f32 in rank order into out. No intermediate copy; loads over NVLink.
-// Every count lives in device memory and every call consumes what it signals: CUDA-graph
-// capturable, replays need no reset.
+// peer; the rows peers read are copied in first unless the caller wrote them there itself), and
+// each source rank reads the rows of its own tokens straight from the ranks they went to:
+//   moe_combine_copy_in (B blocks): for a second combine of one dispatch only, a signal each way
+//     first (the peer has finished reading my combine buffer in its previous combine; after a
+//     dispatch the dispatch's signals already said so); the rows of y that came from other ranks
+//     (none when the caller wrote the buffer itself); then every block signals every peer once
+//     (release).
+//   moe_combine_reduce (B blocks): waits until every peer's B signals of this call arrived, then
+//     for each token sums the rows of the ranks it went to, at (rows of lower source ranks on
+//     that rank, from the count matrix) + the token's position there, in f32 in rank order into
+//     out; its own rows straight from y. No intermediate copy; loads over NVLink.
+// Every block keeps its own call count (`calls`, one slot per kernel and block, written by that
+// block only), every wait's target derives from it, and every call consumes what it signals:
+// CUDA-graph capturable, replays need no reset. Dispatch and combine are stream-ordered on each
+// rank (one stream, or events between them).
 #include <doorbell/doorbell.cuh>
 
 #include <cuda_bf16.h>
@@ -40,8 +45,32 @@ namespace {
 constexpr uint32_t kWarp = 32;
 constexpr uint32_t kMaxLocalExperts = 2048;  // MoeDispatcher::new checks experts_per_rank
 
-DOORBELL_DEVICE_INLINE uint32_t* count_matrix(const MoeArgs& a, uint32_t owner) {
-  return reinterpret_cast<uint32_t*>(a.land[owner] + a.off_matrix);
+// Slots of the call counts (`MoeArgs::calls`): one per block of each kernel.
+constexpr uint32_t kLayoutCalls = 0;    // [world]
+constexpr uint32_t kSendCalls = 256;    // [B]
+constexpr uint32_t kCopyCalls = 512;    // [B]
+constexpr uint32_t kReduceCalls = 768;  // [B]
+constexpr uint32_t kSentBlocks = 1024;  // blocks of this GPU done sending, over all calls
+constexpr uint32_t kCombinedDispatch = 1025;  // the dispatch the last combine followed
+constexpr uint32_t kRepeatCombines = 1026;    // combines that repeated one dispatch, so far
+
+// This block's call number for the kernel whose counts start at `slots` (1 for the first call).
+DOORBELL_DEVICE_INLINE uint64_t block_call(const MoeArgs& a, uint32_t slots) {
+  __shared__ uint64_t n;
+  if (threadIdx.x == 0) {
+    n = a.calls[slots + blockIdx.x] + 1;
+    a.calls[slots + blockIdx.x] = n;
+  }
+  __syncthreads();
+  return n;
+}
+
+// The number of the last dispatch, read by later kernels (the send kernel's block 0 count).
+DOORBELL_DEVICE_INLINE uint64_t last_dispatch(const MoeArgs& a) { return a.calls[kSendCalls]; }
+
+// `owner`'s count matrix for dispatch number `d` ([source rank][destination rank]).
+DOORBELL_DEVICE_INLINE uint32_t* count_matrix(const MoeArgs& a, uint32_t owner, uint64_t d) {
+  return reinterpret_cast<uint32_t*>(a.land[owner] + a.off_matrix) + (d & 1) * a.world * a.world;
 }
 
 // Copies `bytes` (a multiple of 16, both ends 16-byte aligned) with one warp.
@@ -60,10 +89,10 @@ DOORBELL_DEVICE_INLINE void warp_copy16(void* dst, const void* src, uint64_t byt
   for (; i < n; i += kWarp) d[i] = s[i];
 }
 
-// Waits (bounded) until every peer's `set` token reached calls x blocks: all of this call's
+// Waits (bounded) until every peer's `set` token reached calls x per_call: all of this call's
 // signals from every peer arrived. Any number of threads may wait; nothing is consumed.
-DOORBELL_DEVICE_INLINE void wait_all_peers(const MoeArgs& a, uint32_t set, uint64_t calls) {
-  const uint64_t target = calls * a.blocks;
+DOORBELL_DEVICE_INLINE void wait_all_peers(const MoeArgs& a, uint32_t set, uint64_t calls, uint32_t per_call) {
+  const uint64_t target = calls * per_call;
   for (uint32_t r = 0; r < a.world; ++r) {
     if (r == a.rank) continue;
     const SemaphoreHandle& h = a.sems[set * a.world + r];
@@ -74,17 +103,78 @@ DOORBELL_DEVICE_INLINE void wait_all_peers(const MoeArgs& a, uint32_t set, uint6
   }
 }
 
-// The handshake before writing into peers' landing areas (set `free_set`): one thread per peer.
-DOORBELL_DEVICE_INLINE void free_handshake(const MoeArgs& a, uint32_t free_set, uint32_t r) {
-  if (r == a.rank || r >= a.world) return;
-  const SemaphoreHandle& h = a.sems[free_set * a.world + r];
-  h.signal();
-  h.wait();
+// Adds the 8 bf16 of `v` to `acc` in f32.
+DOORBELL_DEVICE_INLINE void add_bf16x8(float (&acc)[8], const int4& v) {
+  const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);
+#pragma unroll
+  for (int q = 0; q < 4; ++q) {
+    const float2 f = __bfloat1622float2(h[q]);
+    acc[2 * q] += f.x;
+    acc[2 * q + 1] += f.y;
+  }
+}
+
+DOORBELL_DEVICE_INLINE int4 to_bf16x8(const float (&acc)[8]) {
+  int4 o;
+  __nv_bfloat162* h = reinterpret_cast<__nv_bfloat162*>(&o);
+#pragma unroll
+  for (int q = 0; q < 4; ++q) h[q] = __floats2bfloat162_rn(acc[2 * q], acc[2 * q + 1]);
+  return o;
+}
+
+// The combine's sums (moe_combine_reduce). kW: the rank count when known at compile time (two
+// items per thread, loads in registers), else 0 (one item, any rank count).
+template <int kW>
+DOORBELL_DEVICE_INLINE void reduce_rows(const MoeArgs& a, const uint32_t* first) {
+  constexpr uint32_t U = kW == 0 ? 1 : 2;
+  constexpr uint32_t R = kW == 0 ? kMaxRanks : kW;
+  const uint32_t chunks = a.hidden / 8;
+  const uint32_t n_items = a.num_tokens * chunks;  // < 2^32, checked by the host
+  const uint32_t stride = gridDim.x * blockDim.x;
+  auto rows = [&](uint32_t r) -> const int4* {
+    return static_cast<const int4*>(r == a.rank ? static_cast<const void*>(a.y) : static_cast<const void*>(a.comb_buf[r]));
+  };
+  for (uint32_t i = blockIdx.x * blockDim.x + threadIdx.x; i < n_items; i += U * stride) {
+    int4 v[U][R];
+    bool has[U][R];
+#pragma unroll
+    for (uint32_t u = 0; u < U; ++u) {
+      const uint32_t item = i + u * stride;
+      const uint32_t t = item / chunks, c = item % chunks;
+#pragma unroll
+      for (uint32_t r = 0; r < R; ++r) {
+        has[u][r] = false;
+        if (item >= n_items || r >= a.world) continue;
+        const int32_t p = a.pos[uint64_t(t) * a.world + r];
+        has[u][r] = p >= 0;
+        if (p >= 0) v[u][r] = rows(r)[(first[r] + uint64_t(p)) * chunks + c];
+      }
+    }
+#pragma unroll
+    for (uint32_t u = 0; u < U; ++u) {
+      const uint32_t item = i + u * stride;
+      if (item >= n_items) continue;
+      float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+#pragma unroll
+      for (uint32_t r = 0; r < R; ++r) {
+        if (has[u][r]) add_bf16x8(acc, v[u][r]);
+      }
+      reinterpret_cast<int4*>(a.out)[item] = to_bf16x8(acc);
+    }
+  }
 }
 
 }  // namespace
 
+// The call check (call_check.cuh): the layout kernel and the combine's copy-in announce the call,
+// the last kernel of each checks every peer made the same one.
+DOORBELL_DEVICE_INLINE void check_moe_call(const MoeArgs& a) {
+  check_call(a.call, a.rank, a.world, a.sems[checked_peer(a.world) % a.world].site);
+}
+
 extern "C" __global__ void __launch_bounds__(1024) moe_dispatch_layout(MoeArgs a) {
+  announce_call(a.call, a.rank, a.world);
+  const uint64_t d = block_call(a, kLayoutCalls);
   const uint32_t r = blockIdx.x;
   const uint32_t tid = threadIdx.x;
   __shared__ uint32_t warp_sums[32];
@@ -92,7 +182,6 @@ extern "C" __global__ void __launch_bounds__(1024) moe_dispatch_layout(MoeArgs a
   if (tid == 0) base = 0;
   if (r == a.rank) {
     for (uint32_t e = tid; e < a.experts_per_rank; e += blockDim.x) a.expert_counts[e] = 0;
-    if (tid == 0) a.calls[0] += 1;
   }
   __syncthreads();
   const uint32_t lane = tid % kWarp, warp = tid / kWarp, warps = blockDim.x / kWarp;
@@ -120,31 +209,21 @@ extern "C" __global__ void __launch_bounds__(1024) moe_dispatch_layout(MoeArgs a
     if (tid == 0) base += total;
     __syncthreads();
   }
-  if (tid == 0) a.send_counts[r] = base;
-}
-
-// The call check (call_check.cuh): the counts kernel and the combine's free handshake announce
-// the call, the last kernel of each checks every peer made the same one.
-DOORBELL_DEVICE_INLINE void check_moe_call(const MoeArgs& a) {
-  check_call(a.call, a.rank, a.world, a.sems[checked_peer(a.world) % a.world].site);
-}
-
-extern "C" __global__ void moe_dispatch_counts(MoeArgs a) {
-  announce_call(a.call, a.rank, a.world);
-  const uint32_t r = threadIdx.x;
-  if (r >= a.world) return;
-  uint32_t* row = count_matrix(a, r) + uint64_t(a.rank) * a.world;
-  for (uint32_t q = 0; q < a.world; ++q) row[q] = a.send_counts[q];
-  if (r == a.rank) return;
-  const SemaphoreHandle& h = a.sems[0 * a.world + r];
-  h.signal();
-  h.wait();
+  // My count for r into row `me` of every rank's matrix, then a signal to every peer (release:
+  // the count lands first).
+  if (tid < a.world) count_matrix(a, tid, d)[uint64_t(a.rank) * a.world + r] = base;
+  __syncthreads();
+  if (tid < a.world && tid != a.rank) a.sems[0 * a.world + tid].signal();
 }
 
 extern "C" __global__ void __launch_bounds__(512) moe_dispatch_send(MoeArgs a) {
+  const uint64_t d = block_call(a, kSendCalls);
   __shared__ uint32_t first[kMaxRanks];  // where my rows start in each rank's results
+  // Every peer's counts of this call (one signal per layout block).
+  if (threadIdx.x == 0) wait_all_peers(a, 0, d, a.world);
+  __syncthreads();
   if (threadIdx.x < a.world) {
-    const uint32_t* m = count_matrix(a, a.rank);
+    const uint32_t* m = count_matrix(a, a.rank, d);
     uint32_t before = 0;
     for (uint32_t s = 0; s < a.rank; ++s) before += m[uint64_t(s) * a.world + threadIdx.x];
     first[threadIdx.x] = before;
@@ -217,13 +296,26 @@ extern "C" __global__ void __launch_bounds__(512) moe_dispatch_send(MoeArgs a) {
   }
   __syncthreads();
   if (threadIdx.x < a.world && threadIdx.x != a.rank) a.sems[1 * a.world + threadIdx.x].signal();
-}
+  // This block's rows into my own results are written too: count it done on this GPU (the
+  // histogram below reads rows that other blocks of this grid wrote).
+  if (threadIdx.x == 0) {
+    __threadfence();
+    atomicAdd(reinterpret_cast<unsigned long long*>(a.calls + kSentBlocks), 1ull);
+  }
 
-extern "C" __global__ void __launch_bounds__(512) moe_dispatch_finish(MoeArgs a) {
+  // Every row of this call is in once every peer's B blocks signalled and this GPU's B blocks
+  // are done (every block of the grid is resident, so waiting here cannot starve a sender).
   __shared__ uint32_t total;
   if (threadIdx.x == 0) {
-    wait_all_peers(a, 1, a.calls[0]);
-    const uint32_t* m = count_matrix(a, a.rank);
+    wait_all_peers(a, 1, d, a.blocks);
+    const uint64_t target = d * a.blocks;
+    WaitSite site = a.sems[checked_peer(a.world) % a.world].site;
+    site.peer = static_cast<int32_t>(a.rank);
+    spin_until(site, kWaitSemaphore, target, [&](uint64_t& seen) {
+      seen = load_acquire_gpu(a.calls + kSentBlocks);
+      return seen >= target;
+    });
+    const uint32_t* m = count_matrix(a, a.rank, d);
     uint32_t n = 0;
     for (uint32_t s = 0; s < a.world; ++s) n += m[uint64_t(s) * a.world + a.rank];
     total = n;
@@ -247,28 +339,51 @@ extern "C" __global__ void __launch_bounds__(512) moe_dispatch_finish(MoeArgs a)
   check_moe_call(a);
 }
 
-extern "C" __global__ void moe_combine_free(MoeArgs a) {
-  announce_call(a.call, a.rank, a.world);
-  if (threadIdx.x == 0) a.calls[1] += 1;
-  free_handshake(a, 2, threadIdx.x);
-}
-
 extern "C" __global__ void __launch_bounds__(512) moe_combine_copy_in(MoeArgs a) {
-  const uint32_t lane = threadIdx.x % kWarp;
-  const uint32_t warps = gridDim.x * (blockDim.x / kWarp);
-  const uint32_t total = *a.num_recv;
-  uint16_t* mine = reinterpret_cast<uint16_t*>(a.comb_buf[a.rank]);
-  for (uint32_t j = blockIdx.x * (blockDim.x / kWarp) + threadIdx.x / kWarp; j < total; j += warps) {
-    warp_copy16(mine + uint64_t(j) * a.hidden, a.y + uint64_t(j) * a.hidden, uint64_t(a.hidden) * 2, lane);
+  announce_call(a.call, a.rank, a.world);
+  block_call(a, kCopyCalls);
+  const uint64_t d = last_dispatch(a);
+  // A second combine of one dispatch: wait until every peer has finished reading my buffer in
+  // its previous combine (its copy-in of this one started: block 0 signals once per peer).
+  // After a dispatch its signals already said so. moe_combine_reduce's block 0 updates both
+  // counts read here.
+  if (a.calls[kCombinedDispatch] == d) {
+    const uint64_t repeats = a.calls[kRepeatCombines] + 1;
+    if (blockIdx.x == 0 && threadIdx.x < a.world && threadIdx.x != a.rank) a.sems[2 * a.world + threadIdx.x].signal();
+    if (threadIdx.x == 0) wait_all_peers(a, 2, repeats, 1);
+    __syncthreads();
   }
+  // Only the rows peers read: those of other source ranks. My own tokens' rows stay in y, where
+  // moe_combine_reduce reads them (on 2 ranks that halves the copy).
+  if (static_cast<const void*>(a.y) != static_cast<const void*>(a.comb_buf[a.rank])) {
+    const uint32_t lane = threadIdx.x % kWarp;
+    const uint32_t warps = gridDim.x * (blockDim.x / kWarp);
+    const uint32_t total = *a.num_recv;
+    const uint32_t* m = count_matrix(a, a.rank, d);
+    uint32_t own_first = 0;
+    for (uint32_t s = 0; s < a.rank; ++s) own_first += m[uint64_t(s) * a.world + a.rank];
+    const uint32_t own_rows = m[uint64_t(a.rank) * a.world + a.rank];
+    const uint32_t others = total - own_rows;
+    uint16_t* mine = reinterpret_cast<uint16_t*>(a.comb_buf[a.rank]);
+    for (uint32_t i = blockIdx.x * (blockDim.x / kWarp) + threadIdx.x / kWarp; i < others; i += warps) {
+      const uint32_t j = i < own_first ? i : i + own_rows;
+      warp_copy16(mine + uint64_t(j) * a.hidden, a.y + uint64_t(j) * a.hidden, uint64_t(a.hidden) * 2, lane);
+    }
+  }
+  // Every block tells every peer its rows are in (release: the block's copies first);
+  // moe_combine_reduce waits for all of them.
+  __syncthreads();
+  if (threadIdx.x < a.world && threadIdx.x != a.rank) a.sems[3 * a.world + threadIdx.x].signal();
 }
-
-extern "C" __global__ void moe_combine_ready(MoeArgs a) { free_handshake(a, 3, threadIdx.x); }
 
 extern "C" __global__ void __launch_bounds__(512) moe_combine_reduce(MoeArgs a) {
+  const uint64_t c = block_call(a, kReduceCalls);
+  const uint64_t d = last_dispatch(a);
   __shared__ uint32_t first[kMaxRanks];  // where my tokens' rows start on each rank
+  if (threadIdx.x == 0) wait_all_peers(a, 3, c, a.blocks);
+  __syncthreads();
   if (threadIdx.x < a.world) {
-    const uint32_t* m = count_matrix(a, a.rank);
+    const uint32_t* m = count_matrix(a, a.rank, d);
     uint32_t before = 0;
     for (uint32_t s = 0; s < a.rank; ++s) before += m[uint64_t(s) * a.world + threadIdx.x];
     first[threadIdx.x] = before;
@@ -276,32 +391,18 @@ extern "C" __global__ void __launch_bounds__(512) moe_combine_reduce(MoeArgs a) 
   __syncthreads();
   // A thread per (token, 16 bytes of its row): every rank the token went to adds its eight bf16
   // values, in rank order, in f32; all of a thread's loads are in flight before the sums, and
-  // there are enough threads for a decode batch's few tokens as for prefill's many.
-  const uint32_t chunks = a.hidden / 8;
-  const uint32_t n_items = a.num_tokens * chunks;  // < 2^32, checked by the host
-  for (uint32_t i = blockIdx.x * blockDim.x + threadIdx.x; i < n_items; i += gridDim.x * blockDim.x) {
-    const uint32_t t = i / chunks, c = i % chunks;
-    int4 v[kMaxRanks];
-    uint32_t n = 0;
-    for (uint32_t r = 0; r < a.world; ++r) {
-      const int32_t p = a.pos[uint64_t(t) * a.world + r];
-      if (p >= 0) v[n++] = reinterpret_cast<const int4*>(a.comb_buf[r])[(first[r] + uint64_t(p)) * chunks + c];
-    }
-    float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-    for (uint32_t d = 0; d < n; ++d) {
-      const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v[d]);
-#pragma unroll
-      for (int q = 0; q < 4; ++q) {
-        const float2 f = __bfloat1622float2(h[q]);
-        acc[2 * q] += f.x;
-        acc[2 * q + 1] += f.y;
-      }
-    }
-    int4 o;
-    __nv_bfloat162* h = reinterpret_cast<__nv_bfloat162*>(&o);
-#pragma unroll
-    for (int q = 0; q < 4; ++q) h[q] = __floats2bfloat162_rn(acc[2 * q], acc[2 * q + 1]);
-    reinterpret_cast<int4*>(a.out)[uint64_t(t) * chunks + c] = o;
+  // there are enough threads for a decode batch's few tokens as for prefill's many. On 2 ranks
+  // (the rank count known at compile time) each thread takes two items at once, its loads in
+  // registers: twice the NVLink reads in flight.
+  if (a.world == 2) {
+    reduce_rows<2>(a, first);
+  } else {
+    reduce_rows<0>(a, first);
+  }
+  // The counts moe_combine_copy_in reads (no block of this kernel reads them).
+  if (blockIdx.x == 0 && threadIdx.x == 0) {
+    if (a.calls[kCombinedDispatch] == d) a.calls[kRepeatCombines] += 1;
+    a.calls[kCombinedDispatch] = d;
   }
   check_moe_call(a);
 }

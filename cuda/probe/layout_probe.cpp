@@ -134,6 +134,11 @@ int main() {
   FIELD(AllReduceArgs, site);
   FIELD(AllReduceArgs, call);
 
+  STRUCT(AllReduceDirectArgs);
+  FIELD(AllReduceDirectArgs, base);
+  FIELD(AllReduceDirectArgs, peer_input);
+  FIELD(AllReduceDirectArgs, peer_output);
+
   STRUCT(CallCheck);
   FIELD(CallCheck, word);
   FIELD(CallCheck, inbox);
@@ -181,7 +186,6 @@ int main() {
   FIELD(MoeArgs, off_matrix);
   FIELD(MoeArgs, off_scales);
   FIELD(MoeArgs, pos);
-  FIELD(MoeArgs, send_counts);
   FIELD(MoeArgs, num_recv);
   FIELD(MoeArgs, expert_counts);
   FIELD(MoeArgs, calls);

@@ -43,8 +43,9 @@ pub struct AllToAllOptions {
     /// default: half).
     pub send_threads: Option<u32>,
     /// Blocks of at most this many bytes per peer take the LL16-packet kernel (one NVLink
-    /// crossing, no semaphores); 0 turns it off.
-    pub ll_max_bytes: usize,
+    /// crossing, no semaphores); 0 turns it off. Default ([`AllToAllOptions::default_ll_max`]):
+    /// 512 KiB on 2 ranks, 64 KiB on more.
+    pub ll_max_bytes: Option<usize>,
     /// Blocks of the LL kernel (fixed per communicator: each packet index always belongs to the
     /// same block, which keeps its own epoch).
     pub ll_blocks: u32,
@@ -61,8 +62,23 @@ impl Default for AllToAllOptions {
             depth: 6,
             threads: 512,
             send_threads: None,
-            ll_max_bytes: 64 << 10,
+            ll_max_bytes: None,
             ll_blocks: 64,
+        }
+    }
+}
+
+impl AllToAllOptions {
+    /// The largest block per peer that goes as LL16 packets by default on `world` ranks. On 2 x
+    /// H100 (`--ll-max` sweep, graph, 2026-11-25) the LL kernel beat the tile kernel up to blocks
+    /// of 512 KiB: 256 KiB in total 3.8 us against 8.8 (NCCL 8.4), 1 MiB 8.1 against 10.5, 2 MiB
+    /// even (12.8 / 13.0); 64 KiB on 4 x H200, where 3 peers' packets share each GPU's links
+    /// (larger limits not measured there).
+    pub fn default_ll_max(world: usize) -> usize {
+        if world <= 2 {
+            512 << 10
+        } else {
+            64 << 10
         }
     }
 }
@@ -196,7 +212,14 @@ impl AllToAll {
         }
         let ring_bytes = world * lanes as usize * opts.depth as usize * opts.tile_bytes;
         // LL16 packets carry 8 bytes in 16.
-        let ll_slot_bytes = (opts.ll_max_bytes.div_ceil(8) * 16).max(16);
+        let ll_max = opts
+            .ll_max_bytes
+            .unwrap_or(AllToAllOptions::default_ll_max(world));
+        let opts = AllToAllOptions {
+            ll_max_bytes: Some(ll_max),
+            ..opts
+        };
+        let ll_slot_bytes = (ll_max.div_ceil(8) * 16).max(16);
         // The call check's inbox sits after the LL area.
         let inbox_offset = ring_bytes + 2 * world * ll_slot_bytes;
         let scratch = comm.alloc(inbox_offset + signature::INBOX_BYTES)?;
@@ -294,7 +317,8 @@ impl AllToAll {
         largest: Option<usize>,
     ) -> Result<()> {
         self.comm.check_health()?;
-        let ll = largest.is_some_and(|b| b <= self.opts.ll_max_bytes);
+        let ll_max = self.opts.ll_max_bytes.unwrap_or(0);
+        let ll = largest.is_some_and(|b| b <= ll_max);
         // Equal blocks name their size; variable ones only their kind (counts differ by rank).
         let (kind, count) = if args.counts == 0 {
             (CallKind::AllToAll, args.equal_bytes)

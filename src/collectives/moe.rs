@@ -230,7 +230,7 @@ struct HtNvlink {
     last_tokens: std::sync::atomic::AtomicU32,
     /// Counts calls and makes each call's word (the call check, `call_check.cuh`).
     calls: CallChecker,
-    kernels: [CudaFunction; 8],
+    kernels: [CudaFunction; 4],
     _recv: (
         Arc<Buffer>,
         Arc<RegisteredMemory>,
@@ -256,6 +256,10 @@ type Landing = (
 /// mapped here (own at `rank`). Fails for ranks of other hosts: the MoE paths are single-node.
 /// Launches one of the MoE kernels with its argument struct (MoeArgs or MoeLlArgs, both
 /// layout-tested against the kernels') and reports a trapped wait as the timeout it was.
+/// Call-count slots of the high-throughput kernels (`kLayoutCalls` .. `kRepeatCombines` in
+/// moe.cu): 256 per kernel and block, then three counters.
+const HT_CALL_SLOTS: usize = 1027;
+
 pub(super) fn launch<A: DeviceRepr>(
     comm: &Communicator,
     f: &CudaFunction,
@@ -351,10 +355,13 @@ impl HtNvlink {
         let gpu = comm.gpu().clone();
         let sms = gpu.sm_count()?;
         let blocks = cfg.blocks.unwrap_or(sms);
-        if blocks == 0 || blocks > sms {
+        if blocks == 0 || blocks > sms || blocks > 256 {
             return Err(Error::invalid(
                 "blocks",
-                format!("{blocks}: must be in 1..={sms} (every block must be resident at once)"),
+                format!(
+                    "{blocks}: must be in 1..={} (every block must be resident at once)",
+                    sms.min(256)
+                ),
             ));
         }
         let rows = world * cfg.max_tokens;
@@ -363,7 +370,8 @@ impl HtNvlink {
         let off_weights = off_idx + section(rows * cfg.topk * 4);
         let off_src = off_weights + section(rows * cfg.topk * 4);
         let off_matrix = off_src + section(rows * 8);
-        let off_scales = off_matrix + section(world * world * 4);
+        // Two count matrices, for calls of alternating parity (moe.cu).
+        let off_scales = off_matrix + section(2 * world * world * 4);
         let land_bytes = off_scales + section(rows * (cfg.hidden / 128) * 4);
         let (recv, land_ptrs, inbox) = landing_with_inbox(comm, land_bytes)?;
         let (comb, comb_ptrs) = landing(comm, rows * cfg.hidden * 2)?;
@@ -380,10 +388,9 @@ impl HtNvlink {
             .map_err(cuda_err("cuMemcpyHtoD"))?;
         let device = vec![
             alloc(cfg.max_tokens * world * 4)?,  // pos
-            alloc(world * 4)?,                   // send_counts
             alloc(4)?,                           // num_recv
             alloc(cfg.num_experts / world * 4)?, // expert_counts
-            alloc(16)?,                          // calls
+            alloc(HT_CALL_SLOTS * 8)?,           // call counts per kernel and block (moe.cu)
             sems,
         ];
         let p = |i: usize| device[i].device_ptr(&stream).0;
@@ -403,11 +410,10 @@ impl HtNvlink {
             off_matrix: off_matrix as u64,
             off_scales: off_scales as u64,
             pos: p(0),
-            send_counts: p(1),
-            num_recv: p(2),
-            expert_counts: p(3),
-            calls: p(4),
-            sems: p(5),
+            num_recv: p(1),
+            expert_counts: p(2),
+            calls: p(3),
+            sems: p(4),
             ..Default::default()
         };
         stream
@@ -416,12 +422,8 @@ impl HtNvlink {
         let k = |name: &str| gpu.function("moe", name);
         let kernels = [
             k("moe_dispatch_layout")?,
-            k("moe_dispatch_counts")?,
             k("moe_dispatch_send")?,
-            k("moe_dispatch_finish")?,
-            k("moe_combine_free")?,
             k("moe_combine_copy_in")?,
-            k("moe_combine_ready")?,
             k("moe_combine_reduce")?,
         ];
         comm.bootstrap().barrier()?;
@@ -522,9 +524,7 @@ impl HtNvlink {
         };
         let world = self.comm.world_size() as u32;
         self.launch(stream, 0, world, 1024, &args)?;
-        self.launch(stream, 1, 1, world.next_multiple_of(32), &args)?;
-        self.launch(stream, 2, self.blocks, 512, &args)?;
-        self.launch(stream, 3, self.blocks, 512, &args)
+        self.launch(stream, 1, self.blocks, 512, &args)
     }
 
     /// Dispatches FP8 tokens: `x` holds e4m3 bytes `[num_tokens, hidden]` and `scales` one f32
@@ -593,13 +593,9 @@ impl HtNvlink {
             ),
             ..self.base
         };
-        let world = self.comm.world_size() as u32;
-        self.launch(stream, 4, 1, world.next_multiple_of(32), &args)?;
-        if y != self.combine_buffer() {
-            self.launch(stream, 5, self.blocks, 512, &args)?;
-        }
-        self.launch(stream, 6, 1, world.next_multiple_of(32), &args)?;
-        self.launch(stream, 7, self.blocks, 512, &args)
+        // Copies the rows peers read (none when y is the combine buffer) and signals them in.
+        self.launch(stream, 2, self.blocks, 512, &args)?;
+        self.launch(stream, 3, self.blocks, 512, &args)
     }
 
     /// This rank's combine buffer (`[world * max_tokens, hidden]` bf16, rows aligned with

@@ -349,6 +349,18 @@ pub struct AllReduceArgs {
     pub call: CallCheck,
 }
 
+/// Launch arguments of the two-shot on registered windows (`collective_args.cuh`).
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Pod, Zeroable)]
+pub struct AllReduceDirectArgs {
+    /// The common arguments.
+    pub base: AllReduceArgs,
+    /// Every rank's input as mapped here (own at `rank`; unused entries 0).
+    pub peer_input: [u64; MAX_RANKS],
+    /// Every rank's output as mapped here.
+    pub peer_output: [u64; MAX_RANKS],
+}
+
 /// Launch arguments of the all-to-all kernel (`collective_args.cuh`).
 #[repr(C)]
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Pod, Zeroable)]
@@ -420,7 +432,6 @@ pub struct MoeArgs {
     pub off_matrix: u64,
     pub off_scales: u64,
     pub pos: u64,
-    pub send_counts: u64,
     pub num_recv: u64,
     pub expert_counts: u64,
     pub calls: u64,
@@ -622,6 +633,8 @@ unsafe impl cudarc::driver::DeviceRepr for SemaphoreHandle {}
 // SAFETY: as above.
 unsafe impl cudarc::driver::DeviceRepr for AllReduceArgs {}
 // SAFETY: as above.
+unsafe impl cudarc::driver::DeviceRepr for AllReduceDirectArgs {}
+// SAFETY: as above.
 unsafe impl cudarc::driver::DeviceRepr for AllToAllArgs {}
 // SAFETY: as above.
 unsafe impl cudarc::driver::DeviceRepr for MoeArgs {}
@@ -738,6 +751,11 @@ mod layout {
                     call
                 ]
             ),
+            layout!(
+                "AllReduceDirectArgs",
+                AllReduceDirectArgs,
+                [base, peer_input, peer_output]
+            ),
             layout!("CallCheck", CallCheck, [word, inbox]),
             layout!(
                 "AllToAllArgs",
@@ -789,7 +807,6 @@ mod layout {
                     off_matrix,
                     off_scales,
                     pos,
-                    send_counts,
                     num_recv,
                     expert_counts,
                     calls,

@@ -67,13 +67,14 @@ pub const E4M3: u32 = 3;
 
 /// Allreduce algorithm names by code (`Algorithm::ALL` order; a test in `collectives::allreduce`
 /// keeps the two in step).
-pub const ALLREDUCE_VARIANTS: [&str; 6] = [
+pub const ALLREDUCE_VARIANTS: [&str; 7] = [
     "oneshot-ll8",
     "oneshot-ll16",
     "twoshot-ll8",
     "twoshot-ll16",
     "twoshot-sentinel",
     "pipelined",
+    "twoshot-direct",
 ];
 
 const COUNT_BITS: u32 = 32;

@@ -43,6 +43,15 @@ struct AllReduceArgs {
 };
 DOORBELL_CHECK_SIZE(AllReduceArgs, 312);
 
+// Arguments of the two-shot on registered windows (cuda/kernels/allreduce.cu): the common ones,
+// and every rank's input and output as mapped here (own at [rank]).
+struct AllReduceDirectArgs {
+  AllReduceArgs base;
+  const void* peer_input[kMaxRanks];
+  void* peer_output[kMaxRanks];
+};
+DOORBELL_CHECK_SIZE(AllReduceDirectArgs, 440);
+
 // Launch arguments of the all-to-all kernel (cuda/kernels/alltoall.cu).
 struct AllToAllArgs {
   const char* input;
@@ -100,14 +109,13 @@ struct MoeArgs {
   uint64_t off_matrix;
   uint64_t off_scales;
   int32_t* pos;                // mine: [max_tokens][world], position of token t among those sent to r, or -1
-  uint32_t* send_counts;       // mine: [world]
   uint32_t* num_recv;          // mine: rows received
   uint32_t* expert_counts;     // mine: [experts_per_rank]
-  uint64_t* calls;             // mine: [2] dispatch and combine calls so far
+  uint64_t* calls;             // mine: call counts per kernel and block (cuda/kernels/moe.cu)
   const SemaphoreHandle* sems; // [4][world]: dispatch counts, dispatch data, combine free, combine ready
   CallCheck call;              // this call's word and every rank's inbox (call_check.cuh)
 };
-DOORBELL_CHECK_SIZE(MoeArgs, 368);
+DOORBELL_CHECK_SIZE(MoeArgs, 360);
 
 // Launch arguments of the low-latency MoE kernels (cuda/kernels/moe_ll.cu).
 struct MoeLlArgs {

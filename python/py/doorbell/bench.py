@@ -17,6 +17,15 @@ os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
 os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
 
 
+def _hold(iters: int) -> None:
+    """Queues a GPU sleep longer than the host takes to enqueue ``iters`` eager calls (2 ms + 20
+    us a call, as the Rust harness), so the host's scheduling jitter stays out of eager timings:
+    the GPU then runs the queued calls back to back."""
+    import torch
+
+    torch.cuda._sleep(int((2000 + 20 * iters) * 1e-6 * 2.0e9))  # cycles at about 2 GHz
+
+
 def _time_us(fn: Callable[[], Any], iters: int, graph: bool) -> Optional[float]:
     """Mean time of one call, eager or replayed from a CUDA graph of ``iters`` calls; None when
     the call cannot run (or cannot be captured) here."""
@@ -41,6 +50,8 @@ def _time_us(fn: Callable[[], Any], iters: int, graph: bool) -> Optional[float]:
 
         torch.cuda.synchronize()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        if not graph:
+            _hold(iters)
         start.record()
         run()
         end.record()
@@ -52,7 +63,7 @@ def _time_us(fn: Callable[[], Any], iters: int, graph: bool) -> Optional[float]:
 
 
 def _time_calls(fn: Callable[[], Any], iters: int, graph: bool) -> Optional[List[float]]:
-    """Single calls, us each: ``iters`` eager launches with an event between every two, or a
+    """Single calls, us each: ``iters`` eager launches (queued behind a hold) with an event between every two, or a
     CUDA graph of ``iters`` calls with an event node between every two (replayed once untimed,
     then timed). The first call is left out (it absorbs the ranks' skew in leaving the barrier
     before it). None when the call (or the graph's event nodes) cannot run here."""
@@ -76,6 +87,7 @@ def _time_calls(fn: Callable[[], Any], iters: int, graph: bool) -> Optional[List
             g.replay()
         else:
             dist.barrier()
+            _hold(iters)
             for i, m in enumerate(marks):
                 m.record()
                 if i < iters:
