@@ -1,35 +1,36 @@
 // MoE expert dispatch and combine inside a node over NVLink (high-throughput layout: a token goes
 // to each destination rank once, however many of that rank's experts it selected).
 //
-// Dispatch, two kernels on the caller's stream:
-//   moe_dispatch_layout (one block per destination rank r): the positions of the tokens bound for
-//     r (a block-wide scan) and their count, written straight into row `me` of every rank's
-//     count matrix; then the block signals every peer (release; `world` signals per call and
-//     peer). A peer's signals also mean its results area is free again: its stream has finished
-//     everything before this call, the readers of its previous results included.
-//   moe_dispatch_send (B blocks): waits until every peer's layout signals of this call arrived,
-//     so the whole count matrix is known and each sender knows where its rows start in each
-//     receiver's results (after the rows of lower ranks); a warp per (token, segment of its row)
-//     loads the row once and stores it, with the top-k ids rebased to the receiver's local ids
-//     (-1 elsewhere), the weights and (source rank, token), straight into the final place of
-//     every rank it goes to; every block then signals every peer once (release: its rows land
-//     first) and counts itself done on this GPU; then waits until every peer's B signals and
-//     this GPU's B blocks are in, and counts rows per local expert. Nothing is copied twice.
+// Dispatch, one kernel on the caller's stream (moe_dispatch, B blocks):
+//   1. blocks [0, world), block r: the positions of the tokens bound for rank r (a block-wide
+//      scan) and their count, written straight into row `me` of every rank's count matrix; a
+//      signal to every peer (release; `world` per call and peer) and a count on this GPU. A
+//      peer's signals also mean its results area is free again: its stream has finished
+//      everything before this call, the readers of its previous results included.
+//   2. every block waits for every rank's counts and this GPU's positions, so each sender knows
+//      where its rows start in each receiver's results (after the rows of lower ranks); a warp
+//      per (token, segment of its row) loads the row once and stores it, with the top-k ids
+//      rebased to the receiver's local ids (-1 elsewhere), the weights and (source rank, token),
+//      straight into the final place of every rank it goes to; every block then signals every
+//      peer once (release: its rows land first) and counts itself done on this GPU.
+//   3. once every peer's B signals and this GPU's B blocks are in, rows per local expert.
+//   Nothing is copied twice. Every block of the grid is resident at once (B <= SMs), so the
+//   waits between this GPU's own blocks cannot starve.
 // The count matrix has two buffers, used by calls of alternating parity: a rank in call d + 1
 // writes a peer's matrix only after that peer's call-d signals, which come after everything of
 // call d - 1 on its stream (its combine's reads of the matrix included).
-// Combine pulls: every rank's expert outputs sit in its combine buffer (registered, mapped by every
-// peer; the rows peers read are copied in first unless the caller wrote them there itself), and
-// each source rank reads the rows of its own tokens straight from the ranks they went to:
-//   moe_combine_copy_in (B blocks): for a second combine of one dispatch only, a signal each way
-//     first (the peer has finished reading my combine buffer in its previous combine; after a
-//     dispatch the dispatch's signals already said so); the rows of y that came from other ranks
-//     (none when the caller wrote the buffer itself); then every block signals every peer once
-//     (release).
-//   moe_combine_reduce (B blocks): waits until every peer's B signals of this call arrived, then
-//     for each token sums the rows of the ranks it went to, at (rows of lower source ranks on
-//     that rank, from the count matrix) + the token's position there, in f32 in rank order into
-//     out; its own rows straight from y. No intermediate copy; loads over NVLink.
+// Combine pulls, one kernel (moe_combine, B blocks): every rank's expert outputs sit in its
+// combine buffer (registered, mapped by every peer), and each source rank reads the rows of its
+// own tokens straight from the ranks they went to:
+//   1. for a second combine of one dispatch only, a signal each way first (the peer has finished
+//      reading my combine buffer in its previous combine; after a dispatch the dispatch's
+//      signals already said so);
+//   2. the rows of y that came from other ranks into the combine buffer (none when the caller
+//      wrote it there itself); every block signals every peer once (release);
+//   3. once every peer's B signals arrived, for each token the rows of the ranks it went to, at
+//      (rows of lower source ranks on that rank, from the count matrix) + the token's position
+//      there, summed in f32 in rank order into out; its own rows straight from y. Loads over
+//      NVLink, no intermediate copy.
 // Every block keeps its own call count (`calls`, one slot per kernel and block, written by that
 // block only), every wait's target derives from it, and every call consumes what it signals:
 // CUDA-graph capturable, replays need no reset. Dispatch and combine are stream-ordered on each
@@ -45,14 +46,14 @@ namespace {
 constexpr uint32_t kWarp = 32;
 constexpr uint32_t kMaxLocalExperts = 2048;  // MoeDispatcher::new checks experts_per_rank
 
-// Slots of the call counts (`MoeArgs::calls`): one per block of each kernel.
-constexpr uint32_t kLayoutCalls = 0;    // [world]
-constexpr uint32_t kSendCalls = 256;    // [B]
-constexpr uint32_t kCopyCalls = 512;    // [B]
-constexpr uint32_t kReduceCalls = 768;  // [B]
-constexpr uint32_t kSentBlocks = 1024;  // blocks of this GPU done sending, over all calls
-constexpr uint32_t kCombinedDispatch = 1025;  // the dispatch the last combine followed
-constexpr uint32_t kRepeatCombines = 1026;    // combines that repeated one dispatch, so far
+// Slots of the call counts (`MoeArgs::calls`), per block unless said otherwise; each is written
+// by its block only (the two GPU-wide counts by atomics).
+constexpr uint32_t kDispatchCalls = 0;       // [B] dispatches so far
+constexpr uint32_t kCombineCalls = 256;      // [B] combines so far
+constexpr uint32_t kCombinedDispatch = 512;  // [B] the dispatch this block's last combine followed
+constexpr uint32_t kRepeatCombines = 768;    // [B] combines that repeated one dispatch, so far
+constexpr uint32_t kLayoutsDone = 1024;      // layout roles of this GPU done, over all calls
+constexpr uint32_t kSentBlocks = 1025;       // blocks of this GPU done sending, over all calls
 
 // This block's call number for the kernel whose counts start at `slots` (1 for the first call).
 DOORBELL_DEVICE_INLINE uint64_t block_call(const MoeArgs& a, uint32_t slots) {
@@ -65,8 +66,25 @@ DOORBELL_DEVICE_INLINE uint64_t block_call(const MoeArgs& a, uint32_t slots) {
   return n;
 }
 
-// The number of the last dispatch, read by later kernels (the send kernel's block 0 count).
-DOORBELL_DEVICE_INLINE uint64_t last_dispatch(const MoeArgs& a) { return a.calls[kSendCalls]; }
+// The number of the last dispatch, read by the combine (this block's dispatch count).
+DOORBELL_DEVICE_INLINE uint64_t last_dispatch(const MoeArgs& a) { return a.calls[kDispatchCalls + blockIdx.x]; }
+
+// Waits (bounded) until the GPU-wide count at `slot` reached `target` (this GPU's own blocks).
+DOORBELL_DEVICE_INLINE void wait_own(const MoeArgs& a, uint32_t slot, uint64_t target) {
+  WaitSite site = a.sems[checked_peer(a.world) % a.world].site;
+  site.peer = static_cast<int32_t>(a.rank);
+  spin_until(site, kWaitSemaphore, target, [&](uint64_t& seen) {
+    seen = load_acquire_gpu(a.calls + slot);
+    return seen >= target;
+  });
+}
+
+// Adds one to the GPU-wide count at `slot`, after this thread's writes (one thread per block,
+// after a __syncthreads).
+DOORBELL_DEVICE_INLINE void count_own(const MoeArgs& a, uint32_t slot) {
+  __threadfence();
+  atomicAdd(reinterpret_cast<unsigned long long*>(a.calls + slot), 1ull);
+}
 
 // `owner`'s count matrix for dispatch number `d` ([source rank][destination rank]).
 DOORBELL_DEVICE_INLINE uint32_t* count_matrix(const MoeArgs& a, uint32_t owner, uint64_t d) {
@@ -122,7 +140,7 @@ DOORBELL_DEVICE_INLINE int4 to_bf16x8(const float (&acc)[8]) {
   return o;
 }
 
-// The combine's sums (moe_combine_reduce). kW: the rank count when known at compile time (two
+// The combine's sums (moe_combine, step 3). kW: the rank count when known at compile time (two
 // items per thread, loads in registers), else 0 (one item, any rank count).
 template <int kW>
 DOORBELL_DEVICE_INLINE void reduce_rows(const MoeArgs& a, const uint32_t* first) {
@@ -172,9 +190,10 @@ DOORBELL_DEVICE_INLINE void check_moe_call(const MoeArgs& a) {
   check_call(a.call, a.rank, a.world, a.sems[checked_peer(a.world) % a.world].site);
 }
 
-extern "C" __global__ void __launch_bounds__(1024) moe_dispatch_layout(MoeArgs a) {
-  announce_call(a.call, a.rank, a.world);
-  const uint64_t d = block_call(a, kLayoutCalls);
+// Blocks [0, world) of the dispatch: block r finds the positions of the tokens bound for rank r
+// (a block-wide scan) and their count, writes it into row `me` of every rank's count matrix
+// (dispatch `d`), and signals every peer (release: the count lands first) and this GPU.
+DOORBELL_DEVICE_INLINE void dispatch_layout(const MoeArgs& a, uint64_t d) {
   const uint32_t r = blockIdx.x;
   const uint32_t tid = threadIdx.x;
   __shared__ uint32_t warp_sums[32];
@@ -214,13 +233,19 @@ extern "C" __global__ void __launch_bounds__(1024) moe_dispatch_layout(MoeArgs a
   if (tid < a.world) count_matrix(a, tid, d)[uint64_t(a.rank) * a.world + r] = base;
   __syncthreads();
   if (tid < a.world && tid != a.rank) a.sems[0 * a.world + tid].signal();
+  if (tid == 0) count_own(a, kLayoutsDone);
 }
 
-extern "C" __global__ void __launch_bounds__(512) moe_dispatch_send(MoeArgs a) {
-  const uint64_t d = block_call(a, kSendCalls);
+extern "C" __global__ void __launch_bounds__(512) moe_dispatch(MoeArgs a) {
+  announce_call(a.call, a.rank, a.world);
+  const uint64_t d = block_call(a, kDispatchCalls);
+  if (blockIdx.x < a.world) dispatch_layout(a, d);
   __shared__ uint32_t first[kMaxRanks];  // where my rows start in each rank's results
-  // Every peer's counts of this call (one signal per layout block).
-  if (threadIdx.x == 0) wait_all_peers(a, 0, d, a.world);
+  // Every rank's counts of this call (one signal per layout block) and my own positions.
+  if (threadIdx.x == 0) {
+    wait_all_peers(a, 0, d, a.world);
+    wait_own(a, kLayoutsDone, d * a.world);
+  }
   __syncthreads();
   if (threadIdx.x < a.world) {
     const uint32_t* m = count_matrix(a, a.rank, d);
@@ -298,23 +323,14 @@ extern "C" __global__ void __launch_bounds__(512) moe_dispatch_send(MoeArgs a) {
   if (threadIdx.x < a.world && threadIdx.x != a.rank) a.sems[1 * a.world + threadIdx.x].signal();
   // This block's rows into my own results are written too: count it done on this GPU (the
   // histogram below reads rows that other blocks of this grid wrote).
-  if (threadIdx.x == 0) {
-    __threadfence();
-    atomicAdd(reinterpret_cast<unsigned long long*>(a.calls + kSentBlocks), 1ull);
-  }
+  if (threadIdx.x == 0) count_own(a, kSentBlocks);
 
   // Every row of this call is in once every peer's B blocks signalled and this GPU's B blocks
   // are done (every block of the grid is resident, so waiting here cannot starve a sender).
   __shared__ uint32_t total;
   if (threadIdx.x == 0) {
     wait_all_peers(a, 1, d, a.blocks);
-    const uint64_t target = d * a.blocks;
-    WaitSite site = a.sems[checked_peer(a.world) % a.world].site;
-    site.peer = static_cast<int32_t>(a.rank);
-    spin_until(site, kWaitSemaphore, target, [&](uint64_t& seen) {
-      seen = load_acquire_gpu(a.calls + kSentBlocks);
-      return seen >= target;
-    });
+    wait_own(a, kSentBlocks, d * a.blocks);
     const uint32_t* m = count_matrix(a, a.rank, d);
     uint32_t n = 0;
     for (uint32_t s = 0; s < a.world; ++s) n += m[uint64_t(s) * a.world + a.rank];
@@ -339,22 +355,23 @@ extern "C" __global__ void __launch_bounds__(512) moe_dispatch_send(MoeArgs a) {
   check_moe_call(a);
 }
 
-extern "C" __global__ void __launch_bounds__(512) moe_combine_copy_in(MoeArgs a) {
+extern "C" __global__ void __launch_bounds__(512) moe_combine(MoeArgs a) {
   announce_call(a.call, a.rank, a.world);
-  block_call(a, kCopyCalls);
+  const uint64_t c = block_call(a, kCombineCalls);
   const uint64_t d = last_dispatch(a);
   // A second combine of one dispatch: wait until every peer has finished reading my buffer in
   // its previous combine (its copy-in of this one started: block 0 signals once per peer).
-  // After a dispatch its signals already said so. moe_combine_reduce's block 0 updates both
-  // counts read here.
-  if (a.calls[kCombinedDispatch] == d) {
-    const uint64_t repeats = a.calls[kRepeatCombines] + 1;
+  // After a dispatch its signals already said so.
+  if (a.calls[kCombinedDispatch + blockIdx.x] == d) {
+    const uint64_t repeats = a.calls[kRepeatCombines + blockIdx.x] + 1;
     if (blockIdx.x == 0 && threadIdx.x < a.world && threadIdx.x != a.rank) a.sems[2 * a.world + threadIdx.x].signal();
     if (threadIdx.x == 0) wait_all_peers(a, 2, repeats, 1);
     __syncthreads();
+    if (threadIdx.x == 0) a.calls[kRepeatCombines + blockIdx.x] = repeats;
   }
+  if (threadIdx.x == 0) a.calls[kCombinedDispatch + blockIdx.x] = d;
   // Only the rows peers read: those of other source ranks. My own tokens' rows stay in y, where
-  // moe_combine_reduce reads them (on 2 ranks that halves the copy).
+  // the sums below read them (on 2 ranks that halves the copy).
   if (static_cast<const void*>(a.y) != static_cast<const void*>(a.comb_buf[a.rank])) {
     const uint32_t lane = threadIdx.x % kWarp;
     const uint32_t warps = gridDim.x * (blockDim.x / kWarp);
@@ -370,15 +387,11 @@ extern "C" __global__ void __launch_bounds__(512) moe_combine_copy_in(MoeArgs a)
       warp_copy16(mine + uint64_t(j) * a.hidden, a.y + uint64_t(j) * a.hidden, uint64_t(a.hidden) * 2, lane);
     }
   }
-  // Every block tells every peer its rows are in (release: the block's copies first);
-  // moe_combine_reduce waits for all of them.
+  // Every block tells every peer its rows are in (release: the block's copies first); the sums
+  // below wait for all of them (my own rows are read from y, so no wait on this GPU's blocks).
   __syncthreads();
   if (threadIdx.x < a.world && threadIdx.x != a.rank) a.sems[3 * a.world + threadIdx.x].signal();
-}
 
-extern "C" __global__ void __launch_bounds__(512) moe_combine_reduce(MoeArgs a) {
-  const uint64_t c = block_call(a, kReduceCalls);
-  const uint64_t d = last_dispatch(a);
   __shared__ uint32_t first[kMaxRanks];  // where my tokens' rows start on each rank
   if (threadIdx.x == 0) wait_all_peers(a, 3, c, a.blocks);
   __syncthreads();
@@ -398,11 +411,6 @@ extern "C" __global__ void __launch_bounds__(512) moe_combine_reduce(MoeArgs a) 
     reduce_rows<2>(a, first);
   } else {
     reduce_rows<0>(a, first);
-  }
-  // The counts moe_combine_copy_in reads (no block of this kernel reads them).
-  if (blockIdx.x == 0 && threadIdx.x == 0) {
-    if (a.calls[kCombinedDispatch] == d) a.calls[kRepeatCombines] += 1;
-    a.calls[kCombinedDispatch] = d;
   }
   check_moe_call(a);
 }

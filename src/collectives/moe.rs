@@ -49,7 +49,8 @@ pub struct MoeConfig {
     /// Most tokens a rank dispatches per call (buffers are sized for all of them reaching one
     /// rank from every rank).
     pub max_tokens: usize,
-    /// Blocks of the send and receive kernels (the SMs they occupy); default: all SMs.
+    /// Blocks of the dispatch and combine kernels (the SMs they occupy; at least the rank count,
+    /// at most the SMs and 256); default: all SMs.
     pub blocks: Option<u32>,
     /// High-throughput mode across nodes: the receive ring for each source node holds this many
     /// chunks of 32 tokens (receiver-driven admission: a sender writes a chunk only when the
@@ -230,7 +231,7 @@ struct HtNvlink {
     last_tokens: std::sync::atomic::AtomicU32,
     /// Counts calls and makes each call's word (the call check, `call_check.cuh`).
     calls: CallChecker,
-    kernels: [CudaFunction; 4],
+    kernels: [CudaFunction; 2],
     _recv: (
         Arc<Buffer>,
         Arc<RegisteredMemory>,
@@ -256,9 +257,9 @@ type Landing = (
 /// mapped here (own at `rank`). Fails for ranks of other hosts: the MoE paths are single-node.
 /// Launches one of the MoE kernels with its argument struct (MoeArgs or MoeLlArgs, both
 /// layout-tested against the kernels') and reports a trapped wait as the timeout it was.
-/// Call-count slots of the high-throughput kernels (`kLayoutCalls` .. `kRepeatCombines` in
-/// moe.cu): 256 per kernel and block, then three counters.
-const HT_CALL_SLOTS: usize = 1027;
+/// Call-count slots of the high-throughput kernels (`kDispatchCalls` .. `kSentBlocks` in moe.cu):
+/// four per-block sets of 256, then two GPU-wide counts.
+const HT_CALL_SLOTS: usize = 1026;
 
 pub(super) fn launch<A: DeviceRepr>(
     comm: &Communicator,
@@ -355,11 +356,12 @@ impl HtNvlink {
         let gpu = comm.gpu().clone();
         let sms = gpu.sm_count()?;
         let blocks = cfg.blocks.unwrap_or(sms);
-        if blocks == 0 || blocks > sms || blocks > 256 {
+        if blocks < world as u32 || blocks > sms || blocks > 256 {
             return Err(Error::invalid(
                 "blocks",
                 format!(
-                    "{blocks}: must be in 1..={} (every block must be resident at once)",
+                    "{blocks}: must be in {world}..={} (every block must be resident at once; \
+                     the first {world} lay out one destination rank each)",
                     sms.min(256)
                 ),
             ));
@@ -420,12 +422,7 @@ impl HtNvlink {
             .synchronize()
             .map_err(cuda_err("cuStreamSynchronize"))?;
         let k = |name: &str| gpu.function("moe", name);
-        let kernels = [
-            k("moe_dispatch_layout")?,
-            k("moe_dispatch_send")?,
-            k("moe_combine_copy_in")?,
-            k("moe_combine_reduce")?,
-        ];
+        let kernels = [k("moe_dispatch")?, k("moe_combine")?];
         comm.bootstrap().barrier()?;
         Ok(HtNvlink {
             comm: comm.clone(),
@@ -522,9 +519,7 @@ impl HtNvlink {
             ),
             ..self.base
         };
-        let world = self.comm.world_size() as u32;
-        self.launch(stream, 0, world, 1024, &args)?;
-        self.launch(stream, 1, self.blocks, 512, &args)
+        self.launch(stream, 0, self.blocks, 512, &args)
     }
 
     /// Dispatches FP8 tokens: `x` holds e4m3 bytes `[num_tokens, hidden]` and `scales` one f32
@@ -593,9 +588,7 @@ impl HtNvlink {
             ),
             ..self.base
         };
-        // Copies the rows peers read (none when y is the combine buffer) and signals them in.
-        self.launch(stream, 2, self.blocks, 512, &args)?;
-        self.launch(stream, 3, self.blocks, 512, &args)
+        self.launch(stream, 1, self.blocks, 512, &args)
     }
 
     /// This rank's combine buffer (`[world * max_tokens, hidden]` bf16, rows aligned with
