@@ -280,13 +280,40 @@ pub struct AllReduce {
 /// A buffer every rank registered with [`AllReduce::register_window`], and every rank's copy of
 /// it as mapped here.
 struct Window {
-    base: u64,
-    bytes: usize,
-    /// Every rank's base address here (own at `rank`).
-    mapped: [u64; MAX_RANKS],
+    span: Span,
     _buffer: Arc<Buffer>,
     _registered: Arc<RegisteredMemory>,
     _peers: Vec<Option<Arc<RemoteMemory>>>,
+}
+
+/// A window's addresses: its range here and every rank's base as mapped here (own at `rank`; 0
+/// where a rank has no mapping).
+#[derive(Clone, Copy, Debug)]
+struct Span {
+    base: u64,
+    bytes: u64,
+    mapped: [u64; MAX_RANKS],
+}
+
+/// Every rank's address of `p` as mapped here, when `[p, p + bytes)` lies inside one of `spans`.
+fn locate<'a>(
+    spans: impl IntoIterator<Item = &'a Span>,
+    p: u64,
+    bytes: u64,
+) -> Option<[u64; MAX_RANKS]> {
+    let span = spans.into_iter().find(|w| {
+        p >= w.base
+            && (p - w.base)
+                .checked_add(bytes)
+                .is_some_and(|end| end <= w.bytes)
+    })?;
+    let mut at = [0u64; MAX_RANKS];
+    for (a, m) in at.iter_mut().zip(&span.mapped) {
+        if *m != 0 {
+            *a = m + (p - span.base);
+        }
+    }
+    Some(at)
 }
 
 /// Where both buffers of a call lie in windows: every rank's input and output as mapped here.
@@ -533,9 +560,11 @@ impl AllReduce {
             .lock()
             .map_err(|_| Error::invalid("window", "the window table was poisoned by a panic"))?
             .push(Window {
-                base: buffer.device_ptr(),
-                bytes: buffer.len(),
-                mapped,
+                span: Span {
+                    base: buffer.device_ptr(),
+                    bytes: buffer.len() as u64,
+                    mapped,
+                },
                 _buffer: buffer.clone(),
                 _registered: registered,
                 _peers: peers,
@@ -550,23 +579,10 @@ impl AllReduce {
             return None;
         }
         let windows = self.windows.lock().ok()?;
-        let find = |p: u64| {
-            windows
-                .iter()
-                .find(|w| p >= w.base && p - w.base + bytes as u64 <= w.bytes as u64)
-                .map(|w| {
-                    let mut at = [0u64; MAX_RANKS];
-                    for (a, m) in at.iter_mut().zip(&w.mapped) {
-                        if *m != 0 {
-                            *a = m + (p - w.base);
-                        }
-                    }
-                    at
-                })
-        };
+        let spans = || windows.iter().map(|w| &w.span);
         Some(Direct {
-            input: find(input)?,
-            output: find(output)?,
+            input: locate(spans(), input, bytes as u64)?,
+            output: locate(spans(), output, bytes as u64)?,
         })
     }
 
@@ -919,6 +935,33 @@ mod tests {
             TwoShotDirect
         );
         assert_eq!(Algorithm::choose_registered(4, 1 << 30), TwoShotDirect);
+    }
+
+    #[test]
+    fn windows_hold_a_call_only_when_the_whole_range_fits_one() {
+        let span = |base: u64, bytes: u64, peer: u64| Span {
+            base,
+            bytes,
+            mapped: {
+                let mut m = [0u64; MAX_RANKS];
+                m[0] = base;
+                m[1] = peer;
+                m
+            },
+        };
+        let spans = [span(0x1000, 0x1000, 0x9000), span(0x4000, 0x800, 0xa000)];
+        // Inside the first, to its last byte: every rank's address at the same offset.
+        let at = locate(&spans, 0x1100, 0xf00).unwrap();
+        assert_eq!((at[0], at[1], at[2]), (0x1100, 0x9100, 0));
+        // One byte past its end, before it, between the two, straddling: not held.
+        assert!(locate(&spans, 0x1100, 0xf01).is_none());
+        assert!(locate(&spans, 0x0ff0, 0x10).is_none());
+        assert!(locate(&spans, 0x2000, 0x10).is_none());
+        assert!(locate(&spans, 0x1ff0, 0x2010).is_none());
+        // The second window; a size that would overflow the address is refused, not wrapped.
+        assert_eq!(locate(&spans, 0x4000, 0x800).unwrap()[1], 0xa000);
+        assert!(locate(&spans, 0x4010, u64::MAX).is_none());
+        assert!(locate(&[], 0x1000, 1).is_none());
     }
 
     #[test]

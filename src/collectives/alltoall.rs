@@ -517,6 +517,14 @@ mod tests {
     use super::*;
 
     #[test]
+    fn ll_limit_follows_the_rank_count_unless_set() {
+        assert_eq!(AllToAllOptions::default().ll_max_bytes, None);
+        assert_eq!(AllToAllOptions::default_ll_max(2), 512 << 10);
+        assert_eq!(AllToAllOptions::default_ll_max(3), 64 << 10);
+        assert_eq!(AllToAllOptions::default_ll_max(8), 64 << 10);
+    }
+
+    #[test]
     fn packed_offsets_are_running_sums() {
         let c = Counts::packed(vec![3, 0, 5], vec![1, 2, 0]);
         assert_eq!(c.send_offsets, vec![0, 3, 3]);
