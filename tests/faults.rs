@@ -83,7 +83,16 @@ fn an_abort_reaches_every_rank_with_its_cause() {
         }
         let (f, waited) = wait_health(&b, Duration::from_secs(2));
         assert_eq!(f.rank, 1, "{f:?}");
-        assert_eq!(f.from, Some(1), "{f:?}");
+        // Told by rank 1 itself, or relayed by the other rank when its news came first (CI saw
+        // rank 2's relay reach rank 0 before rank 1's own message); either names rank 1 and its
+        // cause.
+        match f.from {
+            Some(1) => {}
+            Some(r) if r != b.rank() => {
+                assert!(f.cause.starts_with(&format!("rank {r} reported")), "{f:?}")
+            }
+            _ => panic!("rank {}: told by {:?}: {f:?}", b.rank(), f.from),
+        }
         assert!(f.cause.contains("boom on rank 1"), "{f:?}");
         assert!(waited < Duration::from_secs(1), "{waited:?}");
     });
