@@ -187,31 +187,15 @@ fn matrix(comm: &Arc<Communicator>, s: &Arc<CudaStream>) {
                         }
                         // 100 graph replays of [fill, allreduce]; checked every 25.
                         comm.synchronize(s).unwrap();
-                        s.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)
-                            .unwrap();
+                        let call = Call {
+                            ar: &ar,
+                            checker: &checker,
+                            rank,
+                            world,
+                            seed,
+                        };
                         // SAFETY: as above.
-                        unsafe {
-                            checker.fill(s, inp, count, dtype, rank, seed).unwrap();
-                            ar.run_raw(s, inp, out, count, dtype).unwrap();
-                        }
-                        let graph = s
-                            .end_capture(cudarc::driver::sys::CUgraphInstantiate_flags(0))
-                            .unwrap()
-                            .expect("captured graph");
-                        for replay in 1..=100 {
-                            graph.launch().unwrap();
-                            if replay % 25 == 0 {
-                                // SAFETY: as above.
-                                let wrong = unsafe {
-                                    checker.count_wrong(s, out, count, dtype, world, seed)
-                                }
-                                .unwrap();
-                                assert_eq!(
-                                    wrong, 0,
-                                    "rank {rank}: {what}: {wrong} wrong after {replay} replays"
-                                );
-                            }
-                        }
+                        unsafe { call.replayed(s, inp, out, count, dtype, 100, 25, &what) };
                         comm.synchronize(s).unwrap();
                     }
                 }
@@ -462,31 +446,15 @@ fn windows(comm: &Arc<Communicator>, s: &Arc<CudaStream>) {
                             continue; // replays of the large sizes: bf16 covers them
                         }
                         comm.synchronize(s).unwrap();
-                        s.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)
-                            .unwrap();
+                        let call = Call {
+                            ar: &ar,
+                            checker: &checker,
+                            rank,
+                            world,
+                            seed,
+                        };
                         // SAFETY: as above.
-                        unsafe {
-                            checker.fill(s, inp, count, dtype, rank, seed).unwrap();
-                            ar.run_raw(s, inp, out, count, dtype).unwrap();
-                        }
-                        let graph = s
-                            .end_capture(cudarc::driver::sys::CUgraphInstantiate_flags(0))
-                            .unwrap()
-                            .expect("captured graph");
-                        for replay in 1..=20 {
-                            graph.launch().unwrap();
-                            if replay % 10 == 0 {
-                                // SAFETY: as above.
-                                let wrong = unsafe {
-                                    checker.count_wrong(s, out, count, dtype, world, seed)
-                                }
-                                .unwrap();
-                                assert_eq!(
-                                    wrong, 0,
-                                    "rank {rank}: {what}: {wrong} wrong after {replay} replays"
-                                );
-                            }
-                        }
+                        unsafe { call.replayed(s, inp, out, count, dtype, 20, 10, &what) };
                         comm.synchronize(s).unwrap();
                     }
                 }
@@ -510,4 +478,64 @@ fn window_sizes_differ(comm: &Arc<Communicator>, _s: &Arc<CudaStream>) {
     // The table stays usable: a window every rank sizes alike registers.
     let same = comm.alloc(4 << 20).unwrap();
     ar.register_window(&same).unwrap();
+}
+
+/// One test call's fixed parts, for [`Call::replayed`].
+struct Call<'a> {
+    ar: &'a AllReduce,
+    checker: &'a Checker,
+    rank: u32,
+    world: u32,
+    seed: u32,
+}
+
+impl Call<'_> {
+    /// Captures [fill, allreduce] in a CUDA graph, replays it `replays` times and checks the
+    /// result after every `every`-th replay.
+    ///
+    /// # Safety
+    /// `inp` and `out` hold `count` elements of `dtype` and outlive the stream's work.
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn replayed(
+        &self,
+        s: &Arc<CudaStream>,
+        inp: u64,
+        out: u64,
+        count: usize,
+        dtype: DataType,
+        replays: usize,
+        every: usize,
+        what: &str,
+    ) {
+        let Call {
+            ar,
+            checker,
+            rank,
+            world,
+            seed,
+        } = *self;
+        s.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)
+            .unwrap();
+        // SAFETY: the caller's ranges.
+        unsafe {
+            checker.fill(s, inp, count, dtype, rank, seed).unwrap();
+            ar.run_raw(s, inp, out, count, dtype).unwrap();
+        }
+        let graph = s
+            .end_capture(cudarc::driver::sys::CUgraphInstantiate_flags(0))
+            .unwrap()
+            .expect("captured graph");
+        for replay in 1..=replays {
+            graph.launch().unwrap();
+            if replay % every == 0 {
+                // SAFETY: as above.
+                let wrong =
+                    unsafe { checker.count_wrong(s, out, count, dtype, world, seed) }.unwrap();
+                assert_eq!(
+                    wrong, 0,
+                    "rank {rank}: {what}: {wrong} wrong after {replay} replays"
+                );
+            }
+        }
+    }
 }

@@ -46,7 +46,9 @@ const PIPE_DEPTH: usize = 3;
 const TILES_PER_LANE: usize = 1;
 
 /// An allreduce algorithm.
+/// `#[non_exhaustive]`: algorithms are added as they are measured (`TwoShotDirect` was).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
 pub enum Algorithm {
     /// One-shot, LL8 packets (4 payload bytes per 8-byte packet).
     OneShotLl8,
@@ -417,20 +419,8 @@ impl AllReduce {
         let sentinel_state = stream
             .alloc_zeros::<u8>(ll_blocks as usize * std::mem::size_of::<LamportState>())
             .map_err(cuda_err("cuMemAlloc"))?;
-        let mut scratch_ptrs = [0u64; MAX_RANKS];
-        for (r, p) in scratch_ptrs.iter_mut().enumerate().take(world) {
-            *p = if r == rank {
-                scratch.device_ptr()
-            } else {
-                peers[r]
-                    .as_ref()
-                    .ok_or_else(|| Error::TransportUnavailable {
-                        transport: "CudaIpc",
-                        why: format!("rank {r} is on another host; the allreduce is single-node"),
-                    })?
-                    .device_ptr()
-            };
-        }
+        let scratch_ptrs =
+            super::mapped_bases(comm, scratch.device_ptr(), &peers, "the allreduce")?;
         let mut inbox = [0u64; MAX_RANKS];
         for (i, p) in inbox.iter_mut().zip(&scratch_ptrs).take(world) {
             *i = p + inbox_offset as u64;
@@ -513,7 +503,6 @@ impl AllReduce {
     /// buffers in the same order with the same sizes (checked). The window stays registered as
     /// long as this allreduce lives.
     pub fn register_window(&self, buffer: &Arc<Buffer>) -> Result<()> {
-        let world = self.comm.world_size();
         let rank = self.comm.rank();
         let sizes = self
             .comm
@@ -540,20 +529,12 @@ impl AllReduce {
         }
         let registered = self.comm.register(buffer)?;
         let peers = self.comm.exchange(&registered)?;
-        let mut mapped = [0u64; MAX_RANKS];
-        for (r, m) in mapped.iter_mut().enumerate().take(world) {
-            *m = if r == rank {
-                buffer.device_ptr()
-            } else {
-                peers[r]
-                    .as_ref()
-                    .ok_or_else(|| Error::TransportUnavailable {
-                        transport: "CudaIpc",
-                        why: format!("rank {r} is on another host; windows are single-node"),
-                    })?
-                    .device_ptr()
-            };
-        }
+        let mapped = super::mapped_bases(
+            &self.comm,
+            buffer.device_ptr(),
+            &peers,
+            "an allreduce window",
+        )?;
         // Every peer has mapped this window before anyone launches into it.
         self.comm.bootstrap().barrier()?;
         self.windows

@@ -238,20 +238,8 @@ impl AllToAll {
         let epochs = stream
             .alloc_zeros::<u32>(opts.ll_blocks as usize)
             .map_err(cuda_err("cuMemAlloc"))?;
-        let mut scratch_ptrs = [0u64; MAX_RANKS];
-        for (r, p) in scratch_ptrs.iter_mut().enumerate().take(world) {
-            *p = if r == rank {
-                scratch.device_ptr()
-            } else {
-                peers[r]
-                    .as_ref()
-                    .ok_or_else(|| Error::TransportUnavailable {
-                        transport: "CudaIpc",
-                        why: format!("rank {r} is on another host; the all-to-all is single-node"),
-                    })?
-                    .device_ptr()
-            };
-        }
+        let scratch_ptrs =
+            super::mapped_bases(comm, scratch.device_ptr(), &peers, "the all-to-all")?;
         let mut inbox = [0u64; MAX_RANKS];
         for (i, p) in inbox.iter_mut().zip(&scratch_ptrs).take(world) {
             *i = p + inbox_offset as u64;

@@ -300,20 +300,7 @@ fn landing(comm: &Communicator, bytes: usize) -> Result<(Landing, [u64; MAX_RANK
     let buf = comm.alloc(bytes)?;
     let reg = comm.register(&buf)?;
     let peers = comm.exchange(&reg)?;
-    let mut ptrs = [0u64; MAX_RANKS];
-    for (r, p) in ptrs.iter_mut().enumerate().take(comm.world_size()) {
-        *p = if r == comm.rank() {
-            buf.device_ptr()
-        } else {
-            peers[r]
-                .as_ref()
-                .ok_or_else(|| Error::TransportUnavailable {
-                    transport: "CudaIpc",
-                    why: format!("rank {r} is on another host; the MoE exchange is single-node"),
-                })?
-                .device_ptr()
-        };
-    }
+    let ptrs = super::mapped_bases(comm, buf.device_ptr(), &peers, "the MoE exchange")?;
     Ok(((buf, reg, peers), ptrs))
 }
 
