@@ -16,6 +16,7 @@ use common::rank_counts;
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
 use doorbell::collectives::allreduce::{AllReduce, AllReduceOptions};
 use doorbell::collectives::alltoall::{AllToAll, AllToAllOptions};
+use doorbell::collectives::DataType;
 use doorbell::communicator::Communicator;
 use doorbell::job::bootstrap::{Bootstrap, BootstrapConfig};
 use doorbell::job::launch::{free_port, spawn_ranks, SpawnOptions};
@@ -698,7 +699,11 @@ fn gpu_scenario(scenario: &str, comm: Arc<Communicator>) {
                 assert!(waited < Duration::from_secs(2), "{waited:?}");
             }
         }
-        "mismatch_count" | "mismatch_dtype" | "mismatch_algorithm" | "mismatch_alltoall" => {
+        "mismatch_count"
+        | "mismatch_dtype"
+        | "mismatch_algorithm"
+        | "mismatch_alltoall"
+        | "mismatch_window_offsets" => {
             let t0 = Instant::now();
             let e = match scenario {
                 "mismatch_alltoall" => {
@@ -707,6 +712,18 @@ fn gpu_scenario(scenario: &str, comm: Arc<Communicator>) {
                     let inp: CudaSlice<u8> = s.alloc_zeros(n * per).unwrap();
                     let mut out: CudaSlice<u8> = s.alloc_zeros(n * per).unwrap();
                     a2a.run(&s, &inp, &mut out)
+                        .and_then(|()| comm.synchronize(&s))
+                        .unwrap_err()
+                }
+                "mismatch_window_offsets" => {
+                    // The same count on registered windows, rank 0's buffer 4 KiB further in:
+                    // the direct two-shot would sum the wrong elements; the call check names it.
+                    let ar = allreduce_of(&comm);
+                    let win = comm.alloc((16 << 20) + 4096).unwrap();
+                    ar.register_window(&win).unwrap();
+                    let p = win.device_ptr() + if me == 0 { 4096 } else { 0 };
+                    // SAFETY: 8 MiB of bf16 from p lie inside the window.
+                    unsafe { ar.run_raw(&s, p, p, 4 << 20, DataType::Bf16) }
                         .and_then(|()| comm.synchronize(&s))
                         .unwrap_err()
                 }
@@ -906,6 +923,7 @@ fn mismatched_calls_are_named_on_every_rank() {
         "mismatch_dtype",
         "mismatch_algorithm",
         "mismatch_alltoall",
+        "mismatch_window_offsets",
         "mismatch_moe_ll",
         "mismatch_moe_ht",
     ] {

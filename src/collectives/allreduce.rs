@@ -297,25 +297,41 @@ struct Span {
     mapped: [u64; MAX_RANKS],
 }
 
-/// Every rank's address of `p` as mapped here, when `[p, p + bytes)` lies inside one of `spans`.
+/// Where `[p, p + bytes)` lies inside one of `spans`: the span's index, the offset in it and
+/// every rank's address of `p` as mapped here.
 fn locate<'a>(
     spans: impl IntoIterator<Item = &'a Span>,
     p: u64,
     bytes: u64,
-) -> Option<[u64; MAX_RANKS]> {
-    let span = spans.into_iter().find(|w| {
+) -> Option<(usize, u64, [u64; MAX_RANKS])> {
+    let (index, span) = spans.into_iter().enumerate().find(|(_, w)| {
         p >= w.base
             && (p - w.base)
                 .checked_add(bytes)
                 .is_some_and(|end| end <= w.bytes)
     })?;
+    let offset = p - span.base;
     let mut at = [0u64; MAX_RANKS];
     for (a, m) in at.iter_mut().zip(&span.mapped) {
         if *m != 0 {
-            *a = m + (p - span.base);
+            *a = m + offset;
         }
     }
-    Some(at)
+    Some((index, offset, at))
+}
+
+/// The count field of a direct call's word: the count mixed with the windows and offsets of its
+/// buffers, so that ranks whose buffers sit at different places (the kernel would read and write
+/// the wrong elements) fail the call check instead of returning a wrong sum. Equal on every rank
+/// exactly when the count, the window indices and the offsets are (up to a 2^-32 collision).
+fn direct_signature(count: u64, input: (usize, u64), output: (usize, u64)) -> u64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for v in [count, input.0 as u64, input.1, output.0 as u64, output.1] {
+        for b in v.to_le_bytes() {
+            h = (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3);
+        }
+    }
+    (h ^ (h >> 32)) & 0xffff_ffff
 }
 
 /// Where both buffers of a call lie in windows: every rank's input and output as mapped here.
@@ -323,6 +339,8 @@ fn locate<'a>(
 struct Direct {
     input: [u64; MAX_RANKS],
     output: [u64; MAX_RANKS],
+    /// Where the buffers sit: (window index, offset) of the input and of the output.
+    at: ((usize, u64), (usize, u64)),
 }
 
 impl AllReduce {
@@ -561,9 +579,12 @@ impl AllReduce {
         }
         let windows = self.windows.lock().ok()?;
         let spans = || windows.iter().map(|w| &w.span);
+        let (wi, oi, input) = locate(spans(), input, bytes as u64)?;
+        let (wo, oo, output) = locate(spans(), output, bytes as u64)?;
         Some(Direct {
-            input: locate(spans(), input, bytes as u64)?,
-            output: locate(spans(), output, bytes as u64)?,
+            input,
+            output,
+            at: ((wi, oi), (wo, oo)),
         })
     }
 
@@ -712,12 +733,19 @@ impl AllReduce {
         let direct = self.direct(input, output, count.saturating_mul(dtype.size()));
         // Every call takes the next index, launched or not, so ranks stay in step.
         let plan = self.plan_for(count.max(1), dtype, aligned, direct.is_some());
+        // A direct call's word also says where its buffers sit (`direct_signature`).
+        let word_count = match (&plan, &direct) {
+            (Ok(p), Some(d)) if p.algorithm == Algorithm::TwoShotDirect => {
+                direct_signature(count as u64, d.at.0, d.at.1)
+            }
+            _ => count as u64,
+        };
         let call = self.calls.next(
             CallKind::AllReduce,
             dtype.code(),
             plan.as_ref().map_or(15, |p| p.algorithm.code()),
             ReduceOp::Sum.code(),
-            count as u64,
+            word_count,
             signature::capturing(stream),
         );
         if count == 0 {
@@ -932,7 +960,8 @@ mod tests {
         };
         let spans = [span(0x1000, 0x1000, 0x9000), span(0x4000, 0x800, 0xa000)];
         // Inside the first, to its last byte: every rank's address at the same offset.
-        let at = locate(&spans, 0x1100, 0xf00).unwrap();
+        let (index, offset, at) = locate(&spans, 0x1100, 0xf00).unwrap();
+        assert_eq!((index, offset), (0, 0x100));
         assert_eq!((at[0], at[1], at[2]), (0x1100, 0x9100, 0));
         // One byte past its end, before it, between the two, straddling: not held.
         assert!(locate(&spans, 0x1100, 0xf01).is_none());
@@ -940,9 +969,33 @@ mod tests {
         assert!(locate(&spans, 0x2000, 0x10).is_none());
         assert!(locate(&spans, 0x1ff0, 0x2010).is_none());
         // The second window; a size that would overflow the address is refused, not wrapped.
-        assert_eq!(locate(&spans, 0x4000, 0x800).unwrap()[1], 0xa000);
+        assert_eq!(
+            locate(&spans, 0x4000, 0x800).unwrap(),
+            (1, 0, {
+                let mut m = [0u64; MAX_RANKS];
+                m[0] = 0x4000;
+                m[1] = 0xa000;
+                m
+            })
+        );
         assert!(locate(&spans, 0x4010, u64::MAX).is_none());
         assert!(locate(&[], 0x1000, 1).is_none());
+    }
+
+    #[test]
+    fn direct_words_differ_when_counts_windows_or_offsets_do() {
+        let base = direct_signature(1 << 20, (0, 0), (1, 0));
+        assert_eq!(base, direct_signature(1 << 20, (0, 0), (1, 0)));
+        assert!(base < 1 << 32);
+        for other in [
+            direct_signature((1 << 20) + 1, (0, 0), (1, 0)),
+            direct_signature(1 << 20, (0, 4096), (1, 0)),
+            direct_signature(1 << 20, (0, 0), (1, 4096)),
+            direct_signature(1 << 20, (1, 0), (0, 0)),
+            direct_signature(1 << 21, (0, 0), (1, 0)),
+        ] {
+            assert_ne!(base, other);
+        }
     }
 
     #[test]

@@ -129,10 +129,21 @@ pub fn describe(word: u64) -> String {
     };
     let variant = ((word >> 24) & 15) as usize;
     let count = (word >> 30) & ((1 << COUNT_BITS) - 1);
-    let mut text = format!(
-        "call #{index} (mod 65536): {} of {count} x {dtype}",
-        CallKind::name(kind)
-    );
+    let direct = kind == CallKind::AllReduce as u64
+        && ALLREDUCE_VARIANTS.get(variant) == Some(&"twoshot-direct");
+    let mut text = if direct {
+        // The count field holds the count mixed with where the buffers sit in the windows.
+        format!(
+            "call #{index} (mod 65536): {} of {dtype} on windows (count and buffer offsets \
+             signature {count:#010x})",
+            CallKind::name(kind)
+        )
+    } else {
+        format!(
+            "call #{index} (mod 65536): {} of {count} x {dtype}",
+            CallKind::name(kind)
+        )
+    };
     if kind == CallKind::AllReduce as u64 {
         let op = if (word >> 28) & 3 == 0 { "sum" } else { "?" };
         let algo = ALLREDUCE_VARIANTS.get(variant).copied().unwrap_or("?");
@@ -258,6 +269,25 @@ mod tests {
         .word();
         assert_eq!(huge >> 62, 2);
         assert_eq!((huge >> 16) & 15, CallKind::AllReduce as u64);
+    }
+
+    #[test]
+    fn direct_words_describe_a_signature_not_a_count() {
+        let w = Call {
+            index: 3,
+            kind: CallKind::AllReduce,
+            dtype: 0,
+            variant: 6,
+            op: 0,
+            count: 0xdead_beef,
+            graph: false,
+        }
+        .word();
+        assert_eq!(
+            describe(w),
+            "call #3 (mod 65536): allreduce of bf16 on windows (count and buffer offsets \
+             signature 0xdeadbeef) (sum, twoshot-direct)"
+        );
     }
 
     #[test]
