@@ -515,7 +515,8 @@ impl AllReduce {
     }
 
     /// Registers `buffer` (from [`Communicator::alloc`]) as a window: every peer maps it, and
-    /// calls whose input and output both lie in windows, at the same offsets on every rank, run
+    /// calls whose input and output both lie in windows, at the same offsets on every rank
+    /// (ranks whose buffers sit elsewhere fail the call check, naming the rank), run
     /// [`Algorithm::TwoShotDirect`] where the pipeline would run (no staging through scratch; NCCL's
     /// registered windows, torch's symmetric memory). Collective: every rank registers its
     /// buffers in the same order with the same sizes (checked). The window stays registered as
