@@ -3,13 +3,15 @@
 //
 // Dispatch, one kernel on the caller's stream (moe_dispatch, B blocks):
 //   1. blocks [0, world), block r: the positions of the tokens bound for rank r (a block-wide
-//      scan) and their count, written straight into row `me` of every rank's count matrix; a
-//      signal to every peer (release; `world` per call and peer) and a count on this GPU. A
-//      peer's signals also mean its results area is free again: its stream has finished
-//      everything before this call, the readers of its previous results included.
-//   2. every block waits for every rank's counts and this GPU's positions, so each sender knows
-//      where its rows start in each receiver's results (after the rows of lower ranks); a warp
-//      per (token, segment of its row) loads the row once and stores it, with the top-k ids
+//      scan) and their count, stored straight into row `me` of every rank's count matrix as one
+//      word with the call's number in it (no fence, no separate signal: the word is its own
+//      flag), and a count on this GPU. A peer's word of this call also means its results area is
+//      free again: its stream has finished everything before this call, the readers of its
+//      previous results included.
+//   2. every block waits for the counts of the lower ranks and this GPU's positions, so each
+//      sender knows where its rows start in each receiver's results (after the rows of lower
+//      ranks); a warp per (token, segment of its row), every warp of the grid with work and none
+//      with two items where one would do, loads the row once and stores it, with the top-k ids
 //      rebased to the receiver's local ids (-1 elsewhere), the weights and (source rank, token),
 //      straight into the final place of every rank it goes to; every block then signals every
 //      peer once (release: its rows land first) and counts itself done on this GPU.
@@ -18,7 +20,9 @@
 //   waits between this GPU's own blocks cannot starve.
 // The count matrix has two buffers, used by calls of alternating parity: a rank in call d + 1
 // writes a peer's matrix only after that peer's call-d signals, which come after everything of
-// call d - 1 on its stream (its combine's reads of the matrix included).
+// call d - 1 on its stream (its combine's reads of the matrix included). A word holds the count
+// in its low half and the dispatch number (mod 2^32) in its high half; the other parity's words
+// are two calls old, so a stale word never carries this call's number.
 // Combine pulls, one kernel (moe_combine, B blocks): every rank's expert outputs sit in its
 // combine buffer (registered, mapped by every peer), and each source rank reads the rows of its
 // own tokens straight from the ranks they went to:
@@ -26,7 +30,8 @@
 //      reading my combine buffer in its previous combine; after a dispatch the dispatch's
 //      signals already said so);
 //   2. the rows of y that came from other ranks into the combine buffer (none when the caller
-//      wrote it there itself); every block signals every peer once (release);
+//      wrote it there itself), split over every warp of the grid; every block signals every peer
+//      once (release);
 //   3. once every peer's B signals arrived, for each token the rows of the ranks it went to, at
 //      (rows of lower source ranks on that rank, from the count matrix) + the token's position
 //      there, summed in f32 in rank order into out; its own rows straight from y. Loads over
@@ -45,6 +50,11 @@ namespace {
 
 constexpr uint32_t kWarp = 32;
 constexpr uint32_t kMaxLocalExperts = 2048;  // MoeDispatcher::new checks experts_per_rank
+
+// Semaphore sets (`MoeArgs::sems`, [set][world]).
+constexpr uint32_t kSetRows = 0;      // dispatch: a block's rows are in (B per call and peer)
+constexpr uint32_t kSetRepeat = 1;    // combine: a second combine of one dispatch may start
+constexpr uint32_t kSetCopied = 2;    // combine: a block's copy-in is done (B per call and peer)
 
 // Slots of the call counts (`MoeArgs::calls`), per block unless said otherwise; each is written
 // by its block only (the two GPU-wide counts by atomics).
@@ -86,9 +96,38 @@ DOORBELL_DEVICE_INLINE void count_own(const MoeArgs& a, uint32_t slot) {
   atomicAdd(reinterpret_cast<unsigned long long*>(a.calls + slot), 1ull);
 }
 
-// `owner`'s count matrix for dispatch number `d` ([source rank][destination rank]).
-DOORBELL_DEVICE_INLINE uint32_t* count_matrix(const MoeArgs& a, uint32_t owner, uint64_t d) {
-  return reinterpret_cast<uint32_t*>(a.land[owner] + a.off_matrix) + (d & 1) * a.world * a.world;
+// `owner`'s count matrix for dispatch number `d` ([source rank][destination rank], words of
+// count | dispatch number << 32).
+DOORBELL_DEVICE_INLINE uint64_t* count_matrix(const MoeArgs& a, uint32_t owner, uint64_t d) {
+  return reinterpret_cast<uint64_t*>(a.land[owner] + a.off_matrix) + (d & 1) * a.world * a.world;
+}
+
+DOORBELL_DEVICE_INLINE uint64_t count_word(uint64_t d, uint32_t count) { return (d << 32) | count; }
+
+// The count of a word already known to belong to its call (the combine reads its dispatch's).
+DOORBELL_DEVICE_INLINE uint32_t count_of(uint64_t word) { return static_cast<uint32_t>(word); }
+
+// Waits (bounded) until my matrix of dispatch `d` holds source rank `s`'s count for rank `r`,
+// and returns it.
+DOORBELL_DEVICE_INLINE uint32_t wait_count(const MoeArgs& a, uint64_t d, uint32_t s, uint32_t r) {
+  const uint64_t* w = count_matrix(a, a.rank, d) + uint64_t(s) * a.world + r;
+  const uint32_t tag = static_cast<uint32_t>(d);
+  uint64_t word = 0;
+  spin_until(a.sems[kSetRows * a.world + s].site, kWaitSemaphore, tag, [&](uint64_t& seen) {
+    word = load_relaxed_sys(w);
+    seen = word >> 32;
+    return seen == tag;
+  });
+  return count_of(word);
+}
+
+// Segments to split each of `rows` rows of `chunks` 16-byte chunks into, so that `warps` warps
+// each get at most one (row, segment) where there are enough of them: as many as fit, at least
+// one, at most one per 32 chunks (a warp's width).
+DOORBELL_DEVICE_INLINE uint32_t row_segments(uint32_t rows, uint32_t warps, uint32_t chunks) {
+  const uint32_t fit = rows ? warps / rows : 1;
+  const uint32_t most = chunks / kWarp > 0 ? chunks / kWarp : 1;
+  return fit < 1 ? 1 : (fit > most ? most : fit);
 }
 
 // Copies `bytes` (a multiple of 16, both ends 16-byte aligned) with one warp.
@@ -119,25 +158,6 @@ DOORBELL_DEVICE_INLINE void wait_all_peers(const MoeArgs& a, uint32_t set, uint6
       return seen >= target;
     });
   }
-}
-
-// Adds the 8 bf16 of `v` to `acc` in f32.
-DOORBELL_DEVICE_INLINE void add_bf16x8(float (&acc)[8], const int4& v) {
-  const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);
-#pragma unroll
-  for (int q = 0; q < 4; ++q) {
-    const float2 f = __bfloat1622float2(h[q]);
-    acc[2 * q] += f.x;
-    acc[2 * q + 1] += f.y;
-  }
-}
-
-DOORBELL_DEVICE_INLINE int4 to_bf16x8(const float (&acc)[8]) {
-  int4 o;
-  __nv_bfloat162* h = reinterpret_cast<__nv_bfloat162*>(&o);
-#pragma unroll
-  for (int q = 0; q < 4; ++q) h[q] = __floats2bfloat162_rn(acc[2 * q], acc[2 * q + 1]);
-  return o;
 }
 
 // The combine's sums (moe_combine, step 3). kW: the rank count when known at compile time (two
@@ -191,8 +211,8 @@ DOORBELL_DEVICE_INLINE void check_moe_call(const MoeArgs& a) {
 }
 
 // Blocks [0, world) of the dispatch: block r finds the positions of the tokens bound for rank r
-// (a block-wide scan) and their count, writes it into row `me` of every rank's count matrix
-// (dispatch `d`), and signals every peer (release: the count lands first) and this GPU.
+// (a block-wide scan) and their count, stores it into row `me` of every rank's count matrix
+// (dispatch `d`, the word carrying d) and counts itself done on this GPU.
 DOORBELL_DEVICE_INLINE void dispatch_layout(const MoeArgs& a, uint64_t d) {
   const uint32_t r = blockIdx.x;
   const uint32_t tid = threadIdx.x;
@@ -228,11 +248,8 @@ DOORBELL_DEVICE_INLINE void dispatch_layout(const MoeArgs& a, uint64_t d) {
     if (tid == 0) base += total;
     __syncthreads();
   }
-  // My count for r into row `me` of every rank's matrix, then a signal to every peer (release:
-  // the count lands first).
-  if (tid < a.world) count_matrix(a, tid, d)[uint64_t(a.rank) * a.world + r] = base;
-  __syncthreads();
-  if (tid < a.world && tid != a.rank) a.sems[0 * a.world + tid].signal();
+  // My count for r into row `me` of every rank's matrix: one word, the call's number its flag.
+  if (tid < a.world) store_relaxed_sys(count_matrix(a, tid, d) + uint64_t(a.rank) * a.world + r, count_word(d, base));
   if (tid == 0) count_own(a, kLayoutsDone);
 }
 
@@ -241,32 +258,31 @@ extern "C" __global__ void __launch_bounds__(512) moe_dispatch(MoeArgs a) {
   const uint64_t d = block_call(a, kDispatchCalls);
   if (blockIdx.x < a.world) dispatch_layout(a, d);
   __shared__ uint32_t first[kMaxRanks];  // where my rows start in each rank's results
-  // Every rank's counts of this call (one signal per layout block) and my own positions.
-  if (threadIdx.x == 0) {
-    wait_all_peers(a, 0, d, a.world);
-    wait_own(a, kLayoutsDone, d * a.world);
-  }
-  __syncthreads();
+  // Thread r: rank r's word of this call (r has started it, so its results area is free) and
+  // the lower ranks' counts for r (where my rows start there); thread `kWarp`: my positions.
   if (threadIdx.x < a.world) {
-    const uint32_t* m = count_matrix(a, a.rank, d);
+    if (threadIdx.x != a.rank) wait_count(a, d, threadIdx.x, a.rank);
     uint32_t before = 0;
-    for (uint32_t s = 0; s < a.rank; ++s) before += m[uint64_t(s) * a.world + threadIdx.x];
+    for (uint32_t s = 0; s < a.rank; ++s) before += wait_count(a, d, s, threadIdx.x);
     first[threadIdx.x] = before;
   }
+  if (threadIdx.x == kWarp) wait_own(a, kLayoutsDone, d * a.world);
   __syncthreads();
   const uint32_t lane = threadIdx.x % kWarp;
   const uint32_t warps = gridDim.x * (blockDim.x / kWarp);
+  // Warps numbered from block `world` on, the layout blocks' last: with fewer items than warps
+  // the blocks that scanned get none.
+  const uint32_t warp_id = ((blockIdx.x + gridDim.x - a.world) % gridDim.x) * (blockDim.x / kWarp) + threadIdx.x / kWarp;
   // bf16 rows are 2 x hidden bytes; FP8 rows hidden bytes plus hidden / 128 scales.
   const bool fp8 = a.scales != nullptr;
   const uint32_t chunks = fp8 ? a.hidden / 16 : a.hidden / 8;
   const uint32_t n_scales = a.hidden / 128;
   // Work items are (token, segment of its row): with few tokens (decode) the rows are split so
-  // every warp has work; with many, one segment per token.
-  uint32_t segs = a.num_tokens ? (warps + a.num_tokens - 1) / a.num_tokens : 1;
-  const uint32_t max_segs = chunks / kWarp > 0 ? chunks / kWarp : 1;
-  segs = segs < 1 ? 1 : (segs > max_segs ? max_segs : segs);
+  // every warp has at most one item (rounding up would give some warps two, and the call would
+  // wait for them); with many, one segment per token.
+  const uint32_t segs = row_segments(a.num_tokens, warps, chunks);
   const uint32_t items = a.num_tokens * segs;
-  for (uint32_t item = blockIdx.x * (blockDim.x / kWarp) + threadIdx.x / kWarp; item < items; item += warps) {
+  for (uint32_t item = warp_id; item < items; item += warps) {
     const uint32_t t = item / segs, seg = item % segs;
     int4* dst[kMaxRanks];
     uint64_t row[kMaxRanks];
@@ -320,7 +336,7 @@ extern "C" __global__ void __launch_bounds__(512) moe_dispatch(MoeArgs a) {
     }
   }
   __syncthreads();
-  if (threadIdx.x < a.world && threadIdx.x != a.rank) a.sems[1 * a.world + threadIdx.x].signal();
+  if (threadIdx.x < a.world && threadIdx.x != a.rank) a.sems[kSetRows * a.world + threadIdx.x].signal();
   // This block's rows into my own results are written too: count it done on this GPU (the
   // histogram below reads rows that other blocks of this grid wrote).
   if (threadIdx.x == 0) count_own(a, kSentBlocks);
@@ -329,11 +345,10 @@ extern "C" __global__ void __launch_bounds__(512) moe_dispatch(MoeArgs a) {
   // are done (every block of the grid is resident, so waiting here cannot starve a sender).
   __shared__ uint32_t total;
   if (threadIdx.x == 0) {
-    wait_all_peers(a, 1, d, a.blocks);
+    wait_all_peers(a, kSetRows, d, a.blocks);
     wait_own(a, kSentBlocks, d * a.blocks);
-    const uint32_t* m = count_matrix(a, a.rank, d);
     uint32_t n = 0;
-    for (uint32_t s = 0; s < a.world; ++s) n += m[uint64_t(s) * a.world + a.rank];
+    for (uint32_t s = 0; s < a.world; ++s) n += wait_count(a, d, s, a.rank);
     total = n;
     if (blockIdx.x == 0) *a.num_recv = n;
   }
@@ -364,8 +379,8 @@ extern "C" __global__ void __launch_bounds__(512) moe_combine(MoeArgs a) {
   // After a dispatch its signals already said so.
   if (a.calls[kCombinedDispatch + blockIdx.x] == d) {
     const uint64_t repeats = a.calls[kRepeatCombines + blockIdx.x] + 1;
-    if (blockIdx.x == 0 && threadIdx.x < a.world && threadIdx.x != a.rank) a.sems[2 * a.world + threadIdx.x].signal();
-    if (threadIdx.x == 0) wait_all_peers(a, 2, repeats, 1);
+    if (blockIdx.x == 0 && threadIdx.x < a.world && threadIdx.x != a.rank) a.sems[kSetRepeat * a.world + threadIdx.x].signal();
+    if (threadIdx.x == 0) wait_all_peers(a, kSetRepeat, repeats, 1);
     __syncthreads();
     if (threadIdx.x == 0) a.calls[kRepeatCombines + blockIdx.x] = repeats;
   }
@@ -376,29 +391,36 @@ extern "C" __global__ void __launch_bounds__(512) moe_combine(MoeArgs a) {
     const uint32_t lane = threadIdx.x % kWarp;
     const uint32_t warps = gridDim.x * (blockDim.x / kWarp);
     const uint32_t total = *a.num_recv;
-    const uint32_t* m = count_matrix(a, a.rank, d);
+    const uint64_t* m = count_matrix(a, a.rank, d);
     uint32_t own_first = 0;
-    for (uint32_t s = 0; s < a.rank; ++s) own_first += m[uint64_t(s) * a.world + a.rank];
-    const uint32_t own_rows = m[uint64_t(a.rank) * a.world + a.rank];
+    for (uint32_t s = 0; s < a.rank; ++s) own_first += count_of(m[uint64_t(s) * a.world + a.rank]);
+    const uint32_t own_rows = count_of(m[uint64_t(a.rank) * a.world + a.rank]);
     const uint32_t others = total - own_rows;
-    uint16_t* mine = reinterpret_cast<uint16_t*>(a.comb_buf[a.rank]);
-    for (uint32_t i = blockIdx.x * (blockDim.x / kWarp) + threadIdx.x / kWarp; i < others; i += warps) {
-      const uint32_t j = i < own_first ? i : i + own_rows;
-      warp_copy16(mine + uint64_t(j) * a.hidden, a.y + uint64_t(j) * a.hidden, uint64_t(a.hidden) * 2, lane);
+    // (row, segment) items as in the dispatch: a decode batch's few rows are split over every
+    // warp of the grid instead of keeping a few warps busy while the rest wait.
+    const uint32_t chunks = a.hidden / 8;
+    const uint32_t segs = row_segments(others, warps, chunks);
+    int4* mine = reinterpret_cast<int4*>(a.comb_buf[a.rank]);
+    const int4* y = reinterpret_cast<const int4*>(a.y);
+    for (uint32_t i = blockIdx.x * (blockDim.x / kWarp) + threadIdx.x / kWarp; i < others * segs; i += warps) {
+      const uint32_t row = i / segs, seg = i % segs;
+      const uint64_t j = row < own_first ? row : row + own_rows;
+      const uint32_t from = uint32_t(uint64_t(chunks) * seg / segs), to = uint32_t(uint64_t(chunks) * (seg + 1) / segs);
+      warp_copy16(mine + j * chunks + from, y + j * chunks + from, uint64_t(to - from) * 16, lane);
     }
   }
   // Every block tells every peer its rows are in (release: the block's copies first); the sums
   // below wait for all of them (my own rows are read from y, so no wait on this GPU's blocks).
   __syncthreads();
-  if (threadIdx.x < a.world && threadIdx.x != a.rank) a.sems[3 * a.world + threadIdx.x].signal();
+  if (threadIdx.x < a.world && threadIdx.x != a.rank) a.sems[kSetCopied * a.world + threadIdx.x].signal();
 
   __shared__ uint32_t first[kMaxRanks];  // where my tokens' rows start on each rank
-  if (threadIdx.x == 0) wait_all_peers(a, 3, c, a.blocks);
+  if (threadIdx.x == 0) wait_all_peers(a, kSetCopied, c, a.blocks);
   __syncthreads();
   if (threadIdx.x < a.world) {
-    const uint32_t* m = count_matrix(a, a.rank, d);
+    const uint64_t* m = count_matrix(a, a.rank, d);
     uint32_t before = 0;
-    for (uint32_t s = 0; s < a.rank; ++s) before += m[uint64_t(s) * a.world + threadIdx.x];
+    for (uint32_t s = 0; s < a.rank; ++s) before += count_of(m[uint64_t(s) * a.world + threadIdx.x]);
     first[threadIdx.x] = before;
   }
   __syncthreads();

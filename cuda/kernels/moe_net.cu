@@ -778,19 +778,9 @@ extern "C" __global__ void __launch_bounds__(512) moe_ht_combine_recv(MoeNetArgs
     for (uint32_t n = 0; n < h.nodes; ++n) {
       if (!(nodes >> n & 1)) continue;
       const int4 v = part[(uint64_t(h.rail[n]) * a.max_tokens + t) * words + c];
-      const __nv_bfloat162* hv = reinterpret_cast<const __nv_bfloat162*>(&v);
-#pragma unroll
-      for (int q = 0; q < 4; ++q) {
-        const float2 f = __bfloat1622float2(hv[q]);
-        acc[2 * q] += f.x;
-        acc[2 * q + 1] += f.y;
-      }
+      add_bf16x8(acc, v);
     }
-    int4 o;
-    __nv_bfloat162* hv = reinterpret_cast<__nv_bfloat162*>(&o);
-#pragma unroll
-    for (int q = 0; q < 4; ++q) hv[q] = __floats2bfloat162_rn(acc[2 * q], acc[2 * q + 1]);
-    reinterpret_cast<int4*>(a.out)[uint64_t(t) * words + c] = o;
+    reinterpret_cast<int4*>(a.out)[uint64_t(t) * words + c] = to_bf16x8(acc);
   }
 }
 

@@ -359,12 +359,12 @@ impl HtNvlink {
         let off_weights = off_idx + section(rows * cfg.topk * 4);
         let off_src = off_weights + section(rows * cfg.topk * 4);
         let off_matrix = off_src + section(rows * 8);
-        // Two count matrices, for calls of alternating parity (moe.cu).
-        let off_scales = off_matrix + section(2 * world * world * 4);
+        // Two count matrices of u64 words, for calls of alternating parity (moe.cu).
+        let off_scales = off_matrix + section(2 * world * world * 8);
         let land_bytes = off_scales + section(rows * (cfg.hidden / 128) * 4);
         let (recv, land_ptrs, inbox) = landing_with_inbox(comm, land_bytes)?;
         let (comb, comb_ptrs) = landing(comm, rows * cfg.hidden * 2)?;
-        let semaphores = comm.semaphores(4)?;
+        let semaphores = comm.semaphores(3)?;
         let stream = gpu.new_stream()?;
         let alloc = |bytes: usize| -> Result<CudaSlice<u8>> {
             stream

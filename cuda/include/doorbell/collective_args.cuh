@@ -99,7 +99,8 @@ struct MoeArgs {
   // Every rank's dispatch results, mapped here; senders write rows straight into them:
   // recv_x [world * max_tokens, hidden] bf16 (or e4m3 bytes) at 0, recv_idx [.., topk] i32 at
   // off_idx, recv_weights [.., topk] f32 at off_weights, recv_src [.., 2] i32 at off_src, the
-  // count matrix [world][world] u32 at off_matrix (row s: what rank s sends to each rank), and
+  // count matrices [2][world][world] u64 at off_matrix (row s: what rank s sends to each rank,
+  // words of count | dispatch number << 32, by call parity; cuda/kernels/moe.cu), and
   // the FP8 scales [.., hidden / 128] f32 at off_scales.
   char* land[kMaxRanks];
   char* comb_buf[kMaxRanks];   // every rank's combine buffer: [world * max_tokens, hidden] bf16, rows as recv_x
@@ -112,7 +113,7 @@ struct MoeArgs {
   uint32_t* num_recv;          // mine: rows received
   uint32_t* expert_counts;     // mine: [experts_per_rank]
   uint64_t* calls;             // mine: call counts per kernel and block (cuda/kernels/moe.cu)
-  const SemaphoreHandle* sems; // [4][world]: dispatch counts, dispatch data, combine free, combine ready
+  const SemaphoreHandle* sems; // [3][world]: dispatch rows in, repeated combine may start, combine copy-in done
   CallCheck call;              // this call's word and every rank's inbox (call_check.cuh)
 };
 DOORBELL_CHECK_SIZE(MoeArgs, 360);

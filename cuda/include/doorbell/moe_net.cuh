@@ -36,6 +36,7 @@
 #include "collective_args.cuh"
 #include "copy.cuh"
 #include "port_channel.cuh"
+#include "reduce.cuh"
 
 #if DOORBELL_CUDA
 #include <cuda_bf16.h>
@@ -388,28 +389,13 @@ DOORBELL_DEVICE_INLINE void send_partial(const MoeNetArgs& a, uint32_t half, uin
 #pragma unroll
       for (uint32_t u = 0; u < kUnroll; ++u) {
         const uint32_t c = base + lane + u * 32;
-        if (c < words) {
-          const int4 v = y[yrow * words + c];
-          const __nv_bfloat162* hv = reinterpret_cast<const __nv_bfloat162*>(&v);
-#pragma unroll
-          for (int q = 0; q < 4; ++q) {
-            const float2 f = __bfloat1622float2(hv[q]);
-            acc[u][2 * q] = fmaf(w, f.x, acc[u][2 * q]);
-            acc[u][2 * q + 1] = fmaf(w, f.y, acc[u][2 * q + 1]);
-          }
-        }
+        if (c < words) fma_bf16x8(acc[u], w, y[yrow * words + c]);
       }
     }
 #pragma unroll
     for (uint32_t u = 0; u < kUnroll; ++u) {
       const uint32_t c = base + lane + u * 32;
-      if (c < words) {
-        int4 o;
-        __nv_bfloat162* hv = reinterpret_cast<__nv_bfloat162*>(&o);
-#pragma unroll
-        for (int q = 0; q < 4; ++q) hv[q] = __floats2bfloat162_rn(acc[u][2 * q], acc[u][2 * q + 1]);
-        dst[c] = o;
-      }
+      if (c < words) dst[c] = to_bf16x8(acc[u]);
     }
   }
   if (mapped == 0) {
@@ -435,19 +421,9 @@ DOORBELL_DEVICE_INLINE void combine_chunk(const MoeNetArgs& a, uint32_t t, uint3
   for (uint32_t r = 0; r < a.world; ++r) {
     if (!(ranks >> r & 1)) continue;
     const int4 v = part[(uint64_t(r) * a.max_tokens + t) * words + c];
-    const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);
-#pragma unroll
-    for (int q = 0; q < 4; ++q) {
-      const float2 f = __bfloat1622float2(h[q]);
-      acc[2 * q] += f.x;
-      acc[2 * q + 1] += f.y;
-    }
+    add_bf16x8(acc, v);
   }
-  int4 o;
-  __nv_bfloat162* h = reinterpret_cast<__nv_bfloat162*>(&o);
-#pragma unroll
-  for (int q = 0; q < 4; ++q) h[q] = __floats2bfloat162_rn(acc[2 * q], acc[2 * q + 1]);
-  reinterpret_cast<int4*>(a.out)[uint64_t(t) * words + c] = o;
+  reinterpret_cast<int4*>(a.out)[uint64_t(t) * words + c] = to_bf16x8(acc);
 }
 
 }  // namespace moe_net

@@ -102,5 +102,35 @@ DOORBELL_DEVICE_INLINE __half from_f32<__half>(float x) {
   return __float2half_rn(x);
 }
 
+// Eight bf16 values in one 16-byte vector (the MoE kernels' rows), summed in f32:
+// `acc += v`, `acc += w * v` (fused), and the eight sums rounded back into one vector.
+DOORBELL_DEVICE_INLINE void add_bf16x8(float (&acc)[8], const int4& v) {
+  const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);
+#pragma unroll
+  for (int q = 0; q < 4; ++q) {
+    const float2 f = __bfloat1622float2(h[q]);
+    acc[2 * q] += f.x;
+    acc[2 * q + 1] += f.y;
+  }
+}
+
+DOORBELL_DEVICE_INLINE void fma_bf16x8(float (&acc)[8], float w, const int4& v) {
+  const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);
+#pragma unroll
+  for (int q = 0; q < 4; ++q) {
+    const float2 f = __bfloat1622float2(h[q]);
+    acc[2 * q] = fmaf(w, f.x, acc[2 * q]);
+    acc[2 * q + 1] = fmaf(w, f.y, acc[2 * q + 1]);
+  }
+}
+
+DOORBELL_DEVICE_INLINE int4 to_bf16x8(const float (&acc)[8]) {
+  int4 o;
+  __nv_bfloat162* h = reinterpret_cast<__nv_bfloat162*>(&o);
+#pragma unroll
+  for (int q = 0; q < 4; ++q) h[q] = __floats2bfloat162_rn(acc[2 * q], acc[2 * q + 1]);
+  return o;
+}
+
 }  // namespace doorbell
 #endif  // DOORBELL_CUDA
