@@ -317,6 +317,37 @@ DOORBELL_DEVICE_INLINE void twoshot_sentinel(const AllReduceArgs& a) {
   }
 }
 
+// Sums 16-byte vector `v` of `srcs[0..world)` (rank order) into `dst` and every `peer_dst[k]`.
+template <typename T>
+DOORBELL_DEVICE_INLINE void reduce_vector(const T* const* srcs, uint32_t world, uint64_t v, T* dst, T* const* peer_dst,
+                                          uint32_t npeers) {
+  WordSum<T, 4> acc;  // 16 bytes = 4 words
+  for (uint32_t r = 0; r < world; ++r) {
+    const uint4 x = reinterpret_cast<const uint4*>(srcs[r])[v];
+    const uint32_t w[4] = {x.x, x.y, x.z, x.w};
+    if (r == 0) acc.set(w); else acc.add(w);
+  }
+  uint32_t w[4];
+  acc.get(w);
+  const uint4 y = make_uint4(w[0], w[1], w[2], w[3]);
+  reinterpret_cast<uint4*>(dst)[v] = y;
+  for (uint32_t k = 0; k < npeers; ++k) reinterpret_cast<uint4*>(peer_dst[k])[v] = y;
+}
+
+// Sums elements [first, n) at `srcs[0..world)` (rank order), one element per thread of a group of
+// `nthreads` at a time from `first + tid`, into `dst` and every `peer_dst[k]`.
+template <typename T>
+DOORBELL_DEVICE_INLINE void reduce_elements(const T* const* srcs, uint32_t world, uint64_t first, uint64_t n, T* dst,
+                                            T* const* peer_dst, uint32_t npeers, uint64_t tid, uint64_t nthreads) {
+  for (uint64_t i = first + tid; i < n; i += nthreads) {
+    float acc = 0.f;
+    for (uint32_t r = 0; r < world; ++r) acc += to_f32(srcs[r][i]);
+    const T y = from_f32<T>(acc);
+    dst[i] = y;
+    for (uint32_t k = 0; k < npeers; ++k) peer_dst[k][i] = y;
+  }
+}
+
 // Sums `n` elements at `srcs[0..world)` (rank order) into `dst` and every `peer_dst[k]`, with
 // threads [tid, n) of a group of `nthreads`.
 template <typename T, bool kVec>
@@ -324,31 +355,12 @@ DOORBELL_DEVICE_INLINE void reduce_range_group(const T* const* srcs, uint32_t wo
                                                T* const* peer_dst, uint32_t npeers, uint32_t tid, uint32_t nthreads) {
   uint64_t done = 0;
   if (kVec) {
-    constexpr int W = 4;  // 16 bytes = 4 words
     const uint64_t per = 16 / sizeof(T);
     const uint64_t nvec = n / per;
-    for (uint64_t v = tid; v < nvec; v += nthreads) {
-      WordSum<T, W> acc;
-      for (uint32_t r = 0; r < world; ++r) {
-        const uint4 x = reinterpret_cast<const uint4*>(srcs[r])[v];
-        const uint32_t w[4] = {x.x, x.y, x.z, x.w};
-        if (r == 0) acc.set(w); else acc.add(w);
-      }
-      uint32_t w[4];
-      acc.get(w);
-      const uint4 y = make_uint4(w[0], w[1], w[2], w[3]);
-      reinterpret_cast<uint4*>(dst)[v] = y;
-      for (uint32_t k = 0; k < npeers; ++k) reinterpret_cast<uint4*>(peer_dst[k])[v] = y;
-    }
+    for (uint64_t v = tid; v < nvec; v += nthreads) reduce_vector(srcs, world, v, dst, peer_dst, npeers);
     done = nvec * per;
   }
-  for (uint64_t i = done + tid; i < n; i += nthreads) {
-    float acc = 0.f;
-    for (uint32_t r = 0; r < world; ++r) acc += to_f32(srcs[r][i]);
-    const T y = from_f32<T>(acc);
-    dst[i] = y;
-    for (uint32_t k = 0; k < npeers; ++k) peer_dst[k][i] = y;
-  }
+  reduce_elements(srcs, world, done, n, dst, peer_dst, npeers, tid, nthreads);
 }
 
 // Slots per lane in the pipeline ring (see the reuse argument below).
@@ -474,30 +486,35 @@ DOORBELL_DEVICE_INLINE void pipelined(const AllReduceArgs& a) {
 //      are visible to my later work (release / acquire).
 // Each element is read and written by one thread of one rank, so in place is safe. The
 // semaphores are the pipeline's (balanced per call: one signal and one wait each way).
-// Sums my shard's vectors [first, nvec) with a stride of `nthreads`, U vectors per thread in
-// flight (every rank's loads of all U before any sum). kW: the rank count when known at compile
-// time (the load arrays then live in registers), else 0 and one vector at a time.
+// Sums my shard's `nvec` vectors with a stride of `nthreads`, U vectors per thread in flight
+// (every rank's loads of all U before any sum), the last round too (its loads predicated: a
+// partial round done one vector at a time would put up to U NVLink round trips in a row on the
+// call's critical path). kW: the rank count when known at compile time (the load arrays then
+// live in registers), else 0 and one vector at a time.
 template <typename T, int kW>
-DOORBELL_DEVICE_INLINE uint64_t direct_vectors(const T* const* srcs, uint32_t world, uint64_t nvec, T* dst,
-                                              T* const* peer_dst, uint32_t npeers, uint64_t tid, uint64_t nthreads) {
-  // 4 (2 x H100, 8-64 MiB, graph): 2 was 1-2% slower everywhere, 8 1.5% faster from 16 MiB
-  // and 3.5% slower at 8 MiB.
-  constexpr int U = kW == 0 ? 1 : 4;
-  constexpr int R = kW == 0 ? 1 : kW;
-  uint64_t v = tid;
-  if (kW != 0) {
-    for (; v + (U - 1) * nthreads < nvec; v += U * nthreads) {
-      uint4 x[R][U];
+DOORBELL_DEVICE_INLINE void direct_vectors(const T* const* srcs, uint32_t world, uint64_t nvec, T* dst,
+                                          T* const* peer_dst, uint32_t npeers, uint64_t tid, uint64_t nthreads) {
+  if constexpr (kW == 0) {
+    for (uint64_t v = tid; v < nvec; v += nthreads) reduce_vector(srcs, world, v, dst, peer_dst, npeers);
+  } else {
+    // 4 (2 x H100, 8-64 MiB, graph): 2 was 1-2% slower everywhere, 8 1.5% faster from 16 MiB
+    // and 3.5% slower at 8 MiB.
+    constexpr int U = 4;
+    for (uint64_t v = tid; v < nvec; v += U * nthreads) {
+      uint4 x[kW][U];
 #pragma unroll
-      for (int r = 0; r < R; ++r) {
+      for (int r = 0; r < kW; ++r) {
 #pragma unroll
-        for (int u = 0; u < U; ++u) x[r][u] = reinterpret_cast<const uint4*>(srcs[r])[v + u * nthreads];
+        for (int u = 0; u < U; ++u) {
+          if (v + u * nthreads < nvec) x[r][u] = reinterpret_cast<const uint4*>(srcs[r])[v + u * nthreads];
+        }
       }
 #pragma unroll
       for (int u = 0; u < U; ++u) {
+        if (v + u * nthreads >= nvec) continue;
         WordSum<T, 4> acc;
 #pragma unroll
-        for (int r = 0; r < R; ++r) {
+        for (int r = 0; r < kW; ++r) {
           const uint32_t w[4] = {x[r][u].x, x[r][u].y, x[r][u].z, x[r][u].w};
           if (r == 0) acc.set(w); else acc.add(w);
         }
@@ -506,24 +523,10 @@ DOORBELL_DEVICE_INLINE uint64_t direct_vectors(const T* const* srcs, uint32_t wo
         const uint4 y = make_uint4(w[0], w[1], w[2], w[3]);
         reinterpret_cast<uint4*>(dst)[v + u * nthreads] = y;
 #pragma unroll
-        for (int k = 0; k < R - 1; ++k) reinterpret_cast<uint4*>(peer_dst[k])[v + u * nthreads] = y;
+        for (int k = 0; k < kW - 1; ++k) reinterpret_cast<uint4*>(peer_dst[k])[v + u * nthreads] = y;
       }
     }
   }
-  for (; v < nvec; v += nthreads) {
-    WordSum<T, 4> acc;
-    for (uint32_t r = 0; r < world; ++r) {
-      const uint4 x = reinterpret_cast<const uint4*>(srcs[r])[v];
-      const uint32_t w[4] = {x.x, x.y, x.z, x.w};
-      if (r == 0) acc.set(w); else acc.add(w);
-    }
-    uint32_t w[4];
-    acc.get(w);
-    const uint4 y = make_uint4(w[0], w[1], w[2], w[3]);
-    reinterpret_cast<uint4*>(dst)[v] = y;
-    for (uint32_t k = 0; k < npeers; ++k) reinterpret_cast<uint4*>(peer_dst[k])[v] = y;
-  }
-  return nvec;
 }
 
 template <typename T, bool kVec>
@@ -556,16 +559,14 @@ DOORBELL_DEVICE_INLINE void twoshot_direct(const AllReduceDirectArgs& d) {
   uint64_t done = 0;
   if (kVec) {
     const uint64_t nvec = n / per;
-    done = (world == 2 ? direct_vectors<T, 2>(srcs, world, nvec, dst, peer_dst, npeers, tid, nthreads)
-                       : direct_vectors<T, 0>(srcs, world, nvec, dst, peer_dst, npeers, tid, nthreads)) * per;
+    if (world == 2) {
+      direct_vectors<T, 2>(srcs, world, nvec, dst, peer_dst, npeers, tid, nthreads);
+    } else {
+      direct_vectors<T, 0>(srcs, world, nvec, dst, peer_dst, npeers, tid, nthreads);
+    }
+    done = nvec * per;
   }
-  for (uint64_t i = done + tid; i < n; i += nthreads) {
-    float acc = 0.f;
-    for (uint32_t r = 0; r < world; ++r) acc += to_f32(srcs[r][i]);
-    const T y = from_f32<T>(acc);
-    dst[i] = y;
-    for (uint32_t k = 0; k < npeers; ++k) peer_dst[k][i] = y;
-  }
+  reduce_elements(srcs, world, done, n, dst, peer_dst, npeers, tid, nthreads);
   __syncthreads();  // every store of the block issued before the signals
   if (peer_thread) {
     ag_sems[threadIdx.x].signal();
