@@ -60,6 +60,13 @@ fn cuda_driver_present() -> bool {
     unsafe { sys::is_culib_present() }
 }
 
+/// A TCP port free a moment ago, below the kernel's ephemeral range where there is room (so no
+/// outgoing connection takes it before rank 0 listens on it; `doorbell::job::launch::free_port`).
+#[pyfunction]
+fn free_port() -> PyResult<u16> {
+    doorbell::job::launch::free_port().map_err(py_err)
+}
+
 /// GPUs this process sees; raises NoGpuError without a driver or a GPU.
 #[pyfunction]
 fn device_count() -> PyResult<usize> {
@@ -626,6 +633,7 @@ fn _doorbell(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(version, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_driver_present, m)?)?;
     m.add_function(wrap_pyfunction!(device_count, m)?)?;
+    m.add_function(wrap_pyfunction!(free_port, m)?)?;
     m.add_class::<Comm>()?;
     m.add_class::<MoeHt>()?;
     m.add_class::<MoeLl>()?;

@@ -4,10 +4,11 @@ pytest needed, for GPU machines without it)."""
 
 import os
 import pathlib
-import socket
 import subprocess
 import sys
 from typing import List, Tuple
+
+from doorbell import _doorbell
 
 WORKER = pathlib.Path(__file__).with_name("gpu_worker.py")
 RANKS = [int(n) for n in os.environ.get("DOORBELL_TEST_RANKS", "2 4").split()]
@@ -21,15 +22,10 @@ CASES: List[Tuple[str, ...]] = [
 ]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_ranks(n: int, *args: str, timeout: float = 600) -> List[str]:
     """Runs gpu_worker.py with `args` as `n` ranks; returns the failures (empty: all passed)."""
-    port = free_port()
+    # Below the ephemeral range, so no outgoing connection takes it before rank 0 listens.
+    port = _doorbell.free_port()
     procs = []
     for r in range(n):
         env = dict(os.environ)

@@ -154,14 +154,42 @@ pub fn exit_code(exits: &[RankExit]) -> i32 {
         .map_or(0, |e| e.code().max(1))
 }
 
-/// A TCP port that was free a moment ago on 127.0.0.1: bound to port 0, read, released. Another
-/// process may take it before rank 0 binds it; that race is accepted (rank 0 then fails with a
+/// The lowest port the kernel hands to outgoing connections (`ip_local_port_range`; Linux's
+/// default 32768 where the file cannot be read).
+fn ephemeral_low() -> u16 {
+    std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|s| s.split_whitespace().next()?.parse().ok())
+        .unwrap_or(32768)
+}
+
+/// Where [`free_port`] looks first: ports [10000, the ephemeral range's start), or none when
+/// that range starts too low to leave a thousand.
+fn quiet_ports(ephemeral_low: u16) -> Option<std::ops::Range<u16>> {
+    (ephemeral_low >= 11_000).then_some(10_000..ephemeral_low)
+}
+
+/// A TCP port free a moment ago on every address: a random one below the kernel's ephemeral
+/// range where there is room, else one the kernel picks (bind to port 0). Outgoing connections
+/// take their local ports from the ephemeral range, so they cannot take a port below it before
+/// rank 0 binds it (a port from bind(0) can be taken so, and once was: the GPU suite's ranks
+/// failed with "Address already in use"); another listener still could (rank 0 then fails with a
 /// clear "cannot listen" error).
 pub fn free_port() -> Result<u16> {
-    TcpListener::bind((Ipv4Addr::LOCALHOST, 0))
-        .and_then(|l| l.local_addr())
+    let free =
+        |port: u16| TcpListener::bind((Ipv4Addr::UNSPECIFIED, port)).and_then(|l| l.local_addr());
+    if let Some(range) = quiet_ports(ephemeral_low()) {
+        let span = u64::from(range.end - range.start);
+        for _ in 0..64 {
+            let port = range.start + (u64::from_le_bytes(random_bytes::<8>()?) % span) as u16;
+            if free(port).is_ok() {
+                return Ok(port);
+            }
+        }
+    }
+    free(0)
         .map(|a| a.port())
-        .map_err(|e| Error::io("finding a free port on 127.0.0.1", e))
+        .map_err(|e| Error::io("finding a free TCP port", e))
 }
 
 /// Runs `program args` as `opts.nranks` ranks on this host, with `RANK`, `WORLD_SIZE`,
@@ -492,7 +520,13 @@ mod tests {
     }
 
     #[test]
-    fn free_ports_are_nonzero() {
-        assert_ne!(free_port().unwrap(), 0);
+    fn free_ports_are_nonzero_and_below_the_ephemeral_range() {
+        let port = free_port().unwrap();
+        assert_ne!(port, 0);
+        if let Some(range) = quiet_ports(ephemeral_low()) {
+            assert!(range.contains(&port), "{port} outside {range:?}");
+        }
+        assert_eq!(quiet_ports(32768), Some(10_000..32768));
+        assert_eq!(quiet_ports(1024), None);
     }
 }

@@ -266,12 +266,6 @@ def _launch_env() -> Tuple[int, int, int, int]:
     return 0, 1, 0, 1
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("", 0))
-        return int(s.getsockname()[1])
-
-
 def _my_address() -> str:
     addr = os.environ.get("DOORBELL_MASTER_ADDR") or os.environ.get("MASTER_ADDR")
     if addr:
@@ -319,7 +313,7 @@ def init(group: Any = None, device: Optional[int] = None, timeout: float = 300.0
         local_rank, local_world = local.index(rank), len(local)
         info: List[Any] = [None, None, None]
         if rank == 0:
-            info = [_my_address(), _free_port(), os.urandom(32)]
+            info = [_my_address(), _doorbell.free_port(), os.urandom(32)]
         src = dist.get_global_rank(group, 0) if group is not None else 0
         dist.broadcast_object_list(info, src=src, group=group)
         addr, port, secret = str(info[0]), int(info[1]), bytes(info[2])
