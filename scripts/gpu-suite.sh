@@ -23,8 +23,8 @@
 # all_to_all_single), MoE high-throughput and low-latency against NCCL moving the same rows, then
 # `python -m doorbell.peers check`, which fails on a stall (a call above 5 x its size's median),
 # on doorbell slower than the fastest peer without a stated reason (bench/perf/reasons.csv), or on
-# a size more than 10% slower than the last recorded table of this machine kind
-# (bench/perf/KIND.csv; record a passing run's merged.csv there). PERF_MAX_BYTES (default 1G)
+# a size more than 10% slower than the last recorded table of this machine kind, in the mean and
+# in the single calls' p50 (bench/perf/KIND.csv; record a passing run's merged.csv there). PERF_MAX_BYTES (default 1G)
 # caps the sweeps; PERF_ITERS sets the PyTorch peers' calls per timing (default 20).
 # NVLink multicast stays off everywhere (it can take shared GPUs out of service).
 set -uo pipefail

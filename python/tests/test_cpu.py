@@ -221,6 +221,14 @@ def test_peers_check_fails_on_stalls_slower_sizes_regressions_and_slow_graphs():
     before = peers.merge([EXAMPLES_CSV.replace("4,bf16,2097152,doorbell,40.000,44.000", "2,bf16,8388608,doorbell,30.000,30.000")])
     regressed = [f for f in peers.check(rows, "2xH100", baseline=before) if "recorded" in f]
     assert len(regressed) == 2 and all("allreduce 8M" in f for f in regressed), regressed
+    # With single calls in both tables the p50 must have slowed too: 1K's graph mean 3.0 against
+    # a recorded 2.0 is 1.5 x, but its p50 3.1 against a recorded 3.0 is not a regression; its
+    # eager p50 5.0 against a recorded 4.0 is.
+    before = peers.merge([SPREAD_CSV.replace("1024,doorbell,3.000,5.000,3.100,3.500,4.000,0,5.000", "1024,doorbell,2.000,4.000,3.000,3.500,4.000,0,4.000")])
+    regressed = [f for f in peers.check(rows, "2xH100", baseline=before) if "recorded" in f]
+    assert regressed == [
+        "allreduce 1K eager: 5.00 us, 1.25 x the recorded 4.00 us, single calls' p50 5.00 us, 1.25 x the recorded 4.00 (both more than 1.1 x)"
+    ], regressed
     lines = peers.tables(rows).splitlines()
     assert any(line.startswith("| 1K | 5.00! |") for line in lines), lines  # eager: the stall is marked
     assert any("900.00 STALL x1" in line for line in lines)
