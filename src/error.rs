@@ -111,7 +111,7 @@ pub enum Error {
     },
     /// A bounded wait ran out of time: on the host (bootstrap, proxy) or on the device (a kernel's
     /// spin loop recorded who waited for what and gave up).
-    #[error("timeout on rank {rank} waiting for {what} from peer {peer} on channel {channel}: expected {expected}, saw {seen} after {waited_ms} ms (block {block}, thread {thread})")]
+    #[error("{}", timeout_text(*rank, *peer, what, *channel, *expected, *seen, *waited_ms, *block, *thread))]
     Timeout {
         /// The rank that waited.
         rank: i32,
@@ -119,11 +119,11 @@ pub enum Error {
         peer: i32,
         /// What it waited for.
         what: WaitKind,
-        /// The channel (or semaphore) id.
+        /// The channel (or semaphore) id; `u32::MAX`: none.
         channel: u32,
-        /// The value it waited to see.
+        /// The value it waited to see (`u32::MAX` or `u64::MAX`: none recorded).
         expected: u64,
-        /// The last value it saw.
+        /// The last value it saw (the same sentinels).
         seen: u64,
         /// How long it waited.
         waited_ms: u64,
@@ -212,5 +212,88 @@ impl From<cudarc::driver::DriverError> for Error {
             call: "cudarc",
             code: e.to_string(),
         }
+    }
+}
+
+/// Whether a device report's field holds a "none" sentinel rather than a value.
+fn unset(v: u64) -> bool {
+    v == u64::MAX || v == u64::from(u32::MAX)
+}
+
+/// [`Error::Timeout`]'s text: fields that hold a sentinel (no peer, no channel, no value, no
+/// block) are left out instead of printed as numbers like 4294967295.
+#[allow(clippy::too_many_arguments)]
+fn timeout_text(
+    rank: i32,
+    peer: i32,
+    what: &WaitKind,
+    channel: u32,
+    expected: u64,
+    seen: u64,
+    waited_ms: u64,
+    block: u32,
+    thread: u32,
+) -> String {
+    let mut t = format!("timeout on rank {rank} waiting for {what}");
+    if peer >= 0 {
+        t += &format!(" from peer {peer}");
+    }
+    if channel != u32::MAX {
+        t += &format!(" on channel {channel}");
+    }
+    let value = |v: u64| {
+        if unset(v) {
+            "nothing".to_string()
+        } else {
+            v.to_string()
+        }
+    };
+    if !(unset(expected) && unset(seen)) {
+        t += &format!(": expected {}, saw {}", value(expected), value(seen));
+    }
+    t += &format!(" after {waited_ms} ms");
+    if block != u32::MAX {
+        t += &format!(" (block {block}, thread {thread})");
+    }
+    t
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn timeouts_print_no_sentinels() {
+        let t = |peer, channel, expected, seen, block| {
+            Error::Timeout {
+                rank: 1,
+                peer,
+                what: WaitKind::Semaphore,
+                channel,
+                expected,
+                seen,
+                waited_ms: 30_000,
+                block,
+                thread: 7,
+            }
+            .to_string()
+        };
+        assert_eq!(
+            t(0, 3, 12, 11, 2),
+            "timeout on rank 1 waiting for semaphore token from peer 0 on channel 3: expected 12, \
+             saw 11 after 30000 ms (block 2, thread 7)"
+        );
+        let bare = t(
+            -1,
+            u32::MAX,
+            u64::from(u32::MAX),
+            u64::from(u32::MAX),
+            u32::MAX,
+        );
+        assert_eq!(
+            bare,
+            "timeout on rank 1 waiting for semaphore token after 30000 ms"
+        );
+        assert!(t(0, 3, 5, u64::MAX, 0).contains("expected 5, saw nothing"));
     }
 }

@@ -25,7 +25,6 @@ use pyo3::prelude::*;
 use pyo3::types::PyDict;
 use std::borrow::Cow;
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
 
 create_exception!(
     _doorbell,
@@ -128,11 +127,8 @@ impl Comm {
         device: usize,
         timeout_s: f64,
     ) -> PyResult<Comm> {
-        if !(timeout_s.is_finite() && timeout_s > 0.0) {
-            return Err(PyValueError::new_err(format!(
-                "timeout_s {timeout_s}: a positive number of seconds"
-            )));
-        }
+        let timeout = doorbell::job::config::timeout_from_secs("timeout_s", timeout_s)
+            .map_err(|e| PyValueError::new_err(e.to_string()))?;
         let comm = py
             .allow_threads(|| {
                 doorbell::gpu::cuda::device_count()?;
@@ -145,7 +141,7 @@ impl Comm {
                     master_addr: addr,
                     master_port: port,
                     secret,
-                    timeout: Duration::from_secs_f64(timeout_s),
+                    timeout,
                     heartbeat: settings.heartbeat_timeout,
                 })?;
                 Communicator::new(bootstrap, device)

@@ -7,7 +7,7 @@
 //! | variable | meaning | default |
 //! |---|---|---|
 //! | `DOORBELL_LOG` | log filter, `tracing` `EnvFilter` syntax (`info`, `doorbell=debug`) | `warn` |
-//! | `DOORBELL_BOOTSTRAP_TIMEOUT_S` | deadline of every bootstrap wait, seconds | `60` |
+//! | `DOORBELL_BOOTSTRAP_TIMEOUT_S` | deadline of every bootstrap wait, seconds (at most a year, [`MAX_TIMEOUT`], as every timeout here) | `60` |
 //! | `DOORBELL_JOB_SECRET` | per-job secret every rank must share; connections that cannot prove it are dropped | derived from the launcher's job id, see [`LaunchEnv::secret`] |
 //! | `DOORBELL_WAIT_TIMEOUT_MS` | budget of every device-side spin loop, milliseconds | `30000` |
 //! | `DOORBELL_HEARTBEAT_TIMEOUT_MS` | a peer that sends nothing on its bootstrap link for this long (heartbeats go out at a tenth of it) is declared failed and every communicator of the job aborts; `0` turns heartbeats off (a peer that dies is still noticed at once, by its closed connection) | `5000` |
@@ -41,6 +41,45 @@ pub const DEFAULT_BOOTSTRAP_TIMEOUT: Duration = Duration::from_secs(60);
 pub const DEFAULT_HEARTBEAT_TIMEOUT: Duration = Duration::from_millis(5_000);
 /// Default budget for device-side spin loops.
 pub const DEFAULT_WAIT_TIMEOUT: Duration = Duration::from_millis(30_000);
+/// The longest timeout any setting or argument may ask for: a year. Deadlines are `now +
+/// timeout`, which a larger one could overflow (a panic, not an error).
+pub const MAX_TIMEOUT: Duration = Duration::from_secs(365 * 24 * 3600);
+
+/// `seconds` as a timeout: finite, positive and at most [`MAX_TIMEOUT`]; `what` names the
+/// setting or argument in the error.
+pub fn timeout_from_secs(what: &str, seconds: f64) -> Result<Duration> {
+    if !(seconds.is_finite() && seconds > 0.0 && seconds <= MAX_TIMEOUT.as_secs_f64()) {
+        return Err(Error::invalid(
+            what,
+            format!(
+                "{seconds} is not a number of seconds in (0, {}]",
+                MAX_TIMEOUT.as_secs()
+            ),
+        ));
+    }
+    Ok(Duration::from_secs_f64(seconds))
+}
+
+/// A timeout of `ms` milliseconds, at most [`MAX_TIMEOUT`]; zero only where `zero_means_off`
+/// (elsewhere it would fail every wait at once).
+fn timeout_from_millis(what: &str, ms: u64, zero_means_off: bool) -> Result<Duration> {
+    if ms == 0 && !zero_means_off {
+        return Err(Error::invalid(
+            what,
+            "0 would make every wait fail at once; use a positive budget",
+        ));
+    }
+    if ms > MAX_TIMEOUT.as_millis() as u64 {
+        return Err(Error::invalid(
+            what,
+            format!(
+                "{ms} ms is longer than a year ({} ms)",
+                MAX_TIMEOUT.as_millis()
+            ),
+        ));
+    }
+    Ok(Duration::from_millis(ms))
+}
 
 /// A source of settings: the process environment, or a map in tests.
 pub trait Lookup {
@@ -165,26 +204,16 @@ impl Settings {
     pub fn from_lookup(env: &dyn Lookup) -> Result<Self> {
         let bootstrap_timeout = match parse::<f64>(env, "DOORBELL_BOOTSTRAP_TIMEOUT_S")? {
             None => DEFAULT_BOOTSTRAP_TIMEOUT,
-            Some(s) if s.is_finite() && s > 0.0 => Duration::from_secs_f64(s),
-            Some(s) => {
-                return Err(Error::invalid(
-                    "DOORBELL_BOOTSTRAP_TIMEOUT_S",
-                    format!("{s} is not a positive number of seconds"),
-                ))
-            }
+            Some(s) => timeout_from_secs("DOORBELL_BOOTSTRAP_TIMEOUT_S", s)?,
         };
         let wait_timeout = match parse::<u64>(env, "DOORBELL_WAIT_TIMEOUT_MS")? {
             None => DEFAULT_WAIT_TIMEOUT,
-            Some(0) => {
-                return Err(Error::invalid(
-                    "DOORBELL_WAIT_TIMEOUT_MS",
-                    "0 would make every device wait fail at once; use a positive budget",
-                ))
-            }
-            Some(ms) => Duration::from_millis(ms),
+            Some(ms) => timeout_from_millis("DOORBELL_WAIT_TIMEOUT_MS", ms, false)?,
         };
-        let heartbeat_timeout = parse::<u64>(env, "DOORBELL_HEARTBEAT_TIMEOUT_MS")?
-            .map_or(DEFAULT_HEARTBEAT_TIMEOUT, Duration::from_millis);
+        let heartbeat_timeout = match parse::<u64>(env, "DOORBELL_HEARTBEAT_TIMEOUT_MS")? {
+            None => DEFAULT_HEARTBEAT_TIMEOUT,
+            Some(ms) => timeout_from_millis("DOORBELL_HEARTBEAT_TIMEOUT_MS", ms, true)?,
+        };
         let check_args = flag(env, "DOORBELL_CHECK")?;
         let proxy_cpu = match env.get("DOORBELL_PROXY_CPU").as_deref().map(str::trim) {
             Some("auto") => ProxyCpu::Auto,
@@ -528,6 +557,11 @@ mod tests {
             ("DOORBELL_BOOTSTRAP_TIMEOUT_S", "soon"),
             ("DOORBELL_WAIT_TIMEOUT_MS", "0"),
             ("DOORBELL_WAIT_TIMEOUT_MS", "1.5"),
+            // Past a year: refused, not a panic when a deadline overflows.
+            ("DOORBELL_BOOTSTRAP_TIMEOUT_S", "1e300"),
+            ("DOORBELL_BOOTSTRAP_TIMEOUT_S", "inf"),
+            ("DOORBELL_WAIT_TIMEOUT_MS", "18446744073709551615"),
+            ("DOORBELL_HEARTBEAT_TIMEOUT_MS", "18446744073709551615"),
             ("DOORBELL_CHECK", "maybe"),
             ("DOORBELL_PROXY_CPU", "near"),
             ("DOORBELL_SEPARATE_NODES", "yes please"),
@@ -539,6 +573,31 @@ mod tests {
             let e = Settings::from_lookup(&env(&[(k, v)])).unwrap_err();
             assert!(e.to_string().contains(k), "{e}");
         }
+    }
+
+    #[test]
+    fn timeouts_are_bounded_and_positive() {
+        assert_eq!(
+            timeout_from_secs("t", 2.5).unwrap(),
+            Duration::from_millis(2500)
+        );
+        assert_eq!(
+            timeout_from_secs("t", MAX_TIMEOUT.as_secs_f64()).unwrap(),
+            MAX_TIMEOUT
+        );
+        for bad in [
+            0.0,
+            -1.0,
+            f64::NAN,
+            f64::INFINITY,
+            1e300,
+            MAX_TIMEOUT.as_secs_f64() * 1.01,
+        ] {
+            let e = timeout_from_secs("timeout_s", bad).unwrap_err().to_string();
+            assert!(e.contains("timeout_s"), "{e}");
+        }
+        let off = Settings::from_lookup(&env(&[("DOORBELL_HEARTBEAT_TIMEOUT_MS", "0")])).unwrap();
+        assert!(off.heartbeat_timeout.is_zero());
     }
 
     #[test]

@@ -55,7 +55,7 @@ mod rendezvous;
 mod wire;
 
 use crate::error::{Error, Result};
-use crate::job::config::{LaunchEnv, Settings};
+use crate::job::config::{LaunchEnv, Settings, MAX_TIMEOUT};
 pub use queues::PeerFailure;
 use queues::{read_link, Abort, Chan, Failure, Shared};
 use rendezvous::{rendezvous_member, rendezvous_root, rendezvous_root_on};
@@ -174,6 +174,14 @@ impl BootstrapConfig {
                 "timeout",
                 "a zero bootstrap timeout fails every wait; set DOORBELL_BOOTSTRAP_TIMEOUT_S",
             ));
+        }
+        for (what, d) in [("timeout", self.timeout), ("heartbeat", self.heartbeat)] {
+            if d > MAX_TIMEOUT {
+                return Err(Error::invalid(
+                    what,
+                    format!("{d:?} is longer than a year (config::MAX_TIMEOUT)"),
+                ));
+            }
         }
         Ok(())
     }
@@ -757,5 +765,29 @@ mod tests {
             !shown.contains("s3cret") && shown.contains("6 bytes"),
             "{shown}"
         );
+    }
+
+    #[test]
+    fn timeouts_past_a_year_are_refused_not_panics() {
+        let cfg = |timeout: Duration, heartbeat: Duration| BootstrapConfig {
+            rank: 0,
+            world_size: 1,
+            local_rank: 0,
+            local_world_size: 1,
+            master_addr: "127.0.0.1".into(),
+            master_port: 1,
+            secret: b"s".to_vec(),
+            timeout,
+            heartbeat,
+        };
+        let year = MAX_TIMEOUT;
+        assert!(cfg(year, year).validate().is_ok());
+        for (c, what) in [
+            (cfg(Duration::MAX, Duration::ZERO), "timeout"),
+            (cfg(Duration::from_secs(1), Duration::MAX), "heartbeat"),
+        ] {
+            let e = Bootstrap::connect(c).expect_err("refused").to_string();
+            assert!(e.contains(what) && e.contains("longer than a year"), "{e}");
+        }
     }
 }
