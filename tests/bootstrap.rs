@@ -479,3 +479,44 @@ fn assert_closed(c: &mut TcpStream) {
         );
     }
 }
+
+/// This host's address on its route towards a documentation address (no packet is sent), when
+/// it has one other than loopback.
+fn non_loopback_ip() -> Option<std::net::IpAddr> {
+    let sock = std::net::UdpSocket::bind("0.0.0.0:0").ok()?;
+    sock.connect("192.0.2.1:9").ok()?;
+    let ip = sock.local_addr().ok()?.ip();
+    (!ip.is_loopback() && !ip.is_unspecified()).then_some(ip)
+}
+
+/// With MASTER_ADDR=127.0.0.1 the bootstrap's listeners are on 127.0.0.1 only: while rank 0
+/// waits for rank 1, its port answers on loopback and refuses on this host's other address.
+#[test]
+fn a_listener_for_loopback_is_not_reachable_from_other_interfaces() {
+    let port = free_port().unwrap();
+    let cfg = config(0, 2, port, Duration::from_secs(3));
+    std::thread::scope(|s| {
+        let root = s.spawn(move || Bootstrap::connect(cfg));
+        let started = Instant::now();
+        let mut on_loopback = false;
+        while started.elapsed() < Duration::from_secs(2) && !on_loopback {
+            on_loopback = TcpStream::connect(("127.0.0.1", port)).is_ok();
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        assert!(on_loopback, "rank 0 never listened on 127.0.0.1:{port}");
+        match non_loopback_ip() {
+            Some(ip) => {
+                let e = TcpStream::connect_timeout(&(ip, port).into(), Duration::from_secs(1))
+                    .expect_err("rank 0's listener answered on a non-loopback address");
+                assert_eq!(e.kind(), std::io::ErrorKind::ConnectionRefused, "{ip}: {e}");
+            }
+            None => eprintln!("no non-loopback address here: only the loopback half checked"),
+        }
+        // Rank 1 never comes: rank 0 gives up at its deadline, naming it.
+        let e = root
+            .join()
+            .unwrap()
+            .expect_err("a world of 2 with one rank");
+        assert_eq!(blamed(&e), Some(1), "{e}");
+    });
+}

@@ -15,6 +15,7 @@
 //! | `DOORBELL_CHECK` | `1`: collectives verify that every rank called with the same arguments and fail naming the odd rank instead of hanging (one bootstrap exchange per call) | `0` |
 //! | `DOORBELL_ALLREDUCE_ALGO` | force an allreduce algorithm: `oneshot-ll8`, `oneshot-ll16`, `twoshot-ll8`, `twoshot-ll16`, `twoshot-sentinel`, `pipelined` | chosen by size and rank count |
 //! | `DOORBELL_PROXY_CPU` | where proxy threads run: `auto` pins each to a core of its GPU's NUMA node (from `/sys/bus/pci/devices/*/local_cpulist`, spread by GPU and proxy), `off` leaves them to the scheduler, a number pins every proxy of the process to that CPU. Pinning did not shorten the FIFO round trip on 4 x H200 (4.71 us pinned, 4.18 us not), hence the default | `off` |
+//! | `DOORBELL_BOOTSTRAP_LISTEN_ALL` | `1`: bootstrap listeners bind every interface (`0.0.0.0` or `[::]`), for a rank 0 reached through an address that is not its own (NAT, a proxy); otherwise rank 0 listens on `MASTER_ADDR`'s address when it is one of this host's, and every other rank on the address of its route to rank 0 | `0` |
 //! | `DOORBELL_SEPARATE_NODES` | `1`: ranks on one host count as different nodes, so PortChannels take the network transport (Ethernet) instead of CUDA IPC; for testing that path on one machine | `0` |
 //! | `DOORBELL_NODE_SIZE` | with `DOORBELL_SEPARATE_NODES=1`: ranks form emulated nodes of this many consecutive ranks (ranks `0..k` one node, `k..2k` the next), PortChannels inside a node taking CUDA IPC and between nodes the network; for testing collectives that span nodes of several GPUs on one machine | `1` |
 //! | `DOORBELL_IB_DISABLE` | `1`: PortChannels to ranks on other hosts never take an RDMA NIC (Ethernet instead); by default they take the NIC nearest the GPU when every rank has one (`doorbell-info` shows which) | `0` |
@@ -135,6 +136,8 @@ pub struct Settings {
     pub allreduce_algo: Option<String>,
     /// `DOORBELL_PROXY_CPU`.
     pub proxy_cpu: ProxyCpu,
+    /// `DOORBELL_BOOTSTRAP_LISTEN_ALL`.
+    pub bootstrap_listen_all: bool,
     /// `DOORBELL_SEPARATE_NODES`.
     pub separate_nodes: bool,
     /// `DOORBELL_NODE_SIZE` (at least 1).
@@ -237,6 +240,7 @@ impl Settings {
                 .get("DOORBELL_ALLREDUCE_ALGO")
                 .filter(|s| !s.trim().is_empty()),
             proxy_cpu,
+            bootstrap_listen_all: flag(env, "DOORBELL_BOOTSTRAP_LISTEN_ALL")?,
             separate_nodes: flag(env, "DOORBELL_SEPARATE_NODES")?,
             node_size: match parse::<usize>(env, "DOORBELL_NODE_SIZE")? {
                 None => 1,

@@ -58,7 +58,7 @@ use crate::error::{Error, Result};
 use crate::job::config::{LaunchEnv, Settings, MAX_TIMEOUT};
 pub use queues::PeerFailure;
 use queues::{read_link, Abort, Chan, Failure, Shared};
-use rendezvous::{rendezvous_member, rendezvous_root, rendezvous_root_on};
+use rendezvous::{listen_all, rendezvous_member, rendezvous_root, rendezvous_root_on};
 use std::fmt;
 use std::net::{Shutdown, TcpStream};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -410,7 +410,16 @@ impl Bootstrap {
             return Bootstrap::connect(cfg);
         }
         if self.rank == root {
-            let listener = std::net::TcpListener::bind(("0.0.0.0", 0))
+            // On the address the survivors reach this rank at (the local end of its link to
+            // the first of them), not every interface, unless DOORBELL_BOOTSTRAP_LISTEN_ALL=1.
+            let ip = match survivors[1..].iter().find_map(|&p| {
+                let link = self.links.get(p)?.as_ref()?;
+                lock(&link.writer).local_addr().ok()
+            }) {
+                Some(a) if !listen_all()? => a.ip(),
+                _ => std::net::IpAddr::V4(std::net::Ipv4Addr::UNSPECIFIED),
+            };
+            let listener = std::net::TcpListener::bind((ip, 0))
                 .map_err(|e| Error::io("opening the shrunk job's rendezvous listener", e))?;
             let port = listener
                 .local_addr()

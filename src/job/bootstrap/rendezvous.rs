@@ -12,9 +12,12 @@ use super::wire::{
 };
 use super::{fmt_ranks, BootstrapConfig, FAREWELL_WRITE_TIMEOUT};
 use crate::error::{Error, Result};
+use crate::job::config::Settings;
 use crate::job::net::fmt_duration;
 use std::io;
-use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
+use std::net::{
+    IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, TcpListener, TcpStream, ToSocketAddrs, UdpSocket,
+};
 use std::time::{Duration, Instant};
 
 /// Extra time a rank waits for rank 0's verdict beyond rank 0's own deadline.
@@ -47,20 +50,82 @@ fn master_shown(cfg: &BootstrapConfig) -> String {
     format!("{}:{}", cfg.master_addr, cfg.master_port)
 }
 
-/// Rank 0: waits for every rank, then sends each the address table (or an abort).
-pub(super) fn rendezvous_root(cfg: &BootstrapConfig) -> Result<Vec<Option<TcpStream>>> {
-    let v6 = wants_ipv6(&cfg.master_addr, cfg.master_port);
-    let bind_addr = SocketAddr::new(unspecified(v6), cfg.master_port);
-    // std sets SO_REUSEADDR on Unix listeners, so a previous job's TIME_WAIT does not block us.
-    let listener = TcpListener::bind(bind_addr).map_err(|e| Error::Bootstrap {
+/// Whether bootstrap listeners bind every interface (`DOORBELL_BOOTSTRAP_LISTEN_ALL`) instead of
+/// the one address the job reaches this rank at.
+pub(super) fn listen_all() -> Result<bool> {
+    Ok(Settings::from_env()?.bootstrap_listen_all)
+}
+
+/// `MASTER_ADDR`'s addresses of the family the job uses (empty when it does not resolve).
+fn master_ips(cfg: &BootstrapConfig, v6: bool) -> Vec<IpAddr> {
+    let bare = cfg
+        .master_addr
+        .trim_start_matches('[')
+        .trim_end_matches(']');
+    (bare, cfg.master_port)
+        .to_socket_addrs()
+        .map(|a| a.map(|a| a.ip()).filter(|ip| ip.is_ipv6() == v6).collect())
+        .unwrap_or_default()
+}
+
+/// This host's address on its route to `ip` (the kernel answers for an unconnected UDP socket;
+/// no packet is sent).
+fn route_source(ip: IpAddr) -> Option<IpAddr> {
+    let sock = UdpSocket::bind(SocketAddr::new(unspecified(ip.is_ipv6()), 0)).ok()?;
+    sock.connect(SocketAddr::new(ip, 9)).ok()?;
+    Some(sock.local_addr().ok()?.ip())
+}
+
+/// Where a rank other than 0 listens: its address on the route to rank 0, which is also the
+/// address its connection to rank 0 comes from and so the one rank 0 tells the others; every
+/// interface only with `DOORBELL_BOOTSTRAP_LISTEN_ALL=1` or when no route is known.
+fn member_listen_ip(cfg: &BootstrapConfig, v6: bool) -> Result<IpAddr> {
+    if listen_all()? {
+        return Ok(unspecified(v6));
+    }
+    Ok(master_ips(cfg, v6)
+        .into_iter()
+        .find_map(route_source)
+        .unwrap_or(unspecified(v6)))
+}
+
+/// Rank 0's listener: on `MASTER_ADDR`'s own address (with MASTER_ADDR=127.0.0.1 nothing off
+/// this host can connect), else, when that address is not one of this host's (NAT, a proxy), on
+/// every interface with a warning; on every interface with `DOORBELL_BOOTSTRAP_LISTEN_ALL=1`.
+fn root_listener(cfg: &BootstrapConfig, v6: bool) -> Result<TcpListener> {
+    let cannot = |addr: SocketAddr, e: io::Error| Error::Bootstrap {
         me: 0,
         rank: None,
         why: format!(
-            "cannot listen on {bind_addr} ({}): {e}; set MASTER_PORT to a free port",
+            "cannot listen on {addr} ({}): {e}; set MASTER_PORT to a free port",
             master_shown(cfg)
         ),
-    })?;
-    rendezvous_root_on(cfg, listener)
+    };
+    let every = SocketAddr::new(unspecified(v6), cfg.master_port);
+    if !listen_all()? {
+        for ip in master_ips(cfg, v6) {
+            let addr = SocketAddr::new(ip, cfg.master_port);
+            // std sets SO_REUSEADDR on Unix listeners, so a previous job's TIME_WAIT does not
+            // block us.
+            match TcpListener::bind(addr) {
+                Ok(l) => return Ok(l),
+                Err(e) if e.kind() == io::ErrorKind::AddrNotAvailable => continue,
+                Err(e) => return Err(cannot(addr, e)),
+            }
+        }
+        tracing::warn!(
+            master = %master_shown(cfg),
+            "MASTER_ADDR is not an address of this host: rank 0 listens on every interface \
+             (set DOORBELL_BOOTSTRAP_LISTEN_ALL=1 to say so and silence this)"
+        );
+    }
+    TcpListener::bind(every).map_err(|e| cannot(every, e))
+}
+
+/// Rank 0: waits for every rank, then sends each the address table (or an abort).
+pub(super) fn rendezvous_root(cfg: &BootstrapConfig) -> Result<Vec<Option<TcpStream>>> {
+    let v6 = wants_ipv6(&cfg.master_addr, cfg.master_port);
+    rendezvous_root_on(cfg, root_listener(cfg, v6)?)
 }
 
 /// Rank 0's rendezvous on a listener already bound (a shrunk job's new root binds an ephemeral
@@ -164,7 +229,7 @@ pub(super) fn rendezvous_member(cfg: &BootstrapConfig) -> Result<Vec<Option<TcpS
     let (me, n) = (cfg.rank, cfg.world_size);
     let deadline = Instant::now() + cfg.timeout;
     let v6 = wants_ipv6(&cfg.master_addr, cfg.master_port);
-    let listener = TcpListener::bind(SocketAddr::new(unspecified(v6), 0))
+    let listener = TcpListener::bind(SocketAddr::new(member_listen_ip(cfg, v6)?, 0))
         .map_err(|e| Error::io("opening this rank's bootstrap listener", e))?;
     let listen_port = listener
         .local_addr()
