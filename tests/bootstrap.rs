@@ -446,11 +446,12 @@ fn processes_strangers_do_not_disturb_the_job() {
 
         let mut hello = [0u8; 40];
         wrong.read_exact(&mut hello).unwrap();
-        assert_eq!(&hello[..8], b"DBBOOT01");
+        assert_eq!(&hello[..8], b"DBBOOT02");
         let mut answer = vec![0x5au8; 32];
         answer.extend_from_slice(&1u64.to_le_bytes());
         answer.extend_from_slice(&3u64.to_le_bytes());
         answer.extend_from_slice(&1u16.to_le_bytes());
+        answer.extend_from_slice(&[0x33u8; 32]); // the stranger's own nonce
         wrong.write_all(&answer).unwrap();
         let mut verdict = Vec::new();
         wrong.read_to_end(&mut verdict).unwrap();

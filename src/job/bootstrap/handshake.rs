@@ -1,6 +1,9 @@
 //! Authenticated connection setup, both halves: a listener that accepts in the background and
 //! challenges each connection in a thread of its own, and a connector that dials, proves the job
-//! secret and learns the listener's verdict, retrying until its deadline.
+//! secret and learns the listener's verdict, retrying until its deadline. Both sides prove the
+//! secret: the connector answers the listener's nonce, and the listener's accept answers the
+//! connector's, so a stranger on the port (one that took MASTER_PORT first) cannot pass for rank
+//! 0 and hand out an address table.
 //!
 //! This module owns the accept thread, the per-connection handshake threads and the rules a
 //! listener judges answers by (secret, world size, which ranks may connect, one connection per
@@ -13,7 +16,7 @@ use super::wire::{
 };
 use super::{lock, BootstrapConfig};
 use crate::error::{Error, Result};
-use crate::job::auth::{auth_digest, ct_eq, random_bytes, NONCE_LEN};
+use crate::job::auth::{auth_digest, ct_eq, random_bytes, DIGEST_LEN, NONCE_LEN};
 use crate::job::net::{fmt_duration, wait_readable};
 use std::io::{self, Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
@@ -24,13 +27,26 @@ use std::sync::{mpsc, Arc, Mutex};
 use std::thread::{self, JoinHandle};
 use std::time::{Duration, Instant};
 
-const HELLO_MAGIC: &[u8; 8] = b"DBBOOT01";
-const AUTH_LABEL: &[u8] = b"doorbell-bootstrap-v1";
+const HELLO_MAGIC: &[u8; 8] = b"DBBOOT02";
+/// The connector's proof: SHA-256(secret | listener's nonce | this).
+const AUTH_LABEL: &[u8] = b"doorbell-bootstrap-v2";
+/// The listener's proof, in its accept: SHA-256(secret | connector's nonce | listener's nonce |
+/// this). Both nonces, so it is worth nothing for another connection; its own label, so a
+/// connector's proof cannot be reflected back as one.
+const LISTENER_LABEL: &[u8] = b"doorbell-bootstrap-v2-listener";
 const HELLO_LEN: usize = HELLO_MAGIC.len() + NONCE_LEN;
 /// Cap on a listener's wait for one connector's answer: strangers cost at most this.
 const HANDSHAKE_TIMEOUT_CAP: Duration = Duration::from_secs(5);
 /// How often an accept loop looks at its stop flag.
 const ACCEPT_POLL: Duration = Duration::from_millis(20);
+
+/// The listener's proof for an accept (see [`LISTENER_LABEL`]).
+fn listener_proof(secret: &[u8], theirs: &[u8; NONCE_LEN], mine: &[u8]) -> [u8; DIGEST_LEN] {
+    let mut nonces = [0u8; 2 * NONCE_LEN];
+    nonces[..NONCE_LEN].copy_from_slice(theirs);
+    nonces[NONCE_LEN..].copy_from_slice(mine);
+    auth_digest(secret, &nonces, LISTENER_LABEL)
+}
 
 /// What a connector says about itself in the handshake.
 pub(super) struct Ident<'a> {
@@ -275,8 +291,9 @@ fn serve_handshake(
                 Err(why)
             }
             Ok(rank) => {
+                let proof = listener_proof(&ctx.secret, &answer.nonce, &nonce);
                 stream
-                    .write_all(&encode_verdict(&Verdict::Accept { remaining }))
+                    .write_all(&encode_verdict(&Verdict::Accept { remaining, proof }))
                     .map_err(|e| format!("sending the accept to rank {rank}: {e}"))?;
                 state.claimed[rank] = true;
                 let listen_addr = SocketAddr::new(from.ip().to_canonical(), answer.listen_port);
@@ -385,17 +402,32 @@ fn dial_once(
             ),
         }));
     }
+    let theirs = &hello[HELLO_MAGIC.len()..];
+    let nonce: [u8; NONCE_LEN] = random_bytes().map_err(DialFail::Final)?;
     let answer = Answer {
-        digest: auth_digest(ident.secret, &hello[HELLO_MAGIC.len()..], AUTH_LABEL),
+        digest: auth_digest(ident.secret, theirs, AUTH_LABEL),
         rank: ident.me as u64,
         world_size: ident.world_size as u64,
         listen_port: ident.listen_port,
+        nonce,
     };
     stream
         .write_all(&encode_answer(&answer))
         .map_err(|e| retry("answering", e))?;
     match read_verdict(&mut stream) {
-        Ok(Verdict::Accept { remaining }) => Ok((stream, remaining)),
+        Ok(Verdict::Accept { remaining, proof })
+            if ct_eq(&proof, &listener_proof(ident.secret, &nonce, theirs)) =>
+        {
+            Ok((stream, remaining))
+        }
+        Ok(Verdict::Accept { .. }) => Err(DialFail::Final(Error::Bootstrap {
+            me: ident.me,
+            rank: Some(peer),
+            why: format!(
+                "{shown} accepted this rank without proving the job secret: it is not rank \
+                 {peer} of this job (another program on the port, or a job with another secret)"
+            ),
+        })),
         Ok(Verdict::Reject { blamed, why }) => Err(DialFail::Final(Error::Bootstrap {
             me: ident.me,
             rank: blamed,
@@ -433,6 +465,7 @@ mod tests {
             rank,
             world_size,
             listen_port: 5,
+            nonce: [3u8; NONCE_LEN],
         };
         let round = |a: &Answer| decode_answer(&encode_answer(a));
         assert_eq!(ctx.judge(&round(&good(2, 4)), &nonce), Ok(2));
@@ -453,5 +486,61 @@ mod tests {
         let mesh = self::ctx(2, 4, 3..4);
         assert!(mesh.judge(&good(1, 4), &nonce).is_err());
         assert_eq!(mesh.judge(&good(3, 4), &nonce), Ok(3));
+    }
+
+    /// A listener that speaks the protocol and accepts, with `proof` computing its proof from
+    /// the connector's nonce and its own; returns the error the connector got, if any.
+    fn dial_impostor(
+        proof: impl Fn(&[u8; NONCE_LEN], &[u8]) -> [u8; DIGEST_LEN] + Sync,
+    ) -> Option<String> {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        thread::scope(|s| {
+            s.spawn(|| {
+                let (mut stream, _) = listener.accept().unwrap();
+                let mine = [5u8; NONCE_LEN];
+                let mut hello = HELLO_MAGIC.to_vec();
+                hello.extend_from_slice(&mine);
+                stream.write_all(&hello).unwrap();
+                let mut buf = [0u8; ANSWER_LEN];
+                stream.read_exact(&mut buf).unwrap();
+                let answer = decode_answer(&buf);
+                let verdict = Verdict::Accept {
+                    remaining: Duration::from_secs(1),
+                    proof: proof(&answer.nonce, &mine),
+                };
+                let _ = stream.write_all(&encode_verdict(&verdict));
+            });
+            let ident = Ident {
+                me: 1,
+                world_size: 2,
+                secret: b"s3cret",
+                listen_port: 7,
+            };
+            let resolve = move || -> io::Result<Vec<SocketAddr>> { Ok(vec![addr]) };
+            let deadline = Instant::now() + Duration::from_secs(2);
+            dial(&ident, 0, "rank 0", &resolve, deadline)
+                .err()
+                .map(|e| e.to_string())
+        })
+    }
+
+    #[test]
+    fn a_listener_must_prove_the_secret_too() {
+        // The real thing: the secret, this connection's two nonces.
+        assert_eq!(
+            dial_impostor(|theirs, mine| listener_proof(b"s3cret", theirs, mine)),
+            None
+        );
+        // A stranger on the port, without the secret.
+        let e = dial_impostor(|theirs, mine| listener_proof(b"guess", theirs, mine)).unwrap();
+        assert!(e.contains("without proving the job secret"), "{e}");
+        // A proof made for another connection (another connector nonce), replayed.
+        let e =
+            dial_impostor(|_, mine| listener_proof(b"s3cret", &[1u8; NONCE_LEN], mine)).unwrap();
+        assert!(e.contains("without proving the job secret"), "{e}");
+        // The connector's own proof reflected back.
+        let e = dial_impostor(|_, mine| auth_digest(b"s3cret", mine, AUTH_LABEL)).unwrap();
+        assert!(e.contains("without proving the job secret"), "{e}");
     }
 }

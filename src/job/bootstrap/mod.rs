@@ -10,16 +10,20 @@
 //! Every TCP connection starts with the same handshake, the listener speaking first:
 //!
 //! ```text
-//! listener  -> connector  hello:   "DBBOOT01" | nonce[32]                       (40 bytes)
-//! connector -> listener   answer:  SHA-256(secret | nonce | "doorbell-bootstrap-v1")[32]
-//!                                  | rank u64 | world_size u64 | listen_port u16  (50 bytes)
+//! listener  -> connector  hello:   "DBBOOT02" | nonce[32]                       (40 bytes)
+//! connector -> listener   answer:  SHA-256(secret | nonce | "doorbell-bootstrap-v2")[32]
+//!                                  | rank u64 | world_size u64 | listen_port u16
+//!                                  | cnonce[32]                                   (82 bytes)
 //! listener  -> connector  verdict: accept u8 | blamed_rank u64 | listener_remaining_ms u64
-//!                                  | reason_len u32 | reason (UTF-8)
+//!                                  | len u32 | payload[len]
 //! ```
 //!
-//! All integers are little endian; `blamed_rank` is `u64::MAX` for none. A listener handles each
-//! handshake in its own thread with a short read timeout, so a silent or garbled connection only
-//! costs that thread, never the job.
+//! All integers are little endian; `blamed_rank` is `u64::MAX` for none. A reject's payload is
+//! its reason (UTF-8); an accept's is the listener's proof, SHA-256(secret | cnonce | nonce |
+//! "doorbell-bootstrap-v2-listener") (32 bytes), which the connector checks before it trusts
+//! anything the listener sends (rank 0's address table included): both sides prove the secret.
+//! A listener handles each handshake in its own thread with a short read timeout, so a silent or
+//! garbled connection only costs that thread, never the job.
 //!
 //! Rendezvous: rank 0 listens on `MASTER_ADDR:MASTER_PORT`; every other rank first opens its own
 //! listener on an ephemeral port, then connects to rank 0 and reports that port in its answer.

@@ -5,13 +5,13 @@
 //! documentation). It must never change a socket's settings, never trust a length a peer announced
 //! for an allocation, and never panic on malformed input: a decoder returns an error instead.
 
-use crate::job::auth::DIGEST_LEN;
+use crate::job::auth::{DIGEST_LEN, NONCE_LEN};
 use std::io::{self, Read, Write};
 use std::net::SocketAddr;
 use std::ops::Range;
 use std::time::Duration;
 
-pub(super) const ANSWER_LEN: usize = DIGEST_LEN + 8 + 8 + 2;
+pub(super) const ANSWER_LEN: usize = DIGEST_LEN + 8 + 8 + 2 + NONCE_LEN;
 const VERDICT_HEAD_LEN: usize = 1 + 8 + 8 + 4;
 const MAX_REASON_LEN: usize = 4096;
 const HEADER_LEN: usize = 24;
@@ -167,6 +167,8 @@ pub(super) struct Answer {
     pub(super) rank: u64,
     pub(super) world_size: u64,
     pub(super) listen_port: u16,
+    /// The connector's own challenge: the listener's accept must prove the secret against it.
+    pub(super) nonce: [u8; NONCE_LEN],
 }
 
 pub(super) fn encode_answer(a: &Answer) -> [u8; ANSWER_LEN] {
@@ -175,6 +177,7 @@ pub(super) fn encode_answer(a: &Answer) -> [u8; ANSWER_LEN] {
     b[32..40].copy_from_slice(&a.rank.to_le_bytes());
     b[40..48].copy_from_slice(&a.world_size.to_le_bytes());
     b[48..50].copy_from_slice(&a.listen_port.to_le_bytes());
+    b[50..].copy_from_slice(&a.nonce);
     b
 }
 
@@ -186,26 +189,37 @@ pub(super) fn decode_answer(b: &[u8; ANSWER_LEN]) -> Answer {
         w.copy_from_slice(&b[i..i + 8]);
         u64::from_le_bytes(w)
     };
+    let mut nonce = [0u8; NONCE_LEN];
+    nonce.copy_from_slice(&b[50..]);
     Answer {
         digest,
         rank: u64_at(32),
         world_size: u64_at(40),
         listen_port: u16::from_le_bytes([b[48], b[49]]),
+        nonce,
     }
 }
 
 #[derive(Debug, PartialEq, Eq)]
 pub(super) enum Verdict<S> {
-    Accept { remaining: Duration },
-    Reject { blamed: Option<usize>, why: S },
+    /// `proof`: the listener's answer to the connector's challenge (it holds the secret too).
+    Accept {
+        remaining: Duration,
+        proof: [u8; DIGEST_LEN],
+    },
+    Reject {
+        blamed: Option<usize>,
+        why: S,
+    },
 }
 
 pub(super) fn encode_verdict(v: &Verdict<&str>) -> Vec<u8> {
+    // An accept carries its proof where a reject carries its reason.
     let (accept, blamed, remaining, why) = match v {
-        Verdict::Accept { remaining } => (1u8, None, *remaining, ""),
-        Verdict::Reject { blamed, why } => (0u8, *blamed, Duration::ZERO, *why),
+        Verdict::Accept { remaining, proof } => (1u8, None, *remaining, &proof[..]),
+        Verdict::Reject { blamed, why } => (0u8, *blamed, Duration::ZERO, why.as_bytes()),
     };
-    let why = &why.as_bytes()[..why.len().min(MAX_REASON_LEN)];
+    let why = &why[..why.len().min(MAX_REASON_LEN)];
     let mut b = Vec::with_capacity(VERDICT_HEAD_LEN + why.len());
     b.push(accept);
     b.extend_from_slice(&blamed.map_or(NO_RANK, |r| r as u64).to_le_bytes());
@@ -236,6 +250,12 @@ pub(super) fn read_verdict(r: &mut impl Read) -> io::Result<Verdict<String>> {
     match h[0] {
         1 => Ok(Verdict::Accept {
             remaining: Duration::from_millis(u64_at(9)),
+            proof: why.as_slice().try_into().map_err(|_| {
+                io::Error::new(
+                    io::ErrorKind::InvalidData,
+                    format!("an accept with a proof of {len} bytes"),
+                )
+            })?,
         }),
         0 => Ok(Verdict::Reject {
             blamed: rank_of(u64_at(1)),
@@ -312,13 +332,20 @@ mod tests {
     fn verdicts_round_trip() {
         let accept = encode_verdict(&Verdict::Accept {
             remaining: Duration::from_millis(1234),
+            proof: [7; DIGEST_LEN],
         });
         assert_eq!(
             read_verdict(&mut &accept[..]).unwrap(),
             Verdict::Accept {
-                remaining: Duration::from_millis(1234)
+                remaining: Duration::from_millis(1234),
+                proof: [7; DIGEST_LEN],
             }
         );
+        // An accept without a whole proof is malformed.
+        let mut short = accept.clone();
+        short[17..21].copy_from_slice(&3u32.to_le_bytes());
+        short.truncate(VERDICT_HEAD_LEN + 3);
+        assert!(read_verdict(&mut &short[..]).is_err());
         let reject = encode_verdict(&Verdict::Reject {
             blamed: Some(5),
             why: "no",
