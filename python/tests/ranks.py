@@ -4,6 +4,7 @@ pytest needed, for GPU machines without it)."""
 
 import os
 import pathlib
+import secrets
 import subprocess
 import sys
 from typing import List, Tuple
@@ -26,6 +27,7 @@ def run_ranks(n: int, *args: str, timeout: float = 600) -> List[str]:
     """Runs gpu_worker.py with `args` as `n` ranks; returns the failures (empty: all passed)."""
     # Below the ephemeral range, so no outgoing connection takes it before rank 0 listens.
     port = _doorbell.free_port()
+    secret = secrets.token_hex(16)  # one per job, as a launcher should set it
     procs = []
     for r in range(n):
         env = dict(os.environ)
@@ -35,6 +37,7 @@ def run_ranks(n: int, *args: str, timeout: float = 600) -> List[str]:
             LOCAL_RANK=str(r),
             LOCAL_WORLD_SIZE=str(n),
             MASTER_ADDR="127.0.0.1",
+            DOORBELL_JOB_SECRET=secret,
             DOORBELL_MASTER_PORT=str(port),
             NCCL_NVLS_ENABLE="0",
             TORCH_SYMM_MEM_DISABLE_MULTICAST="1",

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import os
 import socket
+import warnings
 from typing import Any, List, Optional, Sequence, Tuple
 
 from . import _doorbell
@@ -333,5 +334,13 @@ def init(group: Any = None, device: Optional[int] = None, timeout: float = 300.0
         else:
             job = [os.environ.get(v, "") for v in ("TORCHELASTIC_RUN_ID", "SLURM_JOB_ID", "OMPI_MCA_ess_base_jobid")]
             secret = hashlib.sha256(repr((addr, port, world, job)).encode()).digest()
+            if world > 1:
+                warnings.warn(
+                    "DOORBELL_JOB_SECRET is not set: the job secret is derived from the launcher's job id, the "
+                    "address, port and world size, which anyone who can see this job's processes or guess its id "
+                    "can rebuild and then join or impersonate a rank; set DOORBELL_JOB_SECRET to the same random "
+                    "value on every rank, or call doorbell.init(group=...) with torch.distributed initialized",
+                    stacklevel=2,
+                )
     native = _doorbell.Comm.connect(rank, world, local_rank, local_world, addr, port, secret, device, timeout)
     return Communicator(native)

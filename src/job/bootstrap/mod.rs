@@ -133,8 +133,18 @@ impl BootstrapConfig {
         Ok(Self::from_launch(&env, &settings))
     }
 
-    /// Builds the configuration from already parsed launcher variables and settings.
+    /// Builds the configuration from already parsed launcher variables and settings. Warns when
+    /// the job secret is derived rather than given (see [`LaunchEnv::secret`]).
     pub fn from_launch(env: &LaunchEnv, settings: &Settings) -> Self {
+        if !env.secret_is_explicit && env.world_size > 1 {
+            tracing::warn!(
+                rank = env.rank,
+                "DOORBELL_JOB_SECRET is not set: the job secret is derived from the launcher's \
+                 job id, MASTER_ADDR, MASTER_PORT and the world size, which anyone who can see \
+                 this job's processes or guess its id can rebuild and then join or impersonate \
+                 a rank; set DOORBELL_JOB_SECRET to the same random value on every rank"
+            );
+        }
         BootstrapConfig {
             rank: env.rank,
             world_size: env.world_size,
