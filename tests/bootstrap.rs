@@ -521,3 +521,69 @@ fn a_listener_for_loopback_is_not_reachable_from_other_interfaces() {
         assert_eq!(blamed(&e), Some(1), "{e}");
     });
 }
+
+/// Handshake threads of rank 0's listener now (threads are named `doorbell-bs0-hs`).
+fn handshake_threads() -> usize {
+    std::fs::read_dir("/proc/self/task")
+        .map(|d| {
+            d.filter_map(|t| std::fs::read_to_string(t.ok()?.path().join("comm")).ok())
+                .filter(|c| c.trim() == "doorbell-bs0-hs")
+                .count()
+        })
+        .unwrap_or(0)
+}
+
+/// A flood of silent connections costs rank 0 at most 256 handshake threads (the listener's cap,
+/// `handshake::MAX_HANDSHAKES`): the rest are closed unanswered, and once the strangers go a
+/// rank still joins.
+#[test]
+fn a_flood_of_strangers_is_capped_and_the_job_still_forms() {
+    const CAP: usize = 256;
+    let port = free_port().unwrap();
+    let cfg = world(2, Duration::from_secs(20));
+    let (root_cfg, member_cfg) = {
+        let mut it = cfg.into_iter().map(|mut c| {
+            c.master_port = port;
+            c.secret = b"flood".to_vec();
+            c
+        });
+        (it.next().unwrap(), it.next().unwrap())
+    };
+    std::thread::scope(|s| {
+        let root = s.spawn(move || Bootstrap::connect(root_cfg));
+        let started = Instant::now();
+        let mut strangers = Vec::new();
+        while strangers.len() < CAP + 60 && started.elapsed() < Duration::from_secs(5) {
+            match TcpStream::connect(("127.0.0.1", port)) {
+                Ok(c) => strangers.push(c),
+                Err(_) => std::thread::sleep(Duration::from_millis(10)),
+            }
+        }
+        assert_eq!(
+            strangers.len(),
+            CAP + 60,
+            "could not open the strangers' connections"
+        );
+        // Each stranger either got a challenge or was closed unanswered.
+        let (mut challenged, mut closed) = (0, 0);
+        for c in &mut strangers {
+            c.set_read_timeout(Some(Duration::from_secs(2))).unwrap();
+            let mut hello = [0u8; 40];
+            match c.read_exact(&mut hello) {
+                Ok(()) => challenged += 1,
+                Err(_) => closed += 1,
+            }
+        }
+        assert!(challenged <= CAP, "{challenged} handshakes at once");
+        assert!(closed >= 60, "only {closed} connections turned away");
+        assert!(
+            handshake_threads() <= CAP,
+            "{} handshake threads",
+            handshake_threads()
+        );
+        drop(strangers);
+        let member = Bootstrap::connect(member_cfg);
+        assert!(member.is_ok(), "{:?}", member.err());
+        assert!(root.join().unwrap().is_ok());
+    });
+}

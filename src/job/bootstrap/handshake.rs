@@ -22,7 +22,7 @@ use std::io::{self, Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::ops::Range;
 use std::os::fd::AsFd;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{mpsc, Arc, Mutex};
 use std::thread::{self, JoinHandle};
 use std::time::{Duration, Instant};
@@ -39,6 +39,11 @@ const HELLO_LEN: usize = HELLO_MAGIC.len() + NONCE_LEN;
 const HANDSHAKE_TIMEOUT_CAP: Duration = Duration::from_secs(5);
 /// How often an accept loop looks at its stop flag.
 const ACCEPT_POLL: Duration = Duration::from_millis(20);
+/// Most handshakes one listener serves at once (a thread each); connections beyond it are closed
+/// unanswered, so a flood of strangers costs at most this many threads for
+/// `HANDSHAKE_TIMEOUT_CAP` each. A job's ranks arrive well below it (every rank connects once to
+/// rank 0 and to each lower rank), and one turned away retries until its deadline.
+pub(super) const MAX_HANDSHAKES: usize = 256;
 
 /// The listener's proof for an accept (see [`LISTENER_LABEL`]).
 fn listener_proof(secret: &[u8], theirs: &[u8; NONCE_LEN], mine: &[u8]) -> [u8; DIGEST_LEN] {
@@ -204,6 +209,14 @@ fn accept_loop(
     stop: Arc<AtomicBool>,
     tx: mpsc::Sender<Joined>,
 ) {
+    /// Counts a handshake thread out however it ends.
+    struct InFlight(Arc<AtomicUsize>);
+    impl Drop for InFlight {
+        fn drop(&mut self) {
+            self.0.fetch_sub(1, Ordering::Relaxed);
+        }
+    }
+    let in_flight = Arc::new(AtomicUsize::new(0));
     while !stop.load(Ordering::Relaxed) {
         match wait_readable(listener.as_fd(), ACCEPT_POLL) {
             Ok(true) => {}
@@ -217,10 +230,23 @@ fn accept_loop(
         loop {
             match listener.accept() {
                 Ok((stream, from)) => {
+                    if in_flight.load(Ordering::Relaxed) >= MAX_HANDSHAKES {
+                        tracing::warn!(
+                            rank = ctx.me,
+                            "bootstrap: closed a connection from {from} unanswered: \
+                             {MAX_HANDSHAKES} handshakes already in progress"
+                        );
+                        continue;
+                    }
+                    in_flight.fetch_add(1, Ordering::Relaxed);
+                    let slot = InFlight(Arc::clone(&in_flight));
                     let (ctx, tx) = (Arc::clone(&ctx), tx.clone());
                     let spawned = thread::Builder::new()
                         .name(format!("doorbell-bs{}-hs", ctx.me))
-                        .spawn(move || serve_handshake(stream, from, &ctx, &tx));
+                        .spawn(move || {
+                            let _slot = slot;
+                            serve_handshake(stream, from, &ctx, &tx)
+                        });
                     if let Err(e) = spawned {
                         tracing::warn!("bootstrap: dropped a connection from {from}: {e}");
                     }
