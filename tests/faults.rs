@@ -803,6 +803,41 @@ fn gpu_scenario(scenario: &str, comm: Arc<Communicator>) {
             }
             assert!(waited < Duration::from_millis(1500 + 2000), "{waited:?}");
         }
+        "mismatch_moe_shape" => {
+            // Rank 0 builds a high-throughput buffer of hidden 256, the others 512: every rank
+            // is told at construction, with both shapes.
+            use doorbell::collectives::moe::{MoeConfig, MoeDispatcher};
+            let cfg = MoeConfig {
+                hidden: if me == 0 { 256 } else { 512 },
+                topk: 4,
+                num_experts: 4 * n,
+                max_tokens: 32,
+                blocks: Some(8),
+                ..Default::default()
+            };
+            let t0 = Instant::now();
+            let e = MoeDispatcher::new(&comm, cfg).err().expect("shapes differ");
+            let waited = t0.elapsed();
+            eprintln!(
+                "fault-to-error: {scenario} {n} ranks rank {me}: {} ms ({e})",
+                waited.as_millis()
+            );
+            match &e {
+                Error::ArgumentMismatch {
+                    mine, peer, theirs, ..
+                } => {
+                    assert!(me == 0 || *peer == 0, "{e}");
+                    let (a, b) = if me == 0 {
+                        ("hidden 256", "hidden 512")
+                    } else {
+                        ("hidden 512", "hidden 256")
+                    };
+                    assert!(mine.contains(a) && theirs.contains(b), "{e}");
+                }
+                other => panic!("expected ArgumentMismatch, got {other}"),
+            }
+            assert!(waited < Duration::from_secs(2), "{waited:?}");
+        }
         "shrink" => {
             let ar = allreduce_of(&comm);
             let mut buf: CudaSlice<f32> = s.alloc_zeros(1 << 16).unwrap();
@@ -926,6 +961,7 @@ fn mismatched_calls_are_named_on_every_rank() {
         "mismatch_window_offsets",
         "mismatch_moe_ll",
         "mismatch_moe_ht",
+        "mismatch_moe_shape",
     ] {
         for n in rank_counts() {
             let exits = gpu_case(scenario, n, &[("DOORBELL_WAIT_TIMEOUT_MS", "1500".into())]);

@@ -84,7 +84,9 @@ impl MoeDispatcher {
     /// also registered with the NIC), outputs and semaphores. Collective.
     pub fn new(comm: &Arc<Communicator>, cfg: MoeConfig) -> Result<MoeDispatcher> {
         let ids = comm.node_ids();
-        let path = if ids.iter().any(|id| *id != ids[comm.rank()]) {
+        let spans = ids.iter().any(|id| *id != ids[comm.rank()]);
+        agree_shape(comm, "high-throughput", spans, &cfg)?;
+        let path = if spans {
             HtPath::Net(Box::new(super::moe_ht_net::HtNet::new(comm, &cfg)?))
         } else {
             HtPath::Nvlink(Box::new(HtNvlink::new(comm, cfg)?))
@@ -647,9 +649,103 @@ pub fn reference_layout(
     per_rank
 }
 
+/// This rank's MoE buffer as its peers must see it too: mode, path and every size the kernels'
+/// waits and layouts depend on (the blocks resolved against this GPU's SMs: their signal counts
+/// are per block).
+fn shape_text(mode: &str, net: bool, cfg: &MoeConfig, sms: u32) -> String {
+    // net_chunks sizes only the high-throughput node-spanning path's rings.
+    let chunks = match cfg.net_chunks {
+        Some(c) if net && mode == "high-throughput" => format!(", net_chunks {c}"),
+        _ => String::new(),
+    };
+    let blocks = cfg
+        .blocks
+        .map_or(format!("all SMs ({sms})"), |b| b.to_string());
+    format!(
+        "a {mode} MoE buffer ({} path, hidden {}, top-{} of {} experts, max_tokens {}, blocks \
+         {blocks}{chunks})",
+        if net { "node-spanning" } else { "NVLink" },
+        cfg.hidden,
+        cfg.topk,
+        cfg.num_experts,
+        cfg.max_tokens,
+    )
+}
+
+/// The first rank whose shape differs from `me`'s, as the error every rank returns.
+fn shape_mismatch(me: usize, shapes: &[Vec<u8>]) -> Option<Error> {
+    let text = |b: &[u8]| String::from_utf8_lossy(b).into_owned();
+    let peer = (0..shapes.len()).find(|&r| shapes[r] != shapes[me])?;
+    Some(Error::ArgumentMismatch {
+        rank: me,
+        mine: text(&shapes[me]),
+        peer,
+        theirs: text(&shapes[peer]),
+    })
+}
+
+/// Every rank builds the same MoE buffer (collective): a rank whose shape differs is named on
+/// every rank with both shapes, at once, instead of kernels waiting out their budget on counts
+/// and rows that never match.
+fn agree_shape(comm: &Communicator, mode: &str, net: bool, cfg: &MoeConfig) -> Result<()> {
+    let mine = shape_text(mode, net, cfg, comm.gpu().sm_count()?);
+    let shapes = comm.bootstrap().all_gather(mine.as_bytes())?;
+    shape_mismatch(comm.rank(), &shapes).map_or(Ok(()), Err)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_shape_that_differs_is_named_with_both_shapes() {
+        let cfg = |hidden| MoeConfig {
+            hidden,
+            topk: 8,
+            num_experts: 256,
+            max_tokens: 128,
+            ..Default::default()
+        };
+        let a = shape_text("high-throughput", false, &cfg(1024), 132);
+        let b = shape_text("high-throughput", false, &cfg(2048), 132);
+        assert_eq!(
+            a,
+            "a high-throughput MoE buffer (NVLink path, hidden 1024, top-8 of 256 experts, \
+             max_tokens 128, blocks all SMs (132))"
+        );
+        let shapes = vec![
+            a.clone().into_bytes(),
+            b.clone().into_bytes(),
+            a.clone().into_bytes(),
+        ];
+        for me in [0, 2] {
+            let e = shape_mismatch(me, &shapes).unwrap().to_string();
+            assert_eq!(
+                e,
+                format!("argument mismatch: rank {me} made {a}, while rank 1 made {b}")
+            );
+        }
+        let e = shape_mismatch(1, &shapes).unwrap().to_string();
+        assert!(
+            e.contains("rank 1 made a high-throughput MoE buffer (NVLink path, hidden 2048"),
+            "{e}"
+        );
+        assert!(e.contains("rank 0 made"), "{e}");
+        assert!(shape_mismatch(0, &[a.clone().into_bytes(), a.into_bytes()]).is_none());
+        // The mode, the path and a GPU with other SMs differ too.
+        assert_ne!(
+            shape_text("low-latency", false, &cfg(1024), 132),
+            shape_text("high-throughput", false, &cfg(1024), 132)
+        );
+        assert_ne!(
+            shape_text("low-latency", true, &cfg(1024), 132),
+            shape_text("low-latency", false, &cfg(1024), 132)
+        );
+        assert_ne!(
+            shape_text("low-latency", false, &cfg(1024), 114),
+            shape_text("low-latency", false, &cfg(1024), 132)
+        );
+    }
 
     #[test]
     fn reference_layout_dedups_per_rank_and_skips_minus_one() {
@@ -716,7 +812,9 @@ impl MoeLowLatency {
     pub fn new(comm: &Arc<Communicator>, cfg: MoeConfig) -> Result<MoeLowLatency> {
         let ids = comm.node_ids();
         let spans = ids.iter().any(|id| *id != ids[comm.rank()]);
-        let path = if spans || Settings::from_env()?.moe_net {
+        let net = spans || Settings::from_env()?.moe_net;
+        agree_shape(comm, "low-latency", net, &cfg)?;
+        let path = if net {
             LlPath::Net(Box::new(super::moe_ll_net::LlNet::new(comm, &cfg)?))
         } else {
             LlPath::Nvlink(Box::new(LlNvlink::new(comm, cfg)?))
