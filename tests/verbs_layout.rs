@@ -300,47 +300,100 @@ fn verbs_struct_mirrors_match_rdma_core() {
     }
 }
 
-/// Where libibverbs is installed (CI installs it with the headers), loading works and listing
-/// devices either succeeds (none on machines without RDMA NICs) or says why the kernel cannot;
-/// where it is not installed, the error says what to install.
+/// Whether the dynamic loader knows `lib` (`ldconfig -p`); `None` where ldconfig cannot say.
+fn loader_knows(lib: &str) -> Option<bool> {
+    let out = std::process::Command::new("ldconfig")
+        .arg("-p")
+        .output()
+        .ok()?;
+    out.status
+        .success()
+        .then(|| String::from_utf8_lossy(&out.stdout).contains(lib))
+}
+
+/// The RDMA devices the kernel lists (`/sys/class/infiniband`), sorted; empty without any.
+fn sysfs_devices() -> Vec<String> {
+    let mut names: Vec<String> = std::fs::read_dir("/sys/class/infiniband")
+        .map(|d| {
+            d.filter_map(|e| Some(e.ok()?.file_name().to_string_lossy().into_owned()))
+                .collect()
+        })
+        .unwrap_or_default();
+    names.sort();
+    names
+}
+
+/// Where the loader knows libibverbs (CI installs it), loading must work, and the devices it
+/// lists must be the kernel's (`/sys/class/infiniband`); with none there, listing may instead
+/// fail with the reason. Where the loader does not know it, the error says what to install.
 #[test]
 fn libibverbs_loads_at_run_time_or_says_what_to_install() {
-    match Verbs::load() {
-        Ok(v) => match v.devices() {
-            Ok(nics) => {
-                for n in &nics {
-                    assert!(!n.name.is_empty());
-                }
-                eprintln!("{} RDMA device(s)", nics.len());
-            }
-            // A kernel without RDMA support (CI containers): reported, with the reason.
-            Err(doorbell::Error::TransportUnavailable { why, .. }) => {
-                assert!(why.contains("ibv_get_device_list"), "{why}");
-                eprintln!("{why}");
-            }
-            Err(e) => panic!("{e}"),
-        },
-        Err(e) => assert!(e.to_string().contains("libibverbs"), "{e}"),
+    let installed = loader_knows("libibverbs.so.1");
+    let v = match Verbs::load() {
+        Ok(v) => v,
+        Err(e) => {
+            assert_ne!(
+                installed,
+                Some(true),
+                "libibverbs.so.1 is installed but: {e}"
+            );
+            assert!(e.to_string().contains("libibverbs"), "{e}");
+            return;
+        }
+    };
+    assert_ne!(
+        installed,
+        Some(false),
+        "loaded a libibverbs the loader does not know"
+    );
+    let kernel = sysfs_devices();
+    match v.devices() {
+        Ok(nics) => {
+            let mut names: Vec<String> = nics.iter().map(|n| n.name.clone()).collect();
+            names.sort();
+            assert_eq!(
+                names, kernel,
+                "libibverbs' devices against /sys/class/infiniband"
+            );
+            eprintln!("{} RDMA device(s)", nics.len());
+        }
+        // A kernel without RDMA support (CI containers): reported, with the reason.
+        Err(doorbell::Error::TransportUnavailable { why, .. }) => {
+            assert!(kernel.is_empty(), "{kernel:?} in sysfs, but: {why}");
+            assert!(why.contains("ibv_get_device_list"), "{why}");
+            eprintln!("{why}");
+        }
+        Err(e) => panic!("{e}"),
     }
 }
 
-/// Opening an RDMA device through the rdma-core provider where there is none (this project's
-/// machines) fails with the reason; where there is one, it opens.
+/// Opening an RDMA device through the rdma-core provider: the kernel's first device must open;
+/// with none (this project's machines), opening mlx5_0 must fail with a reason naming it.
 #[test]
 fn the_rdma_core_provider_opens_or_says_why_not() {
     let Ok(verbs) = Verbs::load() else {
         return; // covered by the test above: the error says what to install
     };
     let verbs = std::sync::Arc::new(verbs);
-    let name = verbs
-        .devices()
-        .ok()
-        .and_then(|n| n.first().map(|n| n.name.clone()))
-        .unwrap_or_else(|| "mlx5_0".into());
+    let kernel = sysfs_devices();
+    let name = kernel.first().cloned().unwrap_or_else(|| "mlx5_0".into());
     match doorbell::transport::ib::rdma_core::RdmaCore::open(verbs, &name) {
-        Ok(_) => eprintln!("{name} opened"),
+        Ok(_) => {
+            assert!(
+                !kernel.is_empty(),
+                "opened {name}, which the kernel does not list"
+            );
+            eprintln!("{name} opened");
+        }
         Err(doorbell::Error::TransportUnavailable { why, .. }) => {
-            assert!(!why.is_empty());
+            assert!(
+                kernel.is_empty(),
+                "{name} is in /sys/class/infiniband, but: {why}"
+            );
+            assert!(
+                why.contains(&name) || why.contains("ibv_get_device_list"),
+                "{why}"
+            );
             eprintln!("{why}");
         }
         Err(e) => panic!("unexpected error kind: {e}"),

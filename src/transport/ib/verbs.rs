@@ -547,7 +547,10 @@ impl Verbs {
         if list.is_null() {
             return Err(Error::TransportUnavailable {
                 transport: "ib",
-                why: format!("no RDMA devices ({})", std::io::Error::last_os_error()),
+                why: format!(
+                    "cannot open RDMA device {name:?}: ibv_get_device_list found none ({})",
+                    std::io::Error::last_os_error()
+                ),
             });
         }
         let mut found = std::ptr::null_mut();
