@@ -403,6 +403,7 @@ fn packets(comm: &Communicator, s: &Arc<CudaStream>, ll16: bool) {
 /// Rank 0 waits on a semaphore (or packet) that rank 1 never signals: the device wait must give
 /// up within the budget and the host must report who waited for what.
 fn forced_timeout(comm: &Communicator, s: &Arc<CudaStream>, packet: bool) {
+    common::fault_on_purpose();
     let buf = comm.alloc(1 << 20).unwrap();
     let reg = comm.register(&buf).unwrap();
     let chans = comm.memory_channels(&reg, &reg, Some(&reg)).unwrap();

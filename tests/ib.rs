@@ -705,6 +705,7 @@ fn error_cqe(
     comm: &doorbell::communicator::Communicator,
     s: &std::sync::Arc<cudarc::driver::CudaStream>,
 ) {
+    common::fault_on_purpose();
     use doorbell::transport::ib::emulator::{Delivery, EmulatedNic};
     use doorbell::transport::ib::gpu_qp::{CudaDma, GpuQp, Posting};
     use doorbell::{Error, WaitKind};

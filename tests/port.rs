@@ -469,6 +469,7 @@ fn storm(comm: &Communicator, s: &Arc<CudaStream>) {
 /// Rank 0 waits for a signal nobody sends; the host stops its proxy: the kernel must give up with
 /// a ProxyStopped report well before the wait budget.
 fn stop(comm: &Communicator, s: &Arc<CudaStream>) {
+    common::fault_on_purpose();
     let buf = comm.alloc(1 << 20).unwrap();
     let reg = comm.register(&buf).unwrap();
     let mut proxy = comm.proxy_builder(0).unwrap();

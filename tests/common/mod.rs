@@ -9,8 +9,19 @@ use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, LaunchConfig, PushKernelA
 use doorbell::communicator::Communicator;
 use doorbell::job::launch::{spawn_ranks, SpawnOptions};
 use std::ffi::OsString;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
+
+/// Set by a case that provokes a fault on purpose ([`fault_on_purpose`]): only then may the
+/// final barrier fail.
+static FAULT_ON_PURPOSE: AtomicBool = AtomicBool::new(false);
+
+/// A case calls this before it provokes a fault (a forced timeout, an error completion, a stopped
+/// proxy): the job may then end aborted. Anywhere else a failed final barrier fails the rank.
+pub fn fault_on_purpose() {
+    FAULT_ON_PURPOSE.store(true, Ordering::Relaxed);
+}
 
 /// The variable that tells a spawned rank which case to run.
 pub const CASE_VAR: &str = "DOORBELL_GPU_CASE";
@@ -87,6 +98,11 @@ pub fn rank_main(run: impl FnOnce(&str, &Arc<Communicator>, &Arc<CudaStream>)) {
     // A case that provoked a fault on purpose (and checked the errors it got on the ranks it
     // concerns) leaves the job aborted: the other ranks may learn of it only in this barrier.
     if let Err(e) = comm.bootstrap().barrier() {
+        assert!(
+            FAULT_ON_PURPOSE.load(Ordering::Relaxed),
+            "rank {}: the final barrier failed, though case {case} provoked no fault: {e}",
+            comm.rank()
+        );
         let started = std::time::Instant::now();
         let fault = loop {
             match comm.check_health() {
