@@ -491,7 +491,9 @@ struct Call<'a> {
 
 impl Call<'_> {
     /// Captures [fill, allreduce] in a CUDA graph, replays it `replays` times and checks the
-    /// result after every `every`-th replay.
+    /// result after every `every`-th replay; before each checked replay the output is overwritten
+    /// with 0xff bytes (NaN in every float type), so a replay that did nothing cannot pass on an
+    /// earlier replay's result (in place the graph's fill rewrites the input first).
     ///
     /// # Safety
     /// `inp` and `out` hold `count` elements of `dtype` and outlive the stream's work.
@@ -526,6 +528,18 @@ impl Call<'_> {
             .unwrap()
             .expect("captured graph");
         for replay in 1..=replays {
+            if replay % every == 0 {
+                // SAFETY: `out` holds `count` elements of `dtype` (the caller's range).
+                unsafe {
+                    cudarc::driver::result::memset_d8_async(
+                        out,
+                        0xff,
+                        count * dtype.size(),
+                        s.cu_stream(),
+                    )
+                }
+                .unwrap();
+            }
             graph.launch().unwrap();
             if replay % every == 0 {
                 // SAFETY: as above.
