@@ -206,7 +206,9 @@ fn matrix(comm: &Arc<Communicator>, s: &Arc<CudaStream>) {
 }
 
 /// Random sizes with random (order-sensitive) values: every rank must hold the same result, and
-/// a second run of the same sequence must give the same hashes.
+/// a second run of the same sequence must give the same hashes. Ranks agreeing is not being
+/// right (every rank can be wrong the same way), so each (size, type) then also runs on the
+/// checker's patterned values, whose sum is known, and must be exact.
 fn pressure(comm: &Arc<Communicator>, s: &Arc<CudaStream>) {
     let rank = comm.rank() as u32;
     let checker = Checker::new(comm.gpu()).unwrap();
@@ -246,6 +248,21 @@ fn pressure(comm: &Arc<Communicator>, s: &Arc<CudaStream>) {
                 );
             }
             hashes.push(h);
+            // SAFETY: as above.
+            let wrong = unsafe {
+                checker.fill(s, i, count, dtype, rank, iter).unwrap();
+                ar.run_raw(s, i, o, count, dtype).unwrap();
+                checker
+                    .count_wrong(s, o, count, dtype, comm.world_size() as u32, iter)
+                    .unwrap()
+            };
+            assert_eq!(
+                wrong,
+                0,
+                "iteration {iter}: {count} x {} ({}): {wrong} wrong on rank {rank}",
+                dtype.name(),
+                ar.plan(count, dtype).unwrap().algorithm.name()
+            );
         }
         runs.push(hashes);
     }
