@@ -21,7 +21,7 @@
 
 use crate::error::{Error, Result};
 use crate::gpu::cuda::{check, cuda_err, Gpu, HostArray};
-use crate::job::auth::{auth_digest, ct_eq, DIGEST_LEN};
+use crate::job::auth::{auth_digest, ct_eq, random_bytes, DIGEST_LEN, NONCE_LEN};
 use crate::job::bootstrap::Bootstrap;
 use cudarc::driver::{sys, CudaStream};
 use std::io::{Read, Write};
@@ -35,7 +35,86 @@ use std::time::{Duration, Instant};
 const CHUNK: usize = 4 << 20;
 const KIND_DATA: u64 = 1;
 const KIND_SIGNAL: u64 = 2;
-const HELLO_LABEL: &[u8] = b"doorbell-ethernet-hello";
+/// The connector's proof: SHA-256(secret | listener's nonce | from u32 | to u32 | channel u32 |
+/// this).
+const HELLO_LABEL: &[u8] = b"doorbell-ethernet-hello-v2";
+/// The listener's proof: SHA-256(secret | connector's nonce | listener's nonce | this).
+const ACCEPT_LABEL: &[u8] = b"doorbell-ethernet-accept-v2";
+/// What a connector sends after reading the listener's nonce: from u32 | its nonce | its proof.
+const HELLO_LEN: usize = 4 + NONCE_LEN + DIGEST_LEN;
+
+fn hello_proof(
+    secret: &[u8],
+    theirs: &[u8],
+    from: usize,
+    to: usize,
+    channel: u32,
+) -> [u8; DIGEST_LEN] {
+    let mut m = theirs.to_vec();
+    for w in [from as u32, to as u32, channel] {
+        m.extend_from_slice(&w.to_le_bytes());
+    }
+    auth_digest(secret, &m, HELLO_LABEL)
+}
+
+fn accept_proof(secret: &[u8], cnonce: &[u8], lnonce: &[u8]) -> [u8; DIGEST_LEN] {
+    auth_digest(secret, &[cnonce, lnonce].concat(), ACCEPT_LABEL)
+}
+
+/// The connector's half of a channel connection's handshake: reads the listener's fresh nonce,
+/// answers it with its rank, a nonce of its own and its proof, and checks the listener's proof
+/// (so neither a replayed hello nor a stranger on the address passes). `what` names the peer.
+fn greet(
+    s: &mut TcpStream,
+    secret: &[u8],
+    from: usize,
+    to: usize,
+    channel: u32,
+) -> std::result::Result<(), String> {
+    let mut lnonce = [0u8; NONCE_LEN];
+    s.read_exact(&mut lnonce)
+        .map_err(|e| format!("no challenge: {e}"))?;
+    let cnonce: [u8; NONCE_LEN] = random_bytes().map_err(|e| e.to_string())?;
+    let mut hello = Vec::with_capacity(HELLO_LEN);
+    hello.extend_from_slice(&(from as u32).to_le_bytes());
+    hello.extend_from_slice(&cnonce);
+    hello.extend_from_slice(&hello_proof(secret, &lnonce, from, to, channel));
+    s.write_all(&hello).map_err(|e| format!("greeting: {e}"))?;
+    let mut proof = [0u8; DIGEST_LEN];
+    s.read_exact(&mut proof)
+        .map_err(|e| format!("no answer to the greeting: {e}"))?;
+    if !ct_eq(&proof, &accept_proof(secret, &cnonce, &lnonce)) {
+        return Err("its listener did not prove the job secret".into());
+    }
+    Ok(())
+}
+
+/// The listener's half: sends a fresh nonce, reads the connector's hello and, when it proves the
+/// secret for one of `from` (the ranks that may connect), answers with its own proof and returns
+/// that rank.
+fn welcome(
+    s: &mut TcpStream,
+    secret: &[u8],
+    me: usize,
+    channel: u32,
+    from: impl Fn(usize) -> bool,
+) -> std::result::Result<usize, String> {
+    let lnonce: [u8; NONCE_LEN] = random_bytes().map_err(|e| e.to_string())?;
+    s.write_all(&lnonce)
+        .map_err(|e| format!("sending the challenge: {e}"))?;
+    let mut h = [0u8; HELLO_LEN];
+    s.read_exact(&mut h).map_err(|_| "no hello".to_string())?;
+    let mut w = [0u8; 4];
+    w.copy_from_slice(&h[..4]);
+    let who = u32::from_le_bytes(w) as usize;
+    let (cnonce, proof) = (&h[4..4 + NONCE_LEN], &h[4 + NONCE_LEN..]);
+    if !from(who) || !ct_eq(proof, &hello_proof(secret, &lnonce, who, me, channel)) {
+        return Err("bad hello".into());
+    }
+    s.write_all(&accept_proof(secret, cnonce, &lnonce))
+        .map_err(|e| format!("answering rank {who}: {e}"))?;
+    Ok(who)
+}
 
 /// How a proxy reports that a transport thread failed: the proxy's failure slot and stop word.
 #[derive(Clone)]
@@ -309,8 +388,8 @@ fn copy_htod(stream: &CudaStream, dst: u64, src: *const u8, n: usize) -> Result<
 }
 
 /// Opens one authenticated TCP connection to every peer in `peers` for channel set `channel`:
-/// every rank listens, the lower rank of each pair connects to the higher one's listener, and the
-/// hello proves the job secret. Collective over all ranks (every rank calls it with its own list
+/// every rank listens, the lower rank of each pair connects to the higher one's listener, and
+/// both prove the job secret against the other's fresh nonce ([`greet`], [`welcome`]). Collective over all ranks (every rank calls it with its own list
 /// of network peers, which is symmetric). Returns the sockets in `peers` order.
 pub(crate) fn connect_peers(
     bootstrap: &Bootstrap,
@@ -327,15 +406,6 @@ pub(crate) fn connect_peers(
         .local_addr()
         .map_err(|e| Error::io("listening for ethernet channels", e))?;
     let addrs = bootstrap.all_gather(me.to_string().as_bytes())?;
-    let hello = |from: usize, to: usize| -> Vec<u8> {
-        let mut nonce = Vec::with_capacity(12);
-        nonce.extend_from_slice(&(from as u32).to_le_bytes());
-        nonce.extend_from_slice(&(to as u32).to_le_bytes());
-        nonce.extend_from_slice(&channel.to_le_bytes());
-        let mut v = nonce.clone();
-        v.extend_from_slice(&auth_digest(bootstrap.secret(), &nonce, HELLO_LABEL));
-        v
-    };
     let deadline = Instant::now() + bootstrap.timeout();
     let mut sockets: Vec<Option<TcpStream>> = peers.iter().map(|_| None).collect();
     // Connect to the higher ranks.
@@ -350,8 +420,18 @@ pub(crate) fn connect_peers(
             })?;
         let mut s = TcpStream::connect_timeout(&addr, bootstrap.timeout())
             .map_err(|e| Error::io(format!("connecting to rank {p} at {addr}"), e))?;
-        s.write_all(&hello(rank, p))
-            .map_err(|e| Error::io(format!("greeting rank {p}"), e))?;
+        // The higher rank answers once its own greetings are done (the highest has none), so
+        // allow the whole deadline.
+        let left = deadline.saturating_duration_since(Instant::now());
+        s.set_read_timeout(Some(left.max(Duration::from_millis(1))))
+            .map_err(|e| Error::io(format!("connecting to rank {p} at {addr}"), e))?;
+        greet(&mut s, bootstrap.secret(), rank, p, channel).map_err(|why| Error::Bootstrap {
+            me: rank,
+            rank: Some(p),
+            why: format!("ethernet channel {channel} at {addr}: {why}"),
+        })?;
+        s.set_read_timeout(None)
+            .map_err(|e| Error::io(format!("connecting to rank {p} at {addr}"), e))?;
         sockets[i] = Some(s);
     }
     // Accept the lower ranks, each proving the secret; strangers are dropped.
@@ -365,22 +445,25 @@ pub(crate) fn connect_peers(
             Ok((mut s, from)) => {
                 s.set_nonblocking(false)
                     .and_then(|()| s.set_read_timeout(Some(Duration::from_secs(5))))
+                    .and_then(|()| s.set_write_timeout(Some(Duration::from_secs(5))))
                     .map_err(|e| Error::io("accepting an ethernet channel", e))?;
-                let mut h = vec![0u8; 12 + DIGEST_LEN];
-                if s.read_exact(&mut h).is_err() {
-                    tracing::warn!("dropped an ethernet connection from {from}: no hello");
-                    continue;
-                }
-                let who = u32::from_le_bytes(h[..4].try_into().unwrap_or_default()) as usize;
-                let slot = peers.iter().position(|&p| p == who && p < rank);
-                match slot {
-                    Some(i) if sockets[i].is_none() && ct_eq(&h, &hello(who, rank)) => {
+                let open = |who: usize| {
+                    peers
+                        .iter()
+                        .position(|&p| p == who && p < rank)
+                        .is_some_and(|i| sockets[i].is_none())
+                };
+                match welcome(&mut s, bootstrap.secret(), rank, channel, open) {
+                    Ok(who) => {
                         s.set_read_timeout(None)
+                            .and_then(|()| s.set_write_timeout(None))
                             .map_err(|e| Error::io("accepting an ethernet channel", e))?;
-                        sockets[i] = Some(s);
-                        accepted += 1;
+                        if let Some(i) = peers.iter().position(|&p| p == who) {
+                            sockets[i] = Some(s);
+                            accepted += 1;
+                        }
                     }
-                    _ => tracing::warn!("dropped an ethernet connection from {from}: bad hello"),
+                    Err(why) => tracing::warn!("dropped an ethernet connection from {from}: {why}"),
                 }
             }
             Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
@@ -419,6 +502,114 @@ pub(crate) fn connect_peers(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A connected pair of sockets (connector, listener side).
+    fn pair() -> (TcpStream, TcpStream) {
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let a = TcpStream::connect(l.local_addr().unwrap()).unwrap();
+        let (b, _) = l.accept().unwrap();
+        for s in [&a, &b] {
+            s.set_read_timeout(Some(Duration::from_secs(2))).unwrap();
+        }
+        (a, b)
+    }
+
+    /// Three ranks (threads) open their channel connections at once: every greeting waits for
+    /// the higher rank's challenge, and the chain ends at the highest rank, so none deadlocks;
+    /// each socket then carries a byte each way.
+    #[test]
+    fn three_ranks_connect_every_pair() {
+        use crate::job::bootstrap::BootstrapConfig;
+        let port = crate::job::launch::free_port().unwrap();
+        let n = 3;
+        std::thread::scope(|s| {
+            for rank in 0..n {
+                s.spawn(move || {
+                    let b = Bootstrap::connect(BootstrapConfig {
+                        rank,
+                        world_size: n,
+                        local_rank: rank,
+                        local_world_size: n,
+                        master_addr: "127.0.0.1".into(),
+                        master_port: port,
+                        secret: b"eth-test".to_vec(),
+                        timeout: Duration::from_secs(10),
+                        heartbeat: Duration::ZERO,
+                    })
+                    .unwrap();
+                    let peers: Vec<usize> = (0..n).filter(|&p| p != rank).collect();
+                    let mut socks = connect_peers(&b, 5, &peers).unwrap();
+                    for s in &mut socks {
+                        s.write_all(&[rank as u8]).unwrap();
+                    }
+                    for (s, &p) in socks.iter_mut().zip(&peers) {
+                        let mut got = [0u8; 1];
+                        s.read_exact(&mut got).unwrap();
+                        assert_eq!(got[0] as usize, p, "rank {rank}'s socket to {p}");
+                    }
+                    b.barrier().unwrap();
+                });
+            }
+        });
+    }
+
+    #[test]
+    fn both_sides_of_a_channel_hello_prove_the_secret_with_fresh_nonces() {
+        // The real thing: rank 1 greets rank 3 on channel 7.
+        let (mut a, mut b) = pair();
+        std::thread::scope(|s| {
+            let h = s.spawn(move || welcome(&mut b, b"s3cret", 3, 7, |who| who == 1));
+            greet(&mut a, b"s3cret", 1, 3, 7).unwrap();
+            assert_eq!(h.join().unwrap(), Ok(1));
+        });
+        // A hello captured from one connection and replayed on another is refused: the
+        // listener's nonce is new every time.
+        let (mut a, mut b) = pair();
+        let captured = std::thread::scope(|s| {
+            let h = s.spawn(move || {
+                let lnonce = [1u8; NONCE_LEN];
+                b.write_all(&lnonce).unwrap();
+                let mut hello = [0u8; HELLO_LEN];
+                b.read_exact(&mut hello).unwrap();
+                hello
+            });
+            let _ = greet(&mut a, b"s3cret", 1, 3, 7); // no answer comes: fails, as it should
+            h.join().unwrap()
+        });
+        let (mut a, mut b) = pair();
+        std::thread::scope(|s| {
+            let h = s.spawn(move || welcome(&mut b, b"s3cret", 3, 7, |_| true));
+            let mut lnonce = [0u8; NONCE_LEN];
+            a.read_exact(&mut lnonce).unwrap();
+            a.write_all(&captured).unwrap();
+            assert_eq!(h.join().unwrap(), Err("bad hello".into()));
+        });
+        // Another secret, another channel, or a rank that may not connect: refused.
+        for (secret, channel, allowed) in [
+            (&b"other"[..], 7, true),
+            (b"s3cret", 8, true),
+            (b"s3cret", 7, false),
+        ] {
+            let (mut a, mut b) = pair();
+            std::thread::scope(|s| {
+                let h = s.spawn(move || welcome(&mut b, b"s3cret", 3, 7, |_| allowed));
+                let _ = greet(&mut a, secret, 1, 3, channel);
+                assert_eq!(h.join().unwrap(), Err("bad hello".into()));
+            });
+        }
+        // A listener that does not hold the secret cannot pass: the greeter refuses its answer.
+        let (mut a, mut b) = pair();
+        std::thread::scope(|s| {
+            s.spawn(move || {
+                b.write_all(&[2u8; NONCE_LEN]).unwrap();
+                let mut hello = [0u8; HELLO_LEN];
+                b.read_exact(&mut hello).unwrap();
+                b.write_all(&[0u8; DIGEST_LEN]).unwrap();
+            });
+            let e = greet(&mut a, b"s3cret", 1, 3, 7).unwrap_err();
+            assert!(e.contains("did not prove the job secret"), "{e}");
+        });
+    }
 
     #[test]
     fn headers_round_trip_through_a_socket_and_eof_is_told_apart() {
