@@ -244,6 +244,14 @@ impl Comm {
         .map_err(py_err)
     }
 
+    /// Waits for `stream`; raises naming the rank and the cause when a fault cut a call on it
+    /// short (its outputs are then not results) or the job has failed.
+    fn synchronize(&self, py: Python<'_>, stream: u64) -> PyResult<()> {
+        let s = self.stream(stream)?;
+        py.allow_threads(|| self.comm.synchronize(&s))
+            .map_err(py_err)
+    }
+
     /// Checks the job's health: raises naming the failed ranks, if any.
     fn check_health(&self) -> PyResult<()> {
         self.comm.check_health().map_err(py_err)

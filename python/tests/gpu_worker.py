@@ -21,8 +21,11 @@ def all_reduce(comm):
         for n in (1, 1000, 1 << 20):
             t = (torch.arange(n, device="cuda") % 7 + r).to(dtype)
             want = (torch.arange(n, device="cuda") % 7 * w + w * (w - 1) // 2).to(dtype)
-            comm.all_reduce(t)
-            torch.cuda.synchronize()
+            work = comm.all_reduce(t, async_op=True)
+            assert work is not None
+            work.wait()
+            comm.synchronize()  # a healthy job: returns, and the result is one
+            check(work.is_completed(), "a synchronized call is completed")
             check(torch.equal(t, want), f"all_reduce {dtype} n={n} rank {r}")
     # Graph capture, replays with changing input.
     t = torch.zeros(4096, device="cuda")

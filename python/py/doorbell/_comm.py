@@ -23,21 +23,29 @@ def get_include() -> str:
 
 class Work:
     """What an ``async_op=True`` call returns: the call is already on the stream it was issued
-    on; ``wait()`` makes the current stream wait for it, ``is_completed()`` polls it."""
+    on; ``wait()`` makes the current stream wait for it, ``is_completed()`` polls it. Both raise
+    ``DoorbellError`` naming the rank and the cause once the job is known to have failed (a
+    result cut short by a fault is not a result); ``Communicator.synchronize()`` waits and
+    checks in one call."""
 
-    def __init__(self, stream: Any) -> None:
+    def __init__(self, stream: Any, native: Any) -> None:
         import torch
 
         self._event = torch.cuda.Event()
         self._event.record(stream)
+        self._native = native
 
     def wait(self) -> None:
         import torch
 
+        self._native.check_health()
         torch.cuda.current_stream().wait_event(self._event)
 
     def is_completed(self) -> bool:
-        return bool(self._event.query())
+        done = bool(self._event.query())
+        if done:
+            self._native.check_health()
+        return done
 
 
 class Communicator:
@@ -74,7 +82,7 @@ class Communicator:
         return s, int(s.cuda_stream)
 
     def _done(self, stream: Any, async_op: bool) -> Optional[Work]:
-        return Work(stream) if async_op else None
+        return Work(stream, self._native) if async_op else None
 
     def all_reduce(self, tensor: Any, op: str = "sum", async_op: bool = False) -> Optional[Work]:
         """Sums ``tensor`` (bfloat16, float16 or float32) over the ranks, in place."""
@@ -134,7 +142,7 @@ class Communicator:
         stream, handle = self._stream()
         self._native.all_to_all_v(input.data_ptr(), output.data_ptr(), counts.data_ptr(), handle)
         if async_op:
-            return Work(stream)
+            return Work(stream, self._native)
         self._keep = counts  # alive until the next call (the upload is stream-ordered)
         return None
 
@@ -173,6 +181,14 @@ class Communicator:
     def check_health(self) -> None:
         """Raises DoorbellError naming failed ranks, if any."""
         self._native.check_health()
+
+    def synchronize(self) -> None:
+        """Waits for the current stream, then raises ``DoorbellError`` naming the rank and the
+        cause if a fault cut a call on it short or the job has failed: after it returns, the
+        outputs of every call enqueued before it are results (``torch.cuda.synchronize()``
+        alone cannot tell a call that a dead peer cut short from one that finished)."""
+        _, handle = self._stream()
+        self._native.synchronize(handle)
 
     # ---- the device API, for kernels of your own ----
 
