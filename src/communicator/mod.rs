@@ -432,11 +432,18 @@ impl Communicator {
         if !self.diagnostics.aborted() {
             return Ok(());
         }
-        Err(self.diagnostics.error().unwrap_or(Error::PeerFailed {
-            me: self.rank(),
-            rank: self.rank(),
-            cause: "the communicator aborted".into(),
-        }))
+        Err(
+            self.named(self.diagnostics.error().unwrap_or(Error::PeerFailed {
+                me: self.rank(),
+                rank: self.rank(),
+                cause: "the communicator aborted".into(),
+            })),
+        )
+    }
+
+    /// `e`, with a device wait that ran out on a peer that had left cleanly named as that.
+    fn named(&self, e: Error) -> Error {
+        left_cleanly(e, self.rank(), |p| self.bootstrap.said_goodbye(p))
     }
 
     /// Builds a new communicator of the ranks not in `failed`, renumbered in order (collective
@@ -1075,11 +1082,11 @@ impl Communicator {
     /// job [`Error::PeerFailed`], a call check that failed [`Error::ArgumentMismatch`].
     pub fn synchronize(&self, stream: &CudaStream) -> Result<()> {
         match stream.synchronize() {
-            Ok(()) => self.diagnostics.check(),
-            Err(e) => Err(self.diagnostics.explain(Error::Cuda {
+            Ok(()) => self.diagnostics.check().map_err(|e| self.named(e)),
+            Err(e) => Err(self.named(self.diagnostics.explain(Error::Cuda {
                 call: "cuStreamSynchronize",
                 code: e.to_string(),
-            })),
+            }))),
         }
     }
 
@@ -1090,11 +1097,30 @@ impl Communicator {
         call: &'static str,
     ) -> Result<T> {
         r.map_err(|e| {
-            self.diagnostics.explain(Error::Cuda {
+            self.named(self.diagnostics.explain(Error::Cuda {
                 call,
                 code: e.to_string(),
-            })
+            }))
         })
+    }
+}
+
+/// A device wait that ran out on a peer that had already left the communicator cleanly (it
+/// dropped it or exited, saying goodbye) is that peer's departure, not a slow peer: the error
+/// names it as such (a rank that made fewer calls than the others ends so).
+fn left_cleanly(e: Error, me: usize, said_goodbye: impl Fn(usize) -> bool) -> Error {
+    match &e {
+        Error::Timeout { peer, .. } if *peer >= 0 && said_goodbye(*peer as usize) => {
+            Error::PeerFailed {
+                me,
+                rank: *peer as usize,
+                cause: format!(
+                    "it left the communicator cleanly (dropped it or exited) while rank {me} \
+                     still waited for it: did it make fewer calls? ({e})"
+                ),
+            }
+        }
+        _ => e,
     }
 }
 
@@ -1124,4 +1150,50 @@ fn decode_from(me: usize, peer: usize, bytes: &[u8]) -> Result<MemoryDescriptor>
         });
     }
     Ok(d)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::error::WaitKind;
+
+    #[test]
+    fn a_wait_on_a_peer_that_left_cleanly_names_the_departure() {
+        let timeout = |peer| Error::Timeout {
+            rank: 0,
+            peer,
+            what: WaitKind::Semaphore,
+            channel: 2,
+            expected: 5,
+            seen: 4,
+            waited_ms: 30_000,
+            block: 0,
+            thread: 0,
+        };
+        match left_cleanly(timeout(1), 0, |p| p == 1) {
+            Error::PeerFailed { me, rank, cause } => {
+                assert_eq!((me, rank), (0, 1));
+                assert!(cause.contains("left the communicator cleanly"), "{cause}");
+                assert!(
+                    cause.contains("from peer 1 on channel 2: expected 5, saw 4"),
+                    "{cause}"
+                );
+            }
+            other => panic!("{other}"),
+        }
+        // A peer still there, a wait on no single peer, and other errors are kept as they are.
+        assert!(matches!(
+            left_cleanly(timeout(1), 0, |_| false),
+            Error::Timeout { .. }
+        ));
+        assert!(matches!(
+            left_cleanly(timeout(-1), 0, |_| true),
+            Error::Timeout { .. }
+        ));
+        let e = Error::invalid("x", "y");
+        assert_eq!(
+            left_cleanly(e, 0, |_| true).to_string(),
+            Error::invalid("x", "y").to_string()
+        );
+    }
 }
