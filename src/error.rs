@@ -111,7 +111,7 @@ pub enum Error {
     },
     /// A bounded wait ran out of time: on the host (bootstrap, proxy) or on the device (a kernel's
     /// spin loop recorded who waited for what and gave up).
-    #[error("{}", timeout_text(*rank, *peer, what, *channel, *expected, *seen, *waited_ms, *block, *thread))]
+    #[error("{}", self.timeout_text())]
     Timeout {
         /// The rank that waited.
         rank: i32,
@@ -220,42 +220,47 @@ fn unset(v: u64) -> bool {
     v == u64::MAX || v == u64::from(u32::MAX)
 }
 
-/// [`Error::Timeout`]'s text: fields that hold a sentinel (no peer, no channel, no value, no
-/// block) are left out instead of printed as numbers like 4294967295.
-#[allow(clippy::too_many_arguments)]
-fn timeout_text(
-    rank: i32,
-    peer: i32,
-    what: &WaitKind,
-    channel: u32,
-    expected: u64,
-    seen: u64,
-    waited_ms: u64,
-    block: u32,
-    thread: u32,
-) -> String {
-    let mut t = format!("timeout on rank {rank} waiting for {what}");
-    if peer >= 0 {
-        t += &format!(" from peer {peer}");
-    }
-    if channel != u32::MAX {
-        t += &format!(" on channel {channel}");
-    }
-    let value = |v: u64| {
-        if unset(v) {
-            "nothing".to_string()
-        } else {
-            v.to_string()
+impl Error {
+    /// [`Error::Timeout`]'s text: fields that hold a sentinel (no peer, no channel, no value, no
+    /// block) are left out instead of printed as numbers like 4294967295.
+    fn timeout_text(&self) -> String {
+        let Error::Timeout {
+            rank,
+            peer,
+            what,
+            channel,
+            expected,
+            seen,
+            waited_ms,
+            block,
+            thread,
+        } = self
+        else {
+            return String::new();
+        };
+        let mut t = format!("timeout on rank {rank} waiting for {what}");
+        if *peer >= 0 {
+            t += &format!(" from peer {peer}");
         }
-    };
-    if !(unset(expected) && unset(seen)) {
-        t += &format!(": expected {}, saw {}", value(expected), value(seen));
+        if *channel != u32::MAX {
+            t += &format!(" on channel {channel}");
+        }
+        let value = |v: u64| {
+            if unset(v) {
+                "nothing".to_string()
+            } else {
+                v.to_string()
+            }
+        };
+        if !(unset(*expected) && unset(*seen)) {
+            t += &format!(": expected {}, saw {}", value(*expected), value(*seen));
+        }
+        t += &format!(" after {waited_ms} ms");
+        if *block != u32::MAX {
+            t += &format!(" (block {block}, thread {thread})");
+        }
+        t
     }
-    t += &format!(" after {waited_ms} ms");
-    if block != u32::MAX {
-        t += &format!(" (block {block}, thread {thread})");
-    }
-    t
 }
 
 #[cfg(test)]

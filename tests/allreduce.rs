@@ -149,6 +149,11 @@ fn matrix(comm: &Arc<Communicator>, s: &Arc<CudaStream>) {
             },
         )
         .unwrap();
+        let call = Call {
+            comm,
+            ar: &ar,
+            checker: &checker,
+        };
         for dtype in DataType::ALL {
             for count in sizes(&ar, algo, dtype) {
                 for in_place in [false, true] {
@@ -186,17 +191,8 @@ fn matrix(comm: &Arc<Communicator>, s: &Arc<CudaStream>) {
                             assert_eq!(wrong, 0, "rank {rank}: {what}: {wrong} wrong (eager)");
                         }
                         // 100 graph replays of [fill, allreduce]; checked every 25.
-                        comm.synchronize(s).unwrap();
-                        let call = Call {
-                            ar: &ar,
-                            checker: &checker,
-                            rank,
-                            world,
-                            seed,
-                        };
                         // SAFETY: as above.
-                        unsafe { call.replayed(s, inp, out, count, dtype, 100, 25, &what) };
-                        comm.synchronize(s).unwrap();
+                        unsafe { call.replayed(s, inp, out, count, dtype, seed, 100, 25, &what) };
                     }
                 }
             }
@@ -406,6 +402,11 @@ fn windows(comm: &Arc<Communicator>, s: &Arc<CudaStream>) {
         // The staged kernels share the direct one's semaphores: a pipelined call on plain
         // buffers between direct calls checks that every call leaves them balanced.
         let staged = AllReduce::new(comm, AllReduceOptions::default()).unwrap();
+        let call = Call {
+            comm,
+            ar: &ar,
+            checker: &checker,
+        };
         for dtype in DataType::ALL {
             for count in [
                 1usize,
@@ -462,17 +463,8 @@ fn windows(comm: &Arc<Communicator>, s: &Arc<CudaStream>) {
                         if count > (1 << 20) && dtype != DataType::Bf16 {
                             continue; // replays of the large sizes: bf16 covers them
                         }
-                        comm.synchronize(s).unwrap();
-                        let call = Call {
-                            ar: &ar,
-                            checker: &checker,
-                            rank,
-                            world,
-                            seed,
-                        };
                         // SAFETY: as above.
-                        unsafe { call.replayed(s, inp, out, count, dtype, 20, 10, &what) };
-                        comm.synchronize(s).unwrap();
+                        unsafe { call.replayed(s, inp, out, count, dtype, seed, 20, 10, &what) };
                     }
                 }
             }
@@ -499,18 +491,17 @@ fn window_sizes_differ(comm: &Arc<Communicator>, _s: &Arc<CudaStream>) {
 
 /// One test call's fixed parts, for [`Call::replayed`].
 struct Call<'a> {
+    comm: &'a Communicator,
     ar: &'a AllReduce,
     checker: &'a Checker,
-    rank: u32,
-    world: u32,
-    seed: u32,
 }
 
 impl Call<'_> {
     /// Captures [fill, allreduce] in a CUDA graph, replays it `replays` times and checks the
     /// result after every `every`-th replay; before each checked replay the output is overwritten
     /// with 0xff bytes (NaN in every float type), so a replay that did nothing cannot pass on an
-    /// earlier replay's result (in place the graph's fill rewrites the input first).
+    /// earlier replay's result (in place the graph's fill rewrites the input first). The stream
+    /// is synchronized before the capture and after the last replay.
     ///
     /// # Safety
     /// `inp` and `out` hold `count` elements of `dtype` and outlive the stream's work.
@@ -522,17 +513,14 @@ impl Call<'_> {
         out: u64,
         count: usize,
         dtype: DataType,
+        seed: u32,
         replays: usize,
         every: usize,
         what: &str,
     ) {
-        let Call {
-            ar,
-            checker,
-            rank,
-            world,
-            seed,
-        } = *self;
+        let Call { comm, ar, checker } = *self;
+        let (rank, world) = (comm.rank() as u32, comm.world_size() as u32);
+        comm.synchronize(s).unwrap();
         s.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)
             .unwrap();
         // SAFETY: the caller's ranges.
@@ -545,7 +533,8 @@ impl Call<'_> {
             .unwrap()
             .expect("captured graph");
         for replay in 1..=replays {
-            if replay % every == 0 {
+            let checked = replay % every == 0;
+            if checked {
                 // SAFETY: `out` holds `count` elements of `dtype` (the caller's range).
                 unsafe {
                     cudarc::driver::result::memset_d8_async(
@@ -558,7 +547,7 @@ impl Call<'_> {
                 .unwrap();
             }
             graph.launch().unwrap();
-            if replay % every == 0 {
+            if checked {
                 // SAFETY: as above.
                 let wrong =
                     unsafe { checker.count_wrong(s, out, count, dtype, world, seed) }.unwrap();
@@ -568,5 +557,6 @@ impl Call<'_> {
                 );
             }
         }
+        comm.synchronize(s).unwrap();
     }
 }

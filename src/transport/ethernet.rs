@@ -63,7 +63,7 @@ fn accept_proof(secret: &[u8], cnonce: &[u8], lnonce: &[u8]) -> [u8; DIGEST_LEN]
 
 /// The connector's half of a channel connection's handshake: reads the listener's fresh nonce,
 /// answers it with its rank, a nonce of its own and its proof, and checks the listener's proof
-/// (so neither a replayed hello nor a stranger on the address passes). `what` names the peer.
+/// (so neither a replayed hello nor a stranger on the address passes).
 fn greet(
     s: &mut TcpStream,
     secret: &[u8],
