@@ -33,6 +33,10 @@ pub enum WaitKind {
     /// A peer made a different collective call (reported like a wait): 'expected' is this
     /// rank's call word, 'seen' the peer's (see [`crate::gpu::signature`]).
     ArgumentMismatch,
+    /// An alltoallv byte range outside its buffer, refused before anything was written (reported
+    /// like a wait): the channel says which (`side << 8 | rank`), 'expected' is the buffer's size,
+    /// 'seen' the range's end.
+    BadCounts,
     /// A kind this build does not know (a newer header wrote it).
     Other(u32),
 }
@@ -51,6 +55,7 @@ impl WaitKind {
             8 => WaitKind::IbProgress,
             9 => WaitKind::IbError,
             10 => WaitKind::ArgumentMismatch,
+            11 => WaitKind::BadCounts,
             c => WaitKind::Other(c),
         }
     }
@@ -77,6 +82,7 @@ impl fmt::Display for WaitKind {
                 "a successful completion (the NIC reported an error: 'expected' is the WQE index, 'seen' the mlx5 syndrome)"
             ),
             WaitKind::ArgumentMismatch => write!(f, "the same collective call (a peer made another)"),
+            WaitKind::BadCounts => write!(f, "alltoallv counts inside the buffers"),
             WaitKind::Other(c) => write!(f, "wait kind {c}"),
         }
     }

@@ -1,7 +1,9 @@
 //! All-to-all on GPUs (`#[ignore = "needs GPU"]`; run with `--ignored`), at every rank count:
 //! equal blocks of awkward sizes (1 byte, odd, one past a tile, several ring wraps with small
-//! tiles and a shallow ring; the tiny ones through the LL16 kernel, also as 100 graph replays), `alltoallv` with uneven, zero and misaligned blocks (a rank that
-//! sends nothing), and 100 replays of a captured graph whose device counts change between replays.
+//! tiles and a shallow ring; the tiny ones through the LL16 kernel, also as 100 graph replays),
+//! `alltoallv` with uneven, zero and misaligned blocks (a rank that sends nothing), 100 replays of
+//! a captured graph whose device counts change between replays, and pairs that straddle the LL
+//! limit in every combination (eager and replayed).
 //! Every byte names its source, its destination and the round, so a misrouted block shows.
 
 mod common;
@@ -20,6 +22,7 @@ fn gpu_rank() {
     rank_main(|case, comm, stream| match case {
         "equal" => equal(comm, stream),
         "uneven" => uneven(comm, stream),
+        "mixed" => mixed(comm, stream),
         "late_peer" => late_peer(comm, stream),
         other => panic!("unknown case {other}"),
     });
@@ -38,6 +41,19 @@ fn equal_blocks_of_awkward_sizes() {
 fn uneven_zero_and_misaligned_blocks_and_graph_replays() {
     for n in rank_counts() {
         run_case("uneven", n, &[]);
+    }
+}
+
+/// alltoallv whose pairs straddle the LL limit in every combination: the issue-26 case first
+/// (rank 0's own block 1 MiB, every other block 1 KiB: ranks once picked different kernels from
+/// their own largest block and refused the call), then rounds in which each pair's two
+/// directions are empty, LL-sized or tile-sized in all nine combinations, eager and as graph
+/// replays whose device counts move pairs between the two protocols.
+#[test]
+#[ignore = "needs GPU"]
+fn alltoallv_mixing_packet_and_tile_pairs() {
+    for n in rank_counts() {
+        run_case("mixed", n, &[]);
     }
 }
 
@@ -275,7 +291,7 @@ fn uneven(comm: &Arc<Communicator>, s: &Arc<CudaStream>) {
         .unwrap();
     // SAFETY: every range the counts name lies inside the buffers (checked by uneven_counts'
     // sizes against `cap`).
-    unsafe { a2a.run_v_raw(s, i, o, cptr) }.unwrap();
+    unsafe { a2a.run_v_raw(s, i, cap, o, cap, cptr) }.unwrap();
     let graph = s
         .end_capture(CUgraphInstantiate_flags(0))
         .unwrap()
@@ -292,6 +308,87 @@ fn uneven(comm: &Arc<Communicator>, s: &Arc<CudaStream>) {
             &c,
             100 + replay,
             "graph replay",
+            &mut || graph.launch().unwrap(),
+        );
+    }
+}
+
+/// Bytes `from` sends `to` in round `round` of the mixed case (see
+/// `alltoallv_mixing_packet_and_tile_pairs`); `ll` is the LL limit.
+fn mixed_bytes(from: usize, to: usize, round: usize, ll: usize) -> usize {
+    if round == 0 {
+        return if from == 0 && to == 0 { 1 << 20 } else { 1024 };
+    }
+    // Over rounds 1..=9 the classes of (0, 1) and (1, 0) meet in all nine combinations.
+    match (3 * from + 5 * to + round + (round / 3) * from) % 3 {
+        0 => 0,
+        1 => 1000 + 8 * from + to,
+        _ => ll + 4096 + 16 * from + to + 1,
+    }
+}
+
+fn mixed(comm: &Arc<Communicator>, s: &Arc<CudaStream>) {
+    let (me, world) = (comm.rank(), comm.world_size());
+    let checker = Checker::new(comm.gpu()).unwrap();
+    let ll = AllToAllOptions::default_ll_max(world);
+    let cap = world * ((1 << 20).max(ll + 8192) + 8);
+    let input: CudaSlice<u8> = s.alloc_zeros(cap).unwrap();
+    let mut output: CudaSlice<u8> = s.alloc_zeros(cap).unwrap();
+    let (i, o) = (input.device_ptr(s).0, output.device_ptr(s).0);
+    let a2a = AllToAll::new(comm, AllToAllOptions::default()).unwrap();
+    let counts = |round: usize| {
+        Counts::packed(
+            (0..world).map(|p| mixed_bytes(me, p, round, ll)).collect(),
+            (0..world).map(|p| mixed_bytes(p, me, round, ll)).collect(),
+        )
+    };
+    for round in 0..10 {
+        let c = counts(round);
+        exchange(
+            comm,
+            s,
+            &checker,
+            i,
+            o,
+            &c,
+            round as u32 + 1,
+            "mixed alltoallv",
+            &mut || a2a.run_v(s, &input, &mut output, &c).unwrap(),
+        );
+    }
+    let counts_dev: CudaSlice<u64> = s.alloc_zeros(4 * world).unwrap();
+    let cptr = counts_dev.device_ptr(s).0;
+    comm.synchronize(s).unwrap();
+    s.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)
+        .unwrap();
+    // SAFETY: buffers of `cap` bytes; the kernel checks every range against them.
+    unsafe { a2a.run_v_raw(s, i, cap, o, cap, cptr) }.unwrap();
+    let graph = s
+        .end_capture(CUgraphInstantiate_flags(0))
+        .unwrap()
+        .expect("a graph");
+    for replay in 0..30usize {
+        let c = counts(replay % 10);
+        let v: Vec<u64> = [
+            &c.send_counts,
+            &c.send_offsets,
+            &c.recv_counts,
+            &c.recv_offsets,
+        ]
+        .iter()
+        .flat_map(|x| x.iter().map(|&n| n as u64))
+        .collect();
+        // SAFETY: `counts_dev` holds 4 * world u64; pageable copies are staged before returning.
+        unsafe { cudarc::driver::result::memcpy_htod_async(cptr, &v, s.cu_stream()) }.unwrap();
+        exchange(
+            comm,
+            s,
+            &checker,
+            i,
+            o,
+            &c,
+            200 + replay as u32,
+            "mixed alltoallv graph replay",
             &mut || graph.launch().unwrap(),
         );
     }

@@ -6,7 +6,8 @@
 //! run ranks as processes (several may share one GPU): `kill -9` of a rank in the middle of an
 //! allreduce, an all-to-all, a MoE dispatch (low-latency and high-throughput) and a PortChannel
 //! transfer, at every rank count of `DOORBELL_TEST_RANKS` (2, 3, 4); a rank stuck in host code;
-//! ranks that make different calls; `Communicator::abort` from another thread while a kernel
+//! ranks that make different calls (alltoallv pairs whose counts disagree, device counts out of
+//! range among them); `Communicator::abort` from another thread while a kernel
 //! waits; a shrink after a failure followed by correct allreduces. Each surviving rank prints
 //! `fault-to-error: <case> <n> ranks rank <r>: <ms> ms (<error>)`, the numbers in docs/faults.md.
 
@@ -15,7 +16,7 @@ mod common;
 use common::rank_counts;
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
 use doorbell::collectives::allreduce::{AllReduce, AllReduceOptions};
-use doorbell::collectives::alltoall::{AllToAll, AllToAllOptions};
+use doorbell::collectives::alltoall::{AllToAll, AllToAllOptions, Counts};
 use doorbell::collectives::DataType;
 use doorbell::communicator::Communicator;
 use doorbell::job::bootstrap::{Bootstrap, BootstrapConfig};
@@ -838,6 +839,112 @@ fn gpu_scenario(scenario: &str, comm: Arc<Communicator>) {
             }
             assert!(waited < Duration::from_secs(2), "{waited:?}");
         }
+        "mismatch_alltoallv_counts" | "mismatch_alltoallv_protocols" => {
+            // Rank 0 sends rank 1 more than rank 1 expects (f32 elements): 512 against 256 (both
+            // LL-sized), or 256 Ki against 256 (tiles against packets). Every other pair sends
+            // 4 elements. Ranks 0 and 1 each name the pair with all four counts; the others
+            // learn it from them.
+            let (sent, expected) = if scenario == "mismatch_alltoallv_counts" {
+                (512, 256)
+            } else {
+                (256 << 10, 256)
+            };
+            let send: Vec<usize> = (0..n)
+                .map(|p| if (me, p) == (0, 1) { sent } else { 4 })
+                .collect();
+            let recv: Vec<usize> = (0..n)
+                .map(|p| if (p, me) == (0, 1) { expected } else { 4 })
+                .collect();
+            let c = Counts::packed(send, recv);
+            let a2a = AllToAll::new(&comm, AllToAllOptions::default()).unwrap();
+            let inp: CudaSlice<f32> = s.alloc_zeros(sent + 4 * n).unwrap();
+            let mut out: CudaSlice<f32> = s.alloc_zeros(sent + 4 * n).unwrap();
+            let t0 = Instant::now();
+            let e = a2a
+                .run_v(&s, &inp, &mut out, &c)
+                .and_then(|()| comm.synchronize(&s))
+                .unwrap_err();
+            let waited = t0.elapsed();
+            eprintln!(
+                "fault-to-error: {scenario} {n} ranks rank {me}: {} ms after the call ({e})",
+                waited.as_millis()
+            );
+            let Error::ArgumentMismatch {
+                rank,
+                mine,
+                peer,
+                theirs,
+            } = &e
+            else {
+                panic!("expected ArgumentMismatch, got {e}")
+            };
+            assert!(*rank <= 1 && *peer <= 1 && rank != peer, "{e}");
+            let text = format!("{mine} / {theirs}");
+            let (sb, eb) = (
+                format!("{} bytes", 4 * sent),
+                format!("{} bytes", 4 * expected),
+            );
+            assert!(text.contains(&sb) && text.contains(&eb), "{e}");
+            assert!(waited < Duration::from_secs(2), "{waited:?}");
+        }
+        "bad_alltoallv_counts" => {
+            // Rank 0's device counts put the block from rank 1 past the end of its output: its
+            // kernel refuses before writing anything; every other rank fails naming rank 0.
+            let a2a = AllToAll::new(&comm, AllToAllOptions::default()).unwrap();
+            let block = 1024usize;
+            let bytes = n * block;
+            let inp: CudaSlice<u8> = s.alloc_zeros(bytes).unwrap();
+            let out: CudaSlice<u8> = s.clone_htod(&vec![0xabu8; bytes]).unwrap();
+            let mut host: Vec<u64> = Vec::new();
+            for row in 0..4 {
+                host.extend((0..n).map(|p| match row {
+                    0 | 2 => block as u64,
+                    _ => (p * block) as u64,
+                }));
+            }
+            if me == 0 {
+                host[3 * n + 1] = (bytes - block / 2) as u64;
+            }
+            let counts = s.clone_htod(&host).unwrap();
+            let t0 = Instant::now();
+            // SAFETY: buffers of `bytes` each and a (4, n) count array, alive until the sync;
+            // the kernel checks the ranges (rank 0's bad one is the point).
+            let e = unsafe {
+                a2a.run_v_raw(
+                    &s,
+                    inp.device_ptr(&s).0,
+                    bytes,
+                    out.device_ptr(&s).0,
+                    bytes,
+                    counts.device_ptr(&s).0,
+                )
+            }
+            .and_then(|()| comm.synchronize(&s))
+            .unwrap_err();
+            let waited = t0.elapsed();
+            eprintln!(
+                "fault-to-error: {scenario} {n} ranks rank {me}: {} ms after the call ({e})",
+                waited.as_millis()
+            );
+            let text = e.to_string();
+            if me == 0 {
+                assert!(matches!(e, Error::InvalidArgument { .. }), "{e}");
+                assert!(
+                    text.contains("the block from rank 1")
+                        && text.contains(&format!("{bytes} bytes")),
+                    "{e}"
+                );
+                let got = s.clone_dtoh(&out).unwrap();
+                assert!(
+                    got.iter().all(|&b| b == 0xab),
+                    "rank 0's output was written"
+                );
+            } else {
+                assert!(matches!(e, Error::PeerFailed { rank: 0, .. }), "{e}");
+                assert!(text.contains("alltoallv counts"), "{e}");
+            }
+            assert!(waited < Duration::from_secs(2), "{waited:?}");
+        }
         "shrink" => {
             let ar = allreduce_of(&comm);
             let mut buf: CudaSlice<f32> = s.alloc_zeros(1 << 16).unwrap();
@@ -962,6 +1069,9 @@ fn mismatched_calls_are_named_on_every_rank() {
         "mismatch_moe_ll",
         "mismatch_moe_ht",
         "mismatch_moe_shape",
+        "mismatch_alltoallv_counts",
+        "mismatch_alltoallv_protocols",
+        "bad_alltoallv_counts",
     ] {
         for n in rank_counts() {
             let exits = gpu_case(scenario, n, &[("DOORBELL_WAIT_TIMEOUT_MS", "1500".into())]);

@@ -17,6 +17,13 @@
 // captured graph need no reset. No deadlock: a send waits only for the peer's receiver, which
 // waits only for our sender's earlier tiles.
 // Counts and offsets come from device memory (alltoallv) or one equal size (alltoall), in bytes.
+//
+// alltoallv: ranks cannot agree on a kernel from their own counts (a rank knows only its pairs),
+// so every alltoallv runs this kernel and each pair picks its protocol from its own byte count,
+// which both sides of the pair read: up to `pair_ll_max` bytes go as LL16 packets (below), more
+// as tiles. Before anything is written every block checks every range the counts name against
+// the buffers; a range outside them is reported (kWaitBadCounts) and the call writes nothing.
+// Each pair's two counts are compared by the call check (call_check.cuh, pair counts).
 #include <doorbell/doorbell.cuh>
 
 using namespace doorbell;
@@ -42,8 +49,87 @@ DOORBELL_DEVICE_INLINE uint64_t lane_tiles(uint64_t bytes, uint64_t tile, uint32
   return tiles > lane ? (tiles - lane + lanes - 1) / lanes : 0;
 }
 
+// The packet area of alltoallv's small pairs: after the equal blocks' LL area, the same shape
+// ([2 halves][source][ll_slot_bytes]), its own epochs.
+DOORBELL_DEVICE_INLINE uint64_t pair_ll_offset(const AllToAllArgs& a) {
+  return a.ll_offset + 2ull * a.world * a.ll_slot_bytes;
+}
+
+// Every range of alltoallv's counts inside its buffer, and the own block sent and received at one
+// size; else reports the first bad one (block 0) and returns false in every block, before any
+// block has written anything. One barrier.
+DOORBELL_DEVICE_INLINE bool counts_in_range(const AllToAllArgs& a) {
+  const uint32_t w = a.world, i = threadIdx.x;
+  bool bad = false;
+  uint32_t channel = 0;
+  uint64_t limit = 0, end = 0;
+  if (i < 2 * w) {
+    const uint32_t side = i / w, p = i % w;
+    const uint64_t n = a.counts[2 * side * w + p], off = a.counts[(2 * side + 1) * w + p];
+    limit = side ? a.output_bytes : a.input_bytes;
+    bad = off > limit || n > limit - off;
+    end = off + n < off ? ~0ull : off + n;
+    channel = side << 8 | p;
+  } else if (i == 2 * w) {
+    limit = a.counts[2 * w + a.rank];
+    end = a.counts[a.rank];
+    bad = limit != end;
+    channel = 2u << 8 | a.rank;
+  }
+  if (!__syncthreads_or(bad)) return true;
+  if (bad && blockIdx.x == 0) {
+    WaitSite site = a.data[a.rank].site;
+    site.peer = -1;
+    site.channel = channel;
+    report_failure(site, kWaitBadCounts, limit, end, 0);
+  }
+  return false;
+}
+
+// One direction of a small alltoallv pair as LL16 packets, this lane's share: packet i goes from
+// lane i / team % lanes (the receiving side may split them otherwise, its team being another
+// size). Each (direction, peer, lane) keeps its epoch in `pair_epochs`, and every lane of the pair
+// bumps it in every call in which the pair goes as packets (both sides see the same count, so all
+// of them agree on every epoch); the halves alternate by epoch. Reuse is safe because every
+// alltoallv waits for every peer's call word (call_check.cuh), so a rank starts call n+1 only
+// after each peer started call n, that is, finished call n-1 and read its packets.
+DOORBELL_DEVICE_INLINE void pair_packets(const AllToAllArgs& a, bool send, uint32_t p, uint32_t lane,
+                                         uint64_t bytes, uint64_t off, uint32_t t, uint32_t team,
+                                         uint32_t bar) {
+  const uint32_t w = a.world;
+  uint32_t* epochs = a.pair_epochs + (uint64_t(send ? 0 : w) + p) * a.lanes + lane;
+  const uint32_t epoch = *epochs + 1;
+  const uint64_t half = uint64_t(epoch & 1) * w * a.ll_slot_bytes;
+  const uint64_t first = uint64_t(lane) * team + t, stride = uint64_t(a.lanes) * team;
+  if (send) {
+    LL16Packet* slot = reinterpret_cast<LL16Packet*>(a.scratch[p] + pair_ll_offset(a) + half +
+                                                     uint64_t(a.rank) * a.ll_slot_bytes);
+    for (uint64_t i = first; i * 8 < bytes; i += stride) {
+      uint32_t lo, hi;
+      const uint64_t n = bytes - i * 8;
+      load_payload(a.input + off + i * 8, n < 8 ? uint32_t(n) : 8, lo, hi);
+      slot[i].write(lo, hi, epoch);
+    }
+  } else {
+    const LL16Packet* slot = reinterpret_cast<const LL16Packet*>(a.scratch[a.rank] + pair_ll_offset(a) + half +
+                                                                 uint64_t(p) * a.ll_slot_bytes);
+    const WaitSite& site = a.data[uint64_t(lane) * w + p].site;
+    for (uint64_t i = first; i * 8 < bytes; i += stride) {
+      uint32_t lo = 0, hi = 0;
+      spin_until_packet(site, kWaitPacket, epoch,
+                        [&](uint64_t& seen) { return slot[i].try_read(lo, hi, epoch, seen); });
+      const uint64_t n = bytes - i * 8;
+      store_payload(a.output + off + i * 8, n < 8 ? uint32_t(n) : 8, lo, hi);
+    }
+  }
+  // Every thread of the team has read the epoch before it moves on.
+  named_barrier(bar, team);
+  if (t == 0) *epochs = epoch;
+}
+
 DOORBELL_DEVICE_INLINE void tiles(const AllToAllArgs& a) {
   const uint32_t w = a.world;
+  if (a.counts && !counts_in_range(a)) return;
   // Blocks [0, (w - 1) x lanes) serve the peers in rank order, `lanes` each; the rest of the
   // grid copies this rank's own block (a local copy needs fewer SMs than an NVLink stream).
   const uint32_t remote_blocks = (w - 1) * a.lanes;
@@ -78,7 +164,13 @@ DOORBELL_DEVICE_INLINE void tiles(const AllToAllArgs& a) {
   const uint32_t t = sender ? tid : tid - senders;
   const uint32_t team = sender ? senders : nthreads - senders;
   const uint32_t bar = sender ? 1 : 2;
-  if (sender) {
+  // alltoallv's small pairs go as packets (equal blocks that small took the LL kernel).
+  const uint64_t ll_max = a.counts ? a.pair_ll_max : 0;
+  if (sender && send_bytes > 0 && send_bytes <= ll_max) {
+    pair_packets(a, true, p, lane, send_bytes, send_off, t, team, bar);
+  } else if (!sender && recv_bytes > 0 && recv_bytes <= ll_max) {
+    pair_packets(a, false, p, lane, recv_bytes, recv_off, t, team, bar);
+  } else if (sender) {
     const uint64_t tile = pair_tile(send_bytes, a.tile, a.lanes);
     const uint64_t n_send = lane_tiles(send_bytes, tile, lane, a.lanes);
     for (uint64_t i = 0; i < n_send; ++i) {
@@ -108,24 +200,24 @@ DOORBELL_DEVICE_INLINE void tiles(const AllToAllArgs& a) {
   }
 }
 
-// Tiny blocks: one LL16 packet per 8 bytes, written straight into the receiver's packet area and
-// read there once its flag shows this call's epoch: no semaphores, one NVLink crossing. The grid
-// is fixed (the caller always launches the same number of blocks) and packet i always belongs to
-// the same block, whose epoch, kept in device memory and bumped every call, is the flag; the two
+// Tiny equal blocks: one LL16 packet per 8 bytes, written straight into the receiver's packet area
+// and read there once its flag shows this call's epoch: no semaphores, one NVLink crossing. The
+// grid is fixed (the caller always launches the same number of blocks) and packet i always belongs
+// to the same block, whose epoch, kept in device memory and bumped every call, is the flag; the two
 // halves of the area alternate by epoch, so a call never overwrites packets a slow peer has not
 // read yet (to start call N+2 a rank needs the peer's packets of N+1, sent after the peer had
-// read everything of N).
+// read everything of N). Equal blocks only: every rank knows every pair's size.
 DOORBELL_DEVICE_INLINE void ll16(const AllToAllArgs& a) {
   const uint32_t w = a.world;
+  const uint64_t bytes = a.equal_bytes;
   const uint32_t epoch = a.epochs[blockIdx.x] + 1;
   const uint64_t half = uint64_t(epoch & 1) * w * a.ll_slot_bytes;
   const uint64_t stride = uint64_t(gridDim.x) * blockDim.x;
   const uint64_t first = uint64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   for (uint32_t p = 0; p < w; ++p) {
-    const uint64_t bytes = a.counts ? a.counts[p] : a.equal_bytes;
-    const char* src = a.input + (a.counts ? a.counts[w + p] : p * a.equal_bytes);
+    const char* src = a.input + p * bytes;
     if (p == a.rank) {
-      char* dst = a.output + (a.counts ? a.counts[3 * w + p] : p * a.equal_bytes);
+      char* dst = a.output + p * bytes;
       for (uint64_t i = first; i < bytes; i += stride) dst[i] = src[i];
       continue;
     }
@@ -140,8 +232,7 @@ DOORBELL_DEVICE_INLINE void ll16(const AllToAllArgs& a) {
   }
   for (uint32_t p = 0; p < w; ++p) {
     if (p == a.rank) continue;
-    const uint64_t bytes = a.counts ? a.counts[2 * w + p] : a.equal_bytes;
-    char* dst = a.output + (a.counts ? a.counts[3 * w + p] : p * a.equal_bytes);
+    char* dst = a.output + p * bytes;
     const LL16Packet* slot =
         reinterpret_cast<const LL16Packet*>(a.scratch[a.rank] + a.ll_offset + half + uint64_t(p) * a.ll_slot_bytes);
     const WaitSite& site = a.data[p].site;
@@ -158,18 +249,27 @@ DOORBELL_DEVICE_INLINE void ll16(const AllToAllArgs& a) {
 }
 
 // Both kernels run between the call check's announce and check (call_check.cuh): a rank that makes
-// another call (equal blocks of another size, alltoallv against alltoall) is named on every rank.
-// (Written out, not through a lambda: the launch arguments must stay in parameter space.)
+// another call (equal blocks of another size, alltoallv against alltoall, other pair counts) is
+// named on every rank. The checker threads sit in the last block, which copies the own block and
+// never waits, so a check runs even when a mismatch leaves data waits hanging; its report aborts
+// them. (Written out, not through a lambda: the launch arguments must stay in parameter space.)
 extern "C" __global__ void __launch_bounds__(512) alltoall_tiles(AllToAllArgs a) {
-  announce_call(a.call, a.rank, a.world);
+  if (a.counts) {
+    announce_call_counts(a.call, a.rank, a.world, a.counts);
+  } else {
+    announce_call(a.call, a.rank, a.world);
+  }
   tiles(a);
-  check_call(a.call, a.rank, a.world, a.data[checked_peer(a.world) % a.world].site,
-             a.counts == nullptr && a.equal_bytes > 0);
+  const WaitSite& site = a.data[checked_peer(a.world) % a.world].site;
+  if (a.counts) {
+    check_call_counts(a.call, a.rank, a.world, site, a.counts);
+  } else {
+    check_call(a.call, a.rank, a.world, site);
+  }
 }
 
 extern "C" __global__ void __launch_bounds__(512) alltoall_ll16(AllToAllArgs a) {
   announce_call(a.call, a.rank, a.world);
   ll16(a);
-  check_call(a.call, a.rank, a.world, a.data[checked_peer(a.world) % a.world].site,
-             a.counts == nullptr && a.equal_bytes > 0);
+  check_call(a.call, a.rank, a.world, a.data[checked_peer(a.world) % a.world].site);
 }

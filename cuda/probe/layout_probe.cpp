@@ -28,7 +28,11 @@ int main() {
   FIELD(WaitReport, mismatch_mine);
   FIELD(WaitReport, mismatch_theirs);
   FIELD(WaitReport, mismatch_valid);
-  FIELD(WaitReport, mismatch_reserved);
+  FIELD(WaitReport, mismatch_counts);
+  FIELD(WaitReport, mismatch_mine_send);
+  FIELD(WaitReport, mismatch_mine_recv);
+  FIELD(WaitReport, mismatch_theirs_send);
+  FIELD(WaitReport, mismatch_theirs_recv);
 
   STRUCT(WaitSite);
   FIELD(WaitSite, report);
@@ -162,6 +166,10 @@ int main() {
   FIELD(AllToAllArgs, ll_slot_bytes);
   FIELD(AllToAllArgs, epochs);
   FIELD(AllToAllArgs, call);
+  FIELD(AllToAllArgs, input_bytes);
+  FIELD(AllToAllArgs, output_bytes);
+  FIELD(AllToAllArgs, pair_ll_max);
+  FIELD(AllToAllArgs, pair_epochs);
 
   STRUCT(MoeArgs);
   FIELD(MoeArgs, x);

@@ -225,20 +225,25 @@ impl Comm {
 
     /// Per-peer blocks whose byte counts and offsets sit in device memory at `counts` (4 x world
     /// u64: send counts, send offsets, recv counts, recv offsets), read by the kernel (graph
-    /// replays may change them).
+    /// replays may change them), which refuses any range outside `input_bytes` / `output_bytes`
+    /// before writing anything.
+    #[allow(clippy::too_many_arguments)]
     fn all_to_all_v(
         &self,
         py: Python<'_>,
         input: u64,
+        input_bytes: usize,
         output: u64,
+        output_bytes: usize,
         counts: u64,
         stream: u64,
     ) -> PyResult<()> {
         let s = self.stream(stream)?;
         py.allow_threads(|| {
             self.with_all_to_all(|a2a| {
-                // SAFETY: checked by the package: the ranges lie inside the tensors.
-                unsafe { a2a.run_v_raw(&s, input, output, counts) }
+                // SAFETY: the package passes live tensors of those sizes and a (4, world) int64
+                // tensor of this device; the kernel checks every range the counts name.
+                unsafe { a2a.run_v_raw(&s, input, input_bytes, output, output_bytes, counts) }
             })
         })
         .map_err(py_err)

@@ -5,8 +5,12 @@
 //! receiver's scratch ring by SM stores and the receiver copies it out, tile by tile, with credit
 //! flow control; every count lives in device memory, so graph replays need no host work. Blocks of
 //! at most [`AllToAllOptions::ll_max_bytes`] go as LL16 packets instead (a flag in every 16
-//! bytes: one NVLink crossing, no semaphores). Sizes
-//! are bytes underneath: any element type works, raw bytes included.
+//! bytes: one NVLink crossing, no semaphores): for equal blocks the whole call, for `alltoallv`
+//! each pair by its own size, decided on the device (both sides of a pair read the same count,
+//! while no rank knows the other pairs'). An `alltoallv` checks its device counts against the
+//! buffers before writing anything and each pair's two counts against each other (the call
+//! check), naming a disagreement on both ranks of the pair. Sizes are bytes underneath: any
+//! element type works, raw bytes included.
 
 use crate::channel::memory_channel::RegisteredMemory;
 use crate::channel::semaphore::Semaphores;
@@ -42,9 +46,10 @@ pub struct AllToAllOptions {
     /// Threads of each block that send, the rest receiving (a multiple of 32 below `threads`;
     /// default: half).
     pub send_threads: Option<u32>,
-    /// Blocks of at most this many bytes per peer take the LL16-packet kernel (one NVLink
-    /// crossing, no semaphores); 0 turns it off. Default ([`AllToAllOptions::default_ll_max`]):
-    /// 512 KiB on 2 ranks, 64 KiB on more.
+    /// Blocks of at most this many bytes per peer go as LL16 packets (one NVLink crossing, no
+    /// semaphores): equal blocks take the LL kernel, `alltoallv` pairs go so inside the tile
+    /// kernel (only with the call check on, which keeps ranks in step); 0 turns it off. Default
+    /// ([`AllToAllOptions::default_ll_max`]): 512 KiB on 2 ranks, 64 KiB on more.
     pub ll_max_bytes: Option<usize>,
     /// Blocks of the LL kernel (fixed per communicator: each packet index always belongs to the
     /// same block, which keeps its own epoch).
@@ -132,6 +137,7 @@ pub struct AllToAll {
     _epochs: CudaSlice<u32>,
     /// Device `[4][world]` byte counts for [`AllToAll::run_v`].
     counts: Mutex<CudaSlice<u64>>,
+    _pair_epochs: CudaSlice<u32>,
     _scratch: Arc<Buffer>,
     _registered: Arc<RegisteredMemory>,
     _peers: Vec<Option<Arc<RemoteMemory>>>,
@@ -210,18 +216,32 @@ impl AllToAll {
                 format!("{}: must be in 1..={sms}", opts.ll_blocks),
             ));
         }
-        let ring_bytes = world * lanes as usize * opts.depth as usize * opts.tile_bytes;
-        // LL16 packets carry 8 bytes in 16.
+        let call_check = Settings::from_env()?.call_check;
         let ll_max = opts
             .ll_max_bytes
             .unwrap_or(AllToAllOptions::default_ll_max(world));
+        // Ring layout, tiles, teams and protocols must be the same on every rank.
+        super::agree(
+            comm,
+            format!(
+                "an all-to-all of {lanes} lanes per peer, {} B tiles x {} slots, {send_threads} \
+                 of {} threads sending, LL up to {ll_max} B on {} blocks, call check {}",
+                opts.tile_bytes,
+                opts.depth,
+                opts.threads,
+                opts.ll_blocks,
+                if call_check { "on" } else { "off" }
+            ),
+        )?;
+        let ring_bytes = world * lanes as usize * opts.depth as usize * opts.tile_bytes;
+        // LL16 packets carry 8 bytes in 16.
         let opts = AllToAllOptions {
             ll_max_bytes: Some(ll_max),
             ..opts
         };
         let ll_slot_bytes = (ll_max.div_ceil(8) * 16).max(16);
-        // The call check's inbox sits after the LL area.
-        let inbox_offset = ring_bytes + 2 * world * ll_slot_bytes;
+        // Two LL areas (equal blocks, alltoallv pairs), then the call check's inbox.
+        let inbox_offset = ring_bytes + 4 * world * ll_slot_bytes;
         let scratch = comm.alloc(inbox_offset + signature::INBOX_BYTES)?;
         let registered = comm.register(&scratch)?;
         let peers = comm.exchange(&registered)?;
@@ -237,6 +257,9 @@ impl AllToAll {
             .map_err(cuda_err("cuMemAlloc"))?;
         let epochs = stream
             .alloc_zeros::<u32>(opts.ll_blocks as usize)
+            .map_err(cuda_err("cuMemAlloc"))?;
+        let pair_epochs = stream
+            .alloc_zeros::<u32>(2 * world * lanes_us)
             .map_err(cuda_err("cuMemAlloc"))?;
         let scratch_ptrs =
             super::mapped_bases(comm, scratch.device_ptr(), &peers, "the all-to-all")?;
@@ -258,6 +281,10 @@ impl AllToAll {
             ll_offset: ring_bytes as u64,
             ll_slot_bytes: ll_slot_bytes as u64,
             epochs: epochs.device_ptr(&stream).0,
+            // Reusing a pair's packet area needs every rank to wait for every peer's call word,
+            // which only the call check does (`alltoall.cu`, pair_packets).
+            pair_ll_max: if call_check { ll_max as u64 } else { 0 },
+            pair_epochs: pair_epochs.device_ptr(&stream).0,
             ..Default::default()
         };
         stream
@@ -274,9 +301,10 @@ impl AllToAll {
             kernel,
             ll_kernel,
             own_lanes,
-            calls: CallChecker::new(inbox, Settings::from_env()?.call_check),
+            calls: CallChecker::new(inbox, call_check),
             _epochs: epochs,
             counts: Mutex::new(counts),
+            _pair_epochs: pair_epochs,
             _scratch: scratch,
             _registered: registered,
             _peers: peers,
@@ -296,18 +324,14 @@ impl AllToAll {
         self.base.lanes * (self.base.world - 1) + self.own_lanes
     }
 
-    /// Launches the tile kernel, or the LL kernel when every block is at most `ll_max_bytes`
-    /// (`largest`, when the host knows it).
-    fn launch(
-        &self,
-        stream: &CudaStream,
-        args: AllToAllArgs,
-        largest: Option<usize>,
-    ) -> Result<()> {
+    /// Launches the LL kernel for equal blocks of at most `ll_max_bytes`, else the tile kernel
+    /// (every `alltoallv`: each pair picks packets or tiles on the device).
+    fn launch(&self, stream: &CudaStream, args: AllToAllArgs) -> Result<()> {
         self.comm.check_health()?;
-        let ll_max = self.opts.ll_max_bytes.unwrap_or(0);
-        let ll = largest.is_some_and(|b| b <= ll_max);
-        // Equal blocks name their size; variable ones only their kind (counts differ by rank).
+        let ll_max = self.opts.ll_max_bytes.unwrap_or(0) as u64;
+        let ll = args.counts == 0 && args.equal_bytes <= ll_max;
+        // Equal blocks name their size; variable ones only their kind (their counts travel
+        // beside the word, pair by pair).
         let (kind, count) = if args.counts == 0 {
             (CallKind::AllToAll, args.equal_bytes)
         } else {
@@ -362,24 +386,30 @@ impl AllToAll {
                 equal_bytes: bytes_per_peer as u64,
                 ..self.base
             },
-            Some(bytes_per_peer),
         )
     }
 
-    /// Per-peer counts read by the kernel from device memory (always the tile kernel, since the
-    /// host does not know the sizes): `counts` is a device array of
+    /// Per-peer counts read by the kernel from device memory: `counts` is a device array of
     /// `4 * world` u64 byte values (send counts, send offsets, recv counts, recv offsets, each
-    /// indexed by rank). What rank `p` sends me must equal what I expect from `p`. Capture it in a
-    /// graph and change the counts between replays freely.
+    /// indexed by rank). Capture it in a graph and change the counts between replays freely.
+    ///
+    /// Checked on the device, every call: a range outside `input_bytes` / `output_bytes`, or an
+    /// own block sent and received at different sizes, fails the call with
+    /// [`Error::InvalidArgument`] before anything is written (the peers then fail naming this
+    /// rank); what rank `p` sends me must equal what I expect from `p`, else both ranks fail with
+    /// [`Error::ArgumentMismatch`] naming the pair and both counts.
     ///
     /// # Safety
-    /// `counts` is such an array; every range it names lies inside `input` / `output` (device
-    /// memory of this GPU, not overlapping), all valid until the work on `stream` completes.
+    /// `counts` is such an array, `input` and `output` are device memory of this GPU of
+    /// `input_bytes` and `output_bytes`, not overlapping, all valid until the work on `stream`
+    /// completes.
     pub unsafe fn run_v_raw(
         &self,
         stream: &CudaStream,
         input: u64,
+        input_bytes: usize,
         output: u64,
+        output_bytes: usize,
         counts: u64,
     ) -> Result<()> {
         self.launch(
@@ -388,9 +418,10 @@ impl AllToAll {
                 input,
                 output,
                 counts,
+                input_bytes: input_bytes as u64,
+                output_bytes: output_bytes as u64,
                 ..self.base
             },
-            None,
         )
     }
 
@@ -419,10 +450,11 @@ impl AllToAll {
         unsafe { self.run_raw(stream, i, o, bytes) }
     }
 
-    /// `alltoallv` with counts and offsets in elements, checked against the buffers here and
-    /// uploaded (stream-ordered) into a device array this object owns. Calls of one `AllToAll`
-    /// must then stay on one stream; for CUDA graphs with changing counts use
-    /// [`AllToAll::run_v_raw`] with your own device array.
+    /// `alltoallv` with counts and offsets in elements, uploaded (stream-ordered) into a device
+    /// array this object owns; checked like [`AllToAll::run_v_raw`] (on the device, so that a bad
+    /// range fails every rank at once, not only this one). Calls of one `AllToAll` must then stay
+    /// on one stream; for CUDA graphs with changing counts use [`AllToAll::run_v_raw`] with your
+    /// own device array.
     pub fn run_v<T: DeviceRepr, I: DevicePtr<T>, O: DevicePtrMut<T>>(
         &self,
         stream: &CudaStream,
@@ -432,42 +464,22 @@ impl AllToAll {
     ) -> Result<()> {
         let world = self.comm.world_size();
         let size = std::mem::size_of::<T>();
-        let check = |what: &str, c: &[usize], o: &[usize], len: usize| -> Result<Vec<u64>> {
-            if c.len() != world || o.len() != world {
+        let mut all = Vec::with_capacity(4 * world);
+        for (what, c) in [
+            ("send_counts", &counts.send_counts),
+            ("send_offsets", &counts.send_offsets),
+            ("recv_counts", &counts.recv_counts),
+            ("recv_offsets", &counts.recv_offsets),
+        ] {
+            if c.len() != world {
                 return Err(Error::invalid(
                     what,
-                    format!(
-                        "need {world} counts and offsets, got {} and {}",
-                        c.len(),
-                        o.len()
-                    ),
+                    format!("{} values for {world} ranks", c.len()),
                 ));
             }
-            for (p, (&n, &at)) in c.iter().zip(o).enumerate() {
-                if at.checked_add(n).is_none_or(|end| end > len) {
-                    return Err(Error::invalid(
-                        what,
-                        format!("rank {p}'s block [{at}, +{n}) lies outside {len} elements"),
-                    ));
-                }
-            }
-            Ok(c.iter()
-                .chain(o)
-                .map(|&v| (v * size) as u64)
-                .collect::<Vec<_>>())
-        };
-        let mut all = check(
-            "send",
-            &counts.send_counts,
-            &counts.send_offsets,
-            input.len(),
-        )?;
-        all.extend(check(
-            "recv",
-            &counts.recv_counts,
-            &counts.recv_offsets,
-            output.len(),
-        )?);
+            // Saturated: a range past the buffer stays past it, and the kernel refuses it.
+            all.extend(c.iter().map(|&v| v.saturating_mul(size) as u64));
+        }
         // Held until the launch: no other call rewrites the counts in between.
         let dev = self.counts.lock().unwrap_or_else(|p| p.into_inner());
         let (ptr, _gc) = dev.device_ptr(stream);
@@ -476,27 +488,12 @@ impl AllToAll {
         // is staged before the call returns, so `all` may go away after it.
         unsafe { cudarc::driver::result::memcpy_htod_async(ptr, &all, stream.cu_stream()) }
             .map_err(cuda_err("cuMemcpyHtoD"))?;
+        let (in_bytes, out_bytes) = (input.num_bytes(), output.num_bytes());
         let (i, _gi) = input.device_ptr(stream);
         let (o, _go) = output.device_ptr_mut(stream);
-        let largest = counts
-            .send_counts
-            .iter()
-            .chain(&counts.recv_counts)
-            .map(|&n| n * size)
-            .max()
-            .unwrap_or(0);
-        // SAFETY: every range was checked against the buffers above; the counts array is ours
-        // and the upload is ordered before the kernel on `stream`.
-        self.launch(
-            stream,
-            AllToAllArgs {
-                input: i,
-                output: o,
-                counts: ptr,
-                ..self.base
-            },
-            Some(largest),
-        )
+        // SAFETY: live cudarc allocations of the sizes given (the kernel checks every range
+        // against them); the counts array is ours and the upload is ordered before the kernel.
+        unsafe { self.run_v_raw(stream, i, in_bytes, o, out_bytes, ptr) }
     }
 }
 

@@ -90,6 +90,25 @@ impl ReduceOp {
     }
 }
 
+/// The first rank whose shape differs from `me`'s, as the error every rank returns.
+pub(crate) fn shape_mismatch(me: usize, shapes: &[Vec<u8>]) -> Option<Error> {
+    let text = |b: &[u8]| String::from_utf8_lossy(b).into_owned();
+    let peer = (0..shapes.len()).find(|&r| shapes[r] != shapes[me])?;
+    Some(Error::ArgumentMismatch {
+        rank: me,
+        mine: text(&shapes[me]),
+        peer,
+        theirs: text(&shapes[peer]),
+    })
+}
+
+/// Every rank builds the same collective object (collective: one all-gather of `mine`, the
+/// object's shape in words): a rank whose shape differs is named on every rank with both shapes.
+pub(crate) fn agree(comm: &crate::communicator::Communicator, mine: String) -> Result<()> {
+    let shapes = comm.bootstrap().all_gather(mine.as_bytes())?;
+    shape_mismatch(comm.rank(), &shapes).map_or(Ok(()), Err)
+}
+
 /// Every rank's copy of a buffer as mapped here: `own` at this rank, the peers' from
 /// [`Communicator::exchange`] (0 past the world). `what` names the single-node user of the buffer
 /// in the error for a rank on another host.

@@ -672,25 +672,11 @@ fn shape_text(mode: &str, net: bool, cfg: &MoeConfig, sms: u32) -> String {
     )
 }
 
-/// The first rank whose shape differs from `me`'s, as the error every rank returns.
-fn shape_mismatch(me: usize, shapes: &[Vec<u8>]) -> Option<Error> {
-    let text = |b: &[u8]| String::from_utf8_lossy(b).into_owned();
-    let peer = (0..shapes.len()).find(|&r| shapes[r] != shapes[me])?;
-    Some(Error::ArgumentMismatch {
-        rank: me,
-        mine: text(&shapes[me]),
-        peer,
-        theirs: text(&shapes[peer]),
-    })
-}
-
 /// Every rank builds the same MoE buffer (collective): a rank whose shape differs is named on
 /// every rank with both shapes, at once, instead of kernels waiting out their budget on counts
 /// and rows that never match.
 fn agree_shape(comm: &Communicator, mode: &str, net: bool, cfg: &MoeConfig) -> Result<()> {
-    let mine = shape_text(mode, net, cfg, comm.gpu().sm_count()?);
-    let shapes = comm.bootstrap().all_gather(mine.as_bytes())?;
-    shape_mismatch(comm.rank(), &shapes).map_or(Ok(()), Err)
+    super::agree(comm, shape_text(mode, net, cfg, comm.gpu().sm_count()?))
 }
 
 #[cfg(test)]
@@ -719,19 +705,26 @@ mod tests {
             a.clone().into_bytes(),
         ];
         for me in [0, 2] {
-            let e = shape_mismatch(me, &shapes).unwrap().to_string();
+            let e = crate::collectives::shape_mismatch(me, &shapes)
+                .unwrap()
+                .to_string();
             assert_eq!(
                 e,
                 format!("argument mismatch: rank {me} made {a}, while rank 1 made {b}")
             );
         }
-        let e = shape_mismatch(1, &shapes).unwrap().to_string();
+        let e = crate::collectives::shape_mismatch(1, &shapes)
+            .unwrap()
+            .to_string();
         assert!(
             e.contains("rank 1 made a high-throughput MoE buffer (NVLink path, hidden 2048"),
             "{e}"
         );
         assert!(e.contains("rank 0 made"), "{e}");
-        assert!(shape_mismatch(0, &[a.clone().into_bytes(), a.into_bytes()]).is_none());
+        assert!(
+            crate::collectives::shape_mismatch(0, &[a.clone().into_bytes(), a.into_bytes()])
+                .is_none()
+        );
         // The mode, the path and a GPU with other SMs differ too.
         assert_ne!(
             shape_text("low-latency", false, &cfg(1024), 132),

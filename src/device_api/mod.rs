@@ -45,8 +45,16 @@ pub struct WaitReport {
     pub mismatch_theirs: u64,
     /// 1 once the mismatch fields are written.
     pub mismatch_valid: u32,
-    /// Zero.
-    pub mismatch_reserved: u32,
+    /// 1: the call words agree, the pair's byte counts below do not (alltoallv).
+    pub mismatch_counts: u32,
+    /// Bytes this rank sends that peer.
+    pub mismatch_mine_send: u64,
+    /// Bytes this rank expects from that peer.
+    pub mismatch_mine_recv: u64,
+    /// Bytes that peer sends this rank.
+    pub mismatch_theirs_send: u64,
+    /// Bytes that peer expects from this rank.
+    pub mismatch_theirs_recv: u64,
 }
 
 /// Who is waiting, copied into every handle that can wait.
@@ -402,6 +410,14 @@ pub struct AllToAllArgs {
     pub epochs: u64,
     /// The call check.
     pub call: CallCheck,
+    /// alltoallv: bytes of `input` (device counts naming a range outside it are refused).
+    pub input_bytes: u64,
+    /// alltoallv: bytes of `output`.
+    pub output_bytes: u64,
+    /// alltoallv: a pair's block of at most this many bytes goes as LL16 packets (0: never).
+    pub pair_ll_max: u64,
+    /// alltoallv: epochs of those packets, `[2 (send, receive)][world][lanes]` u32 (device).
+    pub pair_epochs: u64,
 }
 
 /// Launch arguments of the MoE dispatch/combine kernels (`collective_args.cuh`; field meanings
@@ -697,7 +713,11 @@ mod layout {
                     mismatch_mine,
                     mismatch_theirs,
                     mismatch_valid,
-                    mismatch_reserved
+                    mismatch_counts,
+                    mismatch_mine_send,
+                    mismatch_mine_recv,
+                    mismatch_theirs_send,
+                    mismatch_theirs_recv
                 ]
             ),
             layout!(
@@ -778,7 +798,11 @@ mod layout {
                     ll_offset,
                     ll_slot_bytes,
                     epochs,
-                    call
+                    call,
+                    input_bytes,
+                    output_bytes,
+                    pair_ll_max,
+                    pair_epochs
                 ]
             ),
             layout!(

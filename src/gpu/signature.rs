@@ -138,6 +138,9 @@ pub fn describe(word: u64) -> String {
              signature {count:#010x})",
             CallKind::name(kind)
         )
+    } else if kind == CallKind::AllToAllV as u64 {
+        // Blocks differ by pair: the counts travel beside the word (`call_check.cuh`).
+        format!("call #{index} (mod 65536): alltoallv")
     } else {
         format!(
             "call #{index} (mod 65536): {} of {count} x {dtype}",
@@ -159,10 +162,11 @@ pub fn describe(word: u64) -> String {
 
 /// Bytes of one rank's inbox (`kInboxWords` in `call_check.cuh`): `[2 parities][MAX_RANKS]` slots
 /// its peers write, then its own counts of calls announced to and checked against each peer,
-/// `MAX_RANKS` words each. The inbox half a call uses is picked by that count on the device, not
-/// by the call index: a CUDA graph replays the indices it captured, so with an odd number of
-/// calls in a graph two calls in a row would share a half.
-pub const INBOX_BYTES: usize = 4 * MAX_RANKS * 8;
+/// `MAX_RANKS` words each, then `[2 parities][MAX_RANKS][2]` pair byte counts (alltoallv). The
+/// inbox half a call uses is picked by that count on the device, not by the call index: a CUDA
+/// graph replays the indices it captured, so with an odd number of calls in a graph two calls in
+/// a row would share a half.
+pub const INBOX_BYTES: usize = 8 * MAX_RANKS * 8;
 
 /// The call check of one collective object: every rank's inbox (mapped here) and the count of
 /// calls made so far.
@@ -182,6 +186,11 @@ impl CallChecker {
             calls: std::sync::atomic::AtomicU64::new(0),
             enabled,
         }
+    }
+
+    /// Whether calls are checked (`DOORBELL_CALL_CHECK` not 0).
+    pub fn enabled(&self) -> bool {
+        self.enabled
     }
 
     /// Calls made so far.
@@ -269,6 +278,24 @@ mod tests {
         .word();
         assert_eq!(huge >> 62, 2);
         assert_eq!((huge >> 16) & 15, CallKind::AllReduce as u64);
+    }
+
+    #[test]
+    fn alltoallv_words_leave_the_counts_to_the_pair() {
+        let w = Call {
+            index: 7,
+            kind: CallKind::AllToAllV,
+            dtype: BYTES,
+            variant: 0,
+            op: 0,
+            count: 0,
+            graph: true,
+        }
+        .word();
+        assert_eq!(
+            describe(w),
+            "call #7 (mod 65536): alltoallv in a CUDA graph"
+        );
     }
 
     #[test]

@@ -113,6 +113,9 @@ impl WaitDiagnostics {
         if r.valid != 1 {
             return None;
         }
+        if WaitKind::from_code(r.what) == WaitKind::BadCounts {
+            return Some(bad_counts(r.rank, r.channel, r.expected, r.seen));
+        }
         Some(Error::Timeout {
             rank: r.rank,
             peer: r.peer,
@@ -132,10 +135,35 @@ impl WaitDiagnostics {
         if r.mismatch_valid != 1 {
             return None;
         }
+        let (rank, peer) = (self.rank.max(0) as usize, r.mismatch_peer.max(0) as usize);
+        if r.mismatch_counts == 1 {
+            let pair = |word, to, send, recv| {
+                format!(
+                    "{}, sending {send} bytes to rank {to} and expecting {recv} bytes from it",
+                    describe(word)
+                )
+            };
+            return Some(Error::ArgumentMismatch {
+                rank,
+                mine: pair(
+                    r.mismatch_mine,
+                    peer,
+                    r.mismatch_mine_send,
+                    r.mismatch_mine_recv,
+                ),
+                peer,
+                theirs: pair(
+                    r.mismatch_theirs,
+                    rank,
+                    r.mismatch_theirs_send,
+                    r.mismatch_theirs_recv,
+                ),
+            });
+        }
         Some(Error::ArgumentMismatch {
-            rank: self.rank.max(0) as usize,
+            rank,
             mine: describe(r.mismatch_mine),
-            peer: r.mismatch_peer.max(0) as usize,
+            peer,
             theirs: describe(r.mismatch_theirs),
         })
     }
@@ -222,6 +250,31 @@ fn kernel_failed(e: &Error) -> bool {
     .any(|k| code.contains(k))
 }
 
+/// The error for an alltoallv whose device counts the kernel refused (`kWaitBadCounts`):
+/// `channel` is `side << 8 | rank` (0: a send block, 1: a receive block, 2: the own block's two
+/// counts), `limit` the buffer's bytes (side 2: the receive count), `end` the range's end (the
+/// send count).
+fn bad_counts(rank: i32, channel: u32, limit: u64, end: u64) -> Error {
+    let p = channel & 0xff;
+    let why = match channel >> 8 {
+        0 => format!(
+            "rank {rank}: the block for rank {p} ends at byte {end}, past the input's {limit} bytes"
+        ),
+        1 => format!(
+            "rank {rank}: the block from rank {p} ends at byte {end}, past the output's {limit} \
+             bytes"
+        ),
+        _ => format!(
+            "rank {rank}: its own block is {end} bytes sent but {limit} bytes received (the two \
+             must be equal)"
+        ),
+    };
+    Error::invalid(
+        "alltoallv counts",
+        format!("{why}; refused on the device before anything was written"),
+    )
+}
+
 /// The [`Error::ArgumentMismatch`] a relayed cause quotes, if it quotes one (the error's own
 /// display text: "argument mismatch: rank R made ..., while rank P made ...").
 pub fn parse_mismatch(cause: &str) -> Option<Error> {
@@ -240,6 +293,23 @@ pub fn parse_mismatch(cause: &str) -> Option<Error> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn refused_alltoallv_counts_say_which_block_and_both_sizes() {
+        let send = bad_counts(2, 1, 4096, 8192).to_string();
+        assert!(
+            send.contains("rank 2: the block for rank 1 ends at byte 8192, past the input's 4096"),
+            "{send}"
+        );
+        let recv = bad_counts(0, 1 << 8 | 3, 100, 101).to_string();
+        assert!(
+            recv.contains("rank 0: the block from rank 3 ends at byte 101, past the output's 100"),
+            "{recv}"
+        );
+        let own = bad_counts(1, 2 << 8 | 1, 64, 32).to_string();
+        assert!(own.contains("32 bytes sent but 64 bytes received"), "{own}");
+        assert!(own.contains("before anything was written"), "{own}");
+    }
 
     #[test]
     fn a_relayed_mismatch_is_a_mismatch_again() {

@@ -33,6 +33,15 @@
 // Graph replays reuse their captured words; a slot already holding this call's key from an
 // earlier replay (call n-2 captured as the same call) makes the check pass at once (the words
 // were compared at the first replay).
+// Pair counts (alltoallv): blocks differ by pair, so the word carries no count; instead the
+// announcing thread first stores, into peer p's inbox, the bytes it sends p and the bytes it
+// expects from p ([2 parities][kMaxRanks][2] words after the counters, same parity), then the word
+// with a release store. The checker reads them after the word with this call's key (acquire) and
+// compares both directions; either pair disagreeing is reported with all four numbers on both
+// ranks (each checks the pair from its side). The word's index is the device's call count
+// (device_indexed), so graph replays are told apart too, and every call waits for every peer's word
+// of that same call: a rank never runs a call ahead of any peer, which is what lets alltoallv reuse
+// per-pair packet areas.
 // Cost: the store is fire-and-forget and the load at the end normally finds the word already there
 // (the peer's data arrived, so the peer had started): nothing on the critical path; the counters
 // are one load and one store of this rank's memory each.
@@ -46,9 +55,10 @@ namespace doorbell {
 constexpr uint32_t kMaxRanks = 8;
 
 // Words of one rank's inbox: [2][kMaxRanks] slots, then [kMaxRanks] counts of calls announced to
-// each peer and [kMaxRanks] counts of calls checked against each peer (signature::INBOX_BYTES).
-constexpr uint32_t kInboxWords = 4 * kMaxRanks;
-constexpr uint32_t kAnnouncedCounts = 2 * kMaxRanks, kCheckedCounts = 3 * kMaxRanks;
+// each peer and [kMaxRanks] counts of calls checked against each peer, then [2][kMaxRanks][2] pair
+// byte counts (send, receive) its peers write (signature::INBOX_BYTES).
+constexpr uint32_t kInboxWords = 8 * kMaxRanks;
+constexpr uint32_t kAnnouncedCounts = 2 * kMaxRanks, kCheckedCounts = 3 * kMaxRanks, kPairCounts = 4 * kMaxRanks;
 
 // Launch-argument member of every checked collective.
 struct CallCheck {
@@ -63,6 +73,14 @@ DOORBELL_CHECK_SIZE(CallCheck, 72);
 // an empty slot has no key). Replays reuse the indices they were captured with, so words are
 // compared only when their keys are equal.
 DOORBELL_DEVICE_INLINE uint64_t call_key(uint64_t word) { return word & (0xffffull | (3ull << 62)); }
+
+// A pair-count call's word carries the device's count of calls (announced to or checked against
+// the peer; the two agree when the ranks made the same calls) instead of the host's index: graph
+// replays reuse the captured index, so a slot still holding the word of the replay before last
+// would pass for this one, with that replay's counts, which may have changed since.
+DOORBELL_DEVICE_INLINE uint64_t device_indexed(uint64_t word, uint64_t n) {
+  return (word & ~0xffffull) | (n & 0xffffull);
+}
 
 // Whether this thread is a checker thread, and for which peer.
 DOORBELL_DEVICE_INLINE bool call_checker(uint32_t world, uint32_t& p) {
@@ -86,28 +104,42 @@ DOORBELL_DEVICE_INLINE uint32_t checked_peer(uint32_t world) {
 // one thread only (block 0's thread p, or checker thread p), once per call; the next kernel reads
 // it after this one ended.
 static __noinline__ __device__ void announce_call_to(uint64_t* own, uint64_t* theirs, uint32_t p, uint32_t rank,
-                                                     uint64_t word) {
+                                                     uint64_t word, bool pair, uint64_t send, uint64_t recv) {
   const uint64_t n = own[kAnnouncedCounts + p];
-  store_relaxed_sys(theirs + (n & 1) * kMaxRanks + rank, word);
+  if (pair) {
+    store_relaxed_sys_v2(theirs + kPairCounts + ((n & 1) * kMaxRanks + rank) * 2, send, recv);
+    store_release_sys(theirs + (n & 1) * kMaxRanks + rank, device_indexed(word, n));
+  } else {
+    store_relaxed_sys(theirs + (n & 1) * kMaxRanks + rank, word);
+  }
   own[kAnnouncedCounts + p] = n + 1;
 }
 
 static __noinline__ __device__ void check_call_of(uint64_t* own, uint64_t word, uint32_t p, WaitSite site,
-                                                  bool every_pair_exchanges) {
+                                                  bool pair, uint64_t send, uint64_t recv) {
   site.peer = static_cast<int32_t>(p);
   const uint64_t n = own[kCheckedCounts + p];
   own[kCheckedCounts + p] = n + 1;
+  if (pair) word = device_indexed(word, n);
   const uint64_t* slot = own + (n & 1) * kMaxRanks + p;
-  uint64_t theirs = load_relaxed_sys(slot);
-  if (every_pair_exchanges) {
-    spin_until(site, kWaitArgMismatch, word, [&](uint64_t& seen) {
-      seen = load_relaxed_sys(slot);
-      theirs = seen;
-      return call_key(seen) == call_key(word);
-    });
-  }
-  if (call_key(theirs) == call_key(word) && theirs != word) {
+  uint64_t theirs = 0;
+  spin_until(site, kWaitArgMismatch, word, [&](uint64_t& seen) {
+    seen = load_relaxed_sys(slot);
+    theirs = seen;
+    return call_key(seen) == call_key(word);
+  });
+  if (call_key(theirs) != call_key(word)) return;  // gave up (reported) or aborted
+  if (theirs != word) {
     report_mismatch(site, static_cast<int32_t>(p), word, theirs);
+    return;
+  }
+  if (!pair) return;
+  // The word came with a release store after the counts: acquire it, then read them.
+  load_acquire_sys(slot);
+  const uint64_t* counts = own + kPairCounts + ((n & 1) * kMaxRanks + p) * 2;
+  const uint64_t their_send = load_relaxed_sys(counts), their_recv = load_relaxed_sys(counts + 1);
+  if (their_send != recv || their_recv != send) {
+    report_mismatch(site, static_cast<int32_t>(p), word, theirs, true, send, recv, their_send, their_recv);
   }
 }
 
@@ -117,22 +149,38 @@ static __noinline__ __device__ void check_call_of(uint64_t* own, uint64_t word, 
 DOORBELL_DEVICE_INLINE void announce_call(const CallCheck& c, uint32_t rank, uint32_t world) {
   const uint32_t p = threadIdx.x;
   if (c.word != 0 && blockIdx.x == 0 && p < world && p != rank) {
-    announce_call_to(c.inbox[rank], c.inbox[p], p, rank, c.word);
+    announce_call_to(c.inbox[rank], c.inbox[p], p, rank, c.word, false, 0, 0);
   }
 }
 
-// Checker thread p checks that peer p makes the same call. Call at the kernel's end, once per
-// call.
-// `every_pair_exchanges`: every rank's call needs data from every other rank (allreduce, all-to-all
-// of equal blocks), so peer p has announced this call by now and any other index is a mismatch.
-// Otherwise (all-to-all of variable blocks, where a pair may exchange nothing and a rank may run
-// calls ahead of a peer it does not depend on) the slot is only compared when it holds this call's
-// key: the check never makes a rank wait for a peer it would not have waited for.
-DOORBELL_DEVICE_INLINE void check_call(const CallCheck& c, uint32_t rank, uint32_t world, const WaitSite& site,
-                                       bool every_pair_exchanges = true) {
+// announce_call with the pair's byte counts: `counts` is alltoallv's [4][world] array (send
+// counts, send offsets, receive counts, receive offsets).
+DOORBELL_DEVICE_INLINE void announce_call_counts(const CallCheck& c, uint32_t rank, uint32_t world,
+                                                 const uint64_t* counts) {
+  const uint32_t p = threadIdx.x;
+  if (c.word != 0 && blockIdx.x == 0 && p < world && p != rank) {
+    announce_call_to(c.inbox[rank], c.inbox[p], p, rank, c.word, true, counts[p], counts[2 * world + p]);
+  }
+}
+
+// Checker thread p waits (bounded) for peer p's word of this call and checks that it made the same
+// call. Call at the kernel's end, once per call. Every checked collective waits so: in most, every
+// rank's call needs data from every other rank anyway, so the word is there by then; in alltoallv,
+// where a pair may exchange nothing, the wait is what keeps ranks in step (see the pair counts).
+DOORBELL_DEVICE_INLINE void check_call(const CallCheck& c, uint32_t rank, uint32_t world, const WaitSite& site) {
   uint32_t p;
   if (c.word != 0 && call_checker(world, p) && p != rank) {
-    check_call_of(c.inbox[rank], c.word, p, site, every_pair_exchanges);
+    check_call_of(c.inbox[rank], c.word, p, site, false, 0, 0);
+  }
+}
+
+// check_call with the pair's byte counts (see announce_call_counts): always waits for peer p's
+// word, then compares what each side sends with what the other expects.
+DOORBELL_DEVICE_INLINE void check_call_counts(const CallCheck& c, uint32_t rank, uint32_t world, const WaitSite& site,
+                                              const uint64_t* counts) {
+  uint32_t p;
+  if (c.word != 0 && call_checker(world, p) && p != rank) {
+    check_call_of(c.inbox[rank], c.word, p, site, true, counts[p], counts[2 * world + p]);
   }
 }
 

@@ -74,8 +74,15 @@ struct AllToAllArgs {
   uint64_t ll_slot_bytes;
   uint32_t* epochs;
   CallCheck call;  // this call's word and every rank's inbox (call_check.cuh)
+  // alltoallv only: the buffers' sizes (device counts naming a range outside them are refused),
+  // the largest pair block that goes as LL16 packets (0: none; needs the call check), and those
+  // packets' epochs, [2 (send, receive)][world][lanes].
+  uint64_t input_bytes;
+  uint64_t output_bytes;
+  uint64_t pair_ll_max;
+  uint32_t* pair_epochs;
 };
-DOORBELL_CHECK_SIZE(AllToAllArgs, 240);
+DOORBELL_CHECK_SIZE(AllToAllArgs, 272);
 
 // Launch arguments of the MoE dispatch/combine kernels (cuda/kernels/moe.cu); one struct for all
 // of them, most fields fixed per dispatcher, the inputs per call.

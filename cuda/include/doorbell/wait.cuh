@@ -61,6 +61,10 @@ enum WaitKindCode : uint32_t {
   kWaitIbProgress = 8,    // a queue pair's progress: room in its send queue, in-order publishing, CQEs
   kWaitIbError = 9,       // an error CQE (not a wait): expected = the WQE's index, seen = the syndrome
   kWaitArgMismatch = 10,  // a peer made another call (not a wait): expected = my call word, seen = the peer's
+  kWaitBadCounts = 11,    // an alltoallv byte range outside its buffer, refused before anything was written
+                          // (not a wait): channel = side << 8 | rank (side 0: a send block, 1: a receive
+                          // block, 2: the own block's send and receive counts differ), expected = the
+                          // buffer's bytes (side 2: the receive count), seen = the range's end (the send count)
 };
 
 // Written once, by the first waiter of the process that gives up. Lives in host-mapped pinned memory.
@@ -80,10 +84,14 @@ struct WaitReport {
   int32_t mismatch_peer;      // the first peer found making another call (see call_check.cuh)
   uint64_t mismatch_mine;     // this rank's call word
   uint64_t mismatch_theirs;   // that peer's call word
-  uint32_t mismatch_valid;    // 1 once the three fields above are written
-  uint32_t mismatch_reserved;
+  uint32_t mismatch_valid;    // 1 once the fields above and below are written
+  uint32_t mismatch_counts;   // 1: the words agree, but the pair's byte counts below do not (alltoallv)
+  uint64_t mismatch_mine_send;     // bytes this rank sends that peer
+  uint64_t mismatch_mine_recv;     // bytes this rank expects from that peer
+  uint64_t mismatch_theirs_send;   // bytes that peer sends this rank
+  uint64_t mismatch_theirs_recv;   // bytes that peer expects from this rank
 };
-DOORBELL_CHECK_SIZE(WaitReport, 88);
+DOORBELL_CHECK_SIZE(WaitReport, 120);
 
 // Who is waiting: copied into every handle that can wait, so a report names its wait site.
 struct WaitSite {
@@ -137,15 +145,23 @@ static __noinline__ __device__ void report_failure(const WaitSite& site, uint32_
 }
 
 // Records that `peer` made another call than this rank (the first such finding of the
-// communicator) and aborts, like report_failure.
+// communicator) and aborts, like report_failure. `counts`: the words agree but the pair's byte
+// counts (`pair`: mine send, mine recv, theirs send, theirs recv) do not.
 static __noinline__ __device__ void report_mismatch(const WaitSite& site, int32_t peer, uint64_t mine,
-                                                    uint64_t theirs) {
+                                                    uint64_t theirs, bool counts = false,
+                                                    uint64_t mine_send = 0, uint64_t mine_recv = 0,
+                                                    uint64_t theirs_send = 0, uint64_t theirs_recv = 0) {
   if (site.report == nullptr) return;
   if (site.claim != nullptr && (atomicOr(site.claim, kClaimMismatch | kClaimAborted) & kClaimMismatch) == 0u) {
     volatile WaitReport* r = site.report;
     r->mismatch_peer = peer;
     r->mismatch_mine = mine;
     r->mismatch_theirs = theirs;
+    r->mismatch_counts = counts ? 1u : 0u;
+    r->mismatch_mine_send = mine_send;
+    r->mismatch_mine_recv = mine_recv;
+    r->mismatch_theirs_send = theirs_send;
+    r->mismatch_theirs_recv = theirs_recv;
     __threadfence_system();
     store_release_sys(const_cast<uint32_t*>(&site.report->mismatch_valid), 1u);
   }

@@ -140,7 +140,9 @@ class Communicator:
         else:
             check_tensor("counts", counts, device=self.device, dtypes="int64", shape=(4, world), align=8)
         stream, handle = self._stream()
-        self._native.all_to_all_v(input.data_ptr(), output.data_ptr(), counts.data_ptr(), handle)
+        self._native.all_to_all_v(
+            input.data_ptr(), nbytes(input), output.data_ptr(), nbytes(output), counts.data_ptr(), handle
+        )
         if async_op:
             return Work(stream, self._native)
         self._keep = counts  # alive until the next call (the upload is stream-ordered)
