@@ -78,7 +78,7 @@ DOORBELL_DEVICE_INLINE bool counts_in_range(const AllToAllArgs& a) {
   }
   if (!__syncthreads_or(bad)) return true;
   if (bad && blockIdx.x == 0) {
-    WaitSite site = a.data[a.rank].site;
+    WaitSite site = a.data[a.rank].site;  // lane 0's own entry: a site, no semaphore
     site.peer = -1;
     site.channel = channel;
     report_failure(site, kWaitBadCounts, limit, end, 0);

@@ -250,6 +250,9 @@ impl AllToAll {
         let credit = comm.semaphores(lanes_us)?;
         let stream = gpu.new_stream()?;
         let mut all = data.handles().to_vec();
+        // The own entry of lane 0 carries no semaphore, only the site the kernel reports refused
+        // counts from (`alltoall.cu`, counts_in_range).
+        all[rank].site = comm.diagnostics().site(-1, u32::MAX);
         all.extend_from_slice(credit.handles());
         let sems = stream.clone_htod(&all).map_err(cuda_err("cuMemcpyHtoD"))?;
         let counts = stream
