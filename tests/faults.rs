@@ -871,7 +871,10 @@ fn gpu_scenario(scenario: &str, comm: Arc<Communicator>) {
                     if let Err(e) = comm.check_health() {
                         break e;
                     }
-                    assert!(t0.elapsed() < Duration::from_secs(2), "rank {me}: never told");
+                    assert!(
+                        t0.elapsed() < Duration::from_secs(2),
+                        "rank {me}: never told"
+                    );
                     std::thread::sleep(Duration::from_millis(1));
                 },
                 Ok(()) => panic!("rank {me}: the call of the mismatched pair returned Ok"),

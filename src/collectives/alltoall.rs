@@ -130,6 +130,7 @@ pub struct AllToAll {
     base: AllToAllArgs,
     kernel: CudaFunction,
     ll_kernel: CudaFunction,
+    v_kernel: CudaFunction,
     /// Blocks of the tile kernel that copy this rank's own block.
     own_lanes: u32,
     /// Counts calls and makes each call's word (the call check, `call_check.cuh`).
@@ -295,6 +296,7 @@ impl AllToAll {
             .map_err(cuda_err("cuStreamSynchronize"))?;
         let kernel = gpu.function("alltoall", "alltoall_tiles")?;
         let ll_kernel = gpu.function("alltoall", "alltoall_ll16")?;
+        let v_kernel = gpu.function("alltoall", "alltoallv_tiles")?;
         // Every peer has mapped our scratch before anyone writes into it.
         comm.bootstrap().barrier()?;
         Ok(AllToAll {
@@ -303,6 +305,7 @@ impl AllToAll {
             base,
             kernel,
             ll_kernel,
+            v_kernel,
             own_lanes,
             calls: CallChecker::new(inbox, call_check),
             _epochs: epochs,
@@ -327,8 +330,9 @@ impl AllToAll {
         self.base.lanes * (self.base.world - 1) + self.own_lanes
     }
 
-    /// Launches the LL kernel for equal blocks of at most `ll_max_bytes`, else the tile kernel
-    /// (every `alltoallv`: each pair picks packets or tiles on the device).
+    /// Launches the LL kernel for equal blocks of at most `ll_max_bytes`, else the tile kernel;
+    /// every `alltoallv` the tile kernel's alltoallv form (each pair picks packets or tiles on
+    /// the device).
     fn launch(&self, stream: &CudaStream, args: AllToAllArgs) -> Result<()> {
         self.comm.check_health()?;
         let ll_max = self.opts.ll_max_bytes.unwrap_or(0) as u64;
@@ -351,14 +355,19 @@ impl AllToAll {
             ),
             ..args
         };
-        let mut b = stream.launch_builder(if ll { &self.ll_kernel } else { &self.kernel });
+        let f = match (ll, args.counts) {
+            (true, _) => &self.ll_kernel,
+            (false, 0) => &self.kernel,
+            _ => &self.v_kernel,
+        };
+        let mut b = stream.launch_builder(f);
         b.arg(&args);
         let cfg = LaunchConfig {
             grid_dim: (if ll { self.opts.ll_blocks } else { self.sms() }, 1, 1),
             block_dim: (if ll { 512 } else { self.opts.threads }, 1, 1),
             shared_mem_bytes: 0,
         };
-        // SAFETY: the arguments match alltoall_tiles (AllToAllArgs is layout-tested); scratch and
+        // SAFETY: the arguments match all three kernels (AllToAllArgs is layout-tested); scratch and
         // semaphores live as long as `self`; the caller vouches for the buffers.
         self.comm
             .check(unsafe { b.launch(cfg) }.map(|_| ()), "cuLaunchKernel")
