@@ -37,6 +37,9 @@ pub enum WaitKind {
     /// like a wait): the channel says which (`side << 8 | rank`), 'expected' is the buffer's size,
     /// 'seen' the range's end.
     BadCounts,
+    /// Not a device wait: `Communicator::synchronize` waited for a stream whose work did not
+    /// finish within its bound.
+    Stream,
     /// A kind this build does not know (a newer header wrote it).
     Other(u32),
 }
@@ -83,6 +86,11 @@ impl fmt::Display for WaitKind {
             ),
             WaitKind::ArgumentMismatch => write!(f, "the same collective call (a peer made another)"),
             WaitKind::BadCounts => write!(f, "alltoallv counts inside the buffers"),
+            WaitKind::Stream => write!(
+                f,
+                "the stream's work to finish (doorbell's own device waits give up within their \
+                 budget: other work on the stream is still running)"
+            ),
             WaitKind::Other(c) => write!(f, "wait kind {c}"),
         }
     }

@@ -960,6 +960,51 @@ fn gpu_scenario(scenario: &str, comm: Arc<Communicator>) {
             }
             assert!(waited < Duration::from_secs(2), "{waited:?}");
         }
+        "busy_stream" => {
+            // Work of someone else's on the stream outlasts the bound (two budgets of 1 s):
+            // synchronize returns a Timeout naming this rank and the stream, not a hang.
+            use cudarc::driver::{LaunchConfig, PushKernelArg};
+            let ptx = cudarc::nvrtc::compile_ptx(
+                r#"extern "C" __global__ void busy(unsigned long long ns) {
+                    unsigned long long t0, t;
+                    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+                    do { asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)); } while (t - t0 < ns);
+                }"#,
+            )
+            .unwrap();
+            let module = comm.gpu().context().load_module(ptx).unwrap();
+            let busy = module.load_function("busy").unwrap();
+            let ns: u64 = 5_000_000_000;
+            let mut b = s.launch_builder(&busy);
+            b.arg(&ns);
+            let one = LaunchConfig {
+                grid_dim: (1, 1, 1),
+                block_dim: (1, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            // SAFETY: the kernel takes one u64 and touches no memory.
+            unsafe { b.launch(one) }.unwrap();
+            let t0 = Instant::now();
+            let e = comm.synchronize(&s).unwrap_err();
+            let waited = t0.elapsed();
+            eprintln!(
+                "fault-to-error: {scenario} {n} ranks rank {me}: {} ms ({e})",
+                waited.as_millis()
+            );
+            assert!(
+                matches!(&e, Error::Timeout { rank, what: doorbell::error::WaitKind::Stream, .. }
+                    if *rank == me as i32),
+                "{e}"
+            );
+            assert!(
+                waited >= Duration::from_millis(1900) && waited < Duration::from_millis(3500),
+                "{waited:?}"
+            );
+            // The kernel ends by itself; the communicator is still healthy.
+            s.synchronize().unwrap();
+            comm.check_health().unwrap();
+            comm.bootstrap().barrier().unwrap();
+        }
         "shrink" => {
             let ar = allreduce_of(&comm);
             let mut buf: CudaSlice<f32> = s.alloc_zeros(1 << 16).unwrap();
@@ -1060,6 +1105,19 @@ fn a_rank_stuck_in_host_code_is_named_after_the_budget() {
     for n in rank_counts() {
         let exits = gpu_case("stuck", n, &[("DOORBELL_WAIT_TIMEOUT_MS", "1500".into())]);
         assert_exits("stuck", &exits, None);
+    }
+}
+
+#[test]
+#[ignore = "needs GPU"]
+fn synchronize_gives_up_on_a_stream_that_never_finishes() {
+    for n in rank_counts() {
+        let exits = gpu_case(
+            "busy_stream",
+            n,
+            &[("DOORBELL_WAIT_TIMEOUT_MS", "1000".into())],
+        );
+        assert_exits("busy_stream", &exits, None);
     }
 }
 

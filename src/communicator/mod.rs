@@ -1080,13 +1080,31 @@ impl Communicator {
 
     /// Waits for `stream`; a device wait that gave up becomes [`Error::Timeout`], a fault of the
     /// job [`Error::PeerFailed`], a call check that failed [`Error::ArgumentMismatch`].
+    ///
+    /// Bounded: doorbell's own device waits give up within the wait budget
+    /// (`DOORBELL_WAIT_TIMEOUT_MS`), and after an abort every later one at once, so a stream
+    /// whose work is still running [`SYNC_BUDGET_FACTOR`] budgets on (a kernel of someone
+    /// else's that never ends, a host function that blocks) returns [`Error::Timeout`] naming
+    /// this rank and the stream instead of hanging; a failure the job already knows is returned
+    /// in its place.
     pub fn synchronize(&self, stream: &CudaStream) -> Result<()> {
-        match stream.synchronize() {
-            Ok(()) => self.diagnostics.check().map_err(|e| self.named(e)),
-            Err(e) => Err(self.named(self.diagnostics.explain(Error::Cuda {
-                call: "cuStreamSynchronize",
-                code: e.to_string(),
-            }))),
+        let limit = self.diagnostics.budget().saturating_mul(SYNC_BUDGET_FACTOR);
+        match self.gpu.wait_stream(stream, limit) {
+            Ok(true) => self.diagnostics.check().map_err(|e| self.named(e)),
+            Ok(false) => Err(
+                self.named(self.diagnostics.error().unwrap_or(Error::Timeout {
+                    rank: self.rank() as i32,
+                    peer: -1,
+                    what: crate::error::WaitKind::Stream,
+                    channel: u32::MAX,
+                    expected: u64::MAX,
+                    seen: u64::MAX,
+                    waited_ms: limit.as_millis().min(u128::from(u64::MAX)) as u64,
+                    block: u32::MAX,
+                    thread: u32::MAX,
+                })),
+            ),
+            Err(e) => Err(self.named(self.diagnostics.explain(e))),
         }
     }
 
@@ -1104,6 +1122,9 @@ impl Communicator {
         })
     }
 }
+
+/// [`Communicator::synchronize`] gives a stream this many device-wait budgets to finish.
+pub const SYNC_BUDGET_FACTOR: u32 = 2;
 
 /// A device wait that ran out on a peer that had already left the communicator cleanly (it
 /// dropped it or exited, saying goodbye) is that peer's departure, not a slow peer: the error

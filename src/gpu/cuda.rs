@@ -10,6 +10,7 @@ use bytemuck::Pod;
 use cudarc::driver::{sys, CudaContext, CudaFunction, CudaModule, CudaStream, DriverError};
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 mod embedded {
     include!(concat!(env!("OUT_DIR"), "/kernels.rs"));
@@ -151,6 +152,34 @@ impl Gpu {
         self.ctx
             .bind_to_thread()
             .map_err(cuda_err("cuCtxSetCurrent"))
+    }
+
+    /// Waits until `stream`'s work is done (`Ok(true)`) or `limit` has passed (`Ok(false)`),
+    /// polling `cuStreamQuery`: busy for the first 200 us (short calls return as fast as from
+    /// `cuStreamSynchronize`), then sleeping up to 1 ms between polls.
+    pub fn wait_stream(&self, stream: &CudaStream, limit: Duration) -> Result<bool> {
+        use cudarc::driver::sys::CUresult;
+        self.bind()?;
+        let start = Instant::now();
+        let mut nap = Duration::from_micros(20);
+        loop {
+            // SAFETY: `stream` is a live stream of this context, current on this thread.
+            match unsafe { cudarc::driver::sys::cuStreamQuery(stream.cu_stream()) } {
+                CUresult::CUDA_SUCCESS => return Ok(true),
+                CUresult::CUDA_ERROR_NOT_READY => {}
+                e => return Err(cuda_err("cuStreamQuery")(cudarc::driver::DriverError(e))),
+            }
+            let waited = start.elapsed();
+            if waited >= limit {
+                return Ok(false);
+            }
+            if waited < Duration::from_micros(200) {
+                std::thread::yield_now();
+            } else {
+                std::thread::sleep(nap);
+                nap = (nap * 2).min(Duration::from_millis(1));
+            }
+        }
     }
 
     /// A new stream on this GPU.
