@@ -100,6 +100,30 @@ fn an_abort_reaches_every_rank_with_its_cause() {
     });
 }
 
+/// A rank's goodbye says how many collective calls it made, so a peer that made more learns at
+/// once which calls wait in vain (the watchdog's rule: `left_early`).
+#[test]
+fn a_goodbye_carries_the_calls_made() {
+    threads(2, |b| {
+        b.barrier().unwrap();
+        if b.rank() == 0 {
+            b.call_counter()
+                .store(3, std::sync::atomic::Ordering::Relaxed);
+            return;
+        }
+        let t0 = Instant::now();
+        while !b.said_goodbye(0) {
+            assert!(
+                t0.elapsed() < Duration::from_secs(5),
+                "no goodbye from rank 0"
+            );
+            b.wait_for_change(Duration::from_millis(10));
+        }
+        assert_eq!(b.goodbye_calls(0), Some(3));
+        assert!(b.health().is_none(), "a goodbye is no failure");
+    });
+}
+
 #[test]
 fn a_shrunk_job_gathers_among_the_survivors() {
     let port = free_port().unwrap();
@@ -960,6 +984,37 @@ fn gpu_scenario(scenario: &str, comm: Arc<Communicator>) {
             }
             assert!(waited < Duration::from_secs(2), "{waited:?}");
         }
+        "skipped_call" => {
+            // Rank 0 makes 4 allreduces, the others 5, all with the default 30 s budget: rank 0
+            // returns Ok and leaves; the others are told at once, with both call counts.
+            let ar = allreduce_of(&comm);
+            let mut buf: CudaSlice<f32> = s.alloc_zeros(1 << 16).unwrap();
+            for _ in 0..4 {
+                ar.run_in_place(&s, &mut buf).unwrap();
+            }
+            comm.synchronize(&s).unwrap();
+            if me == 0 {
+                drop(ar);
+                return;
+            }
+            let t0 = Instant::now();
+            let e = ar
+                .run_in_place(&s, &mut buf)
+                .and_then(|()| comm.synchronize(&s))
+                .unwrap_err();
+            let waited = t0.elapsed();
+            eprintln!(
+                "fault-to-error: {scenario} {n} ranks rank {me}: {} ms ({e})",
+                waited.as_millis()
+            );
+            let text = e.to_string();
+            assert!(matches!(&e, Error::PeerFailed { rank: 0, .. }), "{e}");
+            assert!(
+                text.contains(&format!("after 4 collective calls, while rank {me} made 5")),
+                "{e}"
+            );
+            assert!(waited < Duration::from_secs(2), "{waited:?}");
+        }
         "busy_stream" => {
             // Work of someone else's on the stream outlasts the bound (two budgets of 1 s):
             // synchronize returns a Timeout naming this rank and the stream, not a hang.
@@ -1105,6 +1160,15 @@ fn a_rank_stuck_in_host_code_is_named_after_the_budget() {
     for n in rank_counts() {
         let exits = gpu_case("stuck", n, &[("DOORBELL_WAIT_TIMEOUT_MS", "1500".into())]);
         assert_exits("stuck", &exits, None);
+    }
+}
+
+#[test]
+#[ignore = "needs GPU"]
+fn a_rank_that_skips_a_call_is_named_with_both_counts() {
+    for n in rank_counts() {
+        let exits = gpu_case("skipped_call", n, &[]);
+        assert_exits("skipped_call", &exits, None);
     }
 }
 

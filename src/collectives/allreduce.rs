@@ -509,7 +509,7 @@ impl AllReduce {
             _sems_dev: sems_dev,
             _epochs: epochs,
             _sentinel_state: sentinel_state,
-            calls: CallChecker::new(inbox, settings.call_check),
+            calls: CallChecker::new(inbox, settings.call_check, comm.bootstrap().call_counter()),
             windows: std::sync::Mutex::new(Vec::new()),
         })
     }

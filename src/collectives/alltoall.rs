@@ -307,7 +307,7 @@ impl AllToAll {
             ll_kernel,
             v_kernel,
             own_lanes,
-            calls: CallChecker::new(inbox, call_check),
+            calls: CallChecker::new(inbox, call_check, comm.bootstrap().call_counter()),
             _epochs: epochs,
             counts: Mutex::new(counts),
             _pair_epochs: pair_epochs,

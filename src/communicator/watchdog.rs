@@ -154,6 +154,16 @@ fn watch(
                 }
             }
         }
+        // A peer that left cleanly after fewer collective calls than this rank made: the calls
+        // past its count wait for it in vain; end them now instead of at their budget.
+        let made = bootstrap.call_counter().load(Ordering::Relaxed);
+        for peer in (0..bootstrap.world_size()).filter(|&p| p != me) {
+            if let Some(cause) = left_early(me, made, bootstrap.goodbye_calls(peer)) {
+                if diagnostics.abort(Fault { rank: peer, cause }) {
+                    tracing::error!("rank {me}: rank {peer} left the communicator early");
+                }
+            }
+        }
         // A peer's failure (or this rank's own bootstrap abort): abort the device waits.
         if let Some(f) = bootstrap.health() {
             let own_relay = relayed && f.from == Some(me);
@@ -171,6 +181,18 @@ fn watch(
     // The communicator is going: a failure its rank returned a moment ago (before the last poll)
     // must still reach the others, or they would take this rank's departure for a clean goodbye.
     relay_own(bootstrap, diagnostics, &mut relayed);
+}
+
+/// Why a peer that left cleanly after `theirs` collective calls fails this rank, which made
+/// `made`: only when it made fewer (a peer that finished its calls and left is no failure).
+fn left_early(me: usize, made: u64, theirs: Option<u64>) -> Option<String> {
+    let theirs = theirs?;
+    (theirs < made).then(|| {
+        format!(
+            "it left the communicator cleanly (dropped it or exited) after {theirs} collective \
+             calls, while rank {me} made {made}: rank {me}'s calls past {theirs} wait for it in vain"
+        )
+    })
 }
 
 /// Relays this rank's own device failure once, blaming the rank it names.
@@ -203,6 +225,18 @@ fn blamed(e: &Error, me: usize) -> usize {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_peer_that_left_after_fewer_calls_fails_this_rank_with_both_counts() {
+        let why = left_early(1, 5, Some(4)).unwrap();
+        assert!(
+            why.contains("after 4 collective calls, while rank 1 made 5"),
+            "{why}"
+        );
+        assert_eq!(left_early(1, 4, Some(4)), None);
+        assert_eq!(left_early(1, 3, Some(4)), None);
+        assert_eq!(left_early(1, 9, None), None);
+    }
 
     #[test]
     fn stat_lines_parse_even_with_odd_command_names() {

@@ -175,16 +175,24 @@ pub struct CallChecker {
     inbox: [u64; MAX_RANKS],
     calls: std::sync::atomic::AtomicU64,
     enabled: bool,
+    /// The communicator's count of collective calls (all objects), which its goodbye carries.
+    made: std::sync::Arc<std::sync::atomic::AtomicU64>,
 }
 
 impl CallChecker {
     /// `inbox[r]`: rank `r`'s inbox as mapped here (zeroed memory of [`INBOX_BYTES`]). With
-    /// `enabled` false (`DOORBELL_CALL_CHECK=0`) every word is 0: kernels skip the check.
-    pub fn new(inbox: [u64; MAX_RANKS], enabled: bool) -> Self {
+    /// `enabled` false (`DOORBELL_CALL_CHECK=0`) every word is 0: kernels skip the check. Every
+    /// call also counts into `made` (`Bootstrap::call_counter`, counted either way).
+    pub fn new(
+        inbox: [u64; MAX_RANKS],
+        enabled: bool,
+        made: std::sync::Arc<std::sync::atomic::AtomicU64>,
+    ) -> Self {
         CallChecker {
             inbox,
             calls: std::sync::atomic::AtomicU64::new(0),
             enabled,
+            made,
         }
     }
 
@@ -212,6 +220,7 @@ impl CallChecker {
         let index = self
             .calls
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        self.made.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let word = Call {
             index,
             kind,
@@ -319,7 +328,7 @@ mod tests {
 
     #[test]
     fn each_call_gets_the_next_index() {
-        let c = CallChecker::new([0; MAX_RANKS], true);
+        let c = CallChecker::new([0; MAX_RANKS], true, Default::default());
         let a = c.next(CallKind::AllToAll, BYTES, 0, 0, 64, false);
         let b = c.next(CallKind::AllToAll, BYTES, 0, 0, 64, true);
         assert_eq!(a.word & 0xffff, 0);
@@ -327,7 +336,7 @@ mod tests {
         assert!(describe(b.word).contains("alltoall of 64 x bytes"));
         assert!(describe(b.word).ends_with("in a CUDA graph"));
         assert_eq!((b.word >> 62) & 1, 1);
-        let off = CallChecker::new([0; MAX_RANKS], false);
+        let off = CallChecker::new([0; MAX_RANKS], false, Default::default());
         assert_eq!(off.next(CallKind::AllToAll, BYTES, 0, 0, 64, false).word, 0);
     }
 }

@@ -223,6 +223,9 @@ pub struct Bootstrap {
     heartbeat_thread: Option<Heartbeat>,
     /// Shrinks made from this job so far (each gets its own secret and port message).
     shrinks: AtomicU64,
+    /// Collective calls this rank's communicator made (counted by its call checks); the goodbye
+    /// carries the number, so a peer still waiting on calls past it can be told at once.
+    calls: Arc<AtomicU64>,
 }
 
 /// The thread that sends heartbeats, and how to stop it.
@@ -310,6 +313,7 @@ impl Bootstrap {
             heartbeat: cfg.heartbeat,
             heartbeat_thread: None,
             shrinks: AtomicU64::new(0),
+            calls: Arc::new(AtomicU64::new(0)),
         };
         // On error the partly built Bootstrap drops here: goodbyes, shutdowns, joins.
         for (peer, reader) in readers.into_iter().enumerate() {
@@ -363,7 +367,12 @@ impl Bootstrap {
                         if let Err(e) = sent {
                             // A partly written frame would corrupt the link: close it for good.
                             let _ = stream.shutdown(Shutdown::Both);
-                            shared.mark_gone(*peer, true, format!("sending to it failed: {e}"));
+                            shared.mark_gone(
+                                *peer,
+                                true,
+                                format!("sending to it failed: {e}"),
+                                None,
+                            );
                         }
                     }
                     stopped = lock(flag);
@@ -499,8 +508,20 @@ impl Bootstrap {
     /// reports it.
     pub fn mark_failed(&self, peer: usize, why: String) {
         if peer != self.rank && peer < self.world_size {
-            self.shared.mark_gone(peer, true, why);
+            self.shared.mark_gone(peer, true, why, None);
         }
+    }
+
+    /// The counter of collective calls this rank made (each collective object's call check
+    /// counts into it); sent with the goodbye.
+    pub fn call_counter(&self) -> Arc<AtomicU64> {
+        self.calls.clone()
+    }
+
+    /// The collective calls `peer` had made when it left with a goodbye (`None`: it has not
+    /// left cleanly, or its goodbye did not say).
+    pub fn goodbye_calls(&self, peer: usize) -> Option<u64> {
+        self.shared.goodbye_calls(peer)
     }
 
     /// True once `peer` left the job with a goodbye (dropped its bootstrap cleanly).
@@ -664,7 +685,7 @@ impl Bootstrap {
             let _ = stream.shutdown(Shutdown::Both);
             drop(stream);
             let why = format!("sending to it failed: {e}");
-            self.shared.mark_gone(peer, true, why.clone());
+            self.shared.mark_gone(peer, true, why.clone(), None);
             return Err(Failure::peer(peer, why));
         }
         Ok(())
@@ -713,7 +734,12 @@ impl Drop for Bootstrap {
                 let _ = stream.set_write_timeout(Some(FAREWELL_WRITE_TIMEOUT));
                 let _ = match &relay {
                     Some(payload) => write_frame(&mut &*stream, Kind::Abort, 0, payload),
-                    None => write_frame(&mut &*stream, Kind::Goodbye, 0, &[]),
+                    None => write_frame(
+                        &mut &*stream,
+                        Kind::Goodbye,
+                        0,
+                        &self.calls.load(Ordering::Relaxed).to_le_bytes(),
+                    ),
                 };
             }
             // Wakes this link's reader thread, which is blocked in read.

@@ -33,6 +33,8 @@ struct Gone {
     /// True when the link ended without a goodbye (crash, exit, reset, protocol error).
     died: bool,
     why: String,
+    /// The collective calls the peer's communicator had made, as its goodbye said.
+    calls: Option<u64>,
 }
 
 /// Why a wait or send failed, and whether the other ranks should hear about it.
@@ -112,11 +114,11 @@ impl Shared {
         self.arrived.notify_all();
     }
 
-    pub(super) fn mark_gone(&self, peer: usize, died: bool, why: String) {
+    pub(super) fn mark_gone(&self, peer: usize, died: bool, why: String, calls: Option<u64>) {
         let mut st = lock(&self.state);
         if let Some(slot) = st.gone.get_mut(peer) {
             if slot.is_none() {
-                *slot = Some(Gone { died, why });
+                *slot = Some(Gone { died, why, calls });
             }
         }
         drop(st);
@@ -151,6 +153,7 @@ impl Shared {
                              network to it is down",
                             fmt_duration(quiet)
                         ),
+                        calls: None,
                     });
                     self.arrived.notify_all();
                 }
@@ -185,6 +188,14 @@ impl Shared {
             .arrived
             .wait_timeout(st, timeout)
             .unwrap_or_else(PoisonError::into_inner);
+    }
+
+    /// The collective calls `peer` had made when it left with a goodbye, if its goodbye said.
+    pub(super) fn goodbye_calls(&self, peer: usize) -> Option<u64> {
+        lock(&self.state)
+            .gone
+            .get(peer)
+            .and_then(|g| g.as_ref().filter(|g| !g.died).and_then(|g| g.calls))
     }
 
     /// True once `peer` left with a goodbye (a clean departure, not a failure).
@@ -358,6 +369,7 @@ impl Shared {
 
 /// A link's reader thread: queues frames until the link ends, then records how it ended.
 pub(super) fn read_link(shared: Arc<Shared>, peer: usize, mut stream: TcpStream) {
+    let mut calls = None;
     let (died, why) = loop {
         let frame = read_frame(&mut stream);
         if frame.is_ok() {
@@ -378,11 +390,15 @@ pub(super) fn read_link(shared: Arc<Shared>, peer: usize, mut stream: TcpStream)
                     why,
                 });
             }
-            Ok((Kind::Goodbye, ..)) => {
+            Ok((Kind::Goodbye, _, data)) => {
+                // The payload, when there is one, is the collective calls it made (u64 LE).
+                calls = <[u8; 8]>::try_from(data.as_slice())
+                    .ok()
+                    .map(u64::from_le_bytes);
                 break (
                     false,
                     "closed its bootstrap (the process finished or dropped it)".to_string(),
-                )
+                );
             }
             Ok((Kind::Table, ..)) => {
                 break (
@@ -408,5 +424,5 @@ pub(super) fn read_link(shared: Arc<Shared>, peer: usize, mut stream: TcpStream)
             Err(e) => break (true, format!("connection failed: {e}")),
         }
     };
-    shared.mark_gone(peer, died, why);
+    shared.mark_gone(peer, died, why, calls);
 }
