@@ -517,7 +517,8 @@ fn gpu_rank() {
     rank_main(|case, comm, stream| match case {
         "ring" => ring(comm, stream, false),
         "ring_relaxed" => ring(comm, stream, true),
-        "error_cqe" => error_cqe(comm, stream),
+        "error_cqe" => error_cqe(comm, stream, false),
+        "error_cqe_warp" => error_cqe(comm, stream, true),
         other => panic!("unknown case {other}"),
     });
 }
@@ -701,9 +702,20 @@ fn an_error_completion_is_reported_not_hung() {
     run_case("error_cqe", 2, &[]);
 }
 
+/// The same with whole warps posting (put_warp) more than the send queue holds: lane 0's wait
+/// for room meets the error CQE; the warp stays whole (no lane exits before a shuffle), posts
+/// nothing more, and the call returns the report. Before, lane 0 exited inside the poll and its
+/// warp shuffled from an exited lane.
+#[test]
+#[ignore = "needs GPU"]
+fn an_error_completion_under_warp_posting_is_reported_not_hung() {
+    run_case("error_cqe_warp", 2, &[]);
+}
+
 fn error_cqe(
     comm: &doorbell::communicator::Communicator,
     s: &std::sync::Arc<cudarc::driver::CudaStream>,
+    warp: bool,
 ) {
     common::fault_on_purpose();
     use doorbell::transport::ib::emulator::{Delivery, EmulatedNic};
@@ -734,21 +746,37 @@ fn error_cqe(
     )
     .unwrap();
     let h = qp.handle();
-    let f = gpu.function("ib", "ib_test_puts").unwrap();
     let (ps, pd, pr, bad, chunk, per) = (p(&src), p(&dst), p(&res), kd ^ 0x4000, 64u32, 1u32);
-    let mut b = s.launch_builder(&f);
-    b.arg(&h)
-        .arg(&ps)
-        .arg(&ks)
-        .arg(&pd)
-        .arg(&bad)
-        .arg(&chunk)
-        .arg(&per)
-        .arg(&pr)
-        .arg(&kr)
-        .arg(&pr)
-        .arg(&kr);
-    // SAFETY: matches ib_test_puts; the bad key is the point (the NIC refuses it).
+    let f;
+    let mut b;
+    // 32 lanes x 64 WQEs: four times the 2^7-slot send queue, so lane 0 waits for room.
+    let per_lane = 64u32;
+    if warp {
+        f = gpu.function("ib", "ib_test_rate_warp").unwrap();
+        b = s.launch_builder(&f);
+        b.arg(&h)
+            .arg(&ps)
+            .arg(&ks)
+            .arg(&pd)
+            .arg(&bad)
+            .arg(&per_lane);
+    } else {
+        f = gpu.function("ib", "ib_test_puts").unwrap();
+        b = s.launch_builder(&f);
+        b.arg(&h)
+            .arg(&ps)
+            .arg(&ks)
+            .arg(&pd)
+            .arg(&bad)
+            .arg(&chunk)
+            .arg(&per)
+            .arg(&pr)
+            .arg(&kr)
+            .arg(&pr)
+            .arg(&kr);
+    }
+    // SAFETY: matches ib_test_puts / ib_test_rate_warp; the bad key is the point (the NIC
+    // refuses it).
     unsafe {
         b.launch(LaunchConfig {
             grid_dim: (1, 1, 1),

@@ -157,8 +157,12 @@ struct NoGate {
 // that asks for a CQE records its size in `sizes` at its slot; one thread at a time consumes
 // CQEs in order (owner bit by lap parity) and advances `state[kCompleted]` past each signaled
 // WQE (the unsignaled ones before it completed too), publishing the CQ's consumer index. An
-// error CQE is reported like a failed wait (kWaitIbError) and traps. `put_warp` posts 32 writes
-// with one reservation, one publish and one doorbell, only the last asking for a CQE.
+// error CQE is reported like a failed wait (kWaitIbError), which aborts the communicator; the
+// poller stops there and returns (no thread exits: a warp posting together must stay whole for
+// its shuffles). A reservation that cannot get room (the budget ran out, or the communicator
+// aborted) returns kNoSlot and its poster writes and publishes nothing, so no WQE ever lands on a
+// slot the NIC may still be reading. `put_warp` posts 32 writes with one reservation, one publish
+// and one doorbell, only the last asking for a CQE.
 struct IbQpHandle {
   uint8_t* sq;           // send queue ring, 2^sq_log2 WQEBBs
   uint32_t* dbr;         // send doorbell record (big-endian 16-bit index)
@@ -181,6 +185,8 @@ struct IbQpHandle {
 
   static constexpr uint32_t kReserved = 0, kReady = 1, kRung = 2, kCompleted = 3, kRingLock = 4, kPollLock = 5,
                             kCqConsumed = 6;
+  // What reserve() and the posting calls return when nothing was posted.
+  static constexpr uint64_t kNoSlot = ~uint64_t(0);
 
 #if DOORBELL_CUDA
   DOORBELL_DEVICE_INLINE uint64_t depth() const { return uint64_t(1) << sq_log2; }
@@ -211,8 +217,10 @@ struct IbQpHandle {
       fence_acq_rel_sys();
       const uint32_t counter = uint32_t((tail >> 32) & 0xff) << 8 | uint32_t((tail >> 40) & 0xff);
       if ((op_own >> 4) == 13 || (op_own >> 4) == 14) {
+        // Reported (the communicator aborts) and left unconsumed: nothing past it completes.
         const uint64_t word = load_relaxed_sys(e + 6);  // bytes 48..55: syndrome is byte 55
-        wait_gave_up(site, kWaitIbError, done + ((counter - uint32_t(done)) & 0xffff), word >> 56, 0);
+        report_failure(site, kWaitIbError, done + ((counter - uint32_t(done)) & 0xffff), word >> 56, 0);
+        break;
       }
       // The completed WQE starts at the oldest outstanding index with these low 16 bits.
       const uint64_t start = done + ((counter - uint32_t(done)) & 0xffff);
@@ -230,7 +238,8 @@ struct IbQpHandle {
     return done;
   }
 
-  // Reserves `n` WQEBBs (waiting, bounded, for room); returns the first.
+  // Reserves `n` WQEBBs (waiting, bounded, for room); returns the first, or kNoSlot when the
+  // wait for room gave up (the reservation stays taken: the communicator has aborted).
   DOORBELL_DEVICE_INLINE uint64_t reserve(uint32_t n) const {
     // Completions read beside the atomic, not after it: one trip to memory when there is room (a
     // stale count only sends the check below to the slow path, which polls).
@@ -242,10 +251,11 @@ struct IbQpHandle {
       __threadfence();
       const uint64_t ready = word(kReady);
       if (ready > word(kRung)) ring(ready);
-      spin_until(site, kWaitIbProgress, base + n - depth(), [&](uint64_t& seen) {
+      const bool room = spin_until(site, kWaitIbProgress, base + n - depth(), [&](uint64_t& seen) {
         seen = poll();
         return base + n <= seen + depth();
       });
+      if (!room) return kNoSlot;
     }
     return base;
   }
@@ -339,6 +349,7 @@ struct IbQpHandle {
   // RDMA WRITE of `len` bytes from local `laddr` to remote `raddr`, with a CQE; returns its index.
   DOORBELL_DEVICE_INLINE uint64_t put(uint64_t raddr, uint32_t rkey, uint64_t laddr, uint32_t lkey, uint32_t len) const {
     const uint64_t at = reserve(1);
+    if (at == kNoSlot) return kNoSlot;
     ib::rdma_wqe(sq, sq_log2, at, qpn, ib::kOpWrite, ib::kCqUpdate, raddr, rkey, laddr, lkey, len);
     signaled(at, 1);
     submit(at, 1);
@@ -353,6 +364,7 @@ struct IbQpHandle {
     uint64_t base = 0;
     if (lane == 0) base = reserve(32);
     base = __shfl_sync(0xffffffffu, base, 0);
+    if (base == kNoSlot) return kNoSlot;  // every lane alike
     const uint64_t at = base + lane;
     ib::rdma_wqe(sq, sq_log2, at, qpn, ib::kOpWrite, lane == 31 ? ib::kCqUpdate : 0, raddr, rkey, laddr, lkey, len);
     if (lane == 31) signaled(at, 1);
@@ -411,6 +423,7 @@ struct IbQpHandle {
     uint64_t base = 0;
     if (lane == 0) base = reserve(n);
     base = __shfl_sync(0xffffffffu, base, 0);
+    if (base == kNoSlot) return kNoSlot;  // every lane alike
     rows_of([&](uint32_t i, uint64_t raddr, uint64_t laddr) {
       const uint32_t cq = i == n - 1 ? ib::kCqUpdate : 0;
       ib::rdma_wqe(sq, sq_log2, base + i, qpn, ib::kOpWrite, cq, raddr, rkey, laddr, lkey, len);
@@ -455,6 +468,7 @@ struct IbQpHandle {
   // flush), so a signal posted after it cannot overtake them.
   DOORBELL_DEVICE_INLINE uint64_t get(uint64_t raddr, uint32_t rkey, uint64_t laddr, uint32_t lkey, uint32_t len) const {
     const uint64_t at = reserve(1);
+    if (at == kNoSlot) return kNoSlot;
     ib::rdma_wqe(sq, sq_log2, at, qpn, ib::kOpRead, ib::kCqUpdate, raddr, rkey, laddr, lkey, len);
     signaled(at, 1);
     submit(at, 1);
@@ -465,6 +479,7 @@ struct IbQpHandle {
   DOORBELL_DEVICE_INLINE uint64_t atomic_add(uint64_t raddr, uint32_t rkey, uint64_t add, uint64_t result,
                                              uint32_t lkey) const {
     const uint64_t at = reserve(1);
+    if (at == kNoSlot) return kNoSlot;
     ib::atomic_wqe(sq, sq_log2, at, qpn, ib::kOpFetchAdd, ib::kCqUpdate, raddr, rkey, add, 0, result, lkey);
     signaled(at, 1);
     submit(at, 1);
