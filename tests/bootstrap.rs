@@ -446,7 +446,7 @@ fn processes_strangers_do_not_disturb_the_job() {
 
         let mut hello = [0u8; 40];
         wrong.read_exact(&mut hello).unwrap();
-        assert_eq!(&hello[..8], b"DBBOOT02");
+        assert_eq!(&hello[..8], b"DBBOOT03");
         let mut answer = vec![0x5au8; 32];
         answer.extend_from_slice(&1u64.to_le_bytes());
         answer.extend_from_slice(&3u64.to_le_bytes());
@@ -585,5 +585,62 @@ fn a_flood_of_strangers_is_capped_and_the_job_still_forms() {
         let member = Bootstrap::connect(member_cfg);
         assert!(member.is_ok(), "{:?}", member.err());
         assert!(root.join().unwrap().is_ok());
+    });
+}
+
+/// An on-path attacker who alters one byte of a frame after the handshake (here a proxy between
+/// rank 1 and rank 0 flipping a bit of the first frame's header) cannot slip it in: the frame
+/// fails its MAC and the job fails, naming the link, instead of acting on the altered frame.
+#[test]
+fn a_frame_altered_on_the_way_fails_the_job() {
+    let (port0, proxy_port) = (free_port().unwrap(), free_port().unwrap());
+    let timeout = Duration::from_secs(5);
+    let mut cfg0 = config(0, 2, port0, timeout);
+    let mut cfg1 = config(1, 2, proxy_port, timeout);
+    cfg1.secret = cfg0.secret.clone();
+    cfg0.heartbeat = Duration::ZERO;
+    cfg1.heartbeat = Duration::ZERO;
+    let proxy = std::net::TcpListener::bind(("127.0.0.1", proxy_port)).unwrap();
+    std::thread::scope(|s| {
+        s.spawn(move || {
+            let (from1, _) = proxy.accept().unwrap();
+            let to0 = loop {
+                match TcpStream::connect(("127.0.0.1", port0)) {
+                    Ok(c) => break c,
+                    Err(_) => std::thread::sleep(Duration::from_millis(10)),
+                }
+            };
+            let pump = |mut r: TcpStream, mut w: TcpStream, flip_at: Option<usize>| {
+                let mut seen = 0usize;
+                let mut buf = [0u8; 4096];
+                while let Ok(n) = r.read(&mut buf) {
+                    if n == 0 {
+                        break;
+                    }
+                    if let Some(at) = flip_at.filter(|&at| at >= seen && at < seen + n) {
+                        buf[at - seen] ^= 1;
+                    }
+                    seen += n;
+                    if w.write_all(&buf[..n]).is_err() {
+                        break;
+                    }
+                }
+                let _ = w.shutdown(std::net::Shutdown::Both);
+            };
+            let (r1, w1) = (from1.try_clone().unwrap(), from1);
+            let (r0, w0) = (to0.try_clone().unwrap(), to0);
+            // Rank 1's answer is 82 bytes; byte 8 of the frame after it is its header's tag.
+            std::thread::scope(|p| {
+                p.spawn(|| pump(r1, w0, Some(82 + 8)));
+                p.spawn(|| pump(r0, w1, None));
+            });
+        });
+        let r1 = s.spawn(move || Bootstrap::connect(cfg1).map(|_| ()));
+        let e0 = Bootstrap::connect(cfg0)
+            .err()
+            .expect("rank 0 accepted an altered frame");
+        let _ = r1.join();
+        let text = e0.to_string();
+        assert!(text.contains("failed authentication"), "{text}");
     });
 }

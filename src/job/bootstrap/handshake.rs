@@ -9,10 +9,12 @@
 //! listener judges answers by (secret, world size, which ranks may connect, one connection per
 //! rank). It must never let a stranger's connection cost more than one thread for a few seconds
 //! (`HANDSHAKE_TIMEOUT_CAP`), never hand on a connection that has not proved the secret, and never
-//! carry frames: a handshake ends with the stream handed to the caller.
+//! carry frames: a handshake ends with the stream handed to the caller, sealed with the frame key
+//! both nonces and the secret give (`wire::frame_key`).
 
 use super::wire::{
-    decode_answer, encode_answer, encode_verdict, read_verdict, Answer, Verdict, ANSWER_LEN,
+    decode_answer, encode_answer, encode_verdict, frame_key, read_verdict, Answer, Conn, Verdict,
+    ANSWER_LEN,
 };
 use super::{lock, BootstrapConfig};
 use crate::error::{Error, Result};
@@ -27,13 +29,13 @@ use std::sync::{mpsc, Arc, Mutex};
 use std::thread::{self, JoinHandle};
 use std::time::{Duration, Instant};
 
-const HELLO_MAGIC: &[u8; 8] = b"DBBOOT02";
+const HELLO_MAGIC: &[u8; 8] = b"DBBOOT03";
 /// The connector's proof: SHA-256(secret | listener's nonce | this).
-const AUTH_LABEL: &[u8] = b"doorbell-bootstrap-v2";
+const AUTH_LABEL: &[u8] = b"doorbell-bootstrap-v3";
 /// The listener's proof, in its accept: SHA-256(secret | connector's nonce | listener's nonce |
 /// this). Both nonces, so it is worth nothing for another connection; its own label, so a
 /// connector's proof cannot be reflected back as one.
-const LISTENER_LABEL: &[u8] = b"doorbell-bootstrap-v2-listener";
+const LISTENER_LABEL: &[u8] = b"doorbell-bootstrap-v3-listener";
 const HELLO_LEN: usize = HELLO_MAGIC.len() + NONCE_LEN;
 /// Cap on a listener's wait for one connector's answer: strangers cost at most this.
 const HANDSHAKE_TIMEOUT_CAP: Duration = Duration::from_secs(5);
@@ -64,7 +66,8 @@ pub(super) struct Ident<'a> {
 /// An authenticated incoming connection.
 pub(super) struct Joined {
     pub(super) rank: usize,
-    pub(super) stream: TcpStream,
+    /// The connection, its frames sealed with the key both nonces gave.
+    pub(super) stream: Conn,
     /// Where the connector's own listener is: the ip its connection came from, its port.
     pub(super) listen_addr: SocketAddr,
 }
@@ -324,9 +327,10 @@ fn serve_handshake(
                 state.claimed[rank] = true;
                 let listen_addr = SocketAddr::new(from.ip().to_canonical(), answer.listen_port);
                 // The receiver is gone only once this listener gave up; then the stream closes.
+                let key = frame_key(&ctx.secret, &answer.nonce, &nonce);
                 let _ = tx.send(Joined {
                     rank,
-                    stream,
+                    stream: Conn::new(stream, key, me, rank),
                     listen_addr,
                 });
                 Ok(())
@@ -357,7 +361,7 @@ pub(super) fn dial(
     shown: &str,
     resolve: &dyn Fn() -> io::Result<Vec<SocketAddr>>,
     deadline: Instant,
-) -> Result<(TcpStream, Duration)> {
+) -> Result<(Conn, Duration)> {
     let mut backoff = Duration::from_millis(10);
     let mut last = String::from("no attempt finished");
     loop {
@@ -401,7 +405,7 @@ fn dial_once(
     shown: &str,
     addr: SocketAddr,
     deadline: Instant,
-) -> std::result::Result<(TcpStream, Duration), DialFail> {
+) -> std::result::Result<(Conn, Duration), DialFail> {
     let remaining = deadline.saturating_duration_since(Instant::now());
     let io_wait = remaining
         .min(HANDSHAKE_TIMEOUT_CAP)
@@ -444,7 +448,8 @@ fn dial_once(
         Ok(Verdict::Accept { remaining, proof })
             if ct_eq(&proof, &listener_proof(ident.secret, &nonce, theirs)) =>
         {
-            Ok((stream, remaining))
+            let key = frame_key(ident.secret, &nonce, theirs);
+            Ok((Conn::new(stream, key, ident.me, peer), remaining))
         }
         Ok(Verdict::Accept { .. }) => Err(DialFail::Final(Error::Bootstrap {
             me: ident.me,

@@ -10,8 +10,8 @@
 //! Every TCP connection starts with the same handshake, the listener speaking first:
 //!
 //! ```text
-//! listener  -> connector  hello:   "DBBOOT02" | nonce[32]                       (40 bytes)
-//! connector -> listener   answer:  SHA-256(secret | nonce | "doorbell-bootstrap-v2")[32]
+//! listener  -> connector  hello:   "DBBOOT03" | nonce[32]                       (40 bytes)
+//! connector -> listener   answer:  SHA-256(secret | nonce | "doorbell-bootstrap-v3")[32]
 //!                                  | rank u64 | world_size u64 | listen_port u16
 //!                                  | cnonce[32]                                   (82 bytes)
 //! listener  -> connector  verdict: accept u8 | blamed_rank u64 | listener_remaining_ms u64
@@ -20,7 +20,7 @@
 //!
 //! All integers are little endian; `blamed_rank` is `u64::MAX` for none. A reject's payload is
 //! its reason (UTF-8); an accept's is the listener's proof, SHA-256(secret | cnonce | nonce |
-//! "doorbell-bootstrap-v2-listener") (32 bytes), which the connector checks before it trusts
+//! "doorbell-bootstrap-v3-listener") (32 bytes), which the connector checks before it trusts
 //! anything the listener sends (rank 0's address table included): both sides prove the secret.
 //! A listener handles each handshake in its own thread with a short read timeout, so a silent or
 //! garbled connection only costs that thread, never the job.
@@ -36,8 +36,14 @@
 //! After the handshake every link carries frames:
 //!
 //! ```text
-//! kind u32 | reserved u32 (0) | tag u64 | len u64 | payload[len]
+//! kind u32 | reserved u32 (0) | tag u64 | len u64 | payload[len] | mac[16]
 //! ```
+//!
+//! `mac` is the first 16 bytes of HMAC-SHA-256(key, sender_rank u64 | frame_number u64 | header |
+//! payload), where `key` = HMAC-SHA-256(secret, "doorbell-bootstrap-v3-frames" | nonce | cnonce)
+//! belongs to this connection alone and `frame_number` counts the sender's frames on it from 0:
+//! a frame altered, replayed, reordered, cut out or reflected on the way fails its check, and the
+//! link counts as dead (the job fails naming the peer) instead of delivering it.
 //!
 //! `kind` separates user messages (tag = the user's tag) from all_gather contributions (tag = a
 //! per-Bootstrap sequence number, so consecutive collectives never mix), the address table,
@@ -64,12 +70,12 @@ pub use queues::PeerFailure;
 use queues::{read_link, Abort, Chan, Failure, Shared};
 use rendezvous::{listen_all, rendezvous_member, rendezvous_root, rendezvous_root_on};
 use std::fmt;
-use std::net::{Shutdown, TcpStream};
+use std::net::Shutdown;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::thread::{self, JoinHandle};
 use std::time::{Duration, Instant};
-use wire::{encode_abort, write_frame, Kind};
+use wire::{encode_abort, Conn, Kind, Sender};
 
 /// Bound on writing a goodbye or an abort to a peer that may not be reading.
 const FAREWELL_WRITE_TIMEOUT: Duration = Duration::from_secs(1);
@@ -235,7 +241,7 @@ struct Heartbeat {
 }
 
 struct Link {
-    writer: Arc<Mutex<TcpStream>>,
+    writer: Arc<Mutex<Sender>>,
     reader: Option<JoinHandle<()>>,
 }
 
@@ -275,7 +281,7 @@ impl Bootstrap {
     }
 
     /// Wraps the mesh links and starts one reader thread per link (and the heartbeat thread).
-    fn start(cfg: BootstrapConfig, streams: Vec<Option<TcpStream>>) -> Result<Bootstrap> {
+    fn start(cfg: BootstrapConfig, streams: Vec<Option<Conn>>) -> Result<Bootstrap> {
         let me = cfg.rank;
         let shared = Arc::new(Shared::new(me, cfg.world_size));
         let mut readers = Vec::with_capacity(streams.len());
@@ -290,11 +296,12 @@ impl Bootstrap {
                     let setup = stream
                         .set_read_timeout(None)
                         .and_then(|()| stream.set_nodelay(true))
-                        .and_then(|()| stream.try_clone());
-                    let reader = setup.map_err(|e| Error::io("preparing a bootstrap link", e))?;
+                        .and_then(|()| stream.split());
+                    let (writer, reader) =
+                        setup.map_err(|e| Error::io("preparing a bootstrap link", e))?;
                     readers.push(Some(reader));
                     links.push(Some(Link {
-                        writer: Arc::new(Mutex::new(stream)),
+                        writer: Arc::new(Mutex::new(writer)),
                         reader: None,
                     }));
                 }
@@ -338,7 +345,7 @@ impl Bootstrap {
     /// callers' sends through its mutex.
     fn start_heartbeat(&self, every: Duration) -> Result<Heartbeat> {
         let stop = Arc::new((Mutex::new(false), std::sync::Condvar::new()));
-        let writers: Vec<(usize, Arc<Mutex<TcpStream>>)> = self
+        let writers: Vec<(usize, Arc<Mutex<Sender>>)> = self
             .links
             .iter()
             .enumerate()
@@ -363,7 +370,7 @@ impl Bootstrap {
                         let mut stream = lock(writer);
                         let sent = stream
                             .set_write_timeout(Some(FAREWELL_WRITE_TIMEOUT))
-                            .and_then(|()| write_frame(&mut *stream, Kind::Heartbeat, 0, &[]));
+                            .and_then(|()| stream.send(Kind::Heartbeat, 0, &[]));
                         if let Err(e) = sent {
                             // A partly written frame would corrupt the link: close it for good.
                             let _ = stream.shutdown(Shutdown::Both);
@@ -455,9 +462,7 @@ impl Bootstrap {
                 let mut stream = lock(&link.writer);
                 let sent = stream
                     .set_write_timeout(Some(self.timeout().max(MIN_WRITE_TIMEOUT)))
-                    .and_then(|()| {
-                        write_frame(&mut *stream, Kind::Shrink, generation, &port.to_le_bytes())
-                    });
+                    .and_then(|()| stream.send(Kind::Shrink, generation, &port.to_le_bytes()));
                 if let Err(e) = sent {
                     return Err(Error::Bootstrap {
                         me: self.rank,
@@ -679,7 +684,7 @@ impl Bootstrap {
         let mut stream = lock(&link.writer);
         let written = stream
             .set_write_timeout(Some(self.timeout().max(MIN_WRITE_TIMEOUT)))
-            .and_then(|()| write_frame(&mut *stream, kind, tag, data));
+            .and_then(|()| stream.send(kind, tag, data));
         if let Err(e) = written {
             // A partly written frame would corrupt the link: close it for good.
             let _ = stream.shutdown(Shutdown::Both);
@@ -707,7 +712,7 @@ impl Bootstrap {
             if let Some(link) = self.links.get(peer).and_then(Option::as_ref) {
                 let mut stream = lock(&link.writer);
                 let _ = stream.set_write_timeout(Some(FAREWELL_WRITE_TIMEOUT));
-                let _ = write_frame(&mut *stream, Kind::Abort, 0, &payload);
+                let _ = stream.send(Kind::Abort, 0, &payload);
             }
         }
     }
@@ -729,13 +734,12 @@ impl Drop for Bootstrap {
             .map(|(blamed, why)| encode_abort(blamed, &why));
         for (peer, link) in self.links.iter().enumerate() {
             let Some(link) = link else { continue };
-            let stream = lock(&link.writer);
+            let mut stream = lock(&link.writer);
             if self.shared.gone_reason(peer).is_none() {
                 let _ = stream.set_write_timeout(Some(FAREWELL_WRITE_TIMEOUT));
                 let _ = match &relay {
-                    Some(payload) => write_frame(&mut &*stream, Kind::Abort, 0, payload),
-                    None => write_frame(
-                        &mut &*stream,
+                    Some(payload) => stream.send(Kind::Abort, 0, payload),
+                    None => stream.send(
                         Kind::Goodbye,
                         0,
                         &self.calls.load(Ordering::Relaxed).to_le_bytes(),

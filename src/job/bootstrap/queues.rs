@@ -5,13 +5,12 @@
 //! thread runs. It must never wait past a caller's deadline, never let a gone peer or an abort
 //! hide messages that arrived before it, and never write to a link: sending is the parent's.
 
-use super::wire::{decode_abort, read_frame, Kind};
+use super::wire::{decode_abort, Kind, Receiver};
 use super::{fmt_ranks, lock};
 use crate::error::Error;
 use crate::job::net::fmt_duration;
 use std::collections::{HashMap, VecDeque};
 use std::io;
-use std::net::TcpStream;
 use std::sync::{Arc, Condvar, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
@@ -368,10 +367,10 @@ impl Shared {
 }
 
 /// A link's reader thread: queues frames until the link ends, then records how it ended.
-pub(super) fn read_link(shared: Arc<Shared>, peer: usize, mut stream: TcpStream) {
+pub(super) fn read_link(shared: Arc<Shared>, peer: usize, mut stream: Receiver) {
     let mut calls = None;
     let (died, why) = loop {
-        let frame = read_frame(&mut stream);
+        let frame = stream.recv();
         if frame.is_ok() {
             shared.heard(peer);
         }

@@ -7,17 +7,13 @@
 //! or fails naming a rank that did not come, and rank 0 first tells the ranks that did join why.
 
 use super::handshake::{dial, AcceptCtx, Acceptor, Ident, Joined};
-use super::wire::{
-    decode_abort, decode_table, encode_abort, encode_table, read_frame, write_frame, Kind,
-};
+use super::wire::{decode_abort, decode_table, encode_abort, encode_table, Conn, Kind};
 use super::{fmt_ranks, BootstrapConfig, FAREWELL_WRITE_TIMEOUT};
 use crate::error::{Error, Result};
 use crate::job::config::Settings;
 use crate::job::net::fmt_duration;
 use std::io;
-use std::net::{
-    IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, TcpListener, TcpStream, ToSocketAddrs, UdpSocket,
-};
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, TcpListener, ToSocketAddrs, UdpSocket};
 use std::time::{Duration, Instant};
 
 /// Extra time a rank waits for rank 0's verdict beyond rank 0's own deadline.
@@ -123,7 +119,7 @@ fn root_listener(cfg: &BootstrapConfig, v6: bool) -> Result<TcpListener> {
 }
 
 /// Rank 0: waits for every rank, then sends each the address table (or an abort).
-pub(super) fn rendezvous_root(cfg: &BootstrapConfig) -> Result<Vec<Option<TcpStream>>> {
+pub(super) fn rendezvous_root(cfg: &BootstrapConfig) -> Result<Vec<Option<Conn>>> {
     let v6 = wants_ipv6(&cfg.master_addr, cfg.master_port);
     rendezvous_root_on(cfg, root_listener(cfg, v6)?)
 }
@@ -133,7 +129,7 @@ pub(super) fn rendezvous_root(cfg: &BootstrapConfig) -> Result<Vec<Option<TcpStr
 pub(super) fn rendezvous_root_on(
     cfg: &BootstrapConfig,
     listener: TcpListener,
-) -> Result<Vec<Option<TcpStream>>> {
+) -> Result<Vec<Option<Conn>>> {
     let n = cfg.world_size;
     let deadline = Instant::now() + cfg.timeout;
     let bind_addr = listener
@@ -185,7 +181,7 @@ pub(super) fn rendezvous_root_on(
         let payload = encode_abort(Some(first), &why);
         for j in joined.iter_mut().flatten() {
             let _ = j.stream.set_write_timeout(Some(FAREWELL_WRITE_TIMEOUT));
-            let _ = write_frame(&mut j.stream, Kind::Abort, 0, &payload);
+            let _ = j.stream.send(Kind::Abort, 0, &payload);
         }
         return Err(Error::Bootstrap {
             me: 0,
@@ -198,21 +194,20 @@ pub(super) fn rendezvous_root_on(
         table[j.rank] = j.listen_addr;
     }
     let payload = encode_table(&table);
-    let mut links: Vec<Option<TcpStream>> =
-        joined.into_iter().map(|j| j.map(|j| j.stream)).collect();
+    let mut links: Vec<Option<Conn>> = joined.into_iter().map(|j| j.map(|j| j.stream)).collect();
     for rank in 1..n {
         let Some(stream) = links[rank].as_mut() else {
             continue;
         };
         let sent = stream
             .set_write_timeout(Some(cfg.timeout))
-            .and_then(|()| write_frame(stream, Kind::Table, 0, &payload));
+            .and_then(|()| stream.send(Kind::Table, 0, &payload));
         if let Err(e) = sent {
             let why = format!("lost before it received the address table: {e}");
             let payload = encode_abort(Some(rank), &why);
             for other in links.iter_mut().flatten() {
                 let _ = other.set_write_timeout(Some(FAREWELL_WRITE_TIMEOUT));
-                let _ = write_frame(other, Kind::Abort, 0, &payload);
+                let _ = other.send(Kind::Abort, 0, &payload);
             }
             return Err(Error::Bootstrap {
                 me: 0,
@@ -225,7 +220,7 @@ pub(super) fn rendezvous_root_on(
 }
 
 /// Ranks 1..n: join through rank 0, then connect to every lower rank and accept every higher one.
-pub(super) fn rendezvous_member(cfg: &BootstrapConfig) -> Result<Vec<Option<TcpStream>>> {
+pub(super) fn rendezvous_member(cfg: &BootstrapConfig) -> Result<Vec<Option<Conn>>> {
     let (me, n) = (cfg.rank, cfg.world_size);
     let deadline = Instant::now() + cfg.timeout;
     let v6 = wants_ipv6(&cfg.master_addr, cfg.master_port);
@@ -256,7 +251,7 @@ pub(super) fn rendezvous_member(cfg: &BootstrapConfig) -> Result<Vec<Option<TcpS
     let table = read_table(&mut root, cfg, until)?;
 
     let deadline = Instant::now() + cfg.timeout;
-    let mut links: Vec<Option<TcpStream>> = (0..n).map(|_| None).collect();
+    let mut links: Vec<Option<Conn>> = (0..n).map(|_| None).collect();
     links[0] = Some(root);
     for (peer, &addr) in table.iter().enumerate().take(me).skip(1) {
         let resolve = move || -> io::Result<Vec<SocketAddr>> { Ok(vec![addr]) };
@@ -295,11 +290,7 @@ pub(super) fn rendezvous_member(cfg: &BootstrapConfig) -> Result<Vec<Option<TcpS
 }
 
 /// Reads rank 0's address table, or its abort, before `until`.
-fn read_table(
-    root: &mut TcpStream,
-    cfg: &BootstrapConfig,
-    until: Instant,
-) -> Result<Vec<SocketAddr>> {
+fn read_table(root: &mut Conn, cfg: &BootstrapConfig, until: Instant) -> Result<Vec<SocketAddr>> {
     let me = cfg.rank;
     let fail = |rank: Option<usize>, why: String| Error::Bootstrap { me, rank, why };
     let wait = until
@@ -307,7 +298,7 @@ fn read_table(
         .max(Duration::from_millis(1));
     root.set_read_timeout(Some(wait))
         .map_err(|e| Error::io("configuring the link to rank 0", e))?;
-    match read_frame(root) {
+    match root.recv() {
         Ok((Kind::Table, _, payload)) => decode_table(&payload, cfg.world_size).map_err(|why| {
             fail(
                 Some(0),

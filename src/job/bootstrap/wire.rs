@@ -5,9 +5,9 @@
 //! documentation). It must never change a socket's settings, never trust a length a peer announced
 //! for an allocation, and never panic on malformed input: a decoder returns an error instead.
 
-use crate::job::auth::{DIGEST_LEN, NONCE_LEN};
+use crate::job::auth::{ct_eq, hmac_sha256, DIGEST_LEN, NONCE_LEN};
 use std::io::{self, Read, Write};
-use std::net::SocketAddr;
+use std::net::{SocketAddr, TcpStream};
 use std::ops::Range;
 use std::time::Duration;
 
@@ -75,25 +75,78 @@ fn decode_header(h: &[u8; HEADER_LEN]) -> io::Result<(Kind, u64, u64)> {
     Ok((kind, word(8..16), word(16..24)))
 }
 
+/// Bytes of the tag behind every frame's payload.
+pub(super) const TAG_LEN: usize = 16;
+
+/// The key of one connection's frames, from the secret and both handshake nonces (so no two
+/// connections, of this job or another, share one).
+pub(super) fn frame_key(
+    secret: &[u8],
+    connector_nonce: &[u8],
+    listener_nonce: &[u8],
+) -> [u8; DIGEST_LEN] {
+    hmac_sha256(
+        secret,
+        &[
+            b"doorbell-bootstrap-v3-frames",
+            listener_nonce,
+            connector_nonce,
+        ],
+    )
+}
+
+/// One direction of a connection's frames: the key, the sending rank and the number of frames
+/// sent so far. A frame's tag covers all three, its header and its payload, so a frame that was
+/// altered, replayed, reordered, dropped from the middle, or reflected back to its sender fails.
+pub(super) struct Seal {
+    key: [u8; DIGEST_LEN],
+    from: u64,
+    next: u64,
+}
+
+impl Seal {
+    fn tag(&mut self, header: &[u8], payload: &[u8]) -> [u8; TAG_LEN] {
+        let full = hmac_sha256(
+            &self.key,
+            &[
+                &self.from.to_le_bytes(),
+                &self.next.to_le_bytes(),
+                header,
+                payload,
+            ],
+        );
+        self.next += 1;
+        let mut tag = [0u8; TAG_LEN];
+        tag.copy_from_slice(&full[..TAG_LEN]);
+        tag
+    }
+}
+
+/// Writes one frame: header, payload, tag.
 pub(super) fn write_frame(
     w: &mut impl Write,
+    seal: &mut Seal,
     kind: Kind,
     tag: u64,
     payload: &[u8],
 ) -> io::Result<()> {
     let header = encode_header(kind, tag, payload.len() as u64);
+    let mac = seal.tag(&header, payload);
     if payload.len() <= SMALL_FRAME {
-        let mut buf = Vec::with_capacity(HEADER_LEN + payload.len());
+        let mut buf = Vec::with_capacity(HEADER_LEN + payload.len() + TAG_LEN);
         buf.extend_from_slice(&header);
         buf.extend_from_slice(payload);
+        buf.extend_from_slice(&mac);
         w.write_all(&buf)
     } else {
         w.write_all(&header)?;
-        w.write_all(payload)
+        w.write_all(payload)?;
+        w.write_all(&mac)
     }
 }
 
-pub(super) fn read_frame(r: &mut impl Read) -> io::Result<(Kind, u64, Vec<u8>)> {
+/// Reads one frame and checks its tag.
+pub(super) fn read_frame(r: &mut impl Read, seal: &mut Seal) -> io::Result<(Kind, u64, Vec<u8>)> {
     let mut header = [0u8; HEADER_LEN];
     r.read_exact(&mut header)?;
     let (kind, tag, len) = decode_header(&header)?;
@@ -106,7 +159,104 @@ pub(super) fn read_frame(r: &mut impl Read) -> io::Result<(Kind, u64, Vec<u8>)> 
             format!("frame ended after {} of {len} payload bytes", payload.len()),
         ));
     }
+    let mut mac = [0u8; TAG_LEN];
+    r.read_exact(&mut mac)?;
+    if !ct_eq(&mac, &seal.tag(&header, &payload)) {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidData,
+            "a frame failed authentication (altered, replayed or reordered on the way, or not \
+             from this job)",
+        ));
+    }
     Ok((kind, tag, payload))
+}
+
+/// An authenticated bootstrap connection: the socket and both directions' seals. Derefs to the
+/// socket for its settings.
+pub(super) struct Conn {
+    stream: TcpStream,
+    send: Seal,
+    recv: Seal,
+}
+
+impl Conn {
+    /// The connection between ranks `me` and `peer` whose handshake gave `key`.
+    pub(super) fn new(stream: TcpStream, key: [u8; DIGEST_LEN], me: usize, peer: usize) -> Conn {
+        Conn {
+            stream,
+            send: Seal {
+                key,
+                from: me as u64,
+                next: 0,
+            },
+            recv: Seal {
+                key,
+                from: peer as u64,
+                next: 0,
+            },
+        }
+    }
+
+    pub(super) fn send(&mut self, kind: Kind, tag: u64, payload: &[u8]) -> io::Result<()> {
+        write_frame(&mut self.stream, &mut self.send, kind, tag, payload)
+    }
+
+    pub(super) fn recv(&mut self) -> io::Result<(Kind, u64, Vec<u8>)> {
+        read_frame(&mut self.stream, &mut self.recv)
+    }
+
+    /// The writing half (this socket) and the reading half (a clone of it), each with its seal.
+    pub(super) fn split(self) -> io::Result<(Sender, Receiver)> {
+        let reader = self.stream.try_clone()?;
+        Ok((
+            Sender {
+                stream: self.stream,
+                seal: self.send,
+            },
+            Receiver {
+                stream: reader,
+                seal: self.recv,
+            },
+        ))
+    }
+}
+
+impl std::ops::Deref for Conn {
+    type Target = TcpStream;
+    fn deref(&self) -> &TcpStream {
+        &self.stream
+    }
+}
+
+/// The writing half of a [`Conn`].
+pub(super) struct Sender {
+    stream: TcpStream,
+    seal: Seal,
+}
+
+impl Sender {
+    pub(super) fn send(&mut self, kind: Kind, tag: u64, payload: &[u8]) -> io::Result<()> {
+        write_frame(&mut self.stream, &mut self.seal, kind, tag, payload)
+    }
+}
+
+impl std::ops::Deref for Sender {
+    type Target = TcpStream;
+    fn deref(&self) -> &TcpStream {
+        &self.stream
+    }
+}
+
+/// The reading half of a [`Conn`].
+pub(super) struct Receiver {
+    stream: TcpStream,
+    seal: Seal,
+}
+
+impl Receiver {
+    pub(super) fn recv(&mut self) -> io::Result<(Kind, u64, Vec<u8>)> {
+        read_frame(&mut self.stream, &mut self.seal)
+    }
 }
 
 pub(super) fn encode_abort(blamed: Option<usize>, why: &str) -> Vec<u8> {
@@ -272,37 +422,97 @@ pub(super) fn read_verdict(r: &mut impl Read) -> io::Result<Verdict<String>> {
 mod tests {
     use super::*;
 
+    /// Rank 0's sending seal and rank 1's receiving one, as a connection between them holds.
+    fn seals(key: [u8; DIGEST_LEN]) -> (Seal, Seal) {
+        let s = |from| Seal { key, from, next: 0 };
+        (s(0), s(0))
+    }
+
     #[test]
     fn frames_round_trip() {
+        let (mut tx, mut rx) = seals([7; DIGEST_LEN]);
         let mut wire = Vec::new();
-        write_frame(&mut wire, Kind::User, 7, b"hello").unwrap();
+        write_frame(&mut wire, &mut tx, Kind::User, 7, b"hello").unwrap();
         let big = vec![0xabu8; SMALL_FRAME + 5];
-        write_frame(&mut wire, Kind::Gather, u64::MAX, &big).unwrap();
-        write_frame(&mut wire, Kind::Goodbye, 0, &[]).unwrap();
+        write_frame(&mut wire, &mut tx, Kind::Gather, u64::MAX, &big).unwrap();
+        write_frame(&mut wire, &mut tx, Kind::Goodbye, 0, &[]).unwrap();
         let mut r = &wire[..];
         assert_eq!(
-            read_frame(&mut r).unwrap(),
+            read_frame(&mut r, &mut rx).unwrap(),
             (Kind::User, 7, b"hello".to_vec())
         );
-        assert_eq!(read_frame(&mut r).unwrap(), (Kind::Gather, u64::MAX, big));
-        assert_eq!(read_frame(&mut r).unwrap(), (Kind::Goodbye, 0, vec![]));
-        let e = read_frame(&mut r).unwrap_err();
+        assert_eq!(
+            read_frame(&mut r, &mut rx).unwrap(),
+            (Kind::Gather, u64::MAX, big)
+        );
+        assert_eq!(
+            read_frame(&mut r, &mut rx).unwrap(),
+            (Kind::Goodbye, 0, vec![])
+        );
+        let e = read_frame(&mut r, &mut rx).unwrap_err();
         assert_eq!(e.kind(), io::ErrorKind::UnexpectedEof);
     }
 
     #[test]
+    fn altered_replayed_reordered_reflected_or_foreign_frames_fail() {
+        let key = frame_key(b"secret", &[1; NONCE_LEN], &[2; NONCE_LEN]);
+        let frames = |n: usize| {
+            let (mut tx, _) = seals(key);
+            (0..n)
+                .map(|i| {
+                    let mut w = Vec::new();
+                    write_frame(&mut w, &mut tx, Kind::User, i as u64, b"abc").unwrap();
+                    w
+                })
+                .collect::<Vec<_>>()
+        };
+        let fails = |wire: &[u8], rx: &mut Seal| {
+            let e = read_frame(&mut &wire[..], rx).unwrap_err();
+            assert_eq!(e.kind(), io::ErrorKind::InvalidData, "{e}");
+            assert!(e.to_string().contains("failed authentication"), "{e}");
+        };
+        let f = frames(2);
+        // Altered: a payload byte, the tag, the header's tag field.
+        for at in [HEADER_LEN + 1, f[0].len() - 1, 8] {
+            let mut bad = f[0].clone();
+            bad[at] ^= 1;
+            fails(&bad, &mut seals(key).1);
+        }
+        // Reordered (the second frame first) and replayed (the first frame twice).
+        fails(&f[1], &mut seals(key).1);
+        let mut rx = seals(key).1;
+        read_frame(&mut &f[0][..], &mut rx).unwrap();
+        fails(&f[0], &mut rx);
+        // Reflected: rank 0's frame fed back to rank 0's own receiving seal (from rank 1).
+        fails(
+            &f[0],
+            &mut Seal {
+                key,
+                from: 1,
+                next: 0,
+            },
+        );
+        // Another connection's key (other nonces), or another job's secret.
+        let other = frame_key(b"secret", &[1; NONCE_LEN], &[3; NONCE_LEN]);
+        fails(&f[0], &mut seals(other).1);
+        let foreign = frame_key(b"other", &[1; NONCE_LEN], &[2; NONCE_LEN]);
+        fails(&f[0], &mut seals(foreign).1);
+    }
+
+    #[test]
     fn malformed_frames_are_errors_not_allocations() {
+        let rx = || seals([0; DIGEST_LEN]).1;
         let mut h = encode_header(Kind::User, 1, 10);
         h[0] = 99;
-        let e = read_frame(&mut &h[..]).unwrap_err();
+        let e = read_frame(&mut &h[..], &mut rx()).unwrap_err();
         assert_eq!(e.kind(), io::ErrorKind::InvalidData, "{e}");
         let mut h = encode_header(Kind::User, 1, 10);
         h[5] = 1;
-        assert!(read_frame(&mut &h[..]).is_err());
+        assert!(read_frame(&mut &h[..], &mut rx()).is_err());
         // A huge announced length with a short body ends in EOF, not an allocation failure.
         let mut wire = encode_header(Kind::User, 1, u64::MAX / 2).to_vec();
         wire.extend_from_slice(b"short");
-        let e = read_frame(&mut &wire[..]).unwrap_err();
+        let e = read_frame(&mut &wire[..], &mut rx()).unwrap_err();
         assert_eq!(e.kind(), io::ErrorKind::UnexpectedEof, "{e}");
     }
 
