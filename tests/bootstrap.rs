@@ -636,9 +636,7 @@ fn a_frame_altered_on_the_way_fails_the_job() {
             });
         });
         let r1 = s.spawn(move || Bootstrap::connect(cfg1).map(|_| ()));
-        let e0 = Bootstrap::connect(cfg0)
-            .err()
-            .expect("rank 0 accepted an altered frame");
+        let e0 = Bootstrap::connect(cfg0).expect_err("rank 0 accepted an altered frame");
         let _ = r1.join();
         let text = e0.to_string();
         assert!(text.contains("failed authentication"), "{text}");
