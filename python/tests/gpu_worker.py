@@ -157,6 +157,84 @@ def channels(comm):
     t.fill_(r)
     torch.cuda.synchronize()
     check(bool((t == r).all()), "SymmetricMemory view")
+    # The channels move data: a kernel of ours, built against doorbell.get_include(), puts this
+    # rank's src into slot r of every peer's dst, signals each peer and waits for each.
+    chunk = (1 << 20) // w // 16 * 16
+    src.tensor(torch.float32, (chunk // 4,)).copy_(torch.arange(chunk // 4, device="cuda") + 1000 * r)
+    out = dst.tensor(torch.float32, ((1 << 20) // 4,))
+    out.fill_(-1)
+    torch.cuda.synchronize()
+    comm.check_health()
+    _launch_exchange(h, r, w, chunk)
+    comm.synchronize()
+    for p in range(w):
+        got = out[p * chunk // 4 : (p + 1) * chunk // 4]
+        if p == r:
+            check(bool((got == -1).all()), "nothing lands in a rank's own slot")
+        else:
+            want = torch.arange(chunk // 4, device="cuda", dtype=torch.float32) + 1000 * p
+            check(torch.equal(got, want), f"rank {r}: the block from rank {p} over its MemoryChannel")
+
+
+_EXCHANGE = r"""
+#include <doorbell/doorbell.cuh>
+extern "C" __global__ void exchange(const doorbell::MemoryChannelHandle* h, unsigned rank, unsigned world,
+                                    unsigned long long chunk) {
+  for (unsigned p = 0; p < world; ++p) {
+    if (p != rank) h[p].put(rank * chunk, 0, chunk, threadIdx.x, blockDim.x);
+  }
+  __syncthreads();
+  const unsigned p = threadIdx.x;
+  if (p < world && p != rank) {
+    h[p].signal();
+    h[p].wait();
+  }
+}
+"""
+
+
+def _launch_exchange(handles, rank, world, chunk):
+    """Builds _EXCHANGE with nvcc (doorbell.get_include()) and launches it through the driver
+    API on torch's current stream: one block of 256 threads."""
+    import ctypes
+    import os
+    import shutil
+    import subprocess
+    import tempfile
+
+    nvcc = shutil.which("nvcc") or next(
+        (p for p in (os.path.join(os.environ.get("CUDA_HOME", ""), "bin", "nvcc"), "/usr/local/cuda/bin/nvcc")
+         if os.path.exists(p)),
+        None,
+    )
+    if nvcc is None:
+        raise AssertionError("no nvcc: the channels case needs it to build its kernel")
+    major, minor = torch.cuda.get_device_capability()
+    with tempfile.TemporaryDirectory() as d:
+        src = os.path.join(d, "exchange.cu")
+        cubin = os.path.join(d, "exchange.cubin")
+        with open(src, "w") as f:
+            f.write(_EXCHANGE)
+        subprocess.run(
+            [nvcc, "-cubin", "-std=c++17", f"-arch=sm_{major}{minor}", "-I", doorbell.get_include(), src, "-o", cubin],
+            check=True,
+        )
+        with open(cubin, "rb") as f:
+            image = f.read()
+    cuda = ctypes.CDLL("libcuda.so.1")
+    module, fn = ctypes.c_void_p(), ctypes.c_void_p()
+    check(cuda.cuModuleLoadData(ctypes.byref(module), image) == 0, "cuModuleLoadData")
+    check(cuda.cuModuleGetFunction(ctypes.byref(fn), module, b"exchange") == 0, "cuModuleGetFunction")
+    args = [
+        ctypes.c_uint64(handles.data_ptr()),
+        ctypes.c_uint32(rank),
+        ctypes.c_uint32(world),
+        ctypes.c_uint64(chunk),
+    ]
+    params = (ctypes.c_void_p * len(args))(*[ctypes.cast(ctypes.byref(a), ctypes.c_void_p) for a in args])
+    stream = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
+    rc = cuda.cuLaunchKernel(fn, 1, 1, 1, 256, 1, 1, 0, stream, params, None)
+    check(rc == 0, f"cuLaunchKernel: {rc}")
 
 
 def bad_arguments(comm):
