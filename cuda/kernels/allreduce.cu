@@ -60,7 +60,9 @@ DOORBELL_DEVICE_INLINE uint32_t ll_thread() {
 template <typename P>
 DOORBELL_DEVICE_INLINE void wait_packet(const P* pk, uint32_t flag, uint32_t* w, WaitSite& site, uint32_t peer) {
   site.peer = static_cast<int32_t>(peer);
-  spin_until_packet(site, kWaitPacket, flag, [&](uint64_t& seen) { return pk->try_read(w[0], w[1], flag, seen); });
+  if (!spin_until_packet(site, kWaitPacket, flag, [&](uint64_t& seen) { return pk->try_read(w[0], w[1], flag, seen); })) {
+    w[0] = w[1] = kMissingPayload;  // NaN: the sum it enters is marked, not stale
+  }
 }
 
 // One-shot: every rank pushes its whole input as packets into every peer's slot, then reduces

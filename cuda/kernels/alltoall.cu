@@ -116,8 +116,10 @@ DOORBELL_DEVICE_INLINE void pair_packets(const AllToAllArgs& a, bool send, uint3
     const WaitSite& site = a.data[uint64_t(lane) * w + p].site;
     for (uint64_t i = first; i * 8 < bytes; i += stride) {
       uint32_t lo = 0, hi = 0;
-      spin_until_packet(site, kWaitPacket, epoch,
-                        [&](uint64_t& seen) { return slot[i].try_read(lo, hi, epoch, seen); });
+      if (!spin_until_packet(site, kWaitPacket, epoch,
+                             [&](uint64_t& seen) { return slot[i].try_read(lo, hi, epoch, seen); })) {
+        lo = hi = kMissingPayload;  // marked, not stale bytes
+      }
       const uint64_t n = bytes - i * 8;
       store_payload(a.output + off + i * 8, n < 8 ? uint32_t(n) : 8, lo, hi);
     }
@@ -241,8 +243,10 @@ DOORBELL_DEVICE_INLINE void ll16(const AllToAllArgs& a) {
     const WaitSite& site = a.data[p].site;
     for (uint64_t i = first; i * 8 < bytes; i += stride) {
       uint32_t lo = 0, hi = 0;
-      spin_until_packet(site, kWaitPacket, epoch,
-                        [&](uint64_t& seen) { return slot[i].try_read(lo, hi, epoch, seen); });
+      if (!spin_until_packet(site, kWaitPacket, epoch,
+                             [&](uint64_t& seen) { return slot[i].try_read(lo, hi, epoch, seen); })) {
+        lo = hi = kMissingPayload;  // marked, not stale bytes
+      }
       const uint64_t n = bytes - i * 8;
       store_payload(dst + i * 8, n < 8 ? uint32_t(n) : 8, lo, hi);
     }

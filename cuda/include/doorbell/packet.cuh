@@ -115,6 +115,11 @@ DOORBELL_DEVICE_INLINE void copy_to_packets(Packet* dst, const void* src, uint64
   }
 }
 
+// What a packet wait that gave up (the communicator aborted) delivers instead of the slot's stale
+// bytes: all ones, a NaN in f32, f16 and bf16 alike, so an output cut short by a fault cannot pass
+// for a result (Error::PeerFailed or Timeout names the fault on the host).
+constexpr uint32_t kMissingPayload = 0xFFFFFFFFu;
+
 // Waits (bounded) for `bytes` of payload in packets at `src` carrying `flag`, and stores the data
 // to `dst`, cooperatively. Only `bytes` bytes are written.
 template <typename Packet>
@@ -124,7 +129,9 @@ DOORBELL_DEVICE_INLINE void copy_from_packets(void* dst, const Packet* src, uint
   const uint64_t n = packets_for<Packet>(bytes);
   for (uint64_t i = tid; i < n; i += nthreads) {
     uint32_t lo = 0, hi = 0;
-    spin_until_packet(site, kWaitPacket, flag, [&](uint64_t& seen) { return src[i].try_read(lo, hi, flag, seen); });
+    if (!spin_until_packet(site, kWaitPacket, flag, [&](uint64_t& seen) { return src[i].try_read(lo, hi, flag, seen); })) {
+      lo = hi = kMissingPayload;  // never came (the communicator aborted): marked, not stale bytes
+    }
     const uint64_t off = i * Packet::kPayload;
     const uint64_t left = bytes - off;
     store_payload(d + off, left < Packet::kPayload ? uint32_t(left) : Packet::kPayload, lo, hi);
