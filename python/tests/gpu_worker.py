@@ -237,6 +237,48 @@ def _launch_exchange(handles, rank, world, chunk):
     check(rc == 0, f"cuLaunchKernel: {rc}")
 
 
+def kill_loop(comm, seed):
+    """The loop of issue 26: all_reduce, torch.cuda.synchronize(), check, while the last rank
+    kills itself (SIGKILL) at a random call. A survivor must see right results, or results marked
+    as cut short (NaN), then DoorbellError; never a wrong result without an exception. Sizes of
+    1, 16 and 256 KiB take the LL kernels, whose outputs an abort marks."""
+    import os
+    import random
+    import signal
+
+    r, w = comm.rank, comm.world_size
+    kill_at = random.Random(seed).randrange(3, 60)
+    right = marked = wrong = 0
+    raised = None
+    for i in range(200):
+        if r == w - 1 and i == kill_at:
+            os.kill(os.getpid(), signal.SIGKILL)
+        n = (256, 4096, 65536)[i % 3]
+        t = torch.full((n,), float(r + 1 + i), device="cuda")
+        want = float(sum(p + 1 + i for p in range(w)))
+        try:
+            comm.all_reduce(t)
+            torch.cuda.synchronize()
+        except doorbell.DoorbellError as e:
+            raised = e
+            break
+        if bool((t == want).all()):
+            right += 1
+        elif bool(t.isnan().any()):
+            marked += 1
+        else:
+            wrong += 1
+            print(f"rank {r}: call {i} returned a wrong result without an exception", flush=True)
+    if raised is None:
+        try:
+            comm.synchronize()
+        except doorbell.DoorbellError as e:
+            raised = e
+    print(f"rank {r}: kill at call {kill_at}: {right} right, {marked} marked, {wrong} wrong; then {raised}", flush=True)
+    check(wrong == 0, f"rank {r}: {wrong} wrong results returned without an exception")
+    check(raised is not None, f"rank {r}: the killed rank was never reported")
+
+
 def bad_arguments(comm):
     t = torch.zeros(8, dtype=torch.int32, device="cuda")
     try:
@@ -263,6 +305,8 @@ def main():
         channels(comm)
     elif case == "bad_arguments":
         bad_arguments(comm)
+    elif case == "kill_loop":
+        kill_loop(comm, int(sys.argv[2]))
     else:
         raise SystemExit(f"unknown case {case}")
     print(f"rank {comm.rank}: {case} ok", flush=True)

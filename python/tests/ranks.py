@@ -5,6 +5,7 @@ pytest needed, for GPU machines without it)."""
 import os
 import pathlib
 import secrets
+import signal
 import subprocess
 import sys
 from typing import List, Tuple
@@ -20,11 +21,13 @@ CASES: List[Tuple[str, ...]] = [
     ("channels",),
     ("bad_arguments",),
     ("moe_graph", "1000"),
-]
+] + [("kill_loop", str(seed)) for seed in range(10)]
 
 
 def run_ranks(n: int, *args: str, timeout: float = 600) -> List[str]:
-    """Runs gpu_worker.py with `args` as `n` ranks; returns the failures (empty: all passed)."""
+    """Runs gpu_worker.py with `args` as `n` ranks; returns the failures (empty: all passed). In
+    the kill_loop case the last rank kills itself: it must end by SIGKILL, the others pass."""
+    victim = n - 1 if args and args[0] == "kill_loop" else None
     # Below the ephemeral range, so no outgoing connection takes it before rank 0 listens.
     port = _doorbell.free_port()
     secret = secrets.token_hex(16)  # one per job, as a launcher should set it
@@ -60,6 +63,9 @@ def run_ranks(n: int, *args: str, timeout: float = 600) -> List[str]:
             for q in procs:
                 q.kill()
             return [f"rank {r} of {n} did not finish {args} in {timeout} s"]
-        if p.returncode != 0:
+        if r == victim:
+            if p.returncode != -signal.SIGKILL:
+                failed.append(f"rank {r} was to kill itself (exit {p.returncode}):\n{out}")
+        elif p.returncode != 0:
             failed.append(f"rank {r} (exit {p.returncode}):\n{out}")
     return failed
