@@ -7,8 +7,10 @@ use std::fmt;
 /// Result alias used throughout doorbell.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
-/// What a device-side wait was waiting for when it gave up.
+/// What a device-side wait was waiting for when it gave up. Non-exhaustive: kinds are added as
+/// new checks report (match with a `_` arm).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum WaitKind {
     /// A semaphore token to reach an expected value (a peer's `signal`).
     Semaphore,

@@ -216,6 +216,23 @@ fn equal(comm: &Arc<Communicator>, s: &Arc<CudaStream>) {
     }
 }
 
+/// Writes `c` (bytes) into the device array a captured `run_v_raw` reads, stream-ordered.
+fn upload_counts(s: &Arc<CudaStream>, dev: &CudaSlice<u64>, c: &Counts) {
+    let v: Vec<u64> = [
+        &c.send_counts,
+        &c.send_offsets,
+        &c.recv_counts,
+        &c.recv_offsets,
+    ]
+    .iter()
+    .flat_map(|x| x.iter().map(|&n| n as u64))
+    .collect();
+    assert_eq!(v.len(), dev.len(), "4 x world counts");
+    // SAFETY: `dev` holds v.len() u64; pageable copies are staged before returning.
+    unsafe { cudarc::driver::result::memcpy_htod_async(dev.device_ptr(s).0, &v, s.cu_stream()) }
+        .unwrap();
+}
+
 /// Rank r sends (r + 2p + 1) * 1000 + p bytes to p, except that rank 1 sends nothing; blocks
 /// start at odd offsets with gaps.
 fn uneven_counts(world: usize, me: usize, round: usize) -> Counts {
@@ -273,19 +290,6 @@ fn uneven(comm: &Arc<Communicator>, s: &Arc<CudaStream>) {
     // A captured graph reading its counts from device memory; the counts change between replays.
     let counts_dev: CudaSlice<u64> = s.alloc_zeros(4 * world).unwrap();
     let cptr = counts_dev.device_ptr(s).0;
-    let upload = |c: &Counts| {
-        let v: Vec<u64> = [
-            &c.send_counts,
-            &c.send_offsets,
-            &c.recv_counts,
-            &c.recv_offsets,
-        ]
-        .iter()
-        .flat_map(|x| x.iter().map(|&n| n as u64))
-        .collect();
-        // SAFETY: `counts_dev` holds 4 * world u64; pageable copies are staged before returning.
-        unsafe { cudarc::driver::result::memcpy_htod_async(cptr, &v, s.cu_stream()) }.unwrap();
-    };
     comm.synchronize(s).unwrap();
     s.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)
         .unwrap();
@@ -298,7 +302,7 @@ fn uneven(comm: &Arc<Communicator>, s: &Arc<CudaStream>) {
         .expect("a graph");
     for replay in 0..100u32 {
         let c = uneven_counts(world, me, replay as usize);
-        upload(&c);
+        upload_counts(s, &counts_dev, &c);
         exchange(
             comm,
             s,
@@ -369,17 +373,7 @@ fn mixed(comm: &Arc<Communicator>, s: &Arc<CudaStream>) {
         .expect("a graph");
     for replay in 0..30usize {
         let c = counts(replay % 10);
-        let v: Vec<u64> = [
-            &c.send_counts,
-            &c.send_offsets,
-            &c.recv_counts,
-            &c.recv_offsets,
-        ]
-        .iter()
-        .flat_map(|x| x.iter().map(|&n| n as u64))
-        .collect();
-        // SAFETY: `counts_dev` holds 4 * world u64; pageable copies are staged before returning.
-        unsafe { cudarc::driver::result::memcpy_htod_async(cptr, &v, s.cu_stream()) }.unwrap();
+        upload_counts(s, &counts_dev, &c);
         exchange(
             comm,
             s,

@@ -100,29 +100,15 @@ DOORBELL_DEVICE_INLINE void pair_packets(const AllToAllArgs& a, bool send, uint3
   uint32_t* epochs = a.pair_epochs + (uint64_t(send ? 0 : w) + p) * a.lanes + lane;
   const uint32_t epoch = *epochs + 1;
   const uint64_t half = uint64_t(epoch & 1) * w * a.ll_slot_bytes;
-  const uint64_t first = uint64_t(lane) * team + t, stride = uint64_t(a.lanes) * team;
+  const uint32_t first = lane * team + t, stride = a.lanes * team;
   if (send) {
     LL16Packet* slot = reinterpret_cast<LL16Packet*>(a.scratch[p] + pair_ll_offset(a) + half +
                                                      uint64_t(a.rank) * a.ll_slot_bytes);
-    for (uint64_t i = first; i * 8 < bytes; i += stride) {
-      uint32_t lo, hi;
-      const uint64_t n = bytes - i * 8;
-      load_payload(a.input + off + i * 8, n < 8 ? uint32_t(n) : 8, lo, hi);
-      slot[i].write(lo, hi, epoch);
-    }
+    copy_to_packets(slot, a.input + off, bytes, epoch, first, stride);
   } else {
     const LL16Packet* slot = reinterpret_cast<const LL16Packet*>(a.scratch[a.rank] + pair_ll_offset(a) + half +
                                                                  uint64_t(p) * a.ll_slot_bytes);
-    const WaitSite& site = a.data[uint64_t(lane) * w + p].site;
-    for (uint64_t i = first; i * 8 < bytes; i += stride) {
-      uint32_t lo = 0, hi = 0;
-      if (!spin_until_packet(site, kWaitPacket, epoch,
-                             [&](uint64_t& seen) { return slot[i].try_read(lo, hi, epoch, seen); })) {
-        lo = hi = kMissingPayload;  // marked, not stale bytes
-      }
-      const uint64_t n = bytes - i * 8;
-      store_payload(a.output + off + i * 8, n < 8 ? uint32_t(n) : 8, lo, hi);
-    }
+    copy_from_packets(a.output + off, slot, bytes, epoch, first, stride, a.data[uint64_t(lane) * w + p].site);
   }
   // Every thread of the team has read the epoch before it moves on.
   named_barrier(bar, team);

@@ -155,13 +155,13 @@ impl Gpu {
     }
 
     /// Waits until `stream`'s work is done (`Ok(true)`) or `limit` has passed (`Ok(false)`),
-    /// polling `cuStreamQuery`: busy for the first 200 us (short calls return as fast as from
-    /// `cuStreamSynchronize`), then sleeping up to 1 ms between polls.
+    /// polling `cuStreamQuery`, yielding between polls for the first 10 ms (as a spinning
+    /// `cuStreamSynchronize` would, so a step's synchronize returns as soon), then sleeping
+    /// 100 us between polls (a long wait returns at most that late).
     pub fn wait_stream(&self, stream: &CudaStream, limit: Duration) -> Result<bool> {
         use cudarc::driver::sys::CUresult;
         self.bind()?;
         let start = Instant::now();
-        let mut nap = Duration::from_micros(20);
         loop {
             // SAFETY: `stream` is a live stream of this context, current on this thread.
             match unsafe { cudarc::driver::sys::cuStreamQuery(stream.cu_stream()) } {
@@ -173,11 +173,10 @@ impl Gpu {
             if waited >= limit {
                 return Ok(false);
             }
-            if waited < Duration::from_micros(200) {
+            if waited < Duration::from_millis(10) {
                 std::thread::yield_now();
             } else {
-                std::thread::sleep(nap);
-                nap = (nap * 2).min(Duration::from_millis(1));
+                std::thread::sleep(Duration::from_micros(100));
             }
         }
     }
