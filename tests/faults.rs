@@ -533,7 +533,15 @@ fn gpu_rank() {
     gpu_scenario(&scenario, comm);
     // Nothing of doorbell's is left once everything is dropped: no thread (watchdog, heartbeat,
     // bootstrap readers, fd server, proxies), no file (sockets, exported memory).
-    let left = doorbell_threads();
+    // A joined thread stays listed in /proc/self/task for a moment after pthread_join returns
+    // (the kernel wakes the joiner when the thread clears its tid, and unlists it later in its
+    // exit): poll for up to 2 s; a thread that is really left stays listed.
+    let deadline = Instant::now() + Duration::from_secs(2);
+    let mut left = doorbell_threads();
+    while !left.is_empty() && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(10));
+        left = doorbell_threads();
+    }
     assert!(left.is_empty(), "{scenario}: threads left: {left:?}");
     let fds1 = files();
     eprintln!(

@@ -18,6 +18,13 @@
 //!
 //! Failures (a peer gone, a bad offset) stop the proxy with the error, which releases every kernel
 //! waiting on it with a report, as everywhere else.
+//!
+//! The threads make no CUDA allocation and free none: their stream and pinned staging are made
+//! when the thread is spawned and freed by its owner's drop, after the join. Freeing pinned memory
+//! waits for the GPU, and while it waits other threads' CUDA calls wait too: a receiver that freed
+//! its staging on its peer's clean close, while this rank's kernel still waited for a copy of the
+//! proxy's, held that copy back until the kernel's budget ran out (`tests/net` at nodes of two:
+//! "flush: expected 171, seen 165", the last call's intra-node flush after the network leg).
 
 use crate::error::{Error, Result};
 use crate::gpu::cuda::{check, cuda_err, Gpu, HostArray};
@@ -144,10 +151,32 @@ pub(crate) enum NetOp {
     Flush { pos: u64 },
 }
 
+/// A transport thread's CUDA resources: made before the thread starts, freed by its owner after
+/// the join (see the module's notes: never made or freed by the thread itself).
+struct ThreadCuda {
+    stream: Arc<CudaStream>,
+    staging: HostArray<u8>,
+    /// The receiver's running signal count (unused by senders).
+    count: HostArray<u64>,
+}
+
+impl ThreadCuda {
+    fn new(gpu: &Arc<Gpu>) -> Result<Arc<ThreadCuda>> {
+        gpu.bind()?;
+        Ok(Arc::new(ThreadCuda {
+            stream: gpu.new_stream()?,
+            staging: HostArray::new(gpu, CHUNK)?,
+            count: HostArray::new(gpu, 1)?,
+        }))
+    }
+}
+
 /// The proxy's side of one Ethernet connection: a queue to its sender thread.
 pub(crate) struct NetSender {
     tx: Option<mpsc::Sender<NetOp>>,
     thread: Option<JoinHandle<()>>,
+    /// Dropped after `thread` is joined (fields drop after `Drop::drop`).
+    _cuda: Arc<ThreadCuda>,
 }
 
 impl NetSender {
@@ -159,11 +188,12 @@ impl NetSender {
         peer: usize,
     ) -> Result<NetSender> {
         let (tx, rx) = mpsc::channel::<NetOp>();
-        let gpu = gpu.clone();
+        let cuda = ThreadCuda::new(gpu)?;
+        let (gpu, mine) = (gpu.clone(), cuda.clone());
         let thread = std::thread::Builder::new()
             .name(format!("doorbell-net-send-{peer}"))
             .spawn(move || {
-                if let Err(e) = send_loop(&gpu, socket, &flush_done, rx) {
+                if let Err(e) = send_loop(&gpu, &mine, socket, &flush_done, rx) {
                     sink.fail(Error::invalid(
                         "ethernet",
                         format!("sending to rank {peer}: {e}"),
@@ -174,6 +204,7 @@ impl NetSender {
         Ok(NetSender {
             tx: Some(tx),
             thread: Some(thread),
+            _cuda: cuda,
         })
     }
 
@@ -198,13 +229,13 @@ impl Drop for NetSender {
 
 fn send_loop(
     gpu: &Arc<Gpu>,
+    cuda: &ThreadCuda,
     mut socket: TcpStream,
     flush_done: &HostArray<u64>,
     rx: mpsc::Receiver<NetOp>,
 ) -> Result<()> {
     gpu.bind()?;
-    let stream = gpu.new_stream()?;
-    let staging = HostArray::<u8>::new(gpu, CHUNK)?;
+    let (stream, staging) = (&cuda.stream, &cuda.staging);
     let io = |e: std::io::Error| Error::io("writing to the peer", e);
     while let Ok(op) = rx.recv() {
         match op {
@@ -215,7 +246,7 @@ fn send_loop(
                 let mut done = 0u64;
                 while done < size {
                     let n = (size - done).min(CHUNK as u64) as usize;
-                    copy_dtoh(&stream, staging.host_ptr(), src + done, n)?;
+                    copy_dtoh(stream, staging.host_ptr(), src + done, n)?;
                     // SAFETY: the staging buffer holds CHUNK >= n bytes, just written by the copy
                     // that completed above.
                     let bytes = unsafe { std::slice::from_raw_parts(staging.host_ptr(), n) };
@@ -234,6 +265,8 @@ fn send_loop(
 pub(crate) struct NetReceiver {
     socket: TcpStream,
     thread: Option<JoinHandle<()>>,
+    /// Dropped after `thread` is joined.
+    _cuda: Arc<ThreadCuda>,
 }
 
 /// Where a receiver puts what arrives.
@@ -256,11 +289,12 @@ impl NetReceiver {
         let reader = socket
             .try_clone()
             .map_err(|e| Error::io("cloning a socket", e))?;
-        let gpu = gpu.clone();
+        let cuda = ThreadCuda::new(gpu)?;
+        let (gpu, mine) = (gpu.clone(), cuda.clone());
         let thread = std::thread::Builder::new()
             .name(format!("doorbell-net-recv-{peer}"))
             .spawn(move || {
-                if let Err(e) = receive_loop(&gpu, reader, &landing) {
+                if let Err(e) = receive_loop(&gpu, &mine, reader, &landing) {
                     sink.fail(Error::invalid(
                         "ethernet",
                         format!("receiving from rank {peer}: {e}"),
@@ -271,6 +305,7 @@ impl NetReceiver {
         Ok(NetReceiver {
             socket,
             thread: Some(thread),
+            _cuda: cuda,
         })
     }
 }
@@ -284,11 +319,14 @@ impl Drop for NetReceiver {
     }
 }
 
-fn receive_loop(gpu: &Arc<Gpu>, mut socket: TcpStream, at: &Landing) -> Result<()> {
+fn receive_loop(
+    gpu: &Arc<Gpu>,
+    cuda: &ThreadCuda,
+    mut socket: TcpStream,
+    at: &Landing,
+) -> Result<()> {
     gpu.bind()?;
-    let stream = gpu.new_stream()?;
-    let staging = HostArray::<u8>::new(gpu, CHUNK)?;
-    let count = HostArray::<u64>::new(gpu, 1)?;
+    let (stream, staging, count) = (&cuda.stream, &cuda.staging, &cuda.count);
     let mut signals = 0u64;
     let io = |e: std::io::Error| Error::io("reading from the peer", e);
     loop {
@@ -322,7 +360,7 @@ fn receive_loop(gpu: &Arc<Gpu>, mut socket: TcpStream, at: &Landing) -> Result<(
                     if !read_full(&mut socket, buf).map_err(io)? {
                         return Err(Error::invalid("ethernet", "the peer closed mid-message"));
                     }
-                    copy_htod(&stream, at.dst + offset + done, staging.host_ptr(), n)?;
+                    copy_htod(stream, at.dst + offset + done, staging.host_ptr(), n)?;
                     done += n as u64;
                 }
             }
@@ -330,7 +368,7 @@ fn receive_loop(gpu: &Arc<Gpu>, mut socket: TcpStream, at: &Landing) -> Result<(
                 signals += 1;
                 count.write(0, signals);
                 // Issued after every data copy before it completed (they are synchronous).
-                copy_htod(&stream, at.token, count.host_ptr() as *const u8, 8)?;
+                copy_htod(stream, at.token, count.host_ptr() as *const u8, 8)?;
             }
             other => {
                 return Err(Error::invalid(
