@@ -799,6 +799,33 @@ fn gpu_scenario(scenario: &str, comm: Arc<Communicator>) {
             // DOORBELL_WAIT_TIMEOUT_MS=1500 below: calls whose waits cross wait that long.
             assert!(waited < Duration::from_millis(1500 + 2000), "{waited:?}");
         }
+        "mismatch_net_alltoall" | "mismatch_net_allreduce" => {
+            // Ranks as separate nodes (or nodes of two): every byte through PortChannels, where
+            // the call word rides the ready handshake (cuda/kernels/net.cu). Rank 0 calls with
+            // half the size of the others.
+            use doorbell::collectives::net::NetCollectives;
+            let nc = NetCollectives::new(&comm, 1 << 20).unwrap();
+            let t0 = Instant::now();
+            let e = if scenario == "mismatch_net_alltoall" {
+                nc.alltoall(&s, if me == 0 { 512 } else { 1024 })
+            } else {
+                let count = if me == 0 { 1024 } else { 2048 };
+                // SAFETY: the send buffer holds 1 MiB, more than `count` f32.
+                unsafe { nc.allreduce(&s, DataType::F32, count, nc.send_buffer()) }
+            }
+            .and_then(|()| comm.synchronize(&s))
+            .unwrap_err();
+            let waited = t0.elapsed();
+            eprintln!(
+                "fault-to-error: {scenario} {n} ranks rank {me}: {} ms after the call ({e})",
+                waited.as_millis()
+            );
+            match &e {
+                Error::ArgumentMismatch { peer, .. } => assert!(me == 0 || *peer == 0, "{e}"),
+                other => panic!("expected ArgumentMismatch, got {other}"),
+            }
+            assert!(waited < Duration::from_millis(1500 + 2000), "{waited:?}");
+        }
         "mismatch_moe_ll" | "mismatch_moe_ht" => {
             use doorbell::collectives::moe::{MoeDispatcher, MoeLowLatency};
             let tokens = 32;
@@ -1226,6 +1253,29 @@ fn mismatched_calls_are_named_on_every_rank() {
         for n in rank_counts() {
             let exits = gpu_case(scenario, n, &[("DOORBELL_WAIT_TIMEOUT_MS", "1500".into())]);
             assert_exits(scenario, &exits, None);
+        }
+    }
+}
+
+/// The collectives across nodes (`collectives::net`) check their calls too: over Ethernet between
+/// separate nodes, and between nodes of two (the hierarchical allreduce) at even rank counts.
+#[test]
+#[ignore = "needs GPU"]
+fn mismatched_calls_across_nodes_are_named_on_every_rank() {
+    for scenario in ["mismatch_net_alltoall", "mismatch_net_allreduce"] {
+        for n in rank_counts() {
+            let mut env = vec![
+                ("DOORBELL_WAIT_TIMEOUT_MS", "1500".to_string()),
+                ("DOORBELL_SEPARATE_NODES", "1".into()),
+                ("DOORBELL_IB_DISABLE", "1".into()),
+            ];
+            let exits = gpu_case(scenario, n, &env);
+            assert_exits(scenario, &exits, None);
+            if n % 2 == 0 && n > 2 {
+                env.push(("DOORBELL_NODE_SIZE", "2".into()));
+                let exits = gpu_case(scenario, n, &env);
+                assert_exits(scenario, &exits, None);
+            }
         }
     }
 }

@@ -17,6 +17,11 @@
 //! all-to-all). Calls are stream-ordered and CUDA-graph capturable (every count stays in device
 //! memory and each call consumes exactly the signals it causes). The hierarchical allreduce uses
 //! the send buffer as scratch. Kernels: `cuda/kernels/net.cu`.
+//!
+//! Every call is checked like the NVLink collectives' (`DOORBELL_CALL_CHECK`): its word travels
+//! with the ready handshake to each peer (a word slot after `max_bytes` in the send buffer, one
+//! per rank after the slots in the receive buffer), and a rank whose call differs is named on
+//! both sides with both calls (`Error::ArgumentMismatch`).
 
 use super::DataType;
 use crate::channel::memory_channel::RegisteredMemory;
@@ -27,8 +32,26 @@ use crate::device_api::PortChannelHandle;
 use crate::error::{Error, Result};
 use crate::gpu::cuda::cuda_err;
 use crate::gpu::memory::Buffer;
-use cudarc::driver::{CudaFunction, CudaSlice, CudaStream, DevicePtr, LaunchConfig, PushKernelArg};
+use crate::gpu::signature::{self, CallChecker, CallKind};
+use crate::job::config::Settings;
+use cudarc::driver::{
+    CudaFunction, CudaSlice, CudaStream, DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg,
+};
 use std::sync::Arc;
+
+/// `NetWord` of `cuda/kernels/net.cu`: a call's word and where the words live.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+struct NetWord {
+    word: u64,
+    mine: u64,
+    mine_off: u64,
+    slots_off: u64,
+    slots: u64,
+}
+
+// SAFETY: plain integers, the layout of the kernel's struct (five 64-bit fields).
+unsafe impl DeviceRepr for NetWord {}
 
 /// Direct all-to-all and allreduce over PortChannels. Collective to build and to call.
 pub struct NetCollectives {
@@ -50,6 +73,11 @@ pub struct NetCollectives {
     _recv_reg: Arc<RegisteredMemory>,
     send: Arc<Buffer>,
     recv: Arc<Buffer>,
+    /// Offsets of my word slot in the send buffer and of the word slots in the receive buffer
+    /// (the data regions end there).
+    word_off: u64,
+    slots_off: u64,
+    calls: CallChecker,
 }
 
 /// Where this rank sits among equal nodes, and the kernels of the hierarchical allreduce.
@@ -106,8 +134,12 @@ impl NetCollectives {
             .checked_mul(world)
             .ok_or_else(|| Error::invalid("max_bytes", "times the ranks overflows"))?
             .max(if hierarchical { hier_bytes } else { 0 });
-        let send = comm.alloc(max_bytes)?;
-        let recv = comm.alloc(recv_bytes)?;
+        // The call words after the data: mine in the send buffer, every rank's in the receive.
+        let word_off = max_bytes.next_multiple_of(256);
+        let slots_off = recv_bytes.next_multiple_of(256);
+        let send = comm.alloc(word_off + 256)?;
+        let recv = comm.alloc(slots_off + (8 * world).next_multiple_of(256))?;
+        let call_check = Settings::from_env()?.call_check;
         let send_reg = comm.register(&send)?;
         let recv_reg = comm.register(&recv)?;
         let mut builder = comm.proxy_builder(0)?;
@@ -181,6 +213,14 @@ impl NetCollectives {
             _recv_reg: recv_reg,
             send,
             recv,
+            word_off: word_off as u64,
+            slots_off: slots_off as u64,
+            // No inboxes: the words travel over the channels.
+            calls: CallChecker::new(
+                [0; crate::device_api::MAX_RANKS],
+                call_check,
+                comm.bootstrap().call_counter(),
+            ),
         })
     }
 
@@ -206,6 +246,26 @@ impl NetCollectives {
         self.hier.is_some()
     }
 
+    /// The next call's word and where the words live (counts the call).
+    fn next_word(
+        &self,
+        stream: &CudaStream,
+        kind: CallKind,
+        dtype: u32,
+        mode: u32,
+        count: u64,
+    ) -> NetWord {
+        let graph = signature::capturing(stream);
+        let c = self.calls.next(kind, dtype, mode, 0, count, graph);
+        NetWord {
+            word: c.word,
+            mine: self.send_buffer() + self.word_off,
+            mine_off: self.word_off,
+            slots_off: self.slots_off,
+            slots: self.recv_buffer() + self.slots_off,
+        }
+    }
+
     /// An error if this collective's proxy stopped (its kernels would wait for it in vain).
     fn proxy_alive(&self) -> Result<()> {
         self.comm.check_health()?;
@@ -218,7 +278,13 @@ impl NetCollectives {
         }
     }
 
-    fn launch_exchange(&self, stream: &CudaStream, bytes: u64, src_stride: u64) -> Result<()> {
+    fn launch_exchange(
+        &self,
+        stream: &CudaStream,
+        bytes: u64,
+        src_stride: u64,
+        w: NetWord,
+    ) -> Result<()> {
         self.proxy_alive()?;
         let (world, rank) = (self.comm.world_size() as u32, self.comm.rank() as u32);
         let (h, s, r) = (self.handles_ptr, self.send_buffer(), self.recv_buffer());
@@ -229,7 +295,8 @@ impl NetCollectives {
             .arg(&bytes)
             .arg(&src_stride)
             .arg(&s)
-            .arg(&r);
+            .arg(&r)
+            .arg(&w);
         let threads = world.next_multiple_of(32).clamp(32, 1024);
         // SAFETY: matches net_exchange; `bytes` per slot and the source ranges were checked
         // against the buffers by the callers.
@@ -257,7 +324,14 @@ impl NetCollectives {
                 ),
             ));
         }
-        self.launch_exchange(stream, block_bytes as u64, block_bytes as u64)
+        let w = self.next_word(
+            stream,
+            CallKind::NetAllToAll,
+            signature::BYTES,
+            0,
+            block_bytes as u64,
+        );
+        self.launch_exchange(stream, block_bytes as u64, block_bytes as u64, w)
     }
 
     /// Allreduce (sum) of `count` elements of `dtype` (bf16 or f32) from the send buffer into
@@ -289,11 +363,18 @@ impl NetCollectives {
                 ))
             }
         };
+        let w = self.next_word(
+            stream,
+            CallKind::NetAllReduce,
+            dtype.code(),
+            u32::from(self.hier.is_some()),
+            count as u64,
+        );
         if let Some(h) = &self.hier {
             // SAFETY: the caller's contract, passed on.
-            return unsafe { self.allreduce_hier(h, stream, dtype, count, out) };
+            return unsafe { self.allreduce_hier(h, stream, dtype, count, out, w) };
         }
-        self.launch_exchange(stream, bytes as u64, 0)?;
+        self.launch_exchange(stream, bytes as u64, 0, w)?;
         let (world, n, r) = (
             self.comm.world_size() as u32,
             count as u64,
@@ -344,8 +425,10 @@ impl NetCollectives {
         bytes: u64,
         shard: u64,
         total: u64,
+        w: NetWord,
     ) -> Result<()> {
         self.proxy_alive()?;
+        let rank = self.comm.rank() as u32;
         let (peers, keys) = (
             h.peers_ptr + 4 * first as u64,
             h.keys_ptr + 4 * first as u64,
@@ -361,7 +444,9 @@ impl NetCollectives {
             .arg(&bytes)
             .arg(&per_peer)
             .arg(&shard)
-            .arg(&total);
+            .arg(&total)
+            .arg(&rank)
+            .arg(&w);
         // SAFETY: matches net_phase; every offset and length lies in the buffers (allreduce_hier
         // sized them against max_bytes).
         unsafe {
@@ -397,6 +482,7 @@ impl NetCollectives {
         dtype: DataType,
         count: usize,
         out: u64,
+        w: NetWord,
     ) -> Result<()> {
         let es = dtype.size() as u64;
         let (l, n) = (h.local as u64, h.nodes as u64);
@@ -407,7 +493,7 @@ impl NetCollectives {
         let start = (h.me as u64 * shard).min(total);
         let mine = (total - start).min(shard);
         let (a, bb, c, d) = (0, l * stride, (l + n) * stride, (l + n + 1) * stride);
-        if d + l * stride > self.recv.len() as u64 {
+        if d + l * stride > self.slots_off {
             return Err(Error::invalid(
                 "count",
                 format!("{count} elements do not fit the hierarchical allreduce's regions"),
@@ -445,6 +531,7 @@ impl NetCollectives {
             0,
             shard,
             total,
+            w,
         )?;
         sum_into(
             recv + a,
@@ -464,6 +551,7 @@ impl NetCollectives {
             mine,
             shard,
             total,
+            w,
         )?;
         sum_into(recv + bb, h.nodes as u32, u32::MAX, 0, recv + c)?;
         // 3: all-gather inside the node.
@@ -477,6 +565,7 @@ impl NetCollectives {
             mine,
             shard,
             total,
+            w,
         )?;
         let (slots, nslots, own_slot, own) = (recv + d, h.local as u32, h.me as u32, recv + c);
         let mut b = stream.launch_builder(&h.gather);

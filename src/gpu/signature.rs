@@ -43,6 +43,10 @@ pub enum CallKind {
     MoeLlDispatch = 6,
     /// MoE low-latency combine.
     MoeLlCombine = 7,
+    /// `collectives::net` all-to-all (every byte through PortChannels).
+    NetAllToAll = 8,
+    /// `collectives::net` allreduce; mode 1: one phase of the hierarchical one.
+    NetAllReduce = 9,
 }
 
 impl CallKind {
@@ -55,6 +59,8 @@ impl CallKind {
             5 => "MoE combine",
             6 => "MoE low-latency dispatch",
             7 => "MoE low-latency combine",
+            8 => "net alltoall",
+            9 => "net allreduce",
             _ => "an unknown collective",
         }
     }
