@@ -15,7 +15,7 @@ mod common;
 
 use common::rank_counts;
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
-use doorbell::collectives::allreduce::{AllReduce, AllReduceOptions};
+use doorbell::collectives::allreduce::{Algorithm, AllReduce, AllReduceOptions};
 use doorbell::collectives::alltoall::{AllToAll, AllToAllOptions, Counts};
 use doorbell::collectives::DataType;
 use doorbell::communicator::Communicator;
@@ -683,13 +683,94 @@ fn gpu_scenario(scenario: &str, comm: Arc<Communicator>) {
                 assert!(waited < Duration::from_millis(1500 + 2000), "{waited:?}");
             }
         }
-        "abort" => {
+        "abort" | "abort_pipelined" | "abort_direct" | "abort_alltoall" => {
             // Rank 0 aborts from another thread while its kernel waits for ranks that never
-            // come; every rank names rank 0.
-            let ar = allreduce_of(&comm);
-            let mut buf: CudaSlice<f32> = s.alloc_zeros(4096).unwrap();
+            // come; every rank names rank 0. Rank 0's output comes back marked (NaN) on every
+            // path: LL packets (abort: 16 KiB), the pipeline (16 MiB on plain buffers), the
+            // two-shot on registered windows (16 MiB), the all-to-all's tiles (1 MiB blocks).
+            let elems = if scenario == "abort" { 4096 } else { 4 << 20 };
+            let forced = |algorithm| {
+                AllReduce::new(
+                    &comm,
+                    AllReduceOptions {
+                        algorithm: Some(algorithm),
+                        ..Default::default()
+                    },
+                )
+                .unwrap()
+            };
+            let ar = match scenario {
+                "abort_pipelined" => forced(Algorithm::Pipelined),
+                "abort_direct" => forced(Algorithm::TwoShotDirect),
+                _ => allreduce_of(&comm),
+            };
+            let win = comm.alloc(elems * 4).unwrap();
+            if scenario == "abort_direct" {
+                ar.register_window(&win).unwrap();
+            }
+            let a2a = AllToAll::new(&comm, AllToAllOptions::default()).unwrap();
+            let block = 1usize << 20;
+            let a2a_in: CudaSlice<u8> = s.alloc_zeros(n * block).unwrap();
+            let mut a2a_out: CudaSlice<u8> = s.alloc_zeros(n * block).unwrap();
+            let mut buf: CudaSlice<f32> = s.alloc_zeros(elems).unwrap();
             comm.bootstrap().barrier().unwrap();
-            if me == 0 {
+            if me == 0 && scenario != "abort" {
+                let c2 = comm.clone();
+                let aborter = std::thread::spawn(move || {
+                    std::thread::sleep(Duration::from_millis(300));
+                    record_fault();
+                    c2.abort();
+                });
+                let e = match scenario {
+                    "abort_alltoall" => a2a.run(&s, &a2a_in, &mut a2a_out),
+                    // SAFETY: the window holds `elems` f32.
+                    "abort_direct" => unsafe {
+                        ar.run_raw(&s, win.device_ptr(), win.device_ptr(), elems, DataType::F32)
+                    },
+                    _ => ar.run_in_place(&s, &mut buf),
+                }
+                .and_then(|()| comm.synchronize(&s))
+                .unwrap_err();
+                aborter.join().unwrap();
+                eprintln!("abort, marked outputs: {scenario} {n} ranks: {e}");
+                assert!(
+                    matches!(&e, Error::PeerFailed { rank: 0, cause, .. } if cause.contains("Communicator::abort")),
+                    "{e}"
+                );
+                // Every element the peers were to provide is NaN (all ones), none left as the
+                // zeros it started from. (The all-to-all's own block is this rank's own input.)
+                s.synchronize().unwrap();
+                let floats: Vec<f32> = match scenario {
+                    "abort_alltoall" => s
+                        .clone_dtoh(&a2a_out)
+                        .unwrap()
+                        .chunks_exact(4)
+                        .enumerate()
+                        .filter(|(i, _)| i * 4 / block != me)
+                        .map(|(_, b)| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                        .collect(),
+                    "abort_direct" => {
+                        let mut v = vec![0f32; elems];
+                        // SAFETY: the window holds `elems` f32.
+                        unsafe {
+                            cudarc::driver::result::memcpy_dtoh_async(
+                                &mut v,
+                                win.device_ptr(),
+                                s.cu_stream(),
+                            )
+                        }
+                        .unwrap();
+                        s.synchronize().unwrap();
+                        v
+                    }
+                    _ => s.clone_dtoh(&buf).unwrap(),
+                };
+                let unmarked = floats.iter().filter(|v| !v.is_nan()).count();
+                assert_eq!(
+                    unmarked, 0,
+                    "{scenario}: elements of a call cut short that are not NaN"
+                );
+            } else if me == 0 {
                 let c2 = comm.clone();
                 let aborter = std::thread::spawn(move || {
                     std::thread::sleep(Duration::from_millis(300));
@@ -1235,6 +1316,19 @@ fn abort_from_another_thread_while_a_kernel_waits() {
     for n in rank_counts() {
         let exits = gpu_case("abort", n, &[]);
         assert_exits("abort", &exits, None);
+    }
+}
+
+/// The same abort on the tile paths: the pipelined and the direct two-shot allreduce and the
+/// all-to-all's tiles leave rank 0's output marked (every element NaN), not stale.
+#[test]
+#[ignore = "needs GPU"]
+fn an_abort_leaves_the_tile_paths_outputs_marked() {
+    for scenario in ["abort_pipelined", "abort_direct", "abort_alltoall"] {
+        for n in rank_counts() {
+            let exits = gpu_case(scenario, n, &[]);
+            assert_exits(scenario, &exits, None);
+        }
     }
 }
 

@@ -381,6 +381,9 @@ constexpr uint32_t kPipeDepth = 3;
 //   (both sent at the end of the peer's previous iteration); __syncthreads; the three groups
 //   work; __syncthreads (every put of the block issued); one thread per peer signals rs for
 //   tile k and ag for tile k-1.
+// A wait that gives up (the communicator aborted) marks the block's outputs from then on: stage 2
+// and 3 store all ones (NaN) where they would have stored a sum or a copy of slots the peer never
+// filled, so a call cut short cannot pass for a result (the tiles done before stay right).
 // Slot reuse needs no extra signal, with 3 slots: stage 1 of tile k writes p's RS slot after I
 // waited (in iteration k-1) for p's ag signal of tile k-3, sent after p reduced tile k-3; stage
 // 2 of tile k-1 writes p's AG slot after I waited for p's rs signal of tile k-1, sent at the end
@@ -417,13 +420,15 @@ DOORBELL_DEVICE_INLINE void pipelined(const AllReduceArgs& a) {
   };
   auto ag = [&](uint64_t k, uint32_t owner, uint32_t from) -> T* { return rs(k, owner, from) + uint64_t(world) * ke; };
 
+  bool cut = false;  // a wait of this block gave up: outputs from here on are marked
   for (uint64_t k = 0; k < mine + 2; ++k) {
     const bool s1 = k < mine;
     const bool s2 = k >= 1 && k - 1 < mine;
     const bool s3 = k >= 2;
+    bool ok = true;
     if (peer_thread) {
-      if (s2) rs_sems[my_peer].wait();
-      if (s3) ag_sems[my_peer].wait();
+      if (s2) ok = rs_sems[my_peer].wait();
+      if (s3) ok = ag_sems[my_peer].wait() && ok;
     }
     // Warps go to the active stages in proportion 3 : 3 : 2 (push : reduce : copy-out); a stage
     // that runs alone (the first and last iterations, or a lane with one tile) gets them all.
@@ -442,8 +447,19 @@ DOORBELL_DEVICE_INLINE void pipelined(const AllReduceArgs& a) {
     const uint32_t group_warps = group == 0 ? n1 : (group == 1 ? n2 : n3);
     const uint32_t gtid = threadIdx.x - group_first * 32;
     const uint32_t gthreads = group_warps * 32;
-    __syncthreads();
-    if (group == 0 && s1) {  // 1. reduce-scatter push of tile k
+    cut = __syncthreads_or(!ok) || cut;
+    if (cut) {  // marked: my shard of tile k-1 and the peers' shards of tile k-2
+      uint64_t begin;
+      if (group == 1 && s2) {
+        const uint64_t n = shard(k - 1, a.rank, begin);
+        mark_missing(out + begin, n * sizeof(T), gtid, gthreads);
+      } else if (group == 2 && s3) {
+        for (uint32_t i = 1; i < world; ++i) {
+          const uint64_t n = shard(k - 2, (a.rank + i) % world, begin);
+          mark_missing(out + begin, n * sizeof(T), gtid, gthreads);
+        }
+      }
+    } else if (group == 0 && s1) {  // 1. reduce-scatter push of tile k
       for (uint32_t i = 1; i < world; ++i) {
         const uint32_t p = (a.rank + i) % world;
         uint64_t begin;
@@ -469,7 +485,8 @@ DOORBELL_DEVICE_INLINE void pipelined(const AllReduceArgs& a) {
       }
     }
     __syncthreads();  // every put of this iteration is issued before the signals
-    if (peer_thread) {
+    // Cut short, no more signals: a peer must not take slots I did not fill for done.
+    if (peer_thread && !cut) {
       if (s1) rs_sems[my_peer].signal();
       if (s2) ag_sems[my_peer].signal();
     }
@@ -487,7 +504,10 @@ DOORBELL_DEVICE_INLINE void pipelined(const AllReduceArgs& a) {
 //      reading my input and writing my output, so my stream may go on; its stores to my output
 //      are visible to my later work (release / acquire).
 // Each element is read and written by one thread of one rank, so in place is safe. The
-// semaphores are the pipeline's (balanced per call: one signal and one wait each way).
+// semaphores are the pipeline's (balanced per call: one signal and one wait each way). A block
+// whose wait gives up (the communicator aborted) stores all ones (NaN) over the whole output
+// instead: a peer's input may not be this call's, and a peer's stores into my output may be
+// missing, so nothing of it can pass for a result.
 // Sums my shard's `nvec` vectors with a stride of `nthreads`, U vectors per thread in flight
 // (every rank's loads of all U before any sum), the last round too (its loads predicated: a
 // partial round done one vector at a time would put up to U NVLink round trips in a row on the
@@ -538,11 +558,16 @@ DOORBELL_DEVICE_INLINE void twoshot_direct(const AllReduceDirectArgs& d) {
   const SemaphoreHandle* rs_sems = a.rs_sems + uint64_t(blockIdx.x) * world;
   const SemaphoreHandle* ag_sems = a.ag_sems + uint64_t(blockIdx.x) * world;
   const bool peer_thread = threadIdx.x < world && threadIdx.x != a.rank;
+  bool ok = true;
   if (peer_thread) {
     rs_sems[threadIdx.x].signal();
-    rs_sems[threadIdx.x].wait();
+    ok = rs_sems[threadIdx.x].wait();
   }
-  __syncthreads();
+  // Cut short (a peer's input may not be this call's): summed all the same, but not signalled
+  // and marked below. Kept in shared memory across the sums, which leave no register to spare.
+  __shared__ bool cut_short;
+  const bool cut = __syncthreads_or(!ok);
+  if (threadIdx.x == 0) cut_short = cut;
   constexpr uint64_t per = 16 / sizeof(T);
   const uint64_t se = ((a.count + world - 1) / world + per - 1) / per * per;  // shard elements
   const uint64_t begin = uint64_t(a.rank) * se;
@@ -571,9 +596,12 @@ DOORBELL_DEVICE_INLINE void twoshot_direct(const AllReduceDirectArgs& d) {
   reduce_elements(srcs, world, done, n, dst, peer_dst, npeers, tid, nthreads);
   __syncthreads();  // every store of the block issued before the signals
   if (peer_thread) {
-    ag_sems[threadIdx.x].signal();
-    ag_sems[threadIdx.x].wait();
+    // Cut short, no signal: a peer must not take my shard of its output (not stored) for done.
+    const bool stored = !cut_short;
+    if (stored) ag_sems[threadIdx.x].signal();
+    ok = ag_sems[threadIdx.x].wait() && stored;
   }
+  if (__syncthreads_or(!ok)) mark_missing(a.output, a.count * sizeof(T), threadIdx.x, blockDim.x);
 }
 
 // Every allreduce kernel runs its body between the call check's announce and check

@@ -162,13 +162,17 @@ DOORBELL_DEVICE_INLINE void tiles(const AllToAllArgs& a) {
   } else if (kV && !sender && recv_bytes > 0 && recv_bytes <= a.pair_ll_max) {
     pair_packets(a, false, p, lane, recv_bytes, recv_off, t, team, bar);
   } else if (sender) {
+    // A credit wait that gives up ends the sending: the slot may still hold a tile the peer has
+    // not copied out, and without this tile's signal the peer's wait gives up and marks its output.
+    __shared__ bool send_cut;
     const uint64_t tile = pair_tile(send_bytes, a.tile, a.lanes);
     const uint64_t n_send = lane_tiles(send_bytes, tile, lane, a.lanes);
     for (uint64_t i = 0; i < n_send; ++i) {
       const uint64_t off = (lane + i * a.lanes) * tile;
       if (i >= a.depth) {
-        if (t == 0) credit.wait();
+        if (t == 0) send_cut = !credit.wait();
         named_barrier(bar, team);
+        if (send_cut) return;
       }
       const uint64_t bytes = send_bytes - off < tile ? send_bytes - off : tile;
       copy(remote_ring + (i % a.depth) * a.tile, a.input + send_off + off, bytes, t, team);
@@ -177,14 +181,25 @@ DOORBELL_DEVICE_INLINE void tiles(const AllToAllArgs& a) {
     }
     if (t == 0 && n_send > 0) credit.wait(n_send < a.depth ? n_send : a.depth);
   } else {
+    // A data wait that gives up (the communicator aborted) marks this lane's tiles from then on
+    // (all ones: NaN in f32, f16 and bf16) instead of copying ring slots the peer never filled.
+    __shared__ bool cut;
+    bool ok = true;
     const uint64_t tile = pair_tile(recv_bytes, a.tile, a.lanes);
     const uint64_t n_recv = lane_tiles(recv_bytes, tile, lane, a.lanes);
     for (uint64_t i = 0; i < n_recv; ++i) {
       const uint64_t off = (lane + i * a.lanes) * tile;
-      if (t == 0) data.wait();
+      if (t == 0) {
+        ok = data.wait() && ok;
+        cut = !ok;
+      }
       named_barrier(bar, team);
       const uint64_t bytes = recv_bytes - off < tile ? recv_bytes - off : tile;
-      copy(a.output + recv_off + off, local_ring + (i % a.depth) * a.tile, bytes, t, team);
+      if (cut) {
+        mark_missing(a.output + recv_off + off, bytes, t, team);
+      } else {
+        copy(a.output + recv_off + off, local_ring + (i % a.depth) * a.tile, bytes, t, team);
+      }
       named_barrier(bar, team);
       if (t == 0) credit.signal();
     }

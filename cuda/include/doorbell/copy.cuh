@@ -78,5 +78,19 @@ DOORBELL_DEVICE_INLINE void copy(void* dst, const void* src, uint64_t bytes, uin
   }
 }
 
+// What an output cut short by a fault holds instead of stale bytes: all ones, a NaN in f32, f16
+// and bf16 alike (packet.cuh's kMissingPayload on the packet paths), so it cannot pass for a
+// result. Out of line: only the failure path calls it, and the kernels' bodies stay as compact.
+static __noinline__ __device__ void mark_missing(void* dst, uint64_t bytes, uint32_t tid, uint32_t nthreads) {
+  char* d = static_cast<char*>(dst);
+  uint64_t head = (16 - (reinterpret_cast<uintptr_t>(d) & 15)) & 15;
+  if (head > bytes) head = bytes;
+  const uint64_t vecs = (bytes - head) / 16;
+  for (uint64_t i = tid; i < head; i += nthreads) d[i] = char(0xff);
+  int4* v = reinterpret_cast<int4*>(d + head);
+  for (uint64_t i = tid; i < vecs; i += nthreads) v[i] = make_int4(-1, -1, -1, -1);
+  for (uint64_t i = head + vecs * 16 + tid; i < bytes; i += nthreads) d[i] = char(0xff);
+}
+
 }  // namespace doorbell
 #endif  // DOORBELL_CUDA

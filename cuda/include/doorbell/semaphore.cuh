@@ -38,10 +38,12 @@ struct SemaphoreHandle {
   }
 
   // Waits for the next `count` signals (bounded; see wait.cuh). Several threads may wait at
-  // once; each consumes the signals it asked for.
-  DOORBELL_DEVICE_INLINE void wait(uint64_t count = 1) const {
+  // once; each consumes the signals it asked for. False when the wait gave up (the communicator
+  // aborted, or the budget ran out and was reported): what the signals guard never came, and an
+  // output that depends on it is to be marked (copy.cuh's mark_missing).
+  DOORBELL_DEVICE_INLINE bool wait(uint64_t count = 1) const {
     const uint64_t expected = fetch_add_relaxed_gpu(expected_inbound, count) + count;
-    spin_until(site, kWaitSemaphore, expected, [&](uint64_t& seen) {
+    return spin_until(site, kWaitSemaphore, expected, [&](uint64_t& seen) {
       seen = load_acquire_sys(inbound_token);
       return seen >= expected;
     });
