@@ -199,3 +199,43 @@ fn fetch_waits_for_a_late_server() {
         late.join().unwrap();
     });
 }
+
+/// Names of this process's threads.
+fn threads() -> Vec<String> {
+    let mut names = Vec::new();
+    for t in std::fs::read_dir("/proc/self/task").unwrap().flatten() {
+        if let Ok(name) = std::fs::read_to_string(t.path().join("comm")) {
+            names.push(name.trim().to_string());
+        }
+    }
+    names
+}
+
+/// A dropped server ends the requests it is still serving: a client that connected and never
+/// sent its request holds a request thread (up to the 5 s read timeout); the drop shuts its socket
+/// down and joins it, so no thread of the server outlives it.
+#[test]
+fn drop_ends_the_requests_in_flight() {
+    let secret = secret();
+    // A rank no other test uses: thread names say the rank ("doorbell-fd41", "doorbell-fd41-r").
+    let server = FdServer::start(&secret, 41).unwrap();
+    let addr = SocketAddr::from_abstract_name(server_name(&secret, 41).as_bytes()).unwrap();
+    let mut silent = UnixStream::connect_addr(&addr).unwrap();
+    // The challenge's first byte: the request thread is serving this connection now.
+    let mut first = [0u8; 1];
+    silent.read_exact(&mut first).unwrap();
+    let listed = || threads().iter().any(|n| n.starts_with("doorbell-fd41"));
+    assert!(listed(), "no thread of the server: {:?}", threads());
+    let t0 = Instant::now();
+    drop(server);
+    assert!(t0.elapsed() < Duration::from_secs(1), "{:?}", t0.elapsed());
+    // A joined thread may stay listed for a moment while its exit finishes; not for seconds.
+    let deadline = Instant::now() + Duration::from_secs(2);
+    while listed() && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    assert!(!listed(), "threads left after the drop: {:?}", threads());
+    // The client sees the end of the stream, not a descriptor.
+    let mut rest = Vec::new();
+    let _ = silent.read_to_end(&mut rest);
+}

@@ -51,6 +51,9 @@ const MAX_REASON_LEN: usize = 4096;
 const SERVE_TIMEOUT: Duration = Duration::from_secs(5);
 /// How often the accept loop looks at its stop flag (and so how long dropping a server takes).
 const ACCEPT_POLL: Duration = Duration::from_millis(100);
+/// Requests served at once; later connections are closed unanswered until one ends (a client
+/// then fails and retries like any refused fetch).
+const MAX_REQUESTS: usize = 64;
 
 /// The abstract socket name (without the leading NUL) of `rank`'s [`FdServer`] in the job with
 /// `secret`.
@@ -189,8 +192,12 @@ impl Drop for FdServer {
     }
 }
 
+/// Accepts until `stop`, a thread per request; then ends the requests still in flight (their
+/// sockets shut down) and joins them, so a dropped server leaves no thread behind.
 fn accept_loop(listener: UnixListener, shared: Arc<ServerShared>, stop: Arc<AtomicBool>) {
+    let mut requests: Vec<(thread::JoinHandle<()>, UnixStream)> = Vec::new();
     while !stop.load(Ordering::Relaxed) {
+        requests.retain(|(t, _)| !t.is_finished());
         match wait_readable(listener.as_fd(), ACCEPT_POLL) {
             Ok(true) => {}
             Ok(false) => continue,
@@ -203,12 +210,27 @@ fn accept_loop(listener: UnixListener, shared: Arc<ServerShared>, stop: Arc<Atom
         loop {
             match listener.accept() {
                 Ok((stream, _)) => {
+                    if requests.len() >= MAX_REQUESTS {
+                        tracing::warn!(
+                            rank = shared.rank,
+                            "fd server: {MAX_REQUESTS} requests in flight; closed one unanswered"
+                        );
+                        continue;
+                    }
+                    let closer = match stream.try_clone() {
+                        Ok(c) => c,
+                        Err(e) => {
+                            tracing::warn!("fd server: dropped a request: {e}");
+                            continue;
+                        }
+                    };
                     let shared = Arc::clone(&shared);
                     let spawned = thread::Builder::new()
                         .name(format!("doorbell-fd{}-req", shared.rank))
                         .spawn(move || serve(stream, &shared));
-                    if let Err(e) = spawned {
-                        tracing::warn!("fd server: dropped a request: {e}");
+                    match spawned {
+                        Ok(t) => requests.push((t, closer)),
+                        Err(e) => tracing::warn!("fd server: dropped a request: {e}"),
                     }
                 }
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
@@ -219,6 +241,11 @@ fn accept_loop(listener: UnixListener, shared: Arc<ServerShared>, stop: Arc<Atom
                 }
             }
         }
+    }
+    for (t, stream) in requests {
+        // A request blocked reading its client returns at once.
+        let _ = stream.shutdown(std::net::Shutdown::Both);
+        let _ = t.join();
     }
 }
 
