@@ -880,6 +880,32 @@ fn gpu_scenario(scenario: &str, comm: Arc<Communicator>) {
             // DOORBELL_WAIT_TIMEOUT_MS=1500 below: calls whose waits cross wait that long.
             assert!(waited < Duration::from_millis(1500 + 2000), "{waited:?}");
         }
+        "mismatch_allgather" => {
+            // The copy-engine ring all-gather: the word rides its ready put; rank 0 gathers
+            // shards of half the others' size.
+            use doorbell::collectives::allgather::{AllGatherOptions, PortAllGather};
+            let ag = PortAllGather::new(&comm, 1 << 20, AllGatherOptions::default()).unwrap();
+            let bytes = if me == 0 { 1024 } else { 2048 };
+            let t0 = Instant::now();
+            // SAFETY: my slot of the gather buffer holds `bytes`.
+            let e = unsafe { ag.run_raw(&s, ag.my_shard(bytes), bytes) }
+                .and_then(|()| comm.synchronize(&s))
+                .unwrap_err();
+            let waited = t0.elapsed();
+            eprintln!(
+                "fault-to-error: {scenario} {n} ranks rank {me}: {} ms after the call ({e})",
+                waited.as_millis()
+            );
+            // Each rank checks its right neighbour: rank 0 and the last rank see it; the others
+            // get it relayed, naming rank 0 on one side.
+            match &e {
+                Error::ArgumentMismatch { rank, peer, .. } => {
+                    assert!(*rank == 0 || *peer == 0, "{e}")
+                }
+                other => panic!("expected ArgumentMismatch, got {other}"),
+            }
+            assert!(waited < Duration::from_millis(1500 + 2000), "{waited:?}");
+        }
         "mismatch_net_alltoall" | "mismatch_net_allreduce" => {
             // Ranks as separate nodes (or nodes of two): every byte through PortChannels, where
             // the call word rides the ready handshake (cuda/kernels/net.cu). Rank 0 calls with
@@ -1347,6 +1373,7 @@ fn mismatched_calls_are_named_on_every_rank() {
         "mismatch_alltoallv_counts",
         "mismatch_alltoallv_protocols",
         "bad_alltoallv_counts",
+        "mismatch_allgather",
     ] {
         for n in rank_counts() {
             let exits = gpu_case(scenario, n, &[("DOORBELL_WAIT_TIMEOUT_MS", "1500".into())]);

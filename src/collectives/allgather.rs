@@ -20,6 +20,8 @@ use crate::device_api::PortChannelHandle;
 use crate::error::{Error, Result};
 use crate::gpu::cuda::{check, cuda_err};
 use crate::gpu::memory::Buffer;
+use crate::gpu::signature::{self, CallChecker, CallKind};
+use crate::job::config::Settings;
 use cudarc::driver::sys::CUevent_flags;
 use cudarc::driver::{
     CudaEvent, CudaFunction, CudaStream, DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg,
@@ -66,6 +68,10 @@ pub struct PortAllGather {
     _channels: PortChannels,
     _registered: Arc<RegisteredMemory>,
     buffer: Arc<Buffer>,
+    /// Offsets in the buffer of my call word's slot and of every rank's (after the shards).
+    word_off: u64,
+    slots_off: u64,
+    calls: CallChecker,
 }
 
 impl PortAllGather {
@@ -90,7 +96,11 @@ impl PortAllGather {
                 format!("{max_shard_bytes} x {world} ranks overflows"),
             )
         })?;
-        let buffer = comm.alloc(total)?;
+        // The call words after the shards: my slot, then one per rank.
+        let word_off = total.next_multiple_of(256);
+        let slots_off = word_off + 256;
+        let buffer = comm.alloc(slots_off + (8 * world).next_multiple_of(256))?;
+        let call_check = Settings::from_env()?.call_check;
         let registered = comm.register(&buffer)?;
         let mut builder = comm.proxy_builder(opts.fifo_size)?;
         let channels = comm.port_channels(&mut builder, &registered, &registered)?;
@@ -136,6 +146,14 @@ impl PortAllGather {
             _channels: channels,
             _registered: registered,
             buffer,
+            word_off: word_off as u64,
+            slots_off: slots_off as u64,
+            // No inboxes: the words travel over the channels.
+            calls: CallChecker::new(
+                [0; crate::device_api::MAX_RANKS],
+                call_check,
+                comm.bootstrap().call_counter(),
+            ),
         })
     }
 
@@ -189,6 +207,17 @@ impl PortAllGather {
                 format!("the proxy stopped: {why}"),
             ));
         }
+        let word = self
+            .calls
+            .next(
+                CallKind::AllGather,
+                signature::BYTES,
+                0,
+                0,
+                shard_bytes as u64,
+                signature::capturing(stream),
+            )
+            .word;
         let mine = self.my_shard(shard_bytes);
         let world = self.comm.world_size();
         let copy_in = |s: &CudaStream| -> Result<()> {
@@ -223,6 +252,7 @@ impl PortAllGather {
         }
         let (rank, world) = (self.comm.rank() as u32, world as u32);
         let (shard, piece) = (shard_bytes as u64, self.opts.piece_bytes as u64);
+        let words = self.output() + self.word_off;
         let mut b = stream.launch_builder(&self.kernel);
         b.arg(&self.right)
             .arg(&self.left)
@@ -231,7 +261,11 @@ impl PortAllGather {
             .arg(&shard)
             .arg(&piece)
             .arg(&self.input_mem)
-            .arg(&input);
+            .arg(&input)
+            .arg(&word)
+            .arg(&words)
+            .arg(&self.word_off)
+            .arg(&self.slots_off);
         let cfg = LaunchConfig {
             grid_dim: (1, 1, 1),
             block_dim: (32, 1, 1),

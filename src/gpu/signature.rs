@@ -47,6 +47,8 @@ pub enum CallKind {
     NetAllToAll = 8,
     /// `collectives::net` allreduce; mode 1: one phase of the hierarchical one.
     NetAllReduce = 9,
+    /// `collectives::allgather` (the copy-engine ring over PortChannels).
+    AllGather = 10,
 }
 
 impl CallKind {
@@ -61,6 +63,7 @@ impl CallKind {
             7 => "MoE low-latency combine",
             8 => "net alltoall",
             9 => "net allreduce",
+            10 => "allgather",
             _ => "an unknown collective",
         }
     }
