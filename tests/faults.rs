@@ -937,6 +937,76 @@ fn gpu_scenario(scenario: &str, comm: Arc<Communicator>) {
             }
             assert!(waited < Duration::from_millis(1500 + 2000), "{waited:?}");
         }
+        "abort_moe_ll" | "abort_moe_ht" => {
+            // Every rank dispatches; then rank 0 alone combines and aborts from another thread
+            // while the combine waits for peers that never send: its output comes back marked
+            // (every bf16 NaN), not the sums of the buffers' old rows.
+            use doorbell::collectives::moe::{MoeDispatcher, MoeLowLatency};
+            let tokens = 32;
+            let (cfg, [xp, _sp, ip, wp, op], _bufs) = moe_inputs(&s, n, tokens);
+            let hidden = cfg.hidden;
+            let (ll, ht) = if scenario == "abort_moe_ll" {
+                (Some(MoeLowLatency::new(&comm, cfg).unwrap()), None)
+            } else {
+                (None, Some(MoeDispatcher::new(&comm, cfg).unwrap()))
+            };
+            // SAFETY (every call below): the buffers hold `tokens` rows of the configured shape.
+            match (&ll, &ht) {
+                (Some(ll), _) => unsafe { ll.dispatch(&s, xp, ip, wp, tokens) }.unwrap(),
+                (_, Some(ht)) => unsafe { ht.dispatch(&s, xp, ip, wp, tokens) }.unwrap(),
+                _ => unreachable!(),
+            }
+            comm.synchronize(&s).unwrap();
+            comm.bootstrap().barrier().unwrap();
+            if me == 0 {
+                let c2 = comm.clone();
+                let aborter = std::thread::spawn(move || {
+                    std::thread::sleep(Duration::from_millis(300));
+                    record_fault();
+                    c2.abort();
+                });
+                let e = match (&ll, &ht) {
+                    (Some(ll), _) => unsafe { ll.combine(&s, op) },
+                    (_, Some(ht)) => unsafe { ht.combine(&s, ht.combine_buffer(), op) },
+                    _ => unreachable!(),
+                }
+                .and_then(|()| comm.synchronize(&s))
+                .unwrap_err();
+                aborter.join().unwrap();
+                eprintln!("abort, marked outputs: {scenario} {n} ranks: {e}");
+                assert!(
+                    matches!(&e, Error::PeerFailed { rank: 0, cause, .. } if cause.contains("Communicator::abort")),
+                    "{e}"
+                );
+                s.synchronize().unwrap();
+                let mut out = vec![0u16; tokens * hidden];
+                // SAFETY: `op` holds `tokens` rows of `hidden` bf16.
+                unsafe { cudarc::driver::result::memcpy_dtoh_async(&mut out, op, s.cu_stream()) }
+                    .unwrap();
+                s.synchronize().unwrap();
+                let unmarked = out
+                    .iter()
+                    .filter(|&&v| !half::bf16::from_bits(v).is_nan())
+                    .count();
+                assert_eq!(
+                    unmarked, 0,
+                    "{scenario}: values of a combine cut short that are not NaN"
+                );
+            } else {
+                let t0 = Instant::now();
+                let e = loop {
+                    if let Err(e) = comm.check_health() {
+                        break e;
+                    }
+                    assert!(
+                        t0.elapsed() < Duration::from_secs(10),
+                        "rank 0's abort never came"
+                    );
+                    std::thread::sleep(Duration::from_millis(1));
+                };
+                assert!(matches!(&e, Error::PeerFailed { rank: 0, .. }), "{e}");
+            }
+        }
         "mismatch_moe_ll" | "mismatch_moe_ht" => {
             use doorbell::collectives::moe::{MoeDispatcher, MoeLowLatency};
             let tokens = 32;
@@ -1345,12 +1415,19 @@ fn abort_from_another_thread_while_a_kernel_waits() {
     }
 }
 
-/// The same abort on the tile paths: the pipelined and the direct two-shot allreduce and the
-/// all-to-all's tiles leave rank 0's output marked (every element NaN), not stale.
+/// The same abort on the tile paths and the MoE combines: the pipelined and the direct two-shot
+/// allreduce, the all-to-all's tiles, the low-latency and the high-throughput combine leave rank
+/// 0's output marked (every element NaN), not stale.
 #[test]
 #[ignore = "needs GPU"]
-fn an_abort_leaves_the_tile_paths_outputs_marked() {
-    for scenario in ["abort_pipelined", "abort_direct", "abort_alltoall"] {
+fn an_abort_leaves_the_tile_paths_and_combines_outputs_marked() {
+    for scenario in [
+        "abort_pipelined",
+        "abort_direct",
+        "abort_alltoall",
+        "abort_moe_ll",
+        "abort_moe_ht",
+    ] {
         for n in rank_counts() {
             let exits = gpu_case(scenario, n, &[]);
             assert_exits(scenario, &exits, None);

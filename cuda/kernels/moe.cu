@@ -148,16 +148,18 @@ DOORBELL_DEVICE_INLINE void warp_copy16(void* dst, const void* src, uint64_t byt
 
 // Waits (bounded) until every peer's `set` token reached calls x per_call: all of this call's
 // signals from every peer arrived. Any number of threads may wait; nothing is consumed.
-DOORBELL_DEVICE_INLINE void wait_all_peers(const MoeArgs& a, uint32_t set, uint64_t calls, uint32_t per_call) {
+DOORBELL_DEVICE_INLINE bool wait_all_peers(const MoeArgs& a, uint32_t set, uint64_t calls, uint32_t per_call) {
   const uint64_t target = calls * per_call;
+  bool ok = true;
   for (uint32_t r = 0; r < a.world; ++r) {
     if (r == a.rank) continue;
     const SemaphoreHandle& h = a.sems[set * a.world + r];
-    spin_until(h.site, kWaitSemaphore, target, [&](uint64_t& seen) {
+    ok = spin_until(h.site, kWaitSemaphore, target, [&](uint64_t& seen) {
       seen = load_acquire_sys(h.inbound_token);
       return seen >= target;
-    });
+    }) && ok;
   }
+  return ok;  // false: a wait gave up (the communicator aborted)
 }
 
 // The combine's sums (moe_combine, step 3). kW: the rank count when known at compile time (two
@@ -415,8 +417,18 @@ extern "C" __global__ void __launch_bounds__(512) moe_combine(MoeArgs a) {
   if (threadIdx.x < a.world && threadIdx.x != a.rank) a.sems[kSetCopied * a.world + threadIdx.x].signal();
 
   __shared__ uint32_t first[kMaxRanks];  // where my tokens' rows start on each rank
-  if (threadIdx.x == 0) wait_all_peers(a, kSetCopied, c, a.blocks);
-  __syncthreads();
+  bool in = true;
+  if (threadIdx.x == 0) in = wait_all_peers(a, kSetCopied, c, a.blocks);
+  if (__syncthreads_or(!in)) {
+    // Cut short (the communicator aborted): the peers' rows are not all in, so this block's
+    // share of the output is all ones (NaN in bf16), not a sum of the buffers' old rows.
+    const uint32_t n_items = a.num_tokens * (a.hidden / 8);
+    for (uint32_t i = blockIdx.x * blockDim.x + threadIdx.x; i < n_items; i += gridDim.x * blockDim.x) {
+      reinterpret_cast<int4*>(a.out)[i] = make_int4(-1, -1, -1, -1);
+    }
+    check_moe_call(a);
+    return;
+  }
   if (threadIdx.x < a.world) {
     const uint64_t* m = count_matrix(a, a.rank, d);
     uint32_t before = 0;

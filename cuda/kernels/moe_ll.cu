@@ -181,21 +181,27 @@ __device__ void combine_send(const MoeLlArgs& a, uint64_t call) {
 }
 
 // The combine's receive half: waits until every peer signalled combine `call`, then a thread per
-// (token, 16 bytes of the row) adds the partial sums.
+// (token, 16 bytes of the row) adds the partial sums. A block whose wait gave up (the
+// communicator aborted) stores all ones (NaN in bf16) over its share of the output instead: the
+// partial sums are not all in, and the slots' old ones would pass for a result.
 __device__ void combine_recv(const MoeLlArgs& a, uint64_t call) {
+  bool ok = true;
   if (threadIdx.x < a.world && threadIdx.x != a.rank) {
     const SemaphoreHandle& h = a.ready[threadIdx.x];
-    spin_until(h.site, kWaitSemaphore, call, [&](uint64_t& seen) {
+    ok = spin_until(h.site, kWaitSemaphore, call, [&](uint64_t& seen) {
       seen = load_acquire_sys(h.inbound_token);
       return seen >= call;
     });
   }
-  __syncthreads();
+  const bool cut = __syncthreads_or(!ok);
   const uint32_t chunks = a.hidden / 8;
   const uint32_t n_items = a.num_tokens * chunks;
-  for (uint32_t i = blockIdx.x * blockDim.x + threadIdx.x; i < n_items; i += gridDim.x * blockDim.x) {
-    moe_ll::combine_chunk(a, i / chunks, i % chunks);
+  const uint32_t first = blockIdx.x * blockDim.x + threadIdx.x, stride = gridDim.x * blockDim.x;
+  if (cut) {
+    for (uint32_t i = first; i < n_items; i += stride) reinterpret_cast<int4*>(a.out)[i] = make_int4(-1, -1, -1, -1);
+    return;
   }
+  for (uint32_t i = first; i < n_items; i += stride) moe_ll::combine_chunk(a, i / chunks, i % chunks);
 }
 
 }  // namespace

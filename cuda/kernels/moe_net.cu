@@ -30,27 +30,29 @@ struct Counts {
   uint32_t total;
 };
 
-// Block 0 waits (bounded) for every source's words of `epoch` (`wait_one(src)` returns the count
-// and stores it), then publishes `epoch` in `ready`; every block then reads the counts `read(src)`.
-// Returns the counts by source.
+// Block 0 waits (bounded) for every source's words of `epoch` (`wait_one(src)` stores what it
+// learned and returns false when its wait gave up), then publishes `epoch` in `ready`; every block
+// then reads the counts `read(src)`. Returns the counts by source, and false in every block when
+// a wait gave up (block 0 then publishes nothing, so the other blocks' waits give up too).
 template <typename WaitOne, typename Read>
-__device__ void gather_counts(const MoeNetArgs& a, uint64_t epoch, uint64_t* ready, WaitOne wait_one, Read read,
+__device__ bool gather_counts(const MoeNetArgs& a, uint64_t epoch, uint64_t* ready, WaitOne wait_one, Read read,
                               Counts& c) {
+  bool ok = true;
   if (blockIdx.x == 0) {
-    for (uint32_t src = threadIdx.x; src < a.world; src += blockDim.x) wait_one(src);
-    __syncthreads();
-    if (threadIdx.x == 0) {
+    for (uint32_t src = threadIdx.x; src < a.world; src += blockDim.x) ok = wait_one(src) && ok;
+    const bool all = !__syncthreads_or(!ok);
+    if (threadIdx.x == 0 && all) {
       __threadfence();
       *reinterpret_cast<volatile uint64_t*>(ready) = epoch;
     }
   } else if (threadIdx.x == 0) {
-    spin_until(a.sites[a.rank], kWaitPacket, epoch, [&](uint64_t& seen) {
+    ok = spin_until(a.sites[a.rank], kWaitPacket, epoch, [&](uint64_t& seen) {
       seen = load_acquire_sys(ready);
       return seen == epoch;
     });
     __threadfence();
   }
-  __syncthreads();
+  const bool cut = __syncthreads_or(!ok);
   if (threadIdx.x == 0) {
     uint32_t total = 0;
     for (uint32_t src = 0; src < a.world; ++src) {
@@ -60,6 +62,7 @@ __device__ void gather_counts(const MoeNetArgs& a, uint64_t epoch, uint64_t* rea
     c.total = total;
   }
   __syncthreads();
+  return !cut;
 }
 
 // Calls f(src, j) for every message of the counts, a warp each over the grid.
@@ -108,19 +111,16 @@ __device__ void combine_sent(const MoeNetArgs& a, uint64_t call) {
 }
 
 // The start of a combine's receive half: block 0 waits until every peer's partial rows of `call`
-// are in, and every block waits for block 0.
-__device__ void wait_combine(const MoeNetArgs& a, uint64_t call) {
+// are in, and every block waits for block 0. False when a wait gave up (the rows are not all in).
+__device__ bool wait_combine(const MoeNetArgs& a, uint64_t call) {
   __shared__ Counts unused;
-  gather_counts(
+  return gather_counts(
       a, call, &a.epochs[3],
-      [&](uint32_t src) {
-        if (src == a.rank) return;
-        if (a.peer_area[src] == 0) {
-          moe_net::wait_signal(a, src);
-          return;
-        }
+      [&](uint32_t src) -> bool {
+        if (src == a.rank) return true;
+        if (a.peer_area[src] == 0) return moe_net::wait_signal(a, src);
         const uint64_t* word = reinterpret_cast<const uint64_t*>(a.area + a.off_cdone) + src;
-        spin_until(a.sites[src], kWaitSemaphore, call, [&](uint64_t& seen) {
+        return spin_until(a.sites[src], kWaitSemaphore, call, [&](uint64_t& seen) {
           seen = load_acquire_sys(word);
           return seen >= call;
         });
@@ -133,7 +133,10 @@ __device__ void wait_dispatch(const MoeNetArgs& a, uint64_t epoch, Counts& count
   const uint32_t half = uint32_t(epoch & 1);
   gather_counts(
       a, epoch, &a.epochs[2],
-      [&](uint32_t src) { a.msgs[half * a.world + src] = moe_net::wait_count(a, epoch, src); },
+      [&](uint32_t src) {
+        a.msgs[half * a.world + src] = moe_net::wait_count(a, epoch, src);
+        return true;  // a count that never came reads 0 (reported; the receive moves nothing of it)
+      },
       [&](uint32_t src) { return *reinterpret_cast<volatile uint32_t*>(&a.msgs[half * a.world + src]); }, counts);
 }
 
@@ -456,12 +459,17 @@ extern "C" __global__ void __launch_bounds__(512) moe_net_combine_send(MoeNetArg
 
 extern "C" __global__ void __launch_bounds__(512) moe_net_combine_recv(MoeNetArgs a) {
   const uint64_t call = a.epochs[1];
-  wait_combine(a, call);
+  // Cut short (a wait gave up: the communicator aborted): the partial rows are not all in, so
+  // the output is all ones (NaN in bf16), not a sum of what the slots held.
+  const bool in = wait_combine(a, call);
   const uint32_t chunks = a.hidden / 8;
   const uint64_t items = uint64_t(a.num_tokens) * chunks;
-  for (uint64_t i = blockIdx.x * blockDim.x + threadIdx.x; i < items; i += uint64_t(gridDim.x) * blockDim.x) {
-    moe_net::combine_chunk(a, uint32_t(i / chunks), uint32_t(i % chunks));
+  const uint64_t first = blockIdx.x * blockDim.x + threadIdx.x, stride = uint64_t(gridDim.x) * blockDim.x;
+  if (!in) {
+    for (uint64_t i = first; i < items; i += stride) reinterpret_cast<int4*>(a.out)[i] = make_int4(-1, -1, -1, -1);
+    return;
   }
+  for (uint64_t i = first; i < items; i += stride) moe_net::combine_chunk(a, uint32_t(i / chunks), uint32_t(i % chunks));
 }
 
 // ---- High throughput (prefill) across nodes, DeepEP's hierarchical scheme (MoeHtArgs). ----
@@ -762,11 +770,16 @@ extern "C" __global__ void __launch_bounds__(512) moe_ht_combine_send(MoeNetArgs
 
 extern "C" __global__ void __launch_bounds__(512) moe_ht_combine_recv(MoeNetArgs a, MoeHtArgs h) {
   const uint64_t call = a.epochs[1];
-  wait_combine(a, call);
+  const bool in = wait_combine(a, call);
   const uint32_t words = a.hidden / 8;
   const uint64_t items = uint64_t(a.num_tokens) * words;
+  const uint64_t first = blockIdx.x * blockDim.x + threadIdx.x, stride = uint64_t(gridDim.x) * blockDim.x;
+  if (!in) {  // cut short: marked (all ones, NaN in bf16), as moe_net_combine_recv
+    for (uint64_t i = first; i < items; i += stride) reinterpret_cast<int4*>(a.out)[i] = make_int4(-1, -1, -1, -1);
+    return;
+  }
   const int4* part = reinterpret_cast<const int4*>(a.area + a.off_part);
-  for (uint64_t i = blockIdx.x * blockDim.x + threadIdx.x; i < items; i += uint64_t(gridDim.x) * blockDim.x) {
+  for (uint64_t i = first; i < items; i += stride) {
     const uint32_t t = uint32_t(i / words), c = uint32_t(i % words);
     uint64_t nodes = 0;
     for (uint32_t k = 0; k < a.topk; ++k) {
