@@ -1482,6 +1482,36 @@ fn mismatched_calls_across_nodes_are_named_on_every_rank() {
     }
 }
 
+/// MoE low-latency across nodes checks its calls too (moe_net.cuh: the inbox reached over the
+/// channels): rank 0 dispatches twice while the others dispatch and combine; over Ethernet and
+/// the emulated NIC with the GPU posting, ranks as separate nodes and as nodes of two.
+#[test]
+#[ignore = "needs GPU"]
+fn mismatched_moe_calls_across_nodes_are_named_on_every_rank() {
+    let variants: [&[(&str, &str)]; 3] = [
+        &[("DOORBELL_IB_DISABLE", "1")],
+        &[
+            ("DOORBELL_IB_EMULATE", "1"),
+            ("DOORBELL_IB_POSTING", "ibgda"),
+        ],
+        &[("DOORBELL_IB_DISABLE", "1"), ("DOORBELL_NODE_SIZE", "2")],
+    ];
+    for variant in variants {
+        for n in rank_counts() {
+            if variant.iter().any(|(k, _)| *k == "DOORBELL_NODE_SIZE") && (n % 2 != 0 || n < 4) {
+                continue;
+            }
+            let mut env = vec![
+                ("DOORBELL_WAIT_TIMEOUT_MS", "1500".to_string()),
+                ("DOORBELL_SEPARATE_NODES", "1".into()),
+            ];
+            env.extend(variant.iter().map(|&(k, v)| (k, v.to_string())));
+            let exits = gpu_case("mismatch_moe_ll", n, &env);
+            assert_exits("mismatch_moe_ll", &exits, None);
+        }
+    }
+}
+
 #[test]
 #[ignore = "needs GPU"]
 fn shrink_after_a_failure_then_correct_allreduces() {

@@ -102,6 +102,7 @@ __device__ void combine_sent(const MoeNetArgs& a, uint64_t call) {
       store_relaxed_sys(reinterpret_cast<uint64_t*>(a.peer_area[src] + a.off_cdone) + a.rank, call);
     } else {
       const PortChannelHandle& c = moe_net::channel(a, src);
+      moe_net::announce_to(a, src, 1);  // the call check's word (NVLink peers had it at the start)
       c.signal();
       c.flush();
     }
@@ -322,7 +323,10 @@ __device__ void group_masks(const MoeNetArgs& a, uint32_t g0, uint32_t r, uint32
 // work requests of the tokens it found.
 __device__ __forceinline__ void network_task(const MoeNetArgs& a, uint32_t r, uint32_t groups, uint64_t epoch) {
   const uint32_t lane = threadIdx.x % kWarp, half = uint32_t(epoch & 1);
-  if (lane == 0) probe_min(a, 7);
+  if (lane == 0) {
+    probe_min(a, 7);
+    moe_net::announce_to(a, r, 0);  // the call check's word, ahead of the messages
+  }
   // The queue pair's fields, loaded while the tokens are listed.
   const PortChannelHandle& channel = moe_net::channel(a, r);
   const IbPortLink* ib = channel.ib;
@@ -391,6 +395,7 @@ __device__ __forceinline__ void network_task(const MoeNetArgs& a, uint32_t r, ui
 }  // namespace
 
 extern "C" __global__ void __launch_bounds__(256) moe_net_send(MoeNetArgs a) {
+  moe_net::announce_nvlink(a, 0);  // network peers: in their network task, before the messages
   if (a.probe != nullptr && threadIdx.x == 0) {
     atomicMin(reinterpret_cast<unsigned long long*>(&a.probe[0]), static_cast<unsigned long long>(global_timer_ns()));
   }
@@ -419,6 +424,7 @@ extern "C" __global__ void __launch_bounds__(256) moe_net_send(MoeNetArgs a) {
 }
 
 extern "C" __global__ void __launch_bounds__(512) moe_net_recv(MoeNetArgs a) {
+  moe_net::check_call(a);  // first: a peer in another call sends no counts to wait for
   const uint64_t epoch = a.epochs[0];
   const uint32_t half = uint32_t(epoch & 1);
   __shared__ Counts counts;
@@ -439,6 +445,7 @@ extern "C" __global__ void __launch_bounds__(512) moe_net_recv(MoeNetArgs a) {
 }
 
 extern "C" __global__ void __launch_bounds__(512) moe_net_combine_send(MoeNetArgs a) {
+  moe_net::announce_nvlink(a, 1);  // network peers: in combine_sent, before their signal
   const uint64_t epoch = a.epochs[0];
   const uint32_t half = uint32_t(epoch & 1);
   const uint64_t call = a.epochs[1] + 1;
@@ -458,6 +465,7 @@ extern "C" __global__ void __launch_bounds__(512) moe_net_combine_send(MoeNetArg
 }
 
 extern "C" __global__ void __launch_bounds__(512) moe_net_combine_recv(MoeNetArgs a) {
+  moe_net::check_call(a);
   const uint64_t call = a.epochs[1];
   // Cut short (a wait gave up: the communicator aborted): the partial rows are not all in, so
   // the output is all ones (NaN in bf16), not a sum of what the slots held.

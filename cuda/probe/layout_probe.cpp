@@ -273,6 +273,9 @@ int main() {
   FIELD(MoeNetArgs, probe);
   FIELD(MoeNetArgs, arrived);
   FIELD(MoeNetArgs, staged);
+  FIELD(MoeNetArgs, call_word);
+  FIELD(MoeNetArgs, off_inbox);
+  FIELD(MoeNetArgs, stage_words);
 
   STRUCT(MoeHtArgs);
   FIELD(MoeHtArgs, nodes);

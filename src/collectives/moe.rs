@@ -848,7 +848,8 @@ impl MoeLowLatency {
                 p.dispatch_send(stream, x, topk_idx, topk_weights, num_tokens)
             },
             LlPath::Net(p) => {
-                let args = p.prepare_send(x, 0, topk_idx, topk_weights, num_tokens)?;
+                let graph = signature::capturing(stream);
+                let args = p.prepare_send(x, 0, topk_idx, topk_weights, num_tokens, graph)?;
                 p.dispatch_send(stream, &args)
             }
         }
@@ -883,7 +884,8 @@ impl MoeLowLatency {
                 if scales == 0 {
                     return Err(Error::invalid("scales", "a device address is needed"));
                 }
-                let args = p.prepare_send(x, scales, topk_idx, topk_weights, num_tokens)?;
+                let graph = signature::capturing(stream);
+                let args = p.prepare_send(x, scales, topk_idx, topk_weights, num_tokens, graph)?;
                 p.dispatch_send(stream, &args)
             }
         }
@@ -909,7 +911,7 @@ impl MoeLowLatency {
             LlPath::Nvlink(p) => unsafe { p.begin_fused_send(topk_idx, topk_weights, num_tokens) }
                 .map(FusedSend::Nvlink),
             LlPath::Net(p) => p
-                .prepare_send(0, 0, topk_idx, topk_weights, num_tokens)
+                .prepare_send(0, 0, topk_idx, topk_weights, num_tokens, false)
                 .map(FusedSend::Net),
         }
     }
@@ -942,7 +944,8 @@ impl MoeLowLatency {
                 p.dispatch(stream, x, topk_idx, topk_weights, num_tokens)
             },
             LlPath::Net(p) => {
-                let args = p.prepare_send(x, 0, topk_idx, topk_weights, num_tokens)?;
+                let graph = signature::capturing(stream);
+                let args = p.prepare_send(x, 0, topk_idx, topk_weights, num_tokens, graph)?;
                 p.dispatch_send(stream, &args)?;
                 p.dispatch_recv(stream)
             }

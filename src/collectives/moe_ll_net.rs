@@ -21,6 +21,8 @@ use crate::device_api::{MoeNetArgs, PortChannelHandle, WaitSite};
 use crate::error::{Error, Result};
 use crate::gpu::cuda::cuda_err;
 use crate::gpu::memory::Buffer;
+use crate::gpu::signature::{self, CallChecker, CallKind};
+use crate::job::config::Settings;
 use crate::transport::ipc::RemoteMemory;
 use cudarc::driver::{CudaFunction, CudaSlice, CudaStream, DevicePtr};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -32,6 +34,9 @@ const STAGE_PARTS: usize = 8;
 
 /// Most ranks of the node-spanning path (`moe_net::kMaxRanks`).
 pub const MAX_NET_RANKS: usize = 64;
+/// Words of the call check's inbox in the area (`moe_net.cuh`, kInboxWords): [2][64] slots, then
+/// 64 counts of calls announced and 64 of calls checked.
+const INBOX_WORDS: usize = 4 * MAX_NET_RANKS;
 
 /// The channel id wait reports of this path carry.
 const SITE_CHANNEL: u32 = u32::MAX - 1;
@@ -112,12 +117,14 @@ impl NetLanding {
         let off_counts = section(shape.messages);
         let off_part = off_counts + section(shape.counts.max(2 * world * 8));
         let off_cdone = off_part + section(world * cfg.max_tokens * row_out);
-        let area_bytes = off_cdone + section(world * 8);
+        let off_inbox = off_cdone + section(world * 8);
+        let area_bytes = off_inbox + section(INBOX_WORDS * 8);
         // The staging area: messages by token (two halves), counts, partial rows for remote
         // sources.
         let stage_counts = section(2 * cfg.max_tokens * msg);
         let stage_part = stage_counts + section(shape.counts.max(2 * world * 8));
-        let stage_bytes = stage_part + section(world * cfg.max_tokens * row_out);
+        let stage_words = stage_part + section(world * cfg.max_tokens * row_out);
+        let stage_bytes = stage_words + section(16);
         let area = comm.alloc(area_bytes)?;
         let area_reg = comm.register(&area)?;
         let peers = comm.exchange(&area_reg)?;
@@ -187,6 +194,8 @@ impl NetLanding {
             off_cdone: off_cdone as u64,
             stage_counts: stage_counts as u64,
             stage_part: stage_part as u64,
+            off_inbox: off_inbox as u64,
+            stage_words: stage_words as u64,
             msgs: p(3),
             fill: p(4),
             done: p(5),
@@ -244,6 +253,10 @@ pub(super) struct LlNet {
     last: Mutex<(u64, u32)>,
     rows: u64,
     _device: Vec<CudaSlice<u8>>,
+    /// The call check (`moe_net.cuh`): every dispatch and combine counts one call; the words of
+    /// the last dispatch and the last combine, for their receive halves.
+    calls: CallChecker,
+    words: Mutex<(u64, u64)>,
 }
 
 impl LlNet {
@@ -316,7 +329,26 @@ impl LlNet {
             last: Mutex::new((0, 0)),
             rows: rows as u64,
             _device: device,
+            // No mapped inboxes: the words travel to each peer's inbox in its area.
+            calls: CallChecker::new(
+                [0; crate::device_api::MAX_RANKS],
+                Settings::from_env()?.call_check,
+                comm.bootstrap().call_counter(),
+            ),
+            words: Mutex::new((0, 0)),
         })
+    }
+
+    /// The next call's word (counts the call), kept for its receive half.
+    fn next_word(&self, kind: CallKind, graph: bool) -> u64 {
+        let word = self.calls.next(kind, 0, 0, 0, 0, graph).word;
+        let mut w = self.words.lock().unwrap_or_else(|p| p.into_inner());
+        if kind == CallKind::MoeLlDispatch {
+            w.0 = word;
+        } else {
+            w.1 = word;
+        }
+        word
     }
 
     fn launch(&self, stream: &CudaStream, k: usize, args: &MoeNetArgs) -> Result<()> {
@@ -334,7 +366,8 @@ impl LlNet {
         )
     }
 
-    /// Checks a dispatch's inputs, counts it, and returns its send arguments.
+    /// Checks a dispatch's inputs, counts it, and returns its send arguments (`graph`: the
+    /// send is being captured; false for a fused send, whose stream only the caller knows).
     pub(super) fn prepare_send(
         &self,
         x: u64,
@@ -342,6 +375,7 @@ impl LlNet {
         topk_idx: u64,
         topk_weights: u64,
         num_tokens: usize,
+        graph: bool,
     ) -> Result<MoeNetArgs> {
         let max = self.base.max_tokens as usize;
         if num_tokens > max || x % 16 != 0 || topk_idx % 4 != 0 || topk_weights % 4 != 0 {
@@ -372,6 +406,7 @@ impl LlNet {
             topk_idx,
             topk_weights,
             num_tokens: num_tokens as u32,
+            call_word: self.next_word(CallKind::MoeLlDispatch, graph),
             ..self.base
         })
     }
@@ -381,7 +416,12 @@ impl LlNet {
     }
 
     pub(super) fn dispatch_recv(&self, stream: &CudaStream) -> Result<()> {
-        self.launch(stream, 1, &self.base)
+        let call_word = self.words.lock().unwrap_or_else(|p| p.into_inner()).0;
+        let args = MoeNetArgs {
+            call_word,
+            ..self.base
+        };
+        self.launch(stream, 1, &args)
     }
 
     pub(super) fn results_of(&self, n: u64) -> LowLatencyResults {
@@ -406,7 +446,11 @@ impl LlNet {
     }
 
     pub(super) fn combine_send(&self, stream: &CudaStream) -> Result<()> {
-        self.launch(stream, 2, &self.base)
+        let args = MoeNetArgs {
+            call_word: self.next_word(CallKind::MoeLlCombine, signature::capturing(stream)),
+            ..self.base
+        };
+        self.launch(stream, 2, &args)
     }
 
     pub(super) fn combine_recv(&self, stream: &CudaStream, out: u64) -> Result<()> {
@@ -414,10 +458,12 @@ impl LlNet {
             return Err(Error::invalid("combine", "out 16-byte aligned"));
         }
         let (topk_idx, num_tokens) = *self.last.lock().unwrap_or_else(|p| p.into_inner());
+        let call_word = self.words.lock().unwrap_or_else(|p| p.into_inner()).1;
         let args = MoeNetArgs {
             topk_idx,
             num_tokens,
             out,
+            call_word,
             ..self.base
         };
         self.launch(stream, 3, &args)

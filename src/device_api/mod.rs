@@ -540,6 +540,9 @@ pub struct MoeNetArgs {
     pub probe: u64,
     pub arrived: u64,
     pub staged: u64,
+    pub call_word: u64,
+    pub off_inbox: u64,
+    pub stage_words: u64,
 }
 
 /// The high-throughput node-spanning MoE kernels' own arguments (`collective_args.cuh`).
@@ -918,6 +921,9 @@ mod layout {
                     probe,
                     arrived,
                     staged,
+                    call_word,
+                    off_inbox,
+                    stage_words,
                 ]
             ),
             layout!(

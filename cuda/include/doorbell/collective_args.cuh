@@ -255,8 +255,14 @@ struct MoeNetArgs {
   uint32_t* arrived;            // mine: [world] (token group, rank) tasks of moe_net_send done, this call
   uint64_t* staged;             // mine: [ceil(max_tokens / 32) * 8] the dispatch epoch each stage task
                                 //   of moe_net_send (8 per token group) last staged
+  // The call check across nodes (moe_net.cuh, "call check"): this call's word (0: unchecked, as
+  // every high-throughput call), the inbox's offset in the area, and the offset in the staging
+  // area of the two words network peers' inboxes are written from ([dispatch, combine]).
+  uint64_t call_word;
+  uint64_t off_inbox;
+  uint64_t stage_words;
 };
-DOORBELL_CHECK_SIZE(MoeNetArgs, 288);
+DOORBELL_CHECK_SIZE(MoeNetArgs, 312);
 
 // The high-throughput node-spanning MoE exchange's own arguments (cuda/kernels/moe_net.cu, beside
 // MoeNetArgs): a token crosses the network once per destination node, to the rank of that node

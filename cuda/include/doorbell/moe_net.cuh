@@ -33,6 +33,7 @@
 // sends that partial row back; moe_net::combine_chunk adds the ranks' partial rows in rank order.
 #pragma once
 
+#include "call_check.cuh"
 #include "collective_args.cuh"
 #include "copy.cuh"
 #include "port_channel.cuh"
@@ -48,6 +49,75 @@ constexpr uint32_t kMaxRanks = 64;  // checked on the host
 
 DOORBELL_DEVICE_INLINE const PortChannelHandle& channel(const MoeNetArgs& a, uint32_t r) {
   return static_cast<const PortChannelHandle*>(a.channels)[r];
+}
+
+// ---- The call check across nodes: call_check.cuh's protocol, its inbox reached over the channels.
+// Ranks on other nodes map no memory of each other, so the inbox lives in the registered area
+// (`off_inbox`): [2 parities][kMaxRanks] slots its peers write, then the counts of calls
+// announced to and checked against each peer (kInboxWords words, zeroed at allocation). A send
+// kernel announces its call to every peer: an NVLink peer by a store into its inbox, a network
+// peer by an 8-byte put (no signal: the MoE protocol counts its signals; a lone aligned 8-byte
+// write lands whole) from the staging area's word for this kind of call (`stage_words`, [dispatch,
+// combine]; a word's put of one call has landed before the next call of that kind writes it: the
+// peer read it before it could answer the call in between). A receive kernel's checker threads
+// (the last block's last `world` threads) wait, bounded, for each peer's word of this call and
+// compare. Every dispatch and every combine is one call, so a dispatch against a combine is a
+// mismatch too, named on both sides. The two parities suffice as in call_check.cuh: a peer writes
+// call n + 2's word only after its call n + 1 received from this rank, which sends only after
+// this rank's receive of call n (where the check reads slot n) ended.
+constexpr uint32_t kInboxAnnounced = 2 * kMaxRanks, kInboxChecked = 3 * kMaxRanks, kInboxWords = 4 * kMaxRanks;
+
+// My inbox slot in peer p's inbox for call n (an offset in every area).
+DOORBELL_DEVICE_INLINE uint64_t inbox_slot(const MoeNetArgs& a, uint64_t n, uint32_t from) {
+  return a.off_inbox + ((n & 1) * kMaxRanks + from) * 8;
+}
+
+// Announces this call to peer r: one thread (for a network peer, the one that posts to r, so
+// that posts to r stay in one thread's order). `which`: 0 dispatch, 1 combine.
+DOORBELL_DEVICE_INLINE void announce_to(const MoeNetArgs& a, uint32_t r, uint32_t which) {
+  if (a.call_word == 0) return;
+  uint64_t* own = reinterpret_cast<uint64_t*>(a.area + a.off_inbox);
+  const uint64_t n = own[kInboxAnnounced + r];
+  if (a.peer_area[r] != 0) {
+    store_relaxed_sys(reinterpret_cast<uint64_t*>(a.peer_area[r] + inbox_slot(a, n, a.rank)), a.call_word);
+  } else {
+    // Every announcing thread stages the same word; the put reads it after this store.
+    *reinterpret_cast<volatile uint64_t*>(a.stage + a.stage_words + 8 * which) = a.call_word;
+    __threadfence_system();
+    channel(a, r).put(inbox_slot(a, n, a.rank), a.stage_words + 8 * which, 8);
+  }
+  own[kInboxAnnounced + r] = n + 1;
+}
+
+// Announces this call to every NVLink peer: block 0's threads (every thread of every block may
+// call it).
+DOORBELL_DEVICE_INLINE void announce_nvlink(const MoeNetArgs& a, uint32_t which) {
+  if (a.call_word == 0 || blockIdx.x != 0) return;
+  for (uint32_t p = threadIdx.x; p < a.world; p += blockDim.x) {
+    if (p != a.rank && a.peer_area[p] != 0) announce_to(a, p, which);
+  }
+}
+
+// The checker threads wait (bounded) for every peer's word of this call and compare it with
+// mine; a difference is reported as a mismatch (the communicator aborts). Every thread of every
+// block calls it.
+DOORBELL_DEVICE_INLINE void check_call(const MoeNetArgs& a) {
+  if (a.call_word == 0 || blockIdx.x != gridDim.x - 1 || threadIdx.x + a.world < blockDim.x) return;
+  const uint32_t p = threadIdx.x + a.world - blockDim.x;
+  if (p == a.rank) return;
+  uint64_t* own = reinterpret_cast<uint64_t*>(a.area + a.off_inbox);
+  const uint64_t n = own[kInboxChecked + p];
+  own[kInboxChecked + p] = n + 1;
+  const uint64_t* slot = own + (n & 1) * kMaxRanks + p;
+  uint64_t theirs = 0;
+  spin_until(a.sites[p], kWaitArgMismatch, a.call_word, [&](uint64_t& seen) {
+    seen = load_relaxed_sys(slot);
+    theirs = seen;
+    return call_key(seen) == call_key(a.call_word);
+  });
+  if (call_key(theirs) == call_key(a.call_word) && theirs != a.call_word) {
+    report_mismatch(a.sites[p], static_cast<int32_t>(p), a.call_word, theirs);
+  }
 }
 
 // A message header: [0] the source token, [1] 1 if the row is e4m3, [2..4) the dispatch epoch
@@ -231,6 +301,8 @@ DOORBELL_DEVICE_INLINE void finish_send(const MoeNetArgs& a) {
     n = __shfl_sync(0xffffffffu, n, 0);
     n = n < a.max_tokens ? n : a.max_tokens;  // more is impossible: each token sends once per rank
     const uint64_t word = epoch << 32 | n;
+    if (lane == 0 && r != a.rank) announce_to(a, r, 0);  // the call check (a fused send runs no moe_net_send)
+    __syncwarp();
     if (a.peer_area[r] != 0) {
       if (lane == 0) {
         __threadfence_system();
