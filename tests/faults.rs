@@ -1482,9 +1482,10 @@ fn mismatched_calls_across_nodes_are_named_on_every_rank() {
     }
 }
 
-/// MoE low-latency across nodes checks its calls too (moe_net.cuh: the inbox reached over the
-/// channels): rank 0 dispatches twice while the others dispatch and combine; over Ethernet and
-/// the emulated NIC with the GPU posting, ranks as separate nodes and as nodes of two.
+/// MoE across nodes checks its calls too (moe_net.cuh: the inbox reached over the channels):
+/// low-latency, rank 0 dispatching twice while the others dispatch and combine; high-throughput,
+/// rank 0 dispatching FP8 rows while the others send bf16; over Ethernet and the emulated NIC with
+/// the GPU posting, ranks as separate nodes and as nodes of two (even rank counts from 4).
 #[test]
 #[ignore = "needs GPU"]
 fn mismatched_moe_calls_across_nodes_are_named_on_every_rank() {
@@ -1506,8 +1507,10 @@ fn mismatched_moe_calls_across_nodes_are_named_on_every_rank() {
                 ("DOORBELL_SEPARATE_NODES", "1".into()),
             ];
             env.extend(variant.iter().map(|&(k, v)| (k, v.to_string())));
-            let exits = gpu_case("mismatch_moe_ll", n, &env);
-            assert_exits("mismatch_moe_ll", &exits, None);
+            for scenario in ["mismatch_moe_ll", "mismatch_moe_ht"] {
+                let exits = gpu_case(scenario, n, &env);
+                assert_exits(scenario, &exits, None);
+            }
         }
     }
 }

@@ -604,6 +604,8 @@ __device__ void send_node(const MoeNetArgs& a, const MoeHtArgs& h, uint32_t n, u
   }
   __syncwarp();
   const PortChannelHandle& c = moe_net::channel(a, peer);
+  if (lane == 0) moe_net::announce_to(a, peer, 0);  // the call check's word, ahead of the chunks
+  __syncwarp();
   const uint64_t sent = *reinterpret_cast<volatile uint64_t*>(&h.sent_chunks[n]);
   const uint32_t chunks = m == 0 ? 1 : (m + kHtChunk - 1) / kHtChunk;
   for (uint32_t i = 0; i < chunks; ++i) {
@@ -721,6 +723,12 @@ extern "C" __global__ void __launch_bounds__(512) moe_ht_stage(MoeNetArgs a, Moe
 // for credits waits only for the one receiver that is waiting only for it: the exchange cannot
 // deadlock however the peers' blocks are scheduled, as long as each rank's blocks are resident.
 extern "C" __global__ void __launch_bounds__(512) moe_ht_exchange(MoeNetArgs a, MoeHtArgs h) {
+  // The call check with the rail peers, the ranks this exchange moves rows with (send_node
+  // announces; the node's NVLink dispatch checks its own ranks): the last block's thread n checks
+  // node n's rail peer, before any wait on chunks a peer in another call would never send.
+  if (blockIdx.x == gridDim.x - 1 && threadIdx.x < h.nodes && threadIdx.x != h.node) {
+    moe_net::check_peer(a, h.rail[threadIdx.x]);
+  }
   const uint64_t epoch = moe_net::send_epoch(a);
   const uint32_t warps = blockDim.x / kWarp;
   const uint32_t senders = (h.nodes + warps - 1) / warps;
@@ -748,6 +756,7 @@ extern "C" __global__ void moe_ht_remap(MoeNetArgs a, MoeHtArgs h) {
 }
 
 extern "C" __global__ void __launch_bounds__(512) moe_ht_combine_send(MoeNetArgs a, MoeHtArgs h) {
+  moe_net::announce_nvlink(a, 1);  // network peers: in combine_sent, before their signal
   const uint64_t call = a.epochs[1] + 1;
   const uint32_t lane = threadIdx.x % kWarp;
   const uint32_t warps = gridDim.x * (blockDim.x / kWarp);
@@ -777,6 +786,7 @@ extern "C" __global__ void __launch_bounds__(512) moe_ht_combine_send(MoeNetArgs
 }
 
 extern "C" __global__ void __launch_bounds__(512) moe_ht_combine_recv(MoeNetArgs a, MoeHtArgs h) {
+  moe_net::check_call(a);  // every peer: every rank tells every rank its combine rows are in
   const uint64_t call = a.epochs[1];
   const bool in = wait_combine(a, call);
   const uint32_t words = a.hidden / 8;

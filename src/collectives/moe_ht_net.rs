@@ -21,6 +21,8 @@ use crate::device_api::{MoeHtArgs, MoeNetArgs};
 use crate::error::{Error, Result};
 use crate::gpu::cuda::cuda_err;
 use crate::gpu::memory::Buffer;
+use crate::gpu::signature::{self, CallChecker, CallKind};
+use crate::job::config::Settings;
 use crate::transport::ipc::RemoteMemory;
 use cudarc::driver::{CudaFunction, CudaSlice, CudaStream, DevicePtr, LaunchConfig, PushKernelArg};
 use std::sync::{Arc, Mutex};
@@ -48,6 +50,9 @@ pub(super) struct HtNet {
         Vec<Option<Arc<RemoteMemory>>>,
     ),
     _device: Vec<CudaSlice<u8>>,
+    /// The call check across nodes (`moe_net.cuh`): a dispatch is checked with the rail peers
+    /// (and by the node's own dispatcher inside the node), a combine with every peer.
+    calls: CallChecker,
 }
 
 impl HtNet {
@@ -196,6 +201,11 @@ impl HtNet {
             _node_comm: node_comm,
             _origin: (origin, origin_reg, origin_peers),
             _device: device,
+            calls: CallChecker::new(
+                [0; crate::device_api::MAX_RANKS],
+                Settings::from_env()?.call_check,
+                comm.bootstrap().call_counter(),
+            ),
         })
     }
 
@@ -249,6 +259,17 @@ impl HtNet {
             topk_idx,
             topk_weights,
             num_tokens: num_tokens as u32,
+            call_word: self
+                .calls
+                .next(
+                    CallKind::MoeDispatch,
+                    0,
+                    0,
+                    0,
+                    0,
+                    signature::capturing(stream),
+                )
+                .word,
             ..self.base
         };
         self.launch(stream, 0, self.landing.blocks, &a)?;
@@ -280,6 +301,17 @@ impl HtNet {
             topk_idx,
             num_tokens,
             out,
+            call_word: self
+                .calls
+                .next(
+                    CallKind::MoeCombine,
+                    0,
+                    0,
+                    0,
+                    0,
+                    signature::capturing(stream),
+                )
+                .word,
             ..self.base
         };
         let blocks = self.landing.blocks;

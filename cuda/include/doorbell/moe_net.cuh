@@ -98,13 +98,10 @@ DOORBELL_DEVICE_INLINE void announce_nvlink(const MoeNetArgs& a, uint32_t which)
   }
 }
 
-// The checker threads wait (bounded) for every peer's word of this call and compare it with
-// mine; a difference is reported as a mismatch (the communicator aborts). Every thread of every
-// block calls it.
-DOORBELL_DEVICE_INLINE void check_call(const MoeNetArgs& a) {
-  if (a.call_word == 0 || blockIdx.x != gridDim.x - 1 || threadIdx.x + a.world < blockDim.x) return;
-  const uint32_t p = threadIdx.x + a.world - blockDim.x;
-  if (p == a.rank) return;
+// Waits (bounded) for peer p's word of this call and compares it with mine; a difference is
+// reported as a mismatch (the communicator aborts). One thread per peer.
+DOORBELL_DEVICE_INLINE void check_peer(const MoeNetArgs& a, uint32_t p) {
+  if (a.call_word == 0 || p == a.rank) return;
   uint64_t* own = reinterpret_cast<uint64_t*>(a.area + a.off_inbox);
   const uint64_t n = own[kInboxChecked + p];
   own[kInboxChecked + p] = n + 1;
@@ -118,6 +115,13 @@ DOORBELL_DEVICE_INLINE void check_call(const MoeNetArgs& a) {
   if (call_key(theirs) == call_key(a.call_word) && theirs != a.call_word) {
     report_mismatch(a.sites[p], static_cast<int32_t>(p), a.call_word, theirs);
   }
+}
+
+// The check against every peer, by the checker threads (the last block's last `world` threads).
+// Every thread of every block calls it.
+DOORBELL_DEVICE_INLINE void check_call(const MoeNetArgs& a) {
+  if (a.call_word == 0 || blockIdx.x != gridDim.x - 1 || threadIdx.x + a.world < blockDim.x) return;
+  check_peer(a, threadIdx.x + a.world - blockDim.x);
 }
 
 // A message header: [0] the source token, [1] 1 if the row is e4m3, [2..4) the dispatch epoch
