@@ -26,6 +26,12 @@
 # a size more than 10% slower than the last recorded table of this machine kind, in the mean and
 # in the single calls' p50 (bench/perf/KIND.csv; record a passing run's merged.csv there). PERF_MAX_BYTES (default 1G)
 # caps the sweeps; PERF_ITERS sets the PyTorch peers' calls per timing (default 20).
+# SUITE=soak: consecutive runs of some test binaries, to show that an intermittent failure is gone:
+# SOAK_TESTS (default "net faults moe"), SOAK_ROUNDS rounds (default 20) at SOAK_RANKS ranks
+# (default 4) sharing each GPU, every GPU running its own rounds side by side (SOAK_ROUNDS per
+# GPU), each binary's run limited to SOAK_LIMIT seconds (default 600); SOAK_FILTER and
+# DOORBELL_TEST_VARIANTS narrow what runs (e.g. SOAK_FILTER=across_nodes
+# DOORBELL_TEST_VARIANTS=Ethernet). A failed run's log is kept; soak.txt lists every run.
 # NVLink multicast stays off everywhere (it can take shared GPUs out of service).
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -130,6 +136,9 @@ run() {
   if [ "$suite" = perf ]; then
     perf "$logs" "$summary" || failed=1
   fi
+  if [ "$suite" = soak ]; then
+    soak "$logs" "$summary" || failed=1
+  fi
   if [ "$suite" = all ] || [ "$suite" = bench ]; then
     for ex in ${BENCHES:-pingpong portchannel allgather allreduce}; do
       [ -x "$bundle/examples/$ex" ] || continue
@@ -147,6 +156,36 @@ run() {
   if [ "${MPS:-0}" = 1 ]; then echo quit | nvidia-cuda-mps-control; fi
   cat "$summary"
   return $failed
+}
+
+# Consecutive runs of SOAK_TESTS on every GPU side by side (see SUITE=soak above).
+soak() {
+  local logs=$1 summary=$2 start=$SECONDS gpus g
+  gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')
+  [ "${gpus:-0}" -ge 1 ] || { echo "FAIL soak: no GPU" | tee -a "$summary"; return 1; }
+  for ((g = 0; g < gpus; g++)); do
+    (
+      for ((i = 1; i <= ${SOAK_ROUNDS:-20}; i++)); do
+        for t in ${SOAK_TESTS:-net faults moe}; do
+          local s=$SECONDS log="$logs/soak-gpu$g-$i-$t.log"
+          # shellcheck disable=SC2086
+          if CUDA_VISIBLE_DEVICES=$g DOORBELL_TEST_RANKS=${SOAK_RANKS:-4} timeout "${SOAK_LIMIT:-600}" \
+            "$bundle/tests/$t" --ignored --test-threads=1 --skip nic_ ${SOAK_FILTER:-} > "$log" 2>&1; then
+            echo "PASS gpu $g round $i $t ($((SECONDS - s)) s)"
+            rm -f "$log"
+          else
+            echo "FAIL gpu $g round $i $t ($((SECONDS - s)) s, exit $?): $log"
+          fi
+        done
+      done
+    ) >> "$logs/soak.txt" &
+  done
+  wait
+  local pass fail
+  pass=$(grep -c '^PASS' "$logs/soak.txt")
+  fail=$(grep -c '^FAIL' "$logs/soak.txt")
+  echo "soak: $pass runs passed, $fail failed ($((SECONDS - start)) s)" | tee -a "$summary"
+  [ "$fail" = 0 ]
 }
 
 # The machine kind a performance table belongs to: GPU count and model, e.g. 2xH100-80GB-HBM3.
