@@ -342,6 +342,33 @@ fn assert_exits(scenario: &str, exits: &[doorbell::job::launch::RankExit], victi
     }
 }
 
+/// Rank 0's side of the abort cases: aborts `comm` from another thread 300 ms from now (the fault's
+/// time recorded for the other ranks' timings); join the handle after the call returns.
+fn abort_soon(comm: &Arc<Communicator>) -> std::thread::JoinHandle<()> {
+    let c2 = comm.clone();
+    std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_millis(300));
+        record_fault();
+        c2.abort();
+    })
+}
+
+/// The other ranks' side: polls the communicator's health until rank 0's abort arrives (at most
+/// 10 s) and returns the error it reports.
+fn rank_0s_abort(comm: &Communicator) -> Error {
+    let t0 = Instant::now();
+    loop {
+        if let Err(e) = comm.check_health() {
+            return e;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(10),
+            "rank 0's abort never came"
+        );
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}
+
 /// Threads of this process that doorbell started and that are still running.
 fn doorbell_threads() -> Vec<String> {
     let mut names = Vec::new();
@@ -715,12 +742,7 @@ fn gpu_scenario(scenario: &str, comm: Arc<Communicator>) {
             let mut buf: CudaSlice<f32> = s.alloc_zeros(elems).unwrap();
             comm.bootstrap().barrier().unwrap();
             if me == 0 && scenario != "abort" {
-                let c2 = comm.clone();
-                let aborter = std::thread::spawn(move || {
-                    std::thread::sleep(Duration::from_millis(300));
-                    record_fault();
-                    c2.abort();
-                });
+                let aborter = abort_soon(&comm);
                 let e = match scenario {
                     "abort_alltoall" => a2a.run(&s, &a2a_in, &mut a2a_out),
                     // SAFETY: the window holds `elems` f32.
@@ -771,12 +793,7 @@ fn gpu_scenario(scenario: &str, comm: Arc<Communicator>) {
                     "{scenario}: elements of a call cut short that are not NaN"
                 );
             } else if me == 0 {
-                let c2 = comm.clone();
-                let aborter = std::thread::spawn(move || {
-                    std::thread::sleep(Duration::from_millis(300));
-                    record_fault();
-                    c2.abort();
-                });
+                let aborter = abort_soon(&comm);
                 let e = ar
                     .run_in_place(&s, &mut buf)
                     .and_then(|()| comm.synchronize(&s))
@@ -798,17 +815,7 @@ fn gpu_scenario(scenario: &str, comm: Arc<Communicator>) {
                 let unmarked = got.iter().filter(|v| !v.is_nan()).count();
                 assert_eq!(unmarked, 0, "elements of a call cut short that are not NaN");
             } else {
-                let t0 = Instant::now();
-                let e = loop {
-                    if let Err(e) = comm.check_health() {
-                        break e;
-                    }
-                    assert!(
-                        t0.elapsed() < Duration::from_secs(10),
-                        "rank 0's abort never came"
-                    );
-                    std::thread::sleep(Duration::from_millis(1));
-                };
+                let e = rank_0s_abort(&comm);
                 let waited = since_fault();
                 eprintln!(
                     "fault-to-error: abort {n} ranks rank {me}: {} ms ({e})",
@@ -959,12 +966,7 @@ fn gpu_scenario(scenario: &str, comm: Arc<Communicator>) {
             comm.synchronize(&s).unwrap();
             comm.bootstrap().barrier().unwrap();
             if me == 0 {
-                let c2 = comm.clone();
-                let aborter = std::thread::spawn(move || {
-                    std::thread::sleep(Duration::from_millis(300));
-                    record_fault();
-                    c2.abort();
-                });
+                let aborter = abort_soon(&comm);
                 let e = match (&ll, &ht) {
                     (Some(ll), _) => unsafe { ll.combine(&s, op) },
                     (_, Some(ht)) => unsafe { ht.combine(&s, ht.combine_buffer(), op) },
@@ -993,17 +995,7 @@ fn gpu_scenario(scenario: &str, comm: Arc<Communicator>) {
                     "{scenario}: values of a combine cut short that are not NaN"
                 );
             } else {
-                let t0 = Instant::now();
-                let e = loop {
-                    if let Err(e) = comm.check_health() {
-                        break e;
-                    }
-                    assert!(
-                        t0.elapsed() < Duration::from_secs(10),
-                        "rank 0's abort never came"
-                    );
-                    std::thread::sleep(Duration::from_millis(1));
-                };
+                let e = rank_0s_abort(&comm);
                 assert!(matches!(&e, Error::PeerFailed { rank: 0, .. }), "{e}");
             }
         }

@@ -21,7 +21,6 @@ use crate::error::{Error, Result};
 use crate::gpu::cuda::{check, cuda_err};
 use crate::gpu::memory::Buffer;
 use crate::gpu::signature::{self, CallChecker, CallKind};
-use crate::job::config::Settings;
 use cudarc::driver::sys::CUevent_flags;
 use cudarc::driver::{
     CudaEvent, CudaFunction, CudaStream, DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg,
@@ -100,7 +99,8 @@ impl PortAllGather {
         let word_off = total.next_multiple_of(256);
         let slots_off = word_off + 256;
         let buffer = comm.alloc(slots_off + (8 * world).next_multiple_of(256))?;
-        let call_check = Settings::from_env()?.call_check;
+        // No inboxes: the words travel over the channels.
+        let calls = super::channel_call_checker(comm)?;
         let registered = comm.register(&buffer)?;
         let mut builder = comm.proxy_builder(opts.fifo_size)?;
         let channels = comm.port_channels(&mut builder, &registered, &registered)?;
@@ -148,12 +148,7 @@ impl PortAllGather {
             buffer,
             word_off: word_off as u64,
             slots_off: slots_off as u64,
-            // No inboxes: the words travel over the channels.
-            calls: CallChecker::new(
-                [0; crate::device_api::MAX_RANKS],
-                call_check,
-                comm.bootstrap().call_counter(),
-            ),
+            calls,
         })
     }
 

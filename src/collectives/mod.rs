@@ -104,6 +104,19 @@ pub(crate) fn shape_mismatch(me: usize, shapes: &[Vec<u8>]) -> Option<Error> {
 
 /// Every rank builds the same collective object (collective: one all-gather of `mine`, the
 /// object's shape in words): a rank whose shape differs is named on every rank with both shapes.
+/// The call check of a collective whose words travel over its channels (across nodes, or the
+/// copy-engine ring) instead of into mapped inboxes: counts calls into the communicator's goodbye
+/// count; off with `DOORBELL_CALL_CHECK=0`.
+pub(crate) fn channel_call_checker(
+    comm: &crate::communicator::Communicator,
+) -> Result<crate::gpu::signature::CallChecker> {
+    Ok(crate::gpu::signature::CallChecker::new(
+        [0; crate::device_api::MAX_RANKS],
+        crate::job::config::Settings::from_env()?.call_check,
+        comm.bootstrap().call_counter(),
+    ))
+}
+
 pub(crate) fn agree(comm: &crate::communicator::Communicator, mine: String) -> Result<()> {
     let shapes = comm.bootstrap().all_gather(mine.as_bytes())?;
     shape_mismatch(comm.rank(), &shapes).map_or(Ok(()), Err)

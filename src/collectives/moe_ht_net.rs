@@ -22,7 +22,6 @@ use crate::error::{Error, Result};
 use crate::gpu::cuda::cuda_err;
 use crate::gpu::memory::Buffer;
 use crate::gpu::signature::{self, CallChecker, CallKind};
-use crate::job::config::Settings;
 use crate::transport::ipc::RemoteMemory;
 use cudarc::driver::{CudaFunction, CudaSlice, CudaStream, DevicePtr, LaunchConfig, PushKernelArg};
 use std::sync::{Arc, Mutex};
@@ -201,11 +200,8 @@ impl HtNet {
             _node_comm: node_comm,
             _origin: (origin, origin_reg, origin_peers),
             _device: device,
-            calls: CallChecker::new(
-                [0; crate::device_api::MAX_RANKS],
-                Settings::from_env()?.call_check,
-                comm.bootstrap().call_counter(),
-            ),
+            // The words travel to each peer\'s inbox in its area, not mapped ones.
+            calls: super::channel_call_checker(comm)?,
         })
     }
 

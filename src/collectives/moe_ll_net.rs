@@ -22,7 +22,6 @@ use crate::error::{Error, Result};
 use crate::gpu::cuda::cuda_err;
 use crate::gpu::memory::Buffer;
 use crate::gpu::signature::{self, CallChecker, CallKind};
-use crate::job::config::Settings;
 use crate::transport::ipc::RemoteMemory;
 use cudarc::driver::{CudaFunction, CudaSlice, CudaStream, DevicePtr};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -329,12 +328,8 @@ impl LlNet {
             last: Mutex::new((0, 0)),
             rows: rows as u64,
             _device: device,
-            // No mapped inboxes: the words travel to each peer's inbox in its area.
-            calls: CallChecker::new(
-                [0; crate::device_api::MAX_RANKS],
-                Settings::from_env()?.call_check,
-                comm.bootstrap().call_counter(),
-            ),
+            // The words travel to each peer\'s inbox in its area, not mapped ones.
+            calls: super::channel_call_checker(comm)?,
             words: Mutex::new((0, 0)),
         })
     }

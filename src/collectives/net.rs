@@ -33,7 +33,6 @@ use crate::error::{Error, Result};
 use crate::gpu::cuda::cuda_err;
 use crate::gpu::memory::Buffer;
 use crate::gpu::signature::{self, CallChecker, CallKind};
-use crate::job::config::Settings;
 use cudarc::driver::{
     CudaFunction, CudaSlice, CudaStream, DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg,
 };
@@ -139,7 +138,8 @@ impl NetCollectives {
         let slots_off = recv_bytes.next_multiple_of(256);
         let send = comm.alloc(word_off + 256)?;
         let recv = comm.alloc(slots_off + (8 * world).next_multiple_of(256))?;
-        let call_check = Settings::from_env()?.call_check;
+        // No inboxes: the words travel over the channels.
+        let calls = super::channel_call_checker(comm)?;
         let send_reg = comm.register(&send)?;
         let recv_reg = comm.register(&recv)?;
         let mut builder = comm.proxy_builder(0)?;
@@ -215,12 +215,7 @@ impl NetCollectives {
             recv,
             word_off: word_off as u64,
             slots_off: slots_off as u64,
-            // No inboxes: the words travel over the channels.
-            calls: CallChecker::new(
-                [0; crate::device_api::MAX_RANKS],
-                call_check,
-                comm.bootstrap().call_counter(),
-            ),
+            calls,
         })
     }
 
