@@ -25,9 +25,11 @@
 
 use crate::device_api::{CallCheck, MAX_RANKS};
 
-/// Which collective a call word belongs to.
+/// Which collective a call word belongs to. Non-exhaustive: kinds are added as collectives gain
+/// the call check (the net collectives, the all-gather).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[repr(u8)]
+#[non_exhaustive]
 pub enum CallKind {
     /// `collectives::allreduce`.
     AllReduce = 1,
