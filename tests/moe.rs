@@ -325,16 +325,20 @@ fn exchange(comm: &Arc<Communicator>, s: &Arc<CudaStream>) {
     };
     // The network leg as this rank's emulated NIC counted it (Ib variants): each of this rank's
     // tokens crosses to each other node holding one of its experts exactly once (a WRITE of
-    // `used` bytes), plus a 16-byte chunk descriptor per chunk of 32 (at least one per node).
+    // `used` bytes), plus a 16-byte chunk descriptor per chunk of 32 (at least one per node) and,
+    // unless DOORBELL_CALL_CHECK=0, the call check's 8-byte word to the node's rail peer.
     let traffic = || comm.emulated_nic_traffic();
+    let call_check = std::env::var("DOORBELL_CALL_CHECK").map_or(true, |v| v != "0");
     let check_network = |round: u64, before: Option<Traffic>, used: u64, what: &str| {
         // One node (all ranks on it, e.g. 2 ranks as a node of two): no network leg.
         let (Some(b), Some(a), true) = (before, traffic(), spans) else {
             return;
         };
         let mine = routing(me, round, experts);
-        let (mut rows, mut chunks) = (0u64, 0u64);
+        let (mut rows, mut chunks, mut words) = (0u64, 0u64, 0u64);
         for n in (0..world / node_size).filter(|&n| n != me / node_size) {
+            // The call check's word to node n's rail peer: one 8-byte WRITE ahead of the chunks.
+            words += u64::from(call_check);
             let m = mine
                 .idx
                 .chunks(TOPK)
@@ -348,8 +352,9 @@ fn exchange(comm: &Arc<Communicator>, s: &Arc<CudaStream>) {
         }
         assert_eq!(
             (a.writes - b.writes, a.write_bytes - b.write_bytes),
-            (rows + chunks, rows * used + chunks * 16),
-            "rank {me}, {what}: WRITEs and bytes the NIC executed ({rows} rows, {chunks} chunks)"
+            (rows + chunks + words, rows * used + chunks * 16 + words * 8),
+            "rank {me}, {what}: WRITEs and bytes the NIC executed ({rows} rows, {chunks} chunks, \
+             {words} call words)"
         );
     };
     // Message bytes on the wire: the header (token, format, epoch, top-k ids and weights: 48

@@ -255,11 +255,13 @@ impl HtNet {
             topk_idx,
             topk_weights,
             num_tokens: num_tokens as u32,
+            // The word carries the row format, as the node dispatcher's does: at one rank per
+            // node the rail peers are the only ranks that check it.
             call_word: self
                 .calls
                 .next(
                     CallKind::MoeDispatch,
-                    0,
+                    if scales == 0 { 0 } else { signature::E4M3 },
                     0,
                     0,
                     0,
