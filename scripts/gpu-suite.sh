@@ -29,7 +29,8 @@
 # SUITE=soak: consecutive runs of some test binaries, to show that an intermittent failure is gone:
 # SOAK_TESTS (default "net faults moe"), SOAK_ROUNDS rounds (default 20) at SOAK_RANKS ranks
 # (default 4) sharing each GPU, every GPU running its own rounds side by side (SOAK_ROUNDS per
-# GPU), each binary's run limited to SOAK_LIMIT seconds (default 600); SOAK_FILTER and
+# GPU; SOAK_GPUS="1" keeps to those GPUs), each binary's run limited to SOAK_LIMIT seconds
+# (default 600); SOAK_FILTER and
 # DOORBELL_TEST_VARIANTS narrow what runs (e.g. SOAK_FILTER=across_nodes
 # DOORBELL_TEST_VARIANTS=Ethernet). A failed run's log is kept; soak.txt lists every run.
 # NVLink multicast stays off everywhere (it can take shared GPUs out of service).
@@ -163,7 +164,7 @@ soak() {
   local logs=$1 summary=$2 start=$SECONDS gpus g
   gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')
   [ "${gpus:-0}" -ge 1 ] || { echo "FAIL soak: no GPU" | tee -a "$summary"; return 1; }
-  for ((g = 0; g < gpus; g++)); do
+  for g in ${SOAK_GPUS:-$(seq 0 $((gpus - 1)))}; do
     (
       for ((i = 1; i <= ${SOAK_ROUNDS:-20}; i++)); do
         for t in ${SOAK_TESTS:-net faults moe}; do
