@@ -168,10 +168,25 @@ impl WaitDiagnostics {
         })
     }
 
-    /// The error a host call should return now, if this communicator failed: a call-check
-    /// mismatch first (the root cause wherever it appears), then another rank's failure, then
-    /// this rank's own device report.
+    /// The error a host call should return, if this communicator failed: a call-check mismatch
+    /// first (the root cause wherever it appears), then another rank's failure, then this rank's
+    /// own device report. A report that is only a consequence (this rank's proxy stopped under a
+    /// kernel because a peer's connection went away) waits up to [`EXPLAIN_GRACE`] for the cause
+    /// that normally follows within milliseconds: a peer that found a mismatch aborts, its
+    /// transport closes before its relayed mismatch arrives here.
     pub fn error(&self) -> Option<Error> {
+        let until = Instant::now() + EXPLAIN_GRACE;
+        loop {
+            let e = self.known()?;
+            if !is_consequence(&e) || Instant::now() >= until {
+                return Some(e);
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+
+    /// What [`error`](Self::error) returns, as known at this instant.
+    fn known(&self) -> Option<Error> {
         if let Some(e) = self.mismatch() {
             return Some(e);
         }
@@ -227,6 +242,18 @@ impl WaitDiagnostics {
             None => Ok(()),
         }
     }
+}
+
+/// Whether `e` is a device report that follows from another failure rather than naming one: the
+/// proxy service stopped while a kernel waited on it (a peer's transport closed under it).
+fn is_consequence(e: &Error) -> bool {
+    matches!(
+        e,
+        Error::Timeout {
+            what: WaitKind::ProxyStopped,
+            ..
+        }
+    )
 }
 
 /// Whether `e` says a kernel failed on the device (the errors a dead peer can cause: its memory
