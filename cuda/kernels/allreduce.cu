@@ -604,36 +604,47 @@ DOORBELL_DEVICE_INLINE void twoshot_direct(const AllReduceDirectArgs& d) {
   if (__syncthreads_or(!ok)) mark_missing(a.output, a.count * sizeof(T), threadIdx.x, blockDim.x);
 }
 
-// Every allreduce kernel runs its body between the call check's announce and check
-// (call_check.cuh): a rank that makes another call (count, type, algorithm) is named on every rank.
+// Every allreduce kernel first waits for the kernel before it in the stream (launched with
+// programmatic dependent launch, it may start early: common.cuh), then runs its body between the
+// call check's announce and check (call_check.cuh): a rank that makes another call (count, type,
+// algorithm) is named on every rank.
 // (Written out in each kernel, not through a lambda: the launch arguments stay in parameter space.)
 #define DOORBELL_ALLREDUCE_KERNELS(T, NAME)                                                                          \
   extern "C" __global__ void __launch_bounds__(512) allreduce_oneshot_ll8_##NAME(AllReduceArgs a) {                \
+    wait_previous_grid();                                                                                            \
     announce_call(a.call, a.rank, a.world); oneshot<T, LL8Packet>(a); check_call(a.call, a.rank, a.world, a.site);   \
   }                                                                                                                  \
   extern "C" __global__ void __launch_bounds__(512) allreduce_oneshot_ll16_##NAME(AllReduceArgs a) {               \
+    wait_previous_grid();                                                                                            \
     announce_call(a.call, a.rank, a.world); oneshot<T, LL16Packet>(a); check_call(a.call, a.rank, a.world, a.site);  \
   }                                                                                                                  \
   extern "C" __global__ void __launch_bounds__(512) allreduce_twoshot_ll8_##NAME(AllReduceArgs a) {                \
+    wait_previous_grid();                                                                                            \
     announce_call(a.call, a.rank, a.world); twoshot<T, LL8Packet>(a); check_call(a.call, a.rank, a.world, a.site);   \
   }                                                                                                                  \
   extern "C" __global__ void __launch_bounds__(512) allreduce_twoshot_ll16_##NAME(AllReduceArgs a) {               \
+    wait_previous_grid();                                                                                            \
     announce_call(a.call, a.rank, a.world); twoshot<T, LL16Packet>(a); check_call(a.call, a.rank, a.world, a.site);  \
   }                                                                                                                  \
   extern "C" __global__ void __launch_bounds__(512) allreduce_twoshot_sentinel_##NAME(AllReduceArgs a) {           \
+    wait_previous_grid();                                                                                            \
     announce_call(a.call, a.rank, a.world); twoshot_sentinel<T>(a); check_call(a.call, a.rank, a.world, a.site);     \
   }                                                                                                                  \
   extern "C" __global__ void __launch_bounds__(512) allreduce_pipelined_vec_##NAME(AllReduceArgs a) {              \
+    wait_previous_grid();                                                                                            \
     announce_call(a.call, a.rank, a.world); pipelined<T, true>(a); check_call(a.call, a.rank, a.world, a.site);      \
   }                                                                                                                  \
   extern "C" __global__ void __launch_bounds__(512) allreduce_pipelined_scalar_##NAME(AllReduceArgs a) {           \
+    wait_previous_grid();                                                                                            \
     announce_call(a.call, a.rank, a.world); pipelined<T, false>(a); check_call(a.call, a.rank, a.world, a.site);     \
   }                                                                                                                  \
   extern "C" __global__ void __launch_bounds__(512) allreduce_twoshot_direct_vec_##NAME(AllReduceDirectArgs d) {   \
+    wait_previous_grid();                                                                                            \
     announce_call(d.base.call, d.base.rank, d.base.world); twoshot_direct<T, true>(d);                               \
     check_call(d.base.call, d.base.rank, d.base.world, d.base.site);                                                 \
   }                                                                                                                  \
   extern "C" __global__ void __launch_bounds__(512) allreduce_twoshot_direct_scalar_##NAME(AllReduceDirectArgs d) {\
+    wait_previous_grid();                                                                                            \
     announce_call(d.base.call, d.base.rank, d.base.world); twoshot_direct<T, false>(d);                              \
     check_call(d.base.call, d.base.rank, d.base.world, d.base.site);                                                 \
   }

@@ -33,7 +33,6 @@ use crate::job::config::Settings;
 use crate::transport::ipc::RemoteMemory;
 use cudarc::driver::{
     CudaFunction, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig,
-    PushKernelArg,
 };
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -275,6 +274,8 @@ pub struct AllReduce {
     _sentinel_state: CudaSlice<u8>,
     /// Counts calls and makes each call's word (the call check, `call_check.cuh`).
     calls: CallChecker,
+    /// Launch with programmatic dependent launch (`DOORBELL_PDL`, sm_90 and later).
+    overlap: bool,
     /// Registered windows, in registration order (the same on every rank).
     windows: std::sync::Mutex<Vec<Window>>,
 }
@@ -510,6 +511,7 @@ impl AllReduce {
             _epochs: epochs,
             _sentinel_state: sentinel_state,
             calls: CallChecker::new(inbox, settings.call_check, comm.bootstrap().call_counter()),
+            overlap: settings.pdl && gpu.overlapping_launch()?,
             windows: std::sync::Mutex::new(Vec::new()),
         })
     }
@@ -791,25 +793,29 @@ impl AllReduce {
             call,
             ..self.base
         };
-        let direct_args = direct.map(|d| AllReduceDirectArgs {
+        let mut direct_args = direct.map(|d| AllReduceDirectArgs {
             base: args,
             peer_input: d.input,
             peer_output: d.output,
         });
-        let mut b = stream.launch_builder(f);
-        match (&direct_args, plan.algorithm) {
-            (Some(d), Algorithm::TwoShotDirect) => b.arg(d),
-            _ => b.arg(&args),
+        let mut args = args;
+        let param: *mut std::ffi::c_void = match (&mut direct_args, plan.algorithm) {
+            (Some(d), Algorithm::TwoShotDirect) => (d as *mut AllReduceDirectArgs).cast(),
+            _ => (&mut args as *mut AllReduceArgs).cast(),
         };
         let cfg = LaunchConfig {
             grid_dim: (plan.blocks, 1, 1),
             block_dim: (plan.threads, 1, 1),
             shared_mem_bytes: 0,
         };
-        // SAFETY: the arguments match the kernel's AllReduceArgs (layout-tested); the caller
-        // vouches for the buffers; scratch and semaphores live as long as `self`.
-        self.comm
-            .check(unsafe { b.launch(cfg) }.map(|_| ()), "cuLaunchKernel")
+        // SAFETY: the one parameter is the kernel's AllReduceArgs or AllReduceDirectArgs
+        // (layout-tested), alive through the launch; every allreduce kernel begins with
+        // wait_previous_grid (allreduce.cu); the caller vouches for the buffers; scratch and
+        // semaphores live as long as `self`.
+        self.comm.check(
+            unsafe { crate::gpu::cuda::launch(stream, f, cfg, &mut [param], self.overlap) },
+            "cuLaunchKernelEx",
+        )
     }
 
     /// Sums `input` over all ranks into `output`.

@@ -27,6 +27,52 @@ pub fn check(call: &'static str, r: sys::CUresult) -> Result<()> {
     }
 }
 
+/// Launches `f` on `stream` with `params` (a pointer to each argument, in order), as cudarc's
+/// `LaunchArgs::launch` does; with `overlap` the launch carries the programmatic-serialization
+/// attribute, so the GPU may schedule the kernel while the one before it in the stream finishes
+/// (programmatic dependent launch, as NCCL launches its symmetric kernels on sm_90). Only for
+/// kernels that begin with `wait_previous_grid()` (cuda/include/doorbell/common.cuh), and only
+/// where [`Gpu::overlapping_launch`] says so.
+///
+/// # Safety
+/// `params` must match `f`'s parameters in number, order and layout, each pointer valid for the
+/// duration of the call; what the kernel touches must stay valid until it has run.
+pub unsafe fn launch(
+    stream: &CudaStream,
+    f: &CudaFunction,
+    cfg: cudarc::driver::LaunchConfig,
+    params: &mut [*mut std::ffi::c_void],
+    overlap: bool,
+) -> std::result::Result<(), DriverError> {
+    stream.context().bind_to_thread()?;
+    // SAFETY: zero is a valid bit pattern for this plain C struct (id 0 = ignored).
+    let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
+    attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+    attr.value.programmaticStreamSerializationAllowed = 1;
+    let config = sys::CUlaunchConfig {
+        gridDimX: cfg.grid_dim.0,
+        gridDimY: cfg.grid_dim.1,
+        gridDimZ: cfg.grid_dim.2,
+        blockDimX: cfg.block_dim.0,
+        blockDimY: cfg.block_dim.1,
+        blockDimZ: cfg.block_dim.2,
+        sharedMemBytes: cfg.shared_mem_bytes,
+        hStream: stream.cu_stream(),
+        attrs: &mut attr,
+        numAttrs: u32::from(overlap),
+    };
+    // SAFETY: the caller vouches for `params`; `config` and `attr` live through the call.
+    unsafe {
+        sys::cuLaunchKernelEx(
+            &config,
+            f.cu_function(),
+            params.as_mut_ptr(),
+            std::ptr::null_mut(),
+        )
+    }
+    .result()
+}
+
 /// Maps a cudarc error to [`Error::Cuda`] naming the operation.
 pub(crate) fn cuda_err(call: &'static str) -> impl FnOnce(DriverError) -> Error {
     move |e| Error::Cuda {
@@ -145,6 +191,18 @@ impl Gpu {
             get(A::CU_DEVICE_ATTRIBUTE_PCI_BUS_ID)?,
             get(A::CU_DEVICE_ATTRIBUTE_PCI_DEVICE_ID)?
         ))
+    }
+
+    /// Whether kernels may be launched to overlap the kernel before them in their stream
+    /// (programmatic dependent launch: compute capability 9.0 and later).
+    pub fn overlapping_launch(&self) -> Result<bool> {
+        let major = self
+            .ctx
+            .attribute(
+                sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR,
+            )
+            .map_err(cuda_err("cuDeviceGetAttribute"))?;
+        Ok(major >= 9)
     }
 
     /// Makes this GPU's context current on the calling thread (needed before raw driver calls).

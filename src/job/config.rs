@@ -13,6 +13,7 @@
 //! | `DOORBELL_HEARTBEAT_TIMEOUT_MS` | a peer that sends nothing on its bootstrap link for this long (heartbeats go out at a tenth of it) is declared failed and every communicator of the job aborts; `0` turns heartbeats off (a peer that dies is still noticed at once, by its closed connection) | `5000` |
 //! | `DOORBELL_CALL_CHECK` | `0`: collective kernels skip the call check (every call's word compared with the peers' on the device, naming ranks that make different calls as `Error::ArgumentMismatch`); for measuring what the check costs, nothing else | `1` |
 //! | `DOORBELL_CHECK` | `1`: `AllReduce` (only) also verifies on the host, before launching, that every rank called with the same count and type, and fails naming the odd rank (one bootstrap exchange per call; `AllReduceOptions::check_args` per object); every collective's call is checked on the device anyway (`DOORBELL_CALL_CHECK`) | `0` |
+//! | `DOORBELL_PDL` | `0`: allreduce kernels are launched in plain stream order; by default, on sm_90 and later, each is launched with programmatic dependent launch (it may be scheduled while the kernel before it finishes, and waits for it before touching memory), as NCCL launches its symmetric kernels; for A/B measurements | `1` |
 //! | `DOORBELL_ALLREDUCE_ALGO` | force an allreduce algorithm: `oneshot-ll8`, `oneshot-ll16`, `twoshot-ll8`, `twoshot-ll16`, `twoshot-sentinel`, `pipelined` | chosen by size and rank count |
 //! | `DOORBELL_PROXY_CPU` | where proxy threads run: `auto` pins each to a core of its GPU's NUMA node (from `/sys/bus/pci/devices/*/local_cpulist`, spread by GPU and proxy), `off` leaves them to the scheduler, a number pins every proxy of the process to that CPU. Pinning did not shorten the FIFO round trip on 4 x H200 (4.71 us pinned, 4.18 us not), hence the default | `off` |
 //! | `DOORBELL_BOOTSTRAP_LISTEN_ALL` | `1`: bootstrap listeners bind every interface (`0.0.0.0` or `[::]`), for a rank 0 reached through an address that is not its own (NAT, a proxy); otherwise rank 0 listens on `MASTER_ADDR`'s address when it is one of this host's, and every other rank on the address of its route to rank 0 | `0` |
@@ -161,6 +162,8 @@ pub struct Settings {
     pub ib_qps_per_peer: u32,
     /// `DOORBELL_KERNEL_DIR`.
     pub kernel_dir: Option<std::path::PathBuf>,
+    /// `DOORBELL_PDL`.
+    pub pdl: bool,
 }
 
 /// Who posts RDMA work (`DOORBELL_IB_POSTING`).
@@ -289,6 +292,7 @@ impl Settings {
                 .get("DOORBELL_KERNEL_DIR")
                 .filter(|s| !s.trim().is_empty())
                 .map(std::path::PathBuf::from),
+            pdl: env.get("DOORBELL_PDL").is_none() || flag(env, "DOORBELL_PDL")?,
         })
     }
 }
