@@ -136,7 +136,11 @@ extern "C" __global__ void net_phase(const PortChannelHandle* ch, const uint32_t
     const uint64_t start = k * shard < total ? k * shard : total;
     len = total - start < shard ? total - start : shard;
   }
-  if (!ready(c, peer, rank, w)) return;
+  // A phase sends what the earlier phases of this call made: after a mismatch found in one of
+  // them (this rank and a peer made different calls), it sends nothing, so no rank completes the
+  // call with sums of the other call's data (a rank of another node that checks only its rail peer
+  // would otherwise return them as its result); the peers waiting for it learn why from the abort.
+  if (failed(c.fifo.site) || !ready(c, peer, rank, w)) return;
   c.put_with_signal(dst_off, src_step * k, len);
   c.wait();
   c.flush();

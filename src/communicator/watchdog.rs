@@ -7,7 +7,9 @@
 //! a peer sent (a relayed failure, or that peer's `Communicator::abort`). It relays, once, this
 //! rank's own device report (a wait that gave up, an error completion, a stopped proxy, a call
 //! mismatch) as a bootstrap abort naming the rank it blames, so the other ranks' waits leave and
-//! their calls name the cause, within milliseconds instead of at their own budgets.
+//! their calls name the cause, within milliseconds instead of at their own budgets. A stopped
+//! proxy under a kernel usually follows from a peer's failure (its transport closed): that report
+//! is held back for [`CONSEQUENCE_HOLD`] and dropped when a peer's failure arrives meanwhile.
 //!
 //! Peers on this host are also watched through `/proc`: a process that is killed starts exiting at
 //! once, but its sockets close only at the end of its exit, after the driver has torn down its GPU
@@ -18,7 +20,7 @@
 //! for longer than one poll period.
 
 use crate::error::Error;
-use crate::gpu::wait::{Fault, WaitDiagnostics};
+use crate::gpu::wait::{is_consequence, Fault, WaitDiagnostics};
 use crate::job::bootstrap::Bootstrap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -31,6 +33,10 @@ const POLL: Duration = Duration::from_millis(10);
 /// How long a same-host peer may be seen exiting before its goodbye arrives (a clean exit says
 /// goodbye before its process starts exiting; this covers the reader thread's delay).
 const GOODBYE_GRACE: Duration = Duration::from_millis(100);
+/// How long this rank holds back a device report that only follows from another failure (its
+/// proxy stopped because a peer's transport closed): the peer that found the cause relays it
+/// within milliseconds, and a consequence relayed first would be what every rank names.
+const CONSEQUENCE_HOLD: Duration = Duration::from_millis(500);
 
 /// A process on this host: its pid and its start time (clock ticks after boot, field 22 of
 /// `/proc/PID/stat`), which tell a reused pid apart.
@@ -137,9 +143,10 @@ fn watch(
 ) {
     let me = bootstrap.rank();
     let mut relayed = false;
+    let mut held = None;
     let mut going_since: Vec<Option<std::time::Instant>> = vec![None; local.len()];
     while !stop.load(Ordering::Relaxed) {
-        relay_own(bootstrap, diagnostics, &mut relayed);
+        relay_own(bootstrap, diagnostics, &mut relayed, &mut held, false);
         for ((rank, process), since) in local.iter().zip(going_since.iter_mut()) {
             if bootstrap.said_goodbye(*rank) {
                 continue;
@@ -180,7 +187,7 @@ fn watch(
     }
     // The communicator is going: a failure its rank returned a moment ago (before the last poll)
     // must still reach the others, or they would take this rank's departure for a clean goodbye.
-    relay_own(bootstrap, diagnostics, &mut relayed);
+    relay_own(bootstrap, diagnostics, &mut relayed, &mut held, true);
 }
 
 /// Why a peer that left cleanly after `theirs` collective calls fails this rank, which made
@@ -195,8 +202,16 @@ fn left_early(me: usize, made: u64, theirs: Option<u64>) -> Option<String> {
     })
 }
 
-/// Relays this rank's own device failure once, blaming the rank it names.
-fn relay_own(bootstrap: &Bootstrap, diagnostics: &WaitDiagnostics, relayed: &mut bool) {
+/// Relays this rank's own device failure once, blaming the rank it names. A consequence (see
+/// [`CONSEQUENCE_HOLD`]) waits until the hold has passed and no peer's failure has arrived, unless
+/// `now` (the communicator is going).
+fn relay_own(
+    bootstrap: &Bootstrap,
+    diagnostics: &WaitDiagnostics,
+    relayed: &mut bool,
+    held: &mut Option<std::time::Instant>,
+    now: bool,
+) {
     if *relayed || !diagnostics.aborted() {
         return;
     }
@@ -206,6 +221,16 @@ fn relay_own(bootstrap: &Bootstrap, diagnostics: &WaitDiagnostics, relayed: &mut
         .or_else(|| diagnostics.timeout())
         .map(|e| (blamed(&e, me), e));
     if let Some((rank, e)) = own {
+        if !now && is_consequence(&e) {
+            if bootstrap.health().is_some() {
+                // The cause came from a peer: every rank has it; this report adds nothing.
+                *relayed = true;
+                return;
+            }
+            if held.get_or_insert_with(std::time::Instant::now).elapsed() < CONSEQUENCE_HOLD {
+                return;
+            }
+        }
         tracing::error!("rank {me}: {e}; telling the other ranks");
         bootstrap.abort(Some(rank), &e.to_string());
         *relayed = true;

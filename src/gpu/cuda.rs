@@ -198,9 +198,7 @@ impl Gpu {
     pub fn overlapping_launch(&self) -> Result<bool> {
         let major = self
             .ctx
-            .attribute(
-                sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR,
-            )
+            .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)
             .map_err(cuda_err("cuDeviceGetAttribute"))?;
         Ok(major >= 9)
     }

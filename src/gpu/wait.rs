@@ -246,7 +246,7 @@ impl WaitDiagnostics {
 
 /// Whether `e` is a device report that follows from another failure rather than naming one: the
 /// proxy service stopped while a kernel waited on it (a peer's transport closed under it).
-fn is_consequence(e: &Error) -> bool {
+pub(crate) fn is_consequence(e: &Error) -> bool {
     matches!(
         e,
         Error::Timeout {

@@ -120,6 +120,14 @@ DOORBELL_DEVICE_INLINE bool aborted(const WaitSite& site) {
   return site.report != nullptr && load_acquire_sys(const_cast<const uint32_t*>(&site.report->abort)) != 0u;
 }
 
+// True once this GPU knows that the communicator of `site` failed: a wait of it gave up, a call
+// mismatch was found, or a wait saw the host's abort (the claim word's bit: an L2 read, no PCIe).
+// A kernel that forwards what earlier kernels of the call produced asks this first: after a
+// mismatch, nothing derived from the other call leaves this GPU.
+DOORBELL_DEVICE_INLINE bool failed(const WaitSite& site) {
+  return site.claim != nullptr && (load_relaxed_gpu(site.claim) & kClaimAborted) != 0u;
+}
+
 // Records a failure (if this thread is the first to give up in the communicator) and sets the
 // abort word, so every other wait of the communicator leaves. Returns.
 static __noinline__ __device__ void report_failure(const WaitSite& site, uint32_t what, uint64_t expected, uint64_t seen,
