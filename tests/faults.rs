@@ -342,6 +342,25 @@ fn assert_exits(scenario: &str, exits: &[doorbell::job::launch::RankExit], victi
     }
 }
 
+/// A mismatch case's check, where rank 0 made the odd call: prints the fault-to-error line and
+/// asserts that `e` is `ArgumentMismatch` with rank 0 on one side (the ranks that check rank 0
+/// name it; the others get the finding relayed, naming the pair that made it) within the
+/// budget (DOORBELL_WAIT_TIMEOUT_MS=1500) and two seconds.
+fn expect_mismatch_with_rank_0(scenario: &str, n: usize, me: usize, e: &Error, t0: Instant) {
+    let waited = t0.elapsed();
+    eprintln!(
+        "fault-to-error: {scenario} {n} ranks rank {me}: {} ms after the call ({e})",
+        waited.as_millis()
+    );
+    match e {
+        Error::ArgumentMismatch { rank, peer, .. } => {
+            assert!(*rank == 0 || *peer == 0, "{e}")
+        }
+        other => panic!("expected ArgumentMismatch, got {other}"),
+    }
+    assert!(waited < Duration::from_millis(1500 + 2000), "{waited:?}");
+}
+
 /// Rank 0's side of the abort cases: aborts `comm` from another thread 300 ms from now (the fault's
 /// time recorded for the other ranks' timings); join the handle after the call returns.
 fn abort_soon(comm: &Arc<Communicator>) -> std::thread::JoinHandle<()> {
@@ -898,20 +917,9 @@ fn gpu_scenario(scenario: &str, comm: Arc<Communicator>) {
             let e = unsafe { ag.run_raw(&s, ag.my_shard(bytes), bytes) }
                 .and_then(|()| comm.synchronize(&s))
                 .unwrap_err();
-            let waited = t0.elapsed();
-            eprintln!(
-                "fault-to-error: {scenario} {n} ranks rank {me}: {} ms after the call ({e})",
-                waited.as_millis()
-            );
             // Each rank checks its right neighbour: rank 0 and the last rank see it; the others
             // get it relayed, naming rank 0 on one side.
-            match &e {
-                Error::ArgumentMismatch { rank, peer, .. } => {
-                    assert!(*rank == 0 || *peer == 0, "{e}")
-                }
-                other => panic!("expected ArgumentMismatch, got {other}"),
-            }
-            assert!(waited < Duration::from_millis(1500 + 2000), "{waited:?}");
+            expect_mismatch_with_rank_0(scenario, n, me, &e, t0);
         }
         "mismatch_net_alltoall" | "mismatch_net_allreduce" => {
             // Ranks as separate nodes (or nodes of two): every byte through PortChannels, where
@@ -929,20 +937,9 @@ fn gpu_scenario(scenario: &str, comm: Arc<Communicator>) {
             }
             .and_then(|()| comm.synchronize(&s))
             .unwrap_err();
-            let waited = t0.elapsed();
-            eprintln!(
-                "fault-to-error: {scenario} {n} ranks rank {me}: {} ms after the call ({e})",
-                waited.as_millis()
-            );
             // Between nodes of two, a rank whose peers all made its call learns of the mismatch
             // from the rank that saw it (relayed): the error names rank 0 on one side or the other.
-            match &e {
-                Error::ArgumentMismatch { rank, peer, .. } => {
-                    assert!(*rank == 0 || *peer == 0, "{e}")
-                }
-                other => panic!("expected ArgumentMismatch, got {other}"),
-            }
-            assert!(waited < Duration::from_millis(1500 + 2000), "{waited:?}");
+            expect_mismatch_with_rank_0(scenario, n, me, &e, t0);
         }
         "abort_moe_ll" | "abort_moe_ht" => {
             // Every rank dispatches; then rank 0 alone combines and aborts from another thread
@@ -1035,20 +1032,9 @@ fn gpu_scenario(scenario: &str, comm: Arc<Communicator>) {
                 .and_then(|()| comm.synchronize(&s))
                 .unwrap_err()
             };
-            let waited = t0.elapsed();
-            eprintln!(
-                "fault-to-error: {scenario} {n} ranks rank {me}: {} ms after the call ({e})",
-                waited.as_millis()
-            );
             // Rank 0 and the ranks that check it name each other; a rank that learns of it
             // relayed (3+ ranks) names the pair that found it, rank 0 on one side.
-            match &e {
-                Error::ArgumentMismatch { rank, peer, .. } => {
-                    assert!(*rank == 0 || *peer == 0, "{e}")
-                }
-                other => panic!("expected ArgumentMismatch, got {other}"),
-            }
-            assert!(waited < Duration::from_millis(1500 + 2000), "{waited:?}");
+            expect_mismatch_with_rank_0(scenario, n, me, &e, t0);
         }
         "mismatch_moe_shape" => {
             // Rank 0 builds a high-throughput buffer of hidden 256, the others 512: every rank
