@@ -25,7 +25,9 @@
 # on doorbell slower than the fastest peer without a stated reason (bench/perf/reasons.csv), or on
 # a size more than 10% slower than the last recorded table of this machine kind, in the mean and
 # in the single calls' p50 (bench/perf/KIND.csv; record a passing run's merged.csv there). PERF_MAX_BYTES (default 1G)
-# caps the sweeps; PERF_ITERS sets the PyTorch peers' calls per timing (default 20).
+# caps the sweeps; PERF_ITERS sets the PyTorch peers' calls per timing (default 20). A failing
+# size is timed once more (every library, that size alone; up to PERF_RETAKES sizes, default 4)
+# and fails only if it fails again; perf-check-first.txt keeps the first verdict.
 # SUITE=soak: consecutive runs of some test binaries, to show that an intermittent failure is gone:
 # SOAK_TESTS (default "net faults moe"), SOAK_ROUNDS rounds (default 20) at SOAK_RANKS ranks
 # (default 4) sharing each GPU, every GPU running its own rounds side by side (SOAK_ROUNDS per
@@ -237,8 +239,37 @@ perf() {
   local have=()
   for f in "${csvs[@]}"; do [ -s "$f" ] && have+=("$f"); done
   "$py" -m doorbell.peers table "${have[@]}" --out-csv "$logs/perf-merged.csv" > /dev/null 2>&1
-  "$py" -m doorbell.peers check "${have[@]}" --kind "$k" --baseline "$root/bench/perf/$k.csv" \
-    --reasons "$root/bench/perf/reasons.csv" > "$logs/perf-check.txt" 2>&1 || rc=1
+  local judge=("$py" -m doorbell.peers check "${have[@]}" --kind "$k" --baseline "$root/bench/perf/$k.csv"
+    --reasons "$root/bench/perf/reasons.csv")
+  if ! "${judge[@]}" --failing-sizes "$logs/perf-failing.txt" > "$logs/perf-check.txt" 2>&1; then
+    # A failing size is timed once more, every library, that size alone, and fails only if it
+    # fails again: the machine has rare slow calls of its own (in one run of three on 2 x H100,
+    # NCCL 172 us against a median of 11, torch's two-shot 241 against 12, a 0.5 ms pause inside
+    # one 40-call mean); a stall of doorbell's own repeats. Up to PERF_RETAKES sizes (default 4):
+    # more failures than that are not noise. The first timing's failures stay in the report.
+    local retakes=() c b moe=0
+    if [ "$(wc -l < "$logs/perf-failing.txt")" -le "${PERF_RETAKES:-4}" ]; then
+      while read -r c b; do
+        case $c in
+          allreduce | alltoall)
+            local extra=""
+            [ "$c" = allreduce ] && extra="--windows"
+            "$py" -m doorbell.peers run "$c" --examples "$ex" --min-bytes "$b" --max-bytes "$b" --iters "$iters" \
+              --example-args="$extra" --out-csv "$logs/perf-again-$c-$b.csv" > "$logs/perf-again-$c-$b.txt" 2>&1
+            retakes+=("$logs/perf-again-$c-$b.csv") ;;
+          moe*)
+            [ $moe = 1 ] && continue
+            moe=1
+            "$ex/moe" --csv "$logs/perf-again-moe.csv" > "$logs/perf-again-moe.txt" 2>&1
+            retakes+=("$logs/perf-again-moe.csv") ;;
+        esac
+      done < "$logs/perf-failing.txt"
+    fi
+    local again=()
+    for f in "${retakes[@]}"; do [ -s "$f" ] && again+=("$f"); done
+    mv "$logs/perf-check.txt" "$logs/perf-check-first.txt"
+    "${judge[@]}" --retaken "${again[@]}" > "$logs/perf-check.txt" 2>&1 || rc=1
+  fi
   rm -rf "$site"
   grep -E "^(PERF|  )" "$logs/perf-check.txt"
   if [ $rc = 0 ]; then

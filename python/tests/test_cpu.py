@@ -234,6 +234,31 @@ def test_peers_check_fails_on_stalls_slower_sizes_regressions_and_slow_graphs():
     assert any("900.00 STALL x1" in line for line in lines)
 
 
+def test_peers_check_judges_a_retaken_size_on_the_retake_and_keeps_the_rest():
+    from doorbell import peers
+
+    rows = peers.merge([SPREAD_CSV])
+    # 1K timed again without the slow call (passes); 8M timed again, still slower in graph mode.
+    again = peers.merge(
+        [
+            SPREAD_CSV.splitlines()[0]
+            + "\nallreduce,2,bf16,1024,doorbell,3.000,5.000,3.100,3.500,4.000,0,5.000,6.000,7.000,0"
+            + "\nallreduce,2,bf16,1024,NCCL,7.000,9.000,,,,,,,,"
+            + "\nallreduce,2,bf16,8388608,doorbell,37.000,40.000,,,,,,,,"
+            + "\nallreduce,2,bf16,8388608,torch symm two-shot,33.000,45.000,,,,,,,,\n"
+        ]
+    )
+    failed, cleared = peers.settle(rows, again, "2xH100")
+    assert cleared == [f for f in peers.check(rows, "2xH100") if f.startswith("allreduce 1K")], cleared
+    assert any(f.startswith("allreduce 8M graph") and "taken again: allreduce 8M graph: 37.00 us" in f for f in failed), failed
+    # Not taken again: the low-latency dispatch keeps its failure; with no retake nothing clears.
+    assert any(f.startswith("moe_ll_dispatch") for f in failed), failed
+    assert peers.settle(rows, {}, "2xH100") == (peers.check(rows, "2xH100"), [])
+    # A retake without doorbell's row does not clear anything.
+    only_peer = {("allreduce", 1024): {"NCCL": rows[("allreduce", 1024)]["NCCL"]}}
+    assert peers.settle(rows, only_peer, "2xH100")[1] == []
+
+
 def test_peers_sizes_round_as_the_examples_do():
     from doorbell import peers
 
