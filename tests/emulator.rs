@@ -558,8 +558,15 @@ fn relaxed_writes_need_a_read_to_be_seen_before_the_signal() {
         result: local.addr() + 64,
         lkey: kl,
     };
+    // A write is also delivered once its QP has been idle for a millisecond, so a test thread
+    // descheduled between the signal's completion and its look at the data (a loaded 2-core CI
+    // machine) sees it delivered: at least 20 rounds, and on until a reordering has been seen
+    // (or 10 s have passed).
     let mut stale = 0;
-    for round in 1..=20u64 {
+    let start = Instant::now();
+    let mut round = 0u64;
+    while round < 20 || (stale == 0 && start.elapsed() < Duration::from_secs(10)) {
+        round += 1;
         local.write(0, &round.to_ne_bytes());
         // Data, then the signal: without a flush the signal may land first.
         qp.post(&write, false);
@@ -593,7 +600,7 @@ fn relaxed_writes_need_a_read_to_be_seen_before_the_signal() {
     }
     assert!(
         stale > 0,
-        "relaxed delivery never reordered a write past its signal in 20 rounds"
+        "relaxed delivery never reordered a write past its signal in {round} rounds"
     );
     // Left alone, a pending write still lands (after the QP has been idle for a millisecond).
     local.write(0, &1234u64.to_ne_bytes());
