@@ -996,6 +996,88 @@ fn gpu_scenario(scenario: &str, comm: Arc<Communicator>) {
                 assert!(matches!(&e, Error::PeerFailed { rank: 0, .. }), "{e}");
             }
         }
+        "abort_moe_ll_dispatch" | "abort_moe_ht_dispatch" => {
+            // Rank 0 alone dispatches and aborts from another thread while the dispatch waits
+            // for counts that never come: its counts come back marked (-1, or negative per
+            // expert on the high-throughput path) and every row slot all ones (NaN in bf16).
+            use doorbell::collectives::moe::{MoeDispatcher, MoeLowLatency};
+            let tokens = 32;
+            let (cfg, [xp, _sp, ip, wp, _op], _bufs) = moe_inputs(&s, n, tokens);
+            let (hidden, local) = (cfg.hidden, cfg.num_experts / n);
+            let (ll, ht) = if scenario == "abort_moe_ll_dispatch" {
+                (Some(MoeLowLatency::new(&comm, cfg).unwrap()), None)
+            } else {
+                (None, Some(MoeDispatcher::new(&comm, cfg).unwrap()))
+            };
+            comm.bootstrap().barrier().unwrap();
+            if me == 0 {
+                let aborter = abort_soon(&comm);
+                // SAFETY: the buffers hold `tokens` rows of the configured shape.
+                let e = match (&ll, &ht) {
+                    (Some(ll), _) => unsafe { ll.dispatch(&s, xp, ip, wp, tokens) },
+                    (_, Some(ht)) => unsafe { ht.dispatch(&s, xp, ip, wp, tokens) },
+                    _ => unreachable!(),
+                }
+                .and_then(|()| comm.synchronize(&s))
+                .unwrap_err();
+                aborter.join().unwrap();
+                eprintln!("abort, marked outputs: {scenario} {n} ranks: {e}");
+                assert!(
+                    matches!(&e, Error::PeerFailed { rank: 0, cause, .. } if cause.contains("Communicator::abort")),
+                    "{e}"
+                );
+                s.synchronize().unwrap();
+                let read_u32 = |at: u64, len: usize| {
+                    let mut v = vec![0u32; len];
+                    // SAFETY: `at` holds `len` u32 of the dispatcher's results.
+                    unsafe { cudarc::driver::result::memcpy_dtoh_async(&mut v, at, s.cu_stream()) }
+                        .unwrap();
+                    s.synchronize().unwrap();
+                    v
+                };
+                let (rows_at, rows) = match (&ll, &ht) {
+                    (Some(ll), _) => {
+                        let r = ll.results();
+                        let counts = read_u32(r.recv_count, local);
+                        assert!(
+                            counts.iter().all(|&c| c == u32::MAX),
+                            "{scenario}: counts {counts:?}"
+                        );
+                        (r.recv_x, local * n * tokens)
+                    }
+                    (_, Some(ht)) => {
+                        let r = ht.results();
+                        let num = read_u32(r.num_recv, 1);
+                        assert_eq!(num, [u32::MAX], "{scenario}: num_recv");
+                        let counts = read_u32(r.expert_counts, local);
+                        assert!(
+                            counts.iter().all(|&c| c & 0x8000_0000 != 0),
+                            "{scenario}: expert counts {counts:?}"
+                        );
+                        (r.recv_x, r.max_rows)
+                    }
+                    _ => unreachable!(),
+                };
+                let mut x = vec![0u16; rows * hidden];
+                // SAFETY: the results hold `rows` row slots of `hidden` bf16.
+                unsafe {
+                    cudarc::driver::result::memcpy_dtoh_async(&mut x, rows_at, s.cu_stream())
+                }
+                .unwrap();
+                s.synchronize().unwrap();
+                let unmarked = x
+                    .iter()
+                    .filter(|&&v| !half::bf16::from_bits(v).is_nan())
+                    .count();
+                assert_eq!(
+                    unmarked, 0,
+                    "{scenario}: row values of a dispatch cut short that are not NaN"
+                );
+            } else {
+                let e = rank_0s_abort(&comm);
+                assert!(matches!(&e, Error::PeerFailed { rank: 0, .. }), "{e}");
+            }
+        }
         "mismatch_moe_ll" | "mismatch_moe_ht" => {
             use doorbell::collectives::moe::{MoeDispatcher, MoeLowLatency};
             let tokens = 32;
@@ -1414,6 +1496,8 @@ fn an_abort_leaves_the_tile_paths_and_combines_outputs_marked() {
         "abort_alltoall",
         "abort_moe_ll",
         "abort_moe_ht",
+        "abort_moe_ll_dispatch",
+        "abort_moe_ht_dispatch",
     ] {
         for n in rank_counts() {
             let exits = gpu_case(scenario, n, &[]);

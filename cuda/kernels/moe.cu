@@ -345,14 +345,19 @@ extern "C" __global__ void __launch_bounds__(512) moe_dispatch(MoeArgs a) {
 
   // Every row of this call is in once every peer's B blocks signalled and this GPU's B blocks
   // are done (every block of the grid is resident, so waiting here cannot starve a sender).
+  // A dispatch cut short (a wait gave up, or the communicator failed) marks its results:
+  // num_recv kCutCount, kCutBit into every expert count, all ones (NaN) over this block's share
+  // of every row slot (the counts of a stale word would index rows of another call).
   __shared__ uint32_t total;
+  __shared__ bool cut;
   if (threadIdx.x == 0) {
-    wait_all_peers(a, kSetRows, d, a.blocks);
+    bool ok = wait_all_peers(a, kSetRows, d, a.blocks);
     wait_own(a, kSentBlocks, d * a.blocks);
     uint32_t n = 0;
     for (uint32_t s = 0; s < a.world; ++s) n += wait_count(a, d, s, a.rank);
-    total = n;
-    if (blockIdx.x == 0) *a.num_recv = n;
+    cut = !ok || failed(a.sems[checked_peer(a.world) % a.world].site);
+    total = cut ? 0u : n;
+    if (blockIdx.x == 0) *a.num_recv = cut ? kCutCount : n;
   }
   // Per-block histograms in shared memory, then one global add per expert and block: the same
   // few counters hit by every thread would serialize on global atomics.
@@ -368,6 +373,15 @@ extern "C" __global__ void __launch_bounds__(512) moe_dispatch(MoeArgs a) {
   __syncthreads();
   for (uint32_t e = threadIdx.x; e < a.experts_per_rank; e += blockDim.x) {
     if (hist[e]) atomicAdd(&a.expert_counts[e], hist[e]);
+    if (cut) atomicOr(&a.expert_counts[e], kCutBit);
+  }
+  if (cut) {
+    const uint64_t row_bytes = a.scales != nullptr ? a.hidden : uint64_t(a.hidden) * 2;
+    const uint64_t words = uint64_t(a.world) * a.max_tokens * row_bytes / 16;
+    int4* rows = reinterpret_cast<int4*>(a.land[a.rank]);
+    for (uint64_t i = blockIdx.x * uint64_t(blockDim.x) + threadIdx.x; i < words; i += uint64_t(gridDim.x) * blockDim.x) {
+      rows[i] = make_int4(-1, -1, -1, -1);
+    }
   }
   check_moe_call(a);
 }

@@ -120,11 +120,15 @@ __device__ void copy_announced(const MoeLlArgs& a, uint64_t epoch, uint32_t w, u
 }
 
 // The receive half's bookkeeping, one block: waits (bounded) for every count word of `epoch`
-// and writes the rows per (expert, source) and per expert.
+// and writes the rows per (expert, source) and per expert. A dispatch cut short (a wait here
+// gave up, or the communicator failed while other blocks still copied: their skipped entries
+// leave slots stale) writes no layout (the combine then sends nothing), every expert's count
+// kCutCount, and all ones (NaN) over every row of this half: nothing of it passes for a result.
 __device__ void write_layout(const MoeLlArgs& a, uint64_t epoch) {
   __shared__ uint32_t rows_of[kMaxPairs];
   const uint32_t half = uint32_t(epoch & 1);
   const uint32_t pairs = a.experts_per_rank * a.world;
+  bool gave_up = false;
   for (uint32_t q = threadIdx.x; q < pairs; q += blockDim.x) {
     const uint32_t src = q % a.world;
     const uint64_t* word = moe_ll::count_word(a, a.rank, half, q / a.world, src);
@@ -135,15 +139,21 @@ __device__ void write_layout(const MoeLlArgs& a, uint64_t epoch) {
           return seen == epoch;
         })) {
       got = 0;  // the wait left: no rows (a stale count would index the other half's rows)
+      gave_up = true;
     }
     rows_of[q] = uint32_t(got);
-    a.layout[q] = uint32_t(got);
   }
-  __syncthreads();
+  const bool cut = __syncthreads_or(gave_up || (threadIdx.x == 0 && failed(moe_ll::site(a, a.rank))));
+  for (uint32_t q = threadIdx.x; q < pairs; q += blockDim.x) a.layout[q] = cut ? 0u : rows_of[q];
   for (uint32_t le = threadIdx.x; le < a.experts_per_rank; le += blockDim.x) {
     uint32_t n = 0;
     for (uint32_t src = 0; src < a.world; ++src) n += rows_of[le * a.world + src];
-    a.recv_count[le] = n;
+    a.recv_count[le] = cut ? kCutCount : n;
+  }
+  if (cut) {
+    const uint64_t words = moe_ll::half_rows(a) * (a.hidden / 8);
+    int4* rows = reinterpret_cast<int4*>(a.area[a.rank]) + half * words;
+    for (uint64_t i = threadIdx.x; i < words; i += blockDim.x) rows[i] = make_int4(-1, -1, -1, -1);
   }
 }
 

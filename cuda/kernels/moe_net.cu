@@ -432,14 +432,17 @@ extern "C" __global__ void __launch_bounds__(512) moe_net_recv(MoeNetArgs a) {
   const uint32_t lane = threadIdx.x % kWarp;
   for_each_message(a, counts, [&](uint32_t src, uint32_t j) { moe_net::unpack(a, half, src, j, lane); });
   if (!last_block(&a.done[1])) return;
+  // Every block has unpacked: a receive cut short (the communicator failed) writes no layout
+  // (the combine sends nothing) and every expert's count kCutCount.
+  const bool cut = __syncthreads_or(threadIdx.x == 0 && failed(a.sites[a.rank]));
   uint32_t* rows = a.fill + a.world;
   const uint32_t pairs = a.experts_per_rank * a.world;
-  for (uint32_t q = threadIdx.x; q < pairs; q += blockDim.x) a.layout[q] = atomicAdd(&rows[q], 0u);
+  for (uint32_t q = threadIdx.x; q < pairs; q += blockDim.x) a.layout[q] = cut ? 0u : atomicAdd(&rows[q], 0u);
   __syncthreads();
   for (uint32_t le = threadIdx.x; le < a.experts_per_rank; le += blockDim.x) {
     uint32_t n = 0;
     for (uint32_t src = 0; src < a.world; ++src) n += a.layout[le * a.world + src];
-    a.recv_count[le] = n;
+    a.recv_count[le] = cut ? kCutCount : n;
   }
   for (uint32_t q = threadIdx.x; q < pairs; q += blockDim.x) rows[q] = 0;
 }
@@ -747,6 +750,7 @@ extern "C" __global__ void __launch_bounds__(512) moe_ht_exchange(MoeNetArgs a, 
 
 extern "C" __global__ void moe_ht_remap(MoeNetArgs a, MoeHtArgs h) {
   const uint32_t rows = *h.node_num_recv;
+  if (rows == kCutCount) return;  // the node's dispatch was cut short and marked its results
   for (uint32_t i = blockIdx.x * blockDim.x + threadIdx.x; i < rows; i += gridDim.x * blockDim.x) {
     const uint32_t l = uint32_t(h.node_src[2 * i]), slot = uint32_t(h.node_src[2 * i + 1]);
     const int32_t* origin = reinterpret_cast<const int32_t*>(h.origin_of[l]) + 2 * uint64_t(slot);

@@ -623,9 +623,11 @@ pub struct DispatchResults {
     pub recv_src: u64,
     /// After [`MoeDispatcher::dispatch_fp8`]: `[N, hidden / 128]` f32 scales.
     pub recv_scales: u64,
-    /// One u32: N.
+    /// One u32: N; `u32::MAX` (-1 as i32) after a dispatch that an abort cut short (every row
+    /// slot is then all ones: NaN in bf16 and e4m3).
     pub num_recv: u64,
-    /// `[experts per rank]` u32: rows per local expert.
+    /// `[experts per rank]` u32: rows per local expert; the top bit set (negative as i32) after a
+    /// dispatch that an abort cut short.
     pub expert_counts: u64,
     /// Room for rows (world x max_tokens).
     pub max_rows: usize,
@@ -1053,7 +1055,9 @@ pub struct LowLatencyResults {
     pub recv_scales: u64,
     /// `[local expert][source rank]` u32: rows from each source.
     pub layout: u64,
-    /// `[local expert]` u32: rows per local expert.
+    /// `[local expert]` u32: rows per local expert; `u32::MAX` (-1 as i32) in every entry after
+    /// a dispatch that an abort cut short (the layout is then all 0 and, inside a node, every row
+    /// of the half all ones: NaN in bf16).
     pub recv_count: u64,
 }
 

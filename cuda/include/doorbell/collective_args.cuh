@@ -304,6 +304,14 @@ DOORBELL_CHECK_SIZE(MoeHtArgs, 184);
 // Messages per chunk of the high-throughput network stream (one warp posts a chunk).
 constexpr uint32_t kHtChunk = 32;
 
+// A MoE dispatch that an abort cut short marks its counts so they cannot pass for counts: the
+// rows received (`num_recv`) and the low-latency per-expert counts (`recv_count`) read
+// kCutCount (-1 as int32); the high-throughput per-expert counts (`expert_counts`, summed by
+// every block) get kCutBit (negative as int32, whatever the blocks add). Inside a node the
+// rows are stored all ones too (NaN in bf16 and in e4m3).
+constexpr uint32_t kCutCount = 0xffffffffu;
+constexpr uint32_t kCutBit = 0x80000000u;
+
 // What a chunk of the high-throughput stream holds, written behind its messages.
 struct HtChunkDesc {
   uint64_t epoch;     // the dispatch it belongs to

@@ -119,7 +119,10 @@ class Buffer:
         num_recv_tokens_per_expert, handle, None)``: rows in ``recv_x[:handle.num_recv]`` (a
         device count: views span the buffer's capacity), local expert ids (-1 for experts
         elsewhere), and the per-local-expert counts as an int32 CUDA tensor. DeepEP's layout
-        arguments are accepted and ignored (the kernels compute the layout)."""
+        arguments are accepted and ignored (the kernels compute the layout). A dispatch that a
+        fault cut short (the next synchronize raises ``DoorbellError``) leaves ``num_recv`` -1,
+        every per-expert count negative and the rows all NaN, so nothing of it passes for a
+        result."""
         self._need(False, "dispatch")
         comm = self.comm
         fp8 = isinstance(x, tuple)
@@ -204,7 +207,9 @@ class Buffer:
         ``[num_local_experts]``. With ``return_recv_hook`` only the send half is queued and
         ``hook()`` queues the receive half on the then-current stream (nothing holds an SM in
         between); otherwise hook is None. ``topk_weights`` (float32) are the weights
-        ``low_latency_combine`` applies (default: ones)."""
+        ``low_latency_combine`` applies (default: ones). A dispatch that a fault cut short (the
+        next synchronize raises ``DoorbellError``) leaves every ``recv_count`` -1 (and, inside a
+        node, the rows NaN)."""
         import torch
 
         self._need(True, "low_latency_dispatch")
