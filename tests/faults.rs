@@ -372,6 +372,35 @@ fn abort_soon(comm: &Arc<Communicator>) -> std::thread::JoinHandle<()> {
     })
 }
 
+/// Rank 0's side of an abort case: the error its call returned names its own abort.
+fn expect_own_abort(scenario: &str, n: usize, e: &Error) {
+    eprintln!("abort, marked outputs: {scenario} {n} ranks: {e}");
+    assert!(
+        matches!(e, Error::PeerFailed { rank: 0, cause, .. } if cause.contains("Communicator::abort")),
+        "{e}"
+    );
+}
+
+/// Asserts that every one of the `len` bf16 at device address `at` is NaN: marked as cut short.
+///
+/// # Safety
+/// `at` must hold `len` bf16 of this context.
+unsafe fn assert_marked_bf16(s: &Arc<CudaStream>, at: u64, len: usize, scenario: &str, what: &str) {
+    s.synchronize().unwrap();
+    let mut v = vec![0u16; len];
+    // SAFETY: the caller's.
+    unsafe { cudarc::driver::result::memcpy_dtoh_async(&mut v, at, s.cu_stream()) }.unwrap();
+    s.synchronize().unwrap();
+    let unmarked = v
+        .iter()
+        .filter(|&&b| !half::bf16::from_bits(b).is_nan())
+        .count();
+    assert_eq!(
+        unmarked, 0,
+        "{scenario}: {unmarked} values of {what} that are not NaN"
+    );
+}
+
 /// The other ranks' side: polls the communicator's health until rank 0's abort arrives (at most
 /// 10 s) and returns the error it reports.
 fn rank_0s_abort(comm: &Communicator) -> Error {
@@ -972,25 +1001,11 @@ fn gpu_scenario(scenario: &str, comm: Arc<Communicator>) {
                 .and_then(|()| comm.synchronize(&s))
                 .unwrap_err();
                 aborter.join().unwrap();
-                eprintln!("abort, marked outputs: {scenario} {n} ranks: {e}");
-                assert!(
-                    matches!(&e, Error::PeerFailed { rank: 0, cause, .. } if cause.contains("Communicator::abort")),
-                    "{e}"
-                );
-                s.synchronize().unwrap();
-                let mut out = vec![0u16; tokens * hidden];
+                expect_own_abort(scenario, n, &e);
                 // SAFETY: `op` holds `tokens` rows of `hidden` bf16.
-                unsafe { cudarc::driver::result::memcpy_dtoh_async(&mut out, op, s.cu_stream()) }
-                    .unwrap();
-                s.synchronize().unwrap();
-                let unmarked = out
-                    .iter()
-                    .filter(|&&v| !half::bf16::from_bits(v).is_nan())
-                    .count();
-                assert_eq!(
-                    unmarked, 0,
-                    "{scenario}: values of a combine cut short that are not NaN"
-                );
+                unsafe {
+                    assert_marked_bf16(&s, op, tokens * hidden, scenario, "a combine cut short")
+                };
             } else {
                 let e = rank_0s_abort(&comm);
                 assert!(matches!(&e, Error::PeerFailed { rank: 0, .. }), "{e}");
@@ -1021,12 +1036,7 @@ fn gpu_scenario(scenario: &str, comm: Arc<Communicator>) {
                 .and_then(|()| comm.synchronize(&s))
                 .unwrap_err();
                 aborter.join().unwrap();
-                eprintln!("abort, marked outputs: {scenario} {n} ranks: {e}");
-                assert!(
-                    matches!(&e, Error::PeerFailed { rank: 0, cause, .. } if cause.contains("Communicator::abort")),
-                    "{e}"
-                );
-                s.synchronize().unwrap();
+                expect_own_abort(scenario, n, &e);
                 let read_u32 = |at: u64, len: usize| {
                     let mut v = vec![0u32; len];
                     // SAFETY: `at` holds `len` u32 of the dispatcher's results.
@@ -1058,21 +1068,16 @@ fn gpu_scenario(scenario: &str, comm: Arc<Communicator>) {
                     }
                     _ => unreachable!(),
                 };
-                let mut x = vec![0u16; rows * hidden];
                 // SAFETY: the results hold `rows` row slots of `hidden` bf16.
                 unsafe {
-                    cudarc::driver::result::memcpy_dtoh_async(&mut x, rows_at, s.cu_stream())
-                }
-                .unwrap();
-                s.synchronize().unwrap();
-                let unmarked = x
-                    .iter()
-                    .filter(|&&v| !half::bf16::from_bits(v).is_nan())
-                    .count();
-                assert_eq!(
-                    unmarked, 0,
-                    "{scenario}: row values of a dispatch cut short that are not NaN"
-                );
+                    assert_marked_bf16(
+                        &s,
+                        rows_at,
+                        rows * hidden,
+                        scenario,
+                        "a dispatch cut short's rows",
+                    )
+                };
             } else {
                 let e = rank_0s_abort(&comm);
                 assert!(matches!(&e, Error::PeerFailed { rank: 0, .. }), "{e}");
