@@ -785,7 +785,7 @@ impl AllReduce {
             .kernels
             .get(&(plan.algorithm, vec, dtype))
             .ok_or_else(|| Error::invalid("allreduce", "kernel missing"))?;
-        let args = AllReduceArgs {
+        let mut args = AllReduceArgs {
             input,
             output,
             count: count as u64,
@@ -798,7 +798,6 @@ impl AllReduce {
             peer_input: d.input,
             peer_output: d.output,
         });
-        let mut args = args;
         let param: *mut std::ffi::c_void = match (&mut direct_args, plan.algorithm) {
             (Some(d), Algorithm::TwoShotDirect) => (d as *mut AllReduceDirectArgs).cast(),
             _ => (&mut args as *mut AllReduceArgs).cast(),
