@@ -191,9 +191,15 @@ soak() {
   [ "$fail" = 0 ]
 }
 
-# The machine kind a performance table belongs to: GPU count and model, e.g. 2xH100-80GB-HBM3.
+# The GPUs this run may use: CUDA_VISIBLE_DEVICES's (indices or UUIDs) where it is set, else all.
+visible() {
+  if [ -n "${CUDA_VISIBLE_DEVICES:-}" ]; then nvidia-smi -i "$CUDA_VISIBLE_DEVICES" "$@"; else nvidia-smi "$@"; fi
+}
+
+# The machine kind a performance table belongs to: count and model of the GPUs the run uses, e.g.
+# 2xH100-80GB-HBM3 (also for two GPUs of a larger machine picked with CUDA_VISIBLE_DEVICES).
 kind() {
-  nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null |
+  visible --query-gpu=name --format=csv,noheader 2>/dev/null |
     awk '{n++; name=$0} END {gsub(/NVIDIA /, "", name); gsub(/ /, "-", name); if (n) print n "x" name}'
 }
 
@@ -213,7 +219,7 @@ python_with_wheel() {
 perf() {
   local logs=$1 summary=$2 start=$SECONDS k py site="$1/.pysite" rc=0
   local max=${PERF_MAX_BYTES:-1G} iters=${PERF_ITERS:-20} gpus
-  gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')
+  gpus=$(visible --query-gpu=name --format=csv,noheader 2>/dev/null | grep -c .)
   k=$(kind)
   if [ "${gpus:-0}" -lt 2 ]; then
     echo "FAIL perf: $gpus GPU(s) here; the performance check needs a GPU per rank (two or more)" | tee -a "$summary"
