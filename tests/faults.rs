@@ -302,6 +302,13 @@ fn record_fault() {
     std::fs::write(stamp_path(), now_ns().to_string()).unwrap();
 }
 
+/// A file that rank `rank` writes once its GPU is open (the `kill_setup` case waits for them).
+fn ready_path(rank: usize) -> std::path::PathBuf {
+    let mut p = stamp_path().into_os_string();
+    p.push(format!(".ready{rank}"));
+    p.into()
+}
+
 fn since_fault() -> Duration {
     let t0: u128 = std::fs::read_to_string(stamp_path())
         .ok()
@@ -327,6 +334,11 @@ fn gpu_case(
         "case {scenario} with {n} ranks: all exited after {:?}",
         t0.elapsed()
     );
+    for r in 0..n {
+        let mut ready = dir.clone().into_os_string();
+        ready.push(format!(".ready{r}"));
+        let _ = std::fs::remove_file(ready);
+    }
     let _ = std::fs::remove_file(dir);
     exits
 }
@@ -560,14 +572,31 @@ fn gpu_rank() {
     if scenario == "kill_setup" {
         // The last rank dies while the others build their communicators: they fail naming it.
         let cfg = BootstrapConfig::from_env().unwrap();
-        let (me, n) = (cfg.rank, cfg.world_size);
+        let (me, n, local) = (cfg.rank, cfg.world_size, cfg.local_rank);
         if me == n - 1 {
-            // Joins the job, then dies while the others open their GPUs and exchange handles.
+            // Waits until the others have their GPUs open, joins the job, then dies while they
+            // build their communicators and wait for its handles. Opening a GPU (cuInit and the
+            // primary context: 1.2-4.4 s on 4 x H100 with 4-16 processes starting at once) is a
+            // driver call nothing can cut short, so a death during it is seen when it returns;
+            // what this case times is the setup's own wait on a dead peer.
+            let deadline = Instant::now() + Duration::from_secs(120);
+            while (0..n - 1).any(|r| !ready_path(r).exists()) {
+                assert!(
+                    Instant::now() < deadline,
+                    "the other ranks never opened their GPUs"
+                );
+                std::thread::sleep(Duration::from_millis(5));
+            }
             let _joined = Bootstrap::connect(cfg).unwrap();
             std::thread::sleep(Duration::from_millis(300));
             record_fault();
             unsafe { libc::kill(libc::getpid(), libc::SIGKILL) };
         }
+        // The communicator below retains the same primary context: its own open is then quick.
+        let _gpu =
+            doorbell::gpu::cuda::Gpu::open(local % doorbell::gpu::cuda::device_count().unwrap())
+                .unwrap();
+        std::fs::write(ready_path(me), "").unwrap();
         let e = match Communicator::from_env() {
             Ok(_) => panic!("rank {me}: a communicator was built without rank {}", n - 1),
             Err(e) => e,
