@@ -10,7 +10,8 @@
 #   NAME        the job's log folder under LOGDIR (unique)
 #   EST         seconds it is expected to take: a worker takes it only while that much is left
 #   RANKS       DOORBELL_TEST_RANKS for it (ranks sharing the worker's GPU)
-#   TESTS       test binaries (comma-separated), `all`, or `all-but-X` (every binary but X)
+#   TESTS       test binaries (comma-separated), `all`, or `all-but-X` (every binary but X);
+#               `BINARY:FILTER` runs one binary's tests whose names contain FILTER
 #   ALGORITHMS  for the allreduce matrix: runs only `every_algorithm` with
 #               DOORBELL_TEST_ALGORITHMS set to them; without, the matrix is skipped
 # DEADLINE: seconds from the start after which no job starts and running ones are stopped
@@ -48,6 +49,7 @@ worker() {
     esac
     filter="--skip every_algorithm"
     [ -n "$algos" ] && filter="every_algorithm"
+    case $tests in *:*) filter=${tests#*:}; tests=${tests%%:*} ;; esac
     start=$SECONDS
     CUDA_VISIBLE_DEVICES=$g DOORBELL_TEST_RANKS=$ranks SUITE=tests TESTS="$tests" TEST_ARGS="$filter" \
       DOORBELL_TEST_ALGORITHMS="$algos" timeout "$left" "$root/scripts/gpu-suite.sh" run "$logs/$name" \
