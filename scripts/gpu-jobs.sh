@@ -11,7 +11,8 @@
 #   EST         seconds it is expected to take: a worker takes it only while that much is left
 #   RANKS       DOORBELL_TEST_RANKS for it (ranks sharing the worker's GPU)
 #   TESTS       test binaries (comma-separated), `all`, or `all-but-X` (every binary but X);
-#               `BINARY:FILTER` runs one binary's tests whose names contain FILTER
+#               `BINARY:FILTER` runs one binary's tests whose names contain FILTER; `python`
+#               runs the Python GPU suite (SUITE=python: the wheel the bundle's build packed)
 #   ALGORITHMS  for the allreduce matrix: runs only `every_algorithm` with
 #               DOORBELL_TEST_ALGORITHMS set to them; without, the matrix is skipped
 # DEADLINE: seconds from the start after which no job starts and running ones are stopped
@@ -35,14 +36,16 @@ gpus=${JOB_GPUS:-$(seq 0 $((count - 1)))}
 [ -n "$gpus" ] || { echo "gpu-jobs: no GPU" >&2; exit 1; }
 
 worker() {
-  local g=$1 i=0 name est ranks tests algos left start rc filter but
+  local g=$1 i=0 name est ranks tests algos left start rc filter but suite
   while read -r name est ranks tests algos; do
     i=$((i + 1))
     [ -z "$name" ] || [ "${name#\#}" != "$name" ] && continue
     left=$((deadline - SECONDS))
     [ "$left" -lt "$est" ] && continue
     mkdir "$logs/.claims/$i" 2>/dev/null || continue
+    suite=tests
     case $tests in
+      python) suite=python ;;
       all) tests=$every ;;
       all-but-*) but=${tests#all-but-}; tests=" $every "; tests=${tests/ $but / } ;;
       *) tests=${tests//,/ } ;;
@@ -51,7 +54,7 @@ worker() {
     [ -n "$algos" ] && filter="every_algorithm"
     case $tests in *:*) filter=${tests#*:}; tests=${tests%%:*} ;; esac
     start=$SECONDS
-    CUDA_VISIBLE_DEVICES=$g DOORBELL_TEST_RANKS=$ranks SUITE=tests TESTS="$tests" TEST_ARGS="$filter" \
+    CUDA_VISIBLE_DEVICES=$g DOORBELL_TEST_RANKS=$ranks SUITE=$suite TESTS="$tests" TEST_ARGS="$filter" \
       DOORBELL_TEST_ALGORITHMS="$algos" timeout "$left" "$root/scripts/gpu-suite.sh" run "$logs/$name" \
       > "$logs/$name.out" 2>&1
     rc=$?
