@@ -12,7 +12,7 @@
 
 use clap::Parser;
 use cudarc::driver::{CudaSlice, DevicePtr};
-use doorbell::collectives::moe::{reference_layout, MoeConfig, MoeDispatcher, MoeLowLatency};
+use doorbell::collectives::moe::{reference_layout, MoeConfig, MoeHighThroughput, MoeLowLatency};
 use doorbell::collectives::DataType;
 use doorbell::communicator::Communicator;
 use doorbell::gpu::cuda::device_count;
@@ -123,16 +123,9 @@ fn run(args: &Args) -> Result<i32> {
     let comm = Arc::new(Communicator::from_env()?);
     let (rank, world) = (comm.rank(), comm.world_size());
     let lead = rank == 0;
-    let moe = MoeDispatcher::new(
+    let moe = MoeHighThroughput::new(
         &comm,
-        MoeConfig {
-            hidden: args.hidden,
-            topk: args.topk,
-            num_experts: args.experts,
-            max_tokens,
-            blocks: args.sms,
-            ..Default::default()
-        },
+        MoeConfig::new(args.hidden, args.topk, args.experts, max_tokens).with_blocks(args.sms),
     )?;
     let s = comm.gpu().new_stream()?;
     let nccl = if args.no_nccl {
@@ -244,9 +237,9 @@ fn run(args: &Args) -> Result<i32> {
         // SAFETY (every call below): the inputs hold `tokens` rows, y and out the worst case.
         let dispatch = measure(&comm, &s, bytes as usize, repeat, &|st| unsafe {
             if args.fp8 {
-                moe.dispatch_fp8(st, xp, scp, ip, wp, tokens)
+                moe.dispatch_fp8_raw(st, xp, scp, ip, wp, tokens)
             } else {
-                moe.dispatch(st, xp, ip, wp, tokens)
+                moe.dispatch_raw(st, xp, ip, wp, tokens)
             }
         })?;
         let y_at = if args.zero_copy {
@@ -255,7 +248,7 @@ fn run(args: &Args) -> Result<i32> {
             yp
         };
         let combine = measure(&comm, &s, bytes as usize, repeat, &|st| unsafe {
-            moe.combine(st, y_at, op)
+            moe.combine_raw(st, y_at, op)
         })?;
         let theirs = match &nccl {
             Some(n) => {
@@ -359,14 +352,7 @@ fn low_latency(
     let (tokens, h, k) = (args.low_latency_tokens, args.hidden, args.topk);
     let ll = MoeLowLatency::new(
         comm,
-        MoeConfig {
-            hidden: h,
-            topk: k,
-            num_experts: args.experts,
-            max_tokens: tokens,
-            blocks: args.sms,
-            ..Default::default()
-        },
+        MoeConfig::new(h, k, args.experts, tokens).with_blocks(args.sms),
     )?;
     let mine = routing(rank, tokens, k, args.experts);
     let weights = vec![1.0f32 / k as f32; tokens * k];
@@ -404,10 +390,10 @@ fn low_latency(
     };
     // SAFETY (all calls): inputs hold `tokens` rows; out holds `tokens` rows.
     let dispatch = measure(comm, s, bytes as usize, repeat, &|st| unsafe {
-        ll.dispatch(st, xp, ip, wp, tokens)
+        ll.dispatch_raw(st, xp, ip, wp, tokens)
     })?;
     let combine = measure(comm, s, bytes as usize, repeat, &|st| unsafe {
-        ll.combine(st, op)
+        ll.combine_raw(st, op)
     })?;
     let theirs = match nccl {
         Some(n) => {

@@ -529,14 +529,8 @@ fn moe_inputs(
     Vec<CudaSlice<u8>>,
 ) {
     let (hidden, topk, experts) = (256usize, 4usize, 4 * world);
-    let cfg = doorbell::collectives::moe::MoeConfig {
-        hidden,
-        topk,
-        num_experts: experts,
-        max_tokens: tokens,
-        blocks: Some(8),
-        ..Default::default()
-    };
+    let cfg =
+        doorbell::collectives::moe::MoeConfig::new(hidden, topk, experts, tokens).with_blocks(8);
     let ids: Vec<i32> = (0..tokens * topk)
         .map(|i| ((i / topk + (i % topk) * 3) % experts) as i32)
         .collect();
@@ -665,14 +659,37 @@ fn gpu_scenario(scenario: &str, comm: Arc<Communicator>) {
     let s = comm.gpu().new_stream().unwrap();
     let (me, n) = (comm.rank(), comm.world_size());
     match scenario {
-        "kill_allreduce" => {
+        "kill_allreduce" | "kill_allreduce_tolerant" => {
+            // _tolerant: the same kill, on a communicator that tolerates peer loss (a MoE
+            // low-latency exchange with a rank mask exists): the dead rank is marked instead of
+            // aborting the communicator, and a collective without masks must still fail at once
+            // naming it (its waits for the dead peer end the communicator; later calls fail in
+            // check_health).
+            let tolerant = scenario == "kill_allreduce_tolerant";
+            let (cfg, _ptrs, _bufs) = moe_inputs(&s, n, 32);
+            let _ll = tolerant.then(|| {
+                doorbell::collectives::moe::MoeLowLatency::new(
+                    &comm,
+                    cfg.with_deep_ep_layout(true).with_rank_mask(true),
+                )
+                .unwrap()
+            });
+            assert_eq!(
+                comm.diagnostics().tolerates_peer_loss(),
+                tolerant,
+                "rank {me}: a rank mask makes the communicator tolerate peer loss"
+            );
             let ar = allreduce_of(&comm);
             // 4 MiB of f32, as in the report; under MPS 64 KiB (see `message_bytes`).
             let mut buf: CudaSlice<f32> = s.alloc_zeros(message_bytes(4 << 20) / 4).unwrap();
             kill_mid(
                 &comm,
                 &s,
-                "allreduce",
+                if tolerant {
+                    "allreduce with peer loss tolerated"
+                } else {
+                    "allreduce"
+                },
                 Box::new(|_, sync| {
                     ar.run_in_place(&s, &mut buf)?;
                     if sync {
@@ -681,6 +698,14 @@ fn gpu_scenario(scenario: &str, comm: Arc<Communicator>) {
                     Ok(())
                 }),
             );
+            if tolerant {
+                // The death was marked as tolerated (not only aborted as without a mask).
+                assert_ne!(
+                    comm.diagnostics().dead_peers() & (1 << (n - 1)),
+                    0,
+                    "rank {me}: the dead rank's bit"
+                );
+            }
         }
         "kill_alltoall" => {
             let a2a = AllToAll::new(&comm, AllToAllOptions::default()).unwrap();
@@ -700,7 +725,7 @@ fn gpu_scenario(scenario: &str, comm: Arc<Communicator>) {
             );
         }
         "kill_moe_ll" | "kill_moe_ht" => {
-            use doorbell::collectives::moe::{MoeDispatcher, MoeLowLatency};
+            use doorbell::collectives::moe::{MoeHighThroughput, MoeLowLatency};
             let tokens = 64;
             let (cfg, [xp, _, ip, wp, op], _bufs) = moe_inputs(&s, n, tokens);
             if scenario == "kill_moe_ll" {
@@ -711,25 +736,25 @@ fn gpu_scenario(scenario: &str, comm: Arc<Communicator>) {
                     "moe-ll-dispatch",
                     Box::new(|_, sync| {
                         // SAFETY: the buffers hold `tokens` rows of the configured shape.
-                        unsafe { ll.dispatch(&s, xp, ip, wp, tokens) }?;
+                        unsafe { ll.dispatch_raw(&s, xp, ip, wp, tokens) }?;
                         if sync {
                             comm.synchronize(&s)?;
                             // SAFETY: as above.
-                            unsafe { ll.combine(&s, op) }?;
+                            unsafe { ll.combine_raw(&s, op) }?;
                             comm.synchronize(&s)?;
                         }
                         Ok(())
                     }),
                 );
             } else {
-                let ht = MoeDispatcher::new(&comm, cfg).unwrap();
+                let ht = MoeHighThroughput::new(&comm, cfg).unwrap();
                 kill_mid(
                     &comm,
                     &s,
                     "moe-ht-dispatch",
                     Box::new(|_, sync| {
                         // SAFETY: the buffers hold `tokens` rows of the configured shape.
-                        unsafe { ht.dispatch(&s, xp, ip, wp, tokens) }?;
+                        unsafe { ht.dispatch_raw(&s, xp, ip, wp, tokens) }?;
                         if sync {
                             comm.synchronize(&s)?;
                         }
@@ -1003,19 +1028,19 @@ fn gpu_scenario(scenario: &str, comm: Arc<Communicator>) {
             // Every rank dispatches; then rank 0 alone combines and aborts from another thread
             // while the combine waits for peers that never send: its output comes back marked
             // (every bf16 NaN), not the sums of the buffers' old rows.
-            use doorbell::collectives::moe::{MoeDispatcher, MoeLowLatency};
+            use doorbell::collectives::moe::{MoeHighThroughput, MoeLowLatency};
             let tokens = 32;
             let (cfg, [xp, _sp, ip, wp, op], _bufs) = moe_inputs(&s, n, tokens);
             let hidden = cfg.hidden;
             let (ll, ht) = if scenario == "abort_moe_ll" {
                 (Some(MoeLowLatency::new(&comm, cfg).unwrap()), None)
             } else {
-                (None, Some(MoeDispatcher::new(&comm, cfg).unwrap()))
+                (None, Some(MoeHighThroughput::new(&comm, cfg).unwrap()))
             };
             // SAFETY (every call below): the buffers hold `tokens` rows of the configured shape.
             match (&ll, &ht) {
-                (Some(ll), _) => unsafe { ll.dispatch(&s, xp, ip, wp, tokens) }.unwrap(),
-                (_, Some(ht)) => unsafe { ht.dispatch(&s, xp, ip, wp, tokens) }.unwrap(),
+                (Some(ll), _) => unsafe { ll.dispatch_raw(&s, xp, ip, wp, tokens) }.unwrap(),
+                (_, Some(ht)) => unsafe { ht.dispatch_raw(&s, xp, ip, wp, tokens) }.unwrap(),
                 _ => unreachable!(),
             }
             comm.synchronize(&s).unwrap();
@@ -1023,8 +1048,8 @@ fn gpu_scenario(scenario: &str, comm: Arc<Communicator>) {
             if me == 0 {
                 let aborter = abort_soon(&comm);
                 let e = match (&ll, &ht) {
-                    (Some(ll), _) => unsafe { ll.combine(&s, op) },
-                    (_, Some(ht)) => unsafe { ht.combine(&s, ht.combine_buffer(), op) },
+                    (Some(ll), _) => unsafe { ll.combine_raw(&s, op) },
+                    (_, Some(ht)) => unsafe { ht.combine_raw(&s, ht.combine_buffer(), op) },
                     _ => unreachable!(),
                 }
                 .and_then(|()| comm.synchronize(&s))
@@ -1044,22 +1069,22 @@ fn gpu_scenario(scenario: &str, comm: Arc<Communicator>) {
             // Rank 0 alone dispatches and aborts from another thread while the dispatch waits
             // for counts that never come: its counts come back marked (-1, or negative per
             // expert on the high-throughput path) and every row slot all ones (NaN in bf16).
-            use doorbell::collectives::moe::{MoeDispatcher, MoeLowLatency};
+            use doorbell::collectives::moe::{MoeHighThroughput, MoeLowLatency};
             let tokens = 32;
             let (cfg, [xp, _sp, ip, wp, _op], _bufs) = moe_inputs(&s, n, tokens);
             let (hidden, local) = (cfg.hidden, cfg.num_experts / n);
             let (ll, ht) = if scenario == "abort_moe_ll_dispatch" {
                 (Some(MoeLowLatency::new(&comm, cfg).unwrap()), None)
             } else {
-                (None, Some(MoeDispatcher::new(&comm, cfg).unwrap()))
+                (None, Some(MoeHighThroughput::new(&comm, cfg).unwrap()))
             };
             comm.bootstrap().barrier().unwrap();
             if me == 0 {
                 let aborter = abort_soon(&comm);
                 // SAFETY: the buffers hold `tokens` rows of the configured shape.
                 let e = match (&ll, &ht) {
-                    (Some(ll), _) => unsafe { ll.dispatch(&s, xp, ip, wp, tokens) },
-                    (_, Some(ht)) => unsafe { ht.dispatch(&s, xp, ip, wp, tokens) },
+                    (Some(ll), _) => unsafe { ll.dispatch_raw(&s, xp, ip, wp, tokens) },
+                    (_, Some(ht)) => unsafe { ht.dispatch_raw(&s, xp, ip, wp, tokens) },
                     _ => unreachable!(),
                 }
                 .and_then(|()| comm.synchronize(&s))
@@ -1112,8 +1137,61 @@ fn gpu_scenario(scenario: &str, comm: Arc<Communicator>) {
                 assert!(matches!(&e, Error::PeerFailed { rank: 0, .. }), "{e}");
             }
         }
+        "abort_moe_ll_packed_dispatch" => {
+            // DeepEP's layout: rank 0 alone dispatches FP8 rows and aborts from another thread
+            // while the receive half waits for counts that never come: every expert's count
+            // comes back -1, every packed row and every scale all ones (NaN in e4m3 and f32).
+            use doorbell::collectives::moe::{MoeLowLatency, PackedOutputs};
+            let tokens = 32;
+            let (cfg, [xp, _sp, ip, _wp, _op], _bufs) = moe_inputs(&s, n, tokens);
+            let (hidden, local, cap) = (cfg.hidden, cfg.num_experts / n, n * tokens);
+            let ll = MoeLowLatency::new(&comm, cfg.with_deep_ep_layout(true)).unwrap();
+            let rows: CudaSlice<u8> = s.alloc_zeros(local * cap * hidden).unwrap();
+            let scales: CudaSlice<u8> = s.alloc_zeros(local * hidden / 128 * cap * 4).unwrap();
+            let src: CudaSlice<i32> = s.alloc_zeros(local * cap).unwrap();
+            let range: CudaSlice<i64> = s.alloc_zeros(local * n).unwrap();
+            let count: CudaSlice<i32> = s.alloc_zeros(local).unwrap();
+            let out = PackedOutputs::new(
+                rows.device_ptr(&s).0,
+                src.device_ptr(&s).0,
+                range.device_ptr(&s).0,
+                count.device_ptr(&s).0,
+            )
+            .with_fp8(scales.device_ptr(&s).0, false, false);
+            comm.bootstrap().barrier().unwrap();
+            if me == 0 {
+                let aborter = abort_soon(&comm);
+                // SAFETY: the inputs hold `tokens` rows of the configured shape, the outputs
+                // their documented sizes for it.
+                let e = unsafe { ll.dispatch_packed_raw(&s, xp, ip, tokens, &out) }
+                    .and_then(|()| comm.synchronize(&s))
+                    .unwrap_err();
+                aborter.join().unwrap();
+                expect_own_abort(scenario, n, &e);
+                let counts = s.clone_dtoh(&count).unwrap();
+                assert!(
+                    counts.iter().all(|&c| c == -1),
+                    "{scenario}: counts {counts:?}"
+                );
+                for (what, bytes) in [
+                    ("rows", s.clone_dtoh(&rows).unwrap()),
+                    ("scales", s.clone_dtoh(&scales).unwrap()),
+                ] {
+                    let unmarked = bytes.iter().filter(|&&b| b != 0xff).count();
+                    assert_eq!(
+                        unmarked,
+                        0,
+                        "{scenario}: {unmarked} of {} bytes of the {what} not marked",
+                        bytes.len()
+                    );
+                }
+            } else {
+                let e = rank_0s_abort(&comm);
+                assert!(matches!(&e, Error::PeerFailed { rank: 0, .. }), "{e}");
+            }
+        }
         "mismatch_moe_ll" | "mismatch_moe_ht" => {
-            use doorbell::collectives::moe::{MoeDispatcher, MoeLowLatency};
+            use doorbell::collectives::moe::{MoeHighThroughput, MoeLowLatency};
             let tokens = 32;
             let (cfg, [xp, sp, ip, wp, op], _bufs) = moe_inputs(&s, n, tokens);
             let t0;
@@ -1121,7 +1199,7 @@ fn gpu_scenario(scenario: &str, comm: Arc<Communicator>) {
             let e = if scenario == "mismatch_moe_ll" {
                 // Rank 0 dispatches twice; the others dispatch, then combine.
                 let ll = MoeLowLatency::new(&comm, cfg).unwrap();
-                let first = unsafe { ll.dispatch(&s, xp, ip, wp, tokens) }
+                let first = unsafe { ll.dispatch_raw(&s, xp, ip, wp, tokens) }
                     .and_then(|()| comm.synchronize(&s));
                 t0 = Instant::now();
                 match first {
@@ -1129,21 +1207,21 @@ fn gpu_scenario(scenario: &str, comm: Arc<Communicator>) {
                     // second call's mismatch learns of it there (4 ranks sharing one GPU).
                     Err(e) => e,
                     Ok(()) => if me == 0 {
-                        unsafe { ll.dispatch(&s, xp, ip, wp, tokens) }
+                        unsafe { ll.dispatch_raw(&s, xp, ip, wp, tokens) }
                     } else {
-                        unsafe { ll.combine(&s, op) }
+                        unsafe { ll.combine_raw(&s, op) }
                     }
                     .and_then(|()| comm.synchronize(&s))
                     .unwrap_err(),
                 }
             } else {
                 // Rank 0 dispatches FP8 rows; the others bf16.
-                let ht = MoeDispatcher::new(&comm, cfg).unwrap();
+                let ht = MoeHighThroughput::new(&comm, cfg).unwrap();
                 t0 = Instant::now();
                 if me == 0 {
-                    unsafe { ht.dispatch_fp8(&s, xp, sp, ip, wp, tokens) }
+                    unsafe { ht.dispatch_fp8_raw(&s, xp, sp, ip, wp, tokens) }
                 } else {
-                    unsafe { ht.dispatch(&s, xp, ip, wp, tokens) }
+                    unsafe { ht.dispatch_raw(&s, xp, ip, wp, tokens) }
                 }
                 .and_then(|()| comm.synchronize(&s))
                 .unwrap_err()
@@ -1155,17 +1233,12 @@ fn gpu_scenario(scenario: &str, comm: Arc<Communicator>) {
         "mismatch_moe_shape" => {
             // Rank 0 builds a high-throughput buffer of hidden 256, the others 512: every rank
             // is told at construction, with both shapes.
-            use doorbell::collectives::moe::{MoeConfig, MoeDispatcher};
-            let cfg = MoeConfig {
-                hidden: if me == 0 { 256 } else { 512 },
-                topk: 4,
-                num_experts: 4 * n,
-                max_tokens: 32,
-                blocks: Some(8),
-                ..Default::default()
-            };
+            use doorbell::collectives::moe::{MoeConfig, MoeHighThroughput};
+            let cfg = MoeConfig::new(if me == 0 { 256 } else { 512 }, 4, 4 * n, 32).with_blocks(8);
             let t0 = Instant::now();
-            let e = MoeDispatcher::new(&comm, cfg).err().expect("shapes differ");
+            let e = MoeHighThroughput::new(&comm, cfg)
+                .err()
+                .expect("shapes differ");
             let waited = t0.elapsed();
             eprintln!(
                 "fault-to-error: {scenario} {n} ranks rank {me}: {} ms ({e})",
@@ -1454,6 +1527,14 @@ fn kill_mid_allreduce() {
     kill_scenario("kill_allreduce");
 }
 
+/// A kill mid-allreduce where a MoE low-latency exchange with a rank mask made the communicator
+/// tolerate peer loss: the allreduce still ends in PeerFailed naming the dead rank, promptly.
+#[test]
+#[ignore = "needs GPU"]
+fn kill_mid_allreduce_while_peer_loss_is_tolerated() {
+    kill_scenario("kill_allreduce_tolerant");
+}
+
 #[test]
 #[ignore = "needs GPU"]
 fn kill_mid_alltoall() {
@@ -1532,6 +1613,7 @@ fn an_abort_leaves_the_tile_paths_and_combines_outputs_marked() {
         "abort_moe_ht",
         "abort_moe_ll_dispatch",
         "abort_moe_ht_dispatch",
+        "abort_moe_ll_packed_dispatch",
     ] {
         for n in rank_counts() {
             let exits = gpu_case(scenario, n, &[]);

@@ -419,7 +419,7 @@ fn gpu_posting_rate_through_the_emulated_nic() {
 /// The GPU-side cost of a low-latency MoE dispatch across nodes (issue 16: at most 10 us for
 /// 128 tokens x top-8): one warp per remote rank posts its rows as 7408-byte RDMA WRITEs
 /// (`put_warp`), a count block, the READ that flushes them and a fetch-add flag (`post_warp`), on
-/// a QP of its own, through the emulated NIC's null data path (`NullDma`). Rows per remote rank from `collectives::moe_net`'s model
+/// a QP of its own, through the emulated NIC's null data path (`NullDma`). Rows per remote rank from `collectives::moe::plan`'s model
 /// (`docs/performance.md`: 360 / 592 / 725 rows at 2 / 4 / 8 nodes of 8), rounded up to whole
 /// warps. Printed: GPU time from the first warp's start to the last WQE posted, and to the last
 /// completion (the emulator's one thread consumes them); asserts every WQE executed.

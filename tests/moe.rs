@@ -12,7 +12,7 @@ mod common;
 use common::{rank_counts, rank_main, run_case};
 use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, PushKernelArg};
-use doorbell::collectives::moe::{reference_layout, MoeConfig, MoeDispatcher};
+use doorbell::collectives::moe::{reference_layout, MoeConfig, MoeHighThroughput};
 use doorbell::communicator::Communicator;
 use doorbell::transport::ib::emulator::Traffic;
 use half::bf16;
@@ -24,6 +24,7 @@ fn gpu_rank() {
     rank_main(|case, comm, stream| match case {
         "exchange" => exchange(comm, stream),
         "low_latency" => low_latency(comm, stream),
+        "deep_ep_layout" => deep_ep_layout(comm, stream),
         other => panic!("unknown case {other}"),
     });
 }
@@ -164,18 +165,13 @@ fn exchange(comm: &Arc<Communicator>, s: &Arc<CudaStream>) {
     let (me, world) = (comm.rank(), comm.world_size());
     let experts = 8 * world;
     let per_rank = experts / world;
-    let moe = MoeDispatcher::new(
+    let moe = MoeHighThroughput::new(
         comm,
-        MoeConfig {
-            hidden: HIDDEN,
-            topk: TOPK,
-            num_experts: experts,
-            max_tokens: MAX_TOKENS,
-            blocks: Some(16),
-            // Across nodes: a receive ring of one chunk of 32 tokens per source node, so every
-            // further chunk waits for its credit (receiver-driven admission under test).
-            net_chunks: Some(1),
-        },
+        // Across nodes: a receive ring of one chunk of 32 tokens per source node, so every
+        // further chunk waits for its credit (receiver-driven admission under test).
+        MoeConfig::new(HIDDEN, TOPK, experts, MAX_TOKENS)
+            .with_blocks(16)
+            .with_net_chunks(1),
     )
     .unwrap();
     let res = moe.results();
@@ -197,7 +193,7 @@ fn exchange(comm: &Arc<Communicator>, s: &Arc<CudaStream>) {
     let idx: CudaSlice<i32> = s.alloc_zeros(MAX_TOKENS * TOPK).unwrap();
     let w: CudaSlice<f32> = s.alloc_zeros(MAX_TOKENS * TOPK).unwrap();
     let y: CudaSlice<bf16> = s.alloc_zeros(world * MAX_TOKENS * HIDDEN).unwrap();
-    let out: CudaSlice<bf16> = s.alloc_zeros(MAX_TOKENS * HIDDEN).unwrap();
+    let mut out: CudaSlice<bf16> = s.alloc_zeros(MAX_TOKENS * HIDDEN).unwrap();
     let (xp, ip, wp, yp, op) = (
         x.device_ptr(s).0,
         idx.device_ptr(s).0,
@@ -280,6 +276,17 @@ fn exchange(comm: &Arc<Communicator>, s: &Arc<CudaStream>) {
             }
         } else {
             assert_eq!(origins, expected, "rank {me}, {what}: rows' origins");
+            // DeepEP's rank_prefix_matrix: [s][r], the rows ranks 0..=s send rank r.
+            let got: Vec<i32> = words(&dtoh(res.rank_prefix, world * world * 4), i32s);
+            let mut want = vec![0i32; world * world];
+            for r in 0..world {
+                let mut sum = 0;
+                for s in 0..world {
+                    sum += reference_layout(&all[s].idx, TOPK, per_rank, world)[r].len() as i32;
+                    want[s * world + r] = sum;
+                }
+            }
+            assert_eq!(got, want, "rank {me}, {what}: rank_prefix_matrix");
         }
         for (j, &(src, t)) in origins.iter().enumerate() {
             for h in 0..HIDDEN {
@@ -303,11 +310,9 @@ fn exchange(comm: &Arc<Communicator>, s: &Arc<CudaStream>) {
                     local,
                     "rank {me}, {what}: row {j} expert {k}"
                 );
-                assert_eq!(
-                    rw[j * TOPK + k],
-                    ws[k],
-                    "rank {me}, {what}: row {j} weight {k}"
-                );
+                // A weight reaches only the rank of its expert (0 elsewhere, as DeepEP's).
+                let w = if local >= 0 { ws[k] } else { 0.0 };
+                assert_eq!(rw[j * TOPK + k], w, "rank {me}, {what}: row {j} weight {k}");
                 if local >= 0 {
                     want_counts[local as usize] += 1;
                 }
@@ -403,17 +408,134 @@ fn exchange(comm: &Arc<Communicator>, s: &Arc<CudaStream>) {
             }
         }
     };
+    // The combined top-k weights (DeepEP's combined_topk_weights), NVLink path.
+    let out_weights: CudaSlice<f32> = s.alloc_zeros(MAX_TOKENS * TOPK).unwrap();
+    let owp = out_weights.device_ptr(s).0;
+    // A dispatch routed by ranks (DeepEP's is_token_in_rank) and its per-expert counts.
+    let in_rank_dev: CudaSlice<u8> = s.alloc_zeros(MAX_TOKENS * world).unwrap();
+    let irp = in_rank_dev.device_ptr(s).0;
+    let per_expert_dev: CudaSlice<i32> = s.alloc_zeros(experts).unwrap();
+    let pep = per_expert_dev.device_ptr(s).0;
     for round in 0..4u64 {
         let mine = upload(round);
         let before = traffic();
-        // SAFETY: the inputs hold `tokens` rows; y and out are sized for the worst case.
-        unsafe { moe.dispatch(s, xp, ip, wp, mine.tokens) }.unwrap();
+        let n = mine.tokens;
+        if round == 0 {
+            // The typed call: the slices' lengths give the sizes, and wrong ones are refused
+            // before anything is sent (no call counted, so the ranks stay in step).
+            let bad = moe.dispatch(
+                s,
+                &x.slice(..n * HIDDEN + 8),
+                &idx.slice(..n * TOPK),
+                &w.slice(..n * TOPK),
+            );
+            assert!(
+                bad.is_err(),
+                "rank {me}: a dispatch whose x and ids disagree"
+            );
+            moe.dispatch(
+                s,
+                &x.slice(..n * HIDDEN),
+                &idx.slice(..n * TOPK),
+                &w.slice(..n * TOPK),
+            )
+            .unwrap();
+        } else {
+            // SAFETY: the inputs hold `tokens` rows; y and out are sized for the worst case.
+            unsafe { moe.dispatch_raw(s, xp, ip, wp, n) }.unwrap();
+        }
         // Round 3 writes the expert outputs straight into the combine buffer (no copy-in).
         let y_at = if round == 3 { moe.combine_buffer() } else { yp };
         check_dispatch(round, &format!("round {round}"), y_at);
         check_network(round, before, used_bf16, &format!("round {round}"));
-        unsafe { moe.combine(s, y_at, op) }.unwrap();
+        if round == 0 {
+            let short = moe.combine(s, &y.slice(..HIDDEN), &mut out.slice_mut(..n * HIDDEN));
+            assert!(
+                short.is_err(),
+                "rank {me}: a combine whose y cannot hold every row"
+            );
+            moe.combine(s, &y, &mut out.slice_mut(..n * HIDDEN))
+                .unwrap();
+        } else {
+            // SAFETY: y and out are sized for the worst case.
+            unsafe { moe.combine_raw(s, y_at, op) }.unwrap();
+        }
         check_combine(round, &format!("round {round}"));
+        if round == 2 && !spans {
+            // Again, summing each row's received weights too: a token's weight k comes back
+            // from the rank of its expert (0 elsewhere), so the sum is the weight itself.
+            // SAFETY: recv_weights holds the dispatch's rows; out_weights MAX_TOKENS x TOPK.
+            unsafe { moe.combine_with_weights_raw(s, y_at, op, res.recv_weights, owp) }.unwrap();
+            check_combine(round, "round 2, with weights");
+            let got: Vec<f32> = words(&dtoh(owp, mine.tokens * TOPK * 4), |b: &[u8; 4]| {
+                f32::from_le_bytes(*b)
+            });
+            for t in 0..mine.tokens {
+                for k in 0..TOPK {
+                    let e = mine.idx[t * TOPK + k];
+                    let want = if e >= 0 {
+                        mine.weights[t * TOPK + k]
+                    } else {
+                        0.0
+                    };
+                    assert_eq!(
+                        got[t * TOPK + k],
+                        want,
+                        "rank {me}: combined weight {k} of token {t}"
+                    );
+                }
+            }
+        }
+        if round == 2 && !spans {
+            // The same routing given as ranks per token: the same rows, origins, prefix matrix
+            // and per-expert counts (from the sources' own counts), and the combine on top.
+            let n = u32::from_le_bytes(dtoh(res.num_recv, 4).try_into().unwrap()) as usize;
+            let snapshot = |r: &doorbell::collectives::moe::DispatchResults| {
+                (
+                    dtoh(r.recv_x, n * HIDDEN * 2),
+                    dtoh(r.recv_src, n * 8),
+                    dtoh(r.rank_prefix, world * world * 4),
+                    dtoh(r.expert_counts, per_rank * 4),
+                )
+            };
+            let by_topk = snapshot(&res);
+            let in_rank: Vec<u8> = (0..mine.tokens * world)
+                .map(|i| {
+                    let ids = &mine.idx[(i / world) * TOPK..(i / world + 1) * TOPK];
+                    u8::from(
+                        ids.iter()
+                            .any(|&e| e >= 0 && e as usize / per_rank == i % world),
+                    )
+                })
+                .collect();
+            let per_expert: Vec<i32> = (0..experts)
+                .map(|e| mine.idx.iter().filter(|&&id| id == e as i32).count() as i32)
+                .collect();
+            htod(irp, &in_rank);
+            htod(pep, bytemuck::cast_slice(&per_expert));
+            // SAFETY: in_rank holds tokens x world bytes, per_expert `experts` i32.
+            unsafe { moe.dispatch_by_rank_raw(s, xp, 0, irp, pep, mine.tokens) }.unwrap();
+            let by_rank = snapshot(&res);
+            assert!(
+                by_rank.0 == by_topk.0,
+                "rank {me}: rows of the dispatch by ranks"
+            );
+            assert_eq!(
+                by_rank.1, by_topk.1,
+                "rank {me}: origins of the dispatch by ranks"
+            );
+            assert_eq!(
+                by_rank.2, by_topk.2,
+                "rank {me}: prefix matrix of the dispatch by ranks"
+            );
+            assert_eq!(
+                by_rank.3, by_topk.3,
+                "rank {me}: expert counts of the dispatch by ranks"
+            );
+            // SAFETY: as the round's combine.
+            unsafe { moe.combine_raw(s, y_at, op) }.unwrap();
+            check_combine(round, "round 2, after a dispatch by ranks");
+        }
         if round == 1 {
             // A second combine of the same dispatch (its own handshake: a peer may still read
             // this rank's combine buffer), into a cleared output.
@@ -421,7 +543,7 @@ fn exchange(comm: &Arc<Communicator>, s: &Arc<CudaStream>) {
             check("cuMemsetD16Async", unsafe {
                 cudarc::driver::sys::cuMemsetD16Async(op, 0, MAX_TOKENS * HIDDEN, s.cu_stream())
             });
-            unsafe { moe.combine(s, y_at, op) }.unwrap();
+            unsafe { moe.combine_raw(s, y_at, op) }.unwrap();
             check_combine(round, "round 1, combined again");
         }
     }
@@ -444,7 +566,7 @@ fn exchange(comm: &Arc<Communicator>, s: &Arc<CudaStream>) {
         htod(scp, bytemuck::cast_slice(&sc));
         let before = traffic();
         // SAFETY: the inputs hold `tokens` rows.
-        unsafe { moe.dispatch_fp8(s, xp, scp, ip, wp, mine.tokens) }.unwrap();
+        unsafe { moe.dispatch_fp8_raw(s, xp, scp, ip, wp, mine.tokens) }.unwrap();
         let all: Vec<Routing> = (0..world).map(|r| routing(r, round, experts)).collect();
         let expected: Vec<(usize, usize)> = (0..world)
             .flat_map(|src| {
@@ -500,7 +622,7 @@ fn exchange(comm: &Arc<Communicator>, s: &Arc<CudaStream>) {
     s.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)
         .unwrap();
     // SAFETY: as above.
-    unsafe { moe.dispatch(s, xp, ip, wp, routing(me, 10, experts).tokens) }.unwrap();
+    unsafe { moe.dispatch_raw(s, xp, ip, wp, routing(me, 10, experts).tokens) }.unwrap();
     let graph = s
         .end_capture(CUgraphInstantiate_flags(0))
         .unwrap()
@@ -515,7 +637,7 @@ fn exchange(comm: &Arc<Communicator>, s: &Arc<CudaStream>) {
         check_dispatch(round, &format!("graph replay {replay}"), yp);
         check_network(round, before, used_bf16, &format!("graph replay {replay}"));
         // SAFETY: as above.
-        unsafe { moe.combine(s, yp, op) }.unwrap();
+        unsafe { moe.combine_raw(s, yp, op) }.unwrap();
         check_combine(round, &format!("graph replay {replay}"));
     }
 }
@@ -663,14 +785,7 @@ fn low_latency(comm: &Arc<Communicator>, s: &Arc<CudaStream>) {
     let local = experts / world;
     let ll = MoeLowLatency::new(
         comm,
-        MoeConfig {
-            hidden: HIDDEN,
-            topk: TOPK,
-            num_experts: experts,
-            max_tokens: LL_MAX,
-            blocks: Some(16),
-            ..Default::default()
-        },
+        MoeConfig::new(HIDDEN, TOPK, experts, LL_MAX).with_blocks(16),
     )
     .unwrap();
     let env = |k: &str| std::env::var(k).unwrap_or_default();
@@ -678,11 +793,11 @@ fn low_latency(comm: &Arc<Communicator>, s: &Arc<CudaStream>) {
     let spans = env("DOORBELL_MOE_NET") == "1"
         || (env("DOORBELL_SEPARATE_NODES") == "1" && world > node_size);
     assert_eq!(ll.spans_nodes(), spans, "rank {me}: the node-spanning path");
-    let x: CudaSlice<u16> = s.alloc_zeros(LL_MAX * HIDDEN).unwrap();
+    let x: CudaSlice<bf16> = s.alloc_zeros(LL_MAX * HIDDEN).unwrap();
     // One id more: round 3 passes the ids 4 bytes off a 16-byte boundary (ids_at).
     let idx: CudaSlice<i32> = s.alloc_zeros(LL_MAX * TOPK + 1).unwrap();
     let w: CudaSlice<f32> = s.alloc_zeros(LL_MAX * TOPK).unwrap();
-    let out: CudaSlice<u16> = s.alloc_zeros(LL_MAX * HIDDEN).unwrap();
+    let mut out: CudaSlice<bf16> = s.alloc_zeros(LL_MAX * HIDDEN).unwrap();
     let (xp, ip, wp, op) = (
         x.device_ptr(s).0,
         idx.device_ptr(s).0,
@@ -816,12 +931,33 @@ fn low_latency(comm: &Arc<Communicator>, s: &Arc<CudaStream>) {
         // that do both.
         if round % 2 == 0 {
             // SAFETY: the inputs hold `tokens` rows.
-            unsafe { ll.dispatch_send(s, xp, ids_at(round), wp, mine.tokens) }.unwrap();
+            unsafe { ll.dispatch_send_raw(s, xp, ids_at(round), wp, mine.tokens) }.unwrap();
             htod(op, &[0u8; 16]);
             ll.dispatch_recv(s).unwrap();
+        } else if round == 1 {
+            // The typed call: sizes from the slices, the ids copied into the exchange's own
+            // memory (the combine reads them), wrong lengths refused before anything is sent.
+            let t = mine.tokens;
+            let bad = ll.dispatch(
+                s,
+                &x.slice(..t * HIDDEN),
+                &idx.slice(..t * TOPK + 1),
+                &w.slice(..t * TOPK),
+            );
+            assert!(
+                bad.is_err(),
+                "rank {me}: a dispatch whose ids and weights disagree"
+            );
+            ll.dispatch(
+                s,
+                &x.slice(..t * HIDDEN),
+                &idx.slice(..t * TOPK),
+                &w.slice(..t * TOPK),
+            )
+            .unwrap();
         } else {
             // SAFETY: as above.
-            unsafe { ll.dispatch(s, xp, ids_at(round), wp, mine.tokens) }.unwrap();
+            unsafe { ll.dispatch_raw(s, xp, ids_at(round), wp, mine.tokens) }.unwrap();
         }
         n += 1;
         check(round, n, &format!("round {round}"));
@@ -829,10 +965,18 @@ fn low_latency(comm: &Arc<Communicator>, s: &Arc<CudaStream>) {
             ll.combine_send(s).unwrap();
             htod(op, &[0u8; 16]);
             // SAFETY: out holds `tokens` rows.
-            unsafe { ll.combine_recv(s, op) }.unwrap();
+            unsafe { ll.combine_recv_raw(s, op) }.unwrap();
+        } else if round == 1 {
+            // Typed: `out` must hold the last dispatch's tokens.
+            let t = mine.tokens;
+            if t > 0 {
+                let short = ll.combine(s, &mut out.slice_mut(..t * HIDDEN - 1));
+                assert!(short.is_err(), "rank {me}: a combine into too small an out");
+            }
+            ll.combine(s, &mut out.slice_mut(..t * HIDDEN)).unwrap();
         } else {
             // SAFETY: out holds `tokens` rows.
-            unsafe { ll.combine(s, op) }.unwrap();
+            unsafe { ll.combine_raw(s, op) }.unwrap();
         }
         check_combine(round, &format!("round {round}"));
     }
@@ -870,7 +1014,7 @@ fn low_latency(comm: &Arc<Communicator>, s: &Arc<CudaStream>) {
         n += 1;
         check(round, n, &format!("fused round {round}"));
         // SAFETY: out holds `tokens` rows.
-        unsafe { ll.combine(s, op) }.unwrap();
+        unsafe { ll.combine_raw(s, op) }.unwrap();
         check_combine(round, &format!("fused round {round}"));
     }
     // FP8 rows (node-spanning path): e4m3 bytes and their scales arrive at every selected
@@ -892,7 +1036,7 @@ fn low_latency(comm: &Arc<Communicator>, s: &Arc<CudaStream>) {
             htod(xp8, &b);
             htod(scp, bytemuck::cast_slice(&c));
             // SAFETY: the inputs hold `tokens` rows.
-            unsafe { ll.dispatch_send_fp8(s, xp8, scp, ip, wp, mine.tokens) }.unwrap();
+            unsafe { ll.dispatch_send_fp8_raw(s, xp8, scp, ip, wp, mine.tokens) }.unwrap();
             ll.dispatch_recv(s).unwrap();
             n += 1;
             let res = ll.results_of(n);
@@ -955,12 +1099,12 @@ fn low_latency(comm: &Arc<Communicator>, s: &Arc<CudaStream>) {
             }
             htod(ll.combine_buffer(), bytemuck::cast_slice(&ys));
             // SAFETY: out holds `tokens` rows.
-            unsafe { ll.combine(s, op) }.unwrap();
+            unsafe { ll.combine_raw(s, op) }.unwrap();
             check_combine(round, &format!("FP8 round {round}"));
         }
     } else {
         // SAFETY: refused before anything is read.
-        let refused = unsafe { ll.dispatch_send_fp8(s, xp, wp, ip, wp, 1) };
+        let refused = unsafe { ll.dispatch_send_fp8_raw(s, xp, wp, ip, wp, 1) };
         assert!(refused.is_err(), "rank {me}: FP8 on the NVLink path");
     }
     // Graph replays of a captured dispatch (fixed token count), new routing each time; the
@@ -970,7 +1114,7 @@ fn low_latency(comm: &Arc<Communicator>, s: &Arc<CudaStream>) {
     s.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)
         .unwrap();
     // SAFETY: as above.
-    unsafe { ll.dispatch(s, xp, ip, wp, ll_routing(me, round0, experts).tokens) }.unwrap();
+    unsafe { ll.dispatch_raw(s, xp, ip, wp, ll_routing(me, round0, experts).tokens) }.unwrap();
     let graph = s
         .end_capture(CUgraphInstantiate_flags(0))
         .unwrap()
@@ -983,7 +1127,513 @@ fn low_latency(comm: &Arc<Communicator>, s: &Arc<CudaStream>) {
         n += 1;
         check(round, n, &format!("graph replay {replay}"));
         // SAFETY: as above.
-        unsafe { ll.combine(s, op) }.unwrap();
+        unsafe { ll.combine_raw(s, op) }.unwrap();
         check_combine(round, &format!("graph replay {replay}"));
     }
+}
+
+#[test]
+#[ignore = "needs GPU"]
+fn low_latency_in_deep_eps_layout_packs_casts_and_combines_with_the_combines_weights() {
+    for n in rank_counts() {
+        run_case("deep_ep_layout", n, &[]);
+    }
+}
+
+/// A packed dispatch's results with each (expert, source) range's entries (source token, row
+/// bytes, `scales(expert, position)`) sorted: what two runs of the same dispatch must agree on
+/// (the order inside a range is the senders' race).
+#[allow(clippy::too_many_arguments)]
+fn canonical(
+    counts: &[i32],
+    ranges: &[i64],
+    srcs: &[i32],
+    rows: &[u8],
+    row_bytes: usize,
+    cap: usize,
+    world: usize,
+    scales: impl Fn(usize, usize) -> Vec<u8>,
+) -> Vec<u8> {
+    let mut v: Vec<u8> = counts.iter().flat_map(|c| c.to_le_bytes()).collect();
+    v.extend(ranges.iter().flat_map(|r| r.to_le_bytes()));
+    for le in 0..counts.len() {
+        for from in 0..world {
+            let r = ranges[le * world + from];
+            let (begin, n) = ((r >> 32) as usize, (r & 0xffff_ffff) as usize);
+            let mut entries: Vec<Vec<u8>> = (begin..begin + n)
+                .map(|pos| {
+                    let at = le * cap + pos;
+                    let mut e = srcs[at].to_be_bytes().to_vec();
+                    e.extend(&rows[at * row_bytes..(at + 1) * row_bytes]);
+                    e.extend(scales(le, pos));
+                    e
+                })
+                .collect();
+            entries.sort();
+            v.extend(entries.concat());
+        }
+    }
+    v
+}
+
+/// An e4m3 byte's value.
+fn e4m3(b: u8) -> f32 {
+    let sign = if b & 0x80 != 0 { -1.0 } else { 1.0 };
+    let (exp, man) = (((b >> 3) & 0xf) as i32, (b & 7) as f32);
+    if exp == 15 && b & 7 == 7 {
+        return f32::NAN;
+    }
+    if exp == 0 {
+        return sign * man / 8.0 * 2f32.powi(-6);
+    }
+    sign * (1.0 + man / 8.0) * 2f32.powi(exp - 7)
+}
+
+/// DeepEP's scale for a group of 128 values whose largest magnitude is `amax`.
+fn fp8_scale(amax: f32, round: bool) -> f32 {
+    let s = amax.max(1e-4) * (1.0f32 / 448.0);
+    if !round {
+        return s;
+    }
+    let bits = s.to_bits();
+    let e = ((bits >> 23) & 0xff) as i32 - 127 + i32::from(bits & 0x7f_ffff != 0);
+    f32::from_bits(((e + 127) as u32) << 23)
+}
+
+/// DeepEP's low-latency layout (`MoeConfig::with_deep_ep_layout`): each expert's rows packed from
+/// row 0 in source order with their source tokens, ranges and counts, bf16 or cast to e4m3 by the
+/// kernel (plain, power-of-two and exponent-byte scales, column-major), stats added up, both
+/// halves fused and apart; the combine returns every row and applies the weights given to it
+/// (not the dispatch's: none travel). Compared exactly with the CPU (the FP8 rows within e4m3's
+/// rounding of exactly computed scales).
+fn deep_ep_layout(comm: &Arc<Communicator>, s: &Arc<CudaStream>) {
+    use doorbell::collectives::moe::{MoeLowLatency, PackedHandle, PackedOutputs};
+    const H: usize = 512;
+    let (me, world) = (comm.rank(), comm.world_size());
+    let experts = 8 * world;
+    let local = experts / world;
+    let cap = world * LL_MAX;
+    let cfg = MoeConfig::new(H, TOPK, experts, LL_MAX).with_blocks(16);
+    let ll = MoeLowLatency::new(comm, cfg.clone().with_deep_ep_layout(true)).unwrap();
+    let plain = MoeLowLatency::new(comm, cfg).unwrap();
+    let x: CudaSlice<bf16> = s.alloc_zeros(LL_MAX * H).unwrap();
+    let idx: CudaSlice<i32> = s.alloc_zeros(LL_MAX * TOPK).unwrap();
+    let w: CudaSlice<f32> = s.alloc_zeros(LL_MAX * TOPK).unwrap();
+    let out: CudaSlice<bf16> = s.alloc_zeros(LL_MAX * H).unwrap();
+    let px: CudaSlice<u8> = s.alloc_zeros(local * cap * H * 2).unwrap();
+    let ps: CudaSlice<u8> = s.alloc_zeros(local * (H / 128) * cap * 4).unwrap();
+    let src: CudaSlice<i32> = s.alloc_zeros(local * cap).unwrap();
+    let range: CudaSlice<i64> = s.alloc_zeros(local * world).unwrap();
+    let count: CudaSlice<i32> = s.alloc_zeros(local).unwrap();
+    let stats: CudaSlice<i32> = s.alloc_zeros(local).unwrap();
+    let y: CudaSlice<bf16> = s.alloc_zeros(local * cap * H).unwrap();
+    // A second dispatch in flight (odd rounds): every rank sends no token, into outputs of its
+    // own; and the tickets that pair each receive half with its own send.
+    let px2: CudaSlice<u8> = s.alloc_zeros(local * cap * H * 2).unwrap();
+    let src2: CudaSlice<i32> = s.alloc_zeros(local * cap).unwrap();
+    let range2: CudaSlice<i64> = s.alloc_zeros(local * world).unwrap();
+    let count2: CudaSlice<i32> = s.alloc_zeros(local).unwrap();
+    let tickets: CudaSlice<u64> = s.alloc_zeros(8).unwrap();
+    // Round 2 passes its ids as int64 (DeepEP's topk_idx_t), read as they are.
+    let idx64: CudaSlice<i64> = s.alloc_zeros(LL_MAX * TOPK).unwrap();
+    let p = |v: u64| v;
+    let (xp, ip, wp, op) = (
+        p(x.device_ptr(s).0),
+        p(idx.device_ptr(s).0),
+        p(w.device_ptr(s).0),
+        p(out.device_ptr(s).0),
+    );
+    let (pxp, psp, srcp, rangep, countp, statsp, yp) = (
+        p(px.device_ptr(s).0),
+        p(ps.device_ptr(s).0),
+        p(src.device_ptr(s).0),
+        p(range.device_ptr(s).0),
+        p(count.device_ptr(s).0),
+        p(stats.device_ptr(s).0),
+        p(y.device_ptr(s).0),
+    );
+    let htod = |ptr: u64, v: &[u8]| upload_bytes(s, ptr, v);
+    let dtoh = |ptr: u64, n: usize| download_bytes(comm, s, ptr, n);
+    let tk = p(tickets.device_ptr(s).0);
+    let outputs = PackedOutputs::new(pxp, srcp, rangep, countp)
+        .with_stats(statsp)
+        .with_ticket(tk);
+    let empty = PackedOutputs::new(
+        p(px2.device_ptr(s).0),
+        p(src2.device_ptr(s).0),
+        p(range2.device_ptr(s).0),
+        p(count2.device_ptr(s).0),
+    )
+    .with_ticket(tk + 16);
+    // Refused before anything is sent (no call word taken, so the calls below still pair up).
+    // SAFETY: nothing is launched.
+    let e = unsafe { plain.dispatch_packed_raw(s, xp, ip, 0, &outputs) }.unwrap_err();
+    assert!(
+        e.to_string().contains("with_deep_ep_layout"),
+        "rank {me}: {e}"
+    );
+    let bad = outputs.with_fp8(psp, false, true);
+    // SAFETY: as above.
+    assert!(unsafe { ll.dispatch_packed_raw(s, xp, ip, 0, &bad) }.is_err());
+    let mut stats_want = vec![0i32; local];
+    // What rounds 0 and 1 gave (their valid rows, scales and source tokens, counts, ranges, the
+    // combine buffer and the combined rows), for the typed calls to match below.
+    let mut snaps: Vec<(Vec<u8>, Vec<u16>)> = Vec::new();
+    for round in 0..4u64 {
+        let (fp8, round_scale, ue8m0) = [
+            (false, false, false),
+            (true, false, false),
+            (true, true, false),
+            (true, true, true),
+        ][round as usize];
+        let mine = ll_routing(me, round, experts);
+        let xs: Vec<u16> = (0..mine.tokens * H)
+            .map(|i| x_value(me, i / H, i % H).to_bits())
+            .collect();
+        htod(xp, bytemuck::cast_slice(&xs));
+        htod(ip, bytemuck::cast_slice(&mine.idx));
+        let o = if fp8 {
+            outputs.with_fp8(psp, round_scale, ue8m0)
+        } else {
+            outputs
+        };
+        let ids64: Vec<i64> = mine.idx.iter().map(|&e| i64::from(e)).collect();
+        let i64p = p(idx64.device_ptr(s).0);
+        htod(i64p, bytemuck::cast_slice(&ids64));
+        // Even rounds: both halves in one kernel (round 2 with int64 ids); odd rounds: the
+        // halves apart, work between.
+        if round == 2 {
+            let o64 = o.with_i64_ids(true);
+            // SAFETY: every buffer is sized for the largest round; the ids are i64.
+            unsafe { ll.dispatch_packed_raw(s, xp, i64p, mine.tokens, &o64) }.unwrap();
+        } else if round % 2 == 0 {
+            // SAFETY: every buffer is sized for the largest round.
+            unsafe { ll.dispatch_packed_raw(s, xp, ip, mine.tokens, &o) }.unwrap();
+        } else {
+            // Two dispatches in flight: the first's receive half must pair with its own send
+            // (its ticket: epoch and call-check ordinal), not with the empty one sent after it;
+            // round 1 receives in send order, round 3 the other way round.
+            // SAFETY: as above.
+            unsafe { ll.dispatch_packed_send_raw(s, xp, ip, mine.tokens, &o) }.unwrap();
+            // SAFETY: as above; no token is read.
+            unsafe { ll.dispatch_packed_send_raw(s, xp, ip, 0, &empty) }.unwrap();
+            htod(op, &[0u8; 16]);
+            if round == 1 {
+                // SAFETY: as above.
+                unsafe { ll.dispatch_packed_recv_raw(s, &o) }.unwrap();
+                // SAFETY: as above.
+                unsafe { ll.dispatch_packed_recv_raw(s, &empty) }.unwrap();
+            } else {
+                // SAFETY: as above.
+                unsafe { ll.dispatch_packed_recv_raw(s, &empty) }.unwrap();
+                // SAFETY: as above.
+                unsafe { ll.dispatch_packed_recv_raw(s, &o) }.unwrap();
+            }
+            let none: Vec<i32> = words(
+                &dtoh(p(count2.device_ptr(s).0), local * 4),
+                |b: &[u8; 4]| i32::from_le_bytes(*b),
+            );
+            assert_eq!(
+                none,
+                vec![0; local],
+                "rank {me}: the empty dispatch in flight"
+            );
+        }
+        let what = format!("round {round} (fp8 {fp8}, round_scale {round_scale}, ue8m0 {ue8m0})");
+        let all: Vec<Routing> = (0..world).map(|r| ll_routing(r, round, experts)).collect();
+        let counts: Vec<i32> = words(&dtoh(countp, local * 4), |b: &[u8; 4]| {
+            i32::from_le_bytes(*b)
+        });
+        let ranges: Vec<i64> = words(&dtoh(rangep, local * world * 8), |b: &[u8; 8]| {
+            i64::from_le_bytes(*b)
+        });
+        let srcs: Vec<i32> = words(&dtoh(srcp, local * cap * 4), |b: &[u8; 4]| {
+            i32::from_le_bytes(*b)
+        });
+        let row_bytes = if fp8 { H } else { 2 * H };
+        let rows = dtoh(pxp, local * cap * row_bytes);
+        let scales = dtoh(psp, local * (H / 128) * cap * 4);
+        let scale_of = |le: usize, g: usize, pos: usize| -> f32 {
+            if ue8m0 {
+                let b = scales[((le * (H / 512) + g / 4) * cap + pos) * 4 + g % 4];
+                f32::from_bits(u32::from(b) << 23)
+            } else {
+                let at = ((le * (H / 128) + g) * cap + pos) * 4;
+                f32::from_le_bytes(scales[at..at + 4].try_into().unwrap())
+            }
+        };
+        let mut ys = vec![0u16; local * cap * H];
+        for le in 0..local {
+            let e = (me * local + le) as i32;
+            let mut begin = 0usize;
+            for (from, routing) in all.iter().enumerate() {
+                let mut want: Vec<i32> = (0..routing.tokens)
+                    .filter(|&t| routing.idx[t * TOPK..(t + 1) * TOPK].contains(&e))
+                    .map(|t| t as i32)
+                    .collect();
+                let n = want.len();
+                assert_eq!(
+                    ranges[le * world + from],
+                    ((begin as i64) << 32) | n as i64,
+                    "rank {me}, {what}: range of expert {le} from {from}"
+                );
+                let mut got = Vec::with_capacity(n);
+                for i in 0..n {
+                    let pos = begin + i;
+                    let t = srcs[le * cap + pos] as usize;
+                    got.push(t as i32);
+                    let row = &rows[(le * cap + pos) * row_bytes..(le * cap + pos + 1) * row_bytes];
+                    for g in 0..H / 128 {
+                        let amax = (0..128)
+                            .map(|j| x_value(from, t, g * 128 + j).to_f32().abs())
+                            .fold(0f32, f32::max);
+                        let scale = fp8_scale(amax, round_scale);
+                        if fp8 {
+                            assert_eq!(
+                                scale_of(le, g, pos),
+                                scale,
+                                "rank {me}, {what}: scale {g} of expert {le} row {pos}"
+                            );
+                        }
+                        for j in 0..128 {
+                            let h = g * 128 + j;
+                            let v = x_value(from, t, h).to_f32();
+                            let got_v = if fp8 {
+                                e4m3(row[h]) * scale
+                            } else {
+                                bf16::from_bits(u16::from_le_bytes([row[2 * h], row[2 * h + 1]]))
+                                    .to_f32()
+                            };
+                            let tolerance = if fp8 {
+                                v.abs() / 16.0 + scale / 512.0
+                            } else {
+                                0.0
+                            };
+                            assert!(
+                                (got_v - v).abs() <= tolerance,
+                                "rank {me}, {what}: expert {le} row {pos} (source {from} token {t}) \
+                                 value {h}: {got_v}, sent {v}"
+                            );
+                            ys[(le * cap + pos) * H + h] =
+                                bf16::from_f32(v * (le as f32 + 1.0)).to_bits();
+                        }
+                    }
+                }
+                got.sort_unstable();
+                want.sort_unstable();
+                assert_eq!(
+                    got, want,
+                    "rank {me}, {what}: tokens of expert {le} from {from}"
+                );
+                begin += n;
+            }
+            assert_eq!(
+                counts[le], begin as i32,
+                "rank {me}, {what}: rows of expert {le}"
+            );
+            stats_want[le] += begin as i32;
+        }
+        htod(yp, bytemuck::cast_slice(&ys));
+        // The combine's weights, not the dispatch's (none travelled).
+        let cw: Vec<f32> = (0..mine.tokens * TOPK)
+            .map(|i| [1.0f32, 0.5, 2.0, 0.25][(i + round as usize) % 4])
+            .collect();
+        htod(wp, bytemuck::cast_slice(&cw));
+        let handle = PackedHandle {
+            src_info: srcp,
+            layout_range: rangep,
+        };
+        if round == 2 {
+            // SAFETY: as above; the ids are i64.
+            unsafe { ll.combine_packed_ids_raw(s, yp, &handle, (i64p, true), wp, mine.tokens, op) }
+                .unwrap();
+        } else if round % 2 == 0 {
+            // SAFETY: as above.
+            unsafe { ll.combine_packed_raw(s, yp, &handle, ip, wp, mine.tokens, op) }.unwrap();
+        } else {
+            // Two combines in flight (the second of the empty dispatch), received in send order
+            // (round 1) or the other way round (round 3).
+            let handle2 = PackedHandle {
+                src_info: p(src2.device_ptr(s).0),
+                layout_range: p(range2.device_ptr(s).0),
+            };
+            // SAFETY: as above.
+            unsafe { ll.combine_packed_send_raw(s, yp, &handle, tk + 32) }.unwrap();
+            // SAFETY: as above; the empty dispatch's handle names no row.
+            unsafe { ll.combine_packed_send_raw(s, yp, &handle2, tk + 48) }.unwrap();
+            let mine_first = round == 1;
+            if mine_first {
+                // SAFETY: as above.
+                unsafe { ll.combine_packed_recv_raw(s, ip, wp, mine.tokens, op, tk + 32) }.unwrap();
+            }
+            // SAFETY: as above; no token is written.
+            unsafe { ll.combine_packed_recv_raw(s, ip, wp, 0, op, tk + 48) }.unwrap();
+            if !mine_first {
+                // SAFETY: as above.
+                unsafe { ll.combine_packed_recv_raw(s, ip, wp, mine.tokens, op, tk + 32) }.unwrap();
+            }
+        }
+        let got: Vec<bf16> = words(&dtoh(op, mine.tokens * H * 2), |b: &[u8; 2]| {
+            bf16::from_bits(u16::from_le_bytes(*b))
+        });
+        for t in 0..mine.tokens {
+            for h in 0..H {
+                let mut acc = 0f32;
+                for k in 0..TOPK {
+                    let e = mine.idx[t * TOPK + k];
+                    if e < 0 {
+                        continue;
+                    }
+                    let row = bf16::from_f32(
+                        x_value(me, t, h).to_f32() * ((e as usize % local) as f32 + 1.0),
+                    );
+                    acc = cw[t * TOPK + k].mul_add(row.to_f32(), acc);
+                }
+                assert_eq!(
+                    got[t * H + h],
+                    bf16::from_f32(acc),
+                    "rank {me}, {what}: combined token {t} value {h}"
+                );
+            }
+        }
+        if round < 2 {
+            let scale_bytes = |le: usize, pos: usize| -> Vec<u8> {
+                if !fp8 {
+                    return Vec::new();
+                }
+                (0..H / 128)
+                    .flat_map(|g| scale_of(le, g, pos).to_le_bytes())
+                    .collect()
+            };
+            snaps.push((
+                canonical(
+                    &counts,
+                    &ranges,
+                    &srcs,
+                    &rows,
+                    row_bytes,
+                    cap,
+                    world,
+                    scale_bytes,
+                ),
+                got.iter().map(|v| v.to_bits()).collect(),
+            ));
+        }
+    }
+    // The typed calls (sizes from the slices, outputs owned by PackedBuffers) on rounds 0 and 1's
+    // inputs give what the raw calls gave: the same rows, scales and source tokens in each
+    // (expert, source) range (the order inside a range is the senders' race, so compared
+    // sorted), the same counts and ranges, and the same combined rows.
+    {
+        use doorbell::collectives::moe::PackedFormat;
+        let formats = [
+            PackedFormat::Bf16,
+            PackedFormat::Fp8 {
+                round_scale: false,
+                ue8m0: false,
+            },
+        ];
+        let mut out = out;
+        for (round, (want, combined)) in snaps.iter().enumerate() {
+            let mut bufs = ll.packed_buffers(s, formats[round]).unwrap();
+            let mine = ll_routing(me, round as u64, experts);
+            let t = mine.tokens;
+            let xs: Vec<u16> = (0..t * H)
+                .map(|i| x_value(me, i / H, i % H).to_bits())
+                .collect();
+            htod(xp, bytemuck::cast_slice(&xs));
+            htod(ip, bytemuck::cast_slice(&mine.idx));
+            ll.dispatch_packed(
+                s,
+                &x.slice(..t * H),
+                &idx.slice(..t * TOPK),
+                &mut bufs,
+                None,
+            )
+            .unwrap();
+            let i32s = |b: &[u8; 4]| i32::from_le_bytes(*b);
+            let counts: Vec<i32> = words(&dtoh(bufs.count().device_ptr(s).0, local * 4), i32s);
+            let fp8 = round == 1;
+            let row_bytes = if fp8 { H } else { 2 * H };
+            let ranges: Vec<i64> = words(
+                &dtoh(bufs.layout_range().device_ptr(s).0, local * world * 8),
+                |b: &[u8; 8]| i64::from_le_bytes(*b),
+            );
+            let srcs: Vec<i32> = words(
+                &dtoh(bufs.src_info().device_ptr(s).0, local * cap * 4),
+                i32s,
+            );
+            let rows = dtoh(bufs.x().device_ptr(s).0, local * cap * row_bytes);
+            let scales = match bufs.scales() {
+                Some(sc) => dtoh(sc.device_ptr(s).0, local * (H / 128) * cap * 4),
+                None => Vec::new(),
+            };
+            let scale_bytes = |le: usize, pos: usize| -> Vec<u8> {
+                (0..if fp8 { H / 128 } else { 0 })
+                    .flat_map(|g| {
+                        let at = ((le * (H / 128) + g) * cap + pos) * 4;
+                        scales[at..at + 4].to_vec()
+                    })
+                    .collect()
+            };
+            let got = canonical(
+                &counts,
+                &ranges,
+                &srcs,
+                &rows,
+                row_bytes,
+                cap,
+                world,
+                scale_bytes,
+            );
+            assert!(
+                got == *want,
+                "rank {me}: the typed dispatch of round {round} differs from the raw one"
+            );
+            // The experts' outputs at this dispatch's own places.
+            let mut ys = vec![0u16; local * cap * H];
+            for le in 0..local {
+                for from in 0..world {
+                    let r = ranges[le * world + from];
+                    let (begin, n) = ((r >> 32) as usize, (r & 0xffff_ffff) as usize);
+                    for pos in begin..begin + n {
+                        let tok = srcs[le * cap + pos] as usize;
+                        for h in 0..H {
+                            ys[(le * cap + pos) * H + h] =
+                                bf16::from_f32(x_value(from, tok, h).to_f32() * (le as f32 + 1.0))
+                                    .to_bits();
+                        }
+                    }
+                }
+            }
+            htod(yp, bytemuck::cast_slice(&ys));
+            let cw: Vec<f32> = (0..t * TOPK)
+                .map(|i| [1.0f32, 0.5, 2.0, 0.25][(i + round) % 4])
+                .collect();
+            htod(wp, bytemuck::cast_slice(&cw));
+            let mut o = out.slice_mut(..t * H);
+            ll.combine_packed(
+                s,
+                &y,
+                &bufs,
+                &idx.slice(..t * TOPK),
+                &w.slice(..t * TOPK),
+                &mut o,
+            )
+            .unwrap();
+            let back: Vec<u16> = words(&dtoh(op, t * H * 2), |b: &[u8; 2]| u16::from_le_bytes(*b));
+            assert!(
+                back == *combined,
+                "rank {me}: the typed combine of round {round} differs from the raw one"
+            );
+        }
+    }
+    let got: Vec<i32> = words(&dtoh(statsp, local * 4), |b: &[u8; 4]| {
+        i32::from_le_bytes(*b)
+    });
+    assert_eq!(
+        got, stats_want,
+        "rank {me}: the stats, added up over four dispatches"
+    );
+    comm.bootstrap().barrier().unwrap();
 }

@@ -4,7 +4,7 @@
 //! low-latency message counts, the high-throughput stream's receiver-driven admission (credits)
 //! under incast and over several dispatches, and the wire model.
 
-use doorbell::collectives::moe_net::{
+use doorbell::collectives::moe::plan::{
     forwards, ranks_of_tokens, ChunkStream, HighThroughputPlan, LowLatencyPlan, NodeMap, Posting,
     WireModel, HT_CHUNK,
 };

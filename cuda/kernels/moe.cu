@@ -12,7 +12,7 @@
 //      sender knows where its rows start in each receiver's results (after the rows of lower
 //      ranks); a warp per (token, segment of its row), every warp of the grid with work and none
 //      with two items where one would do, loads the row once and stores it, with the top-k ids
-//      rebased to the receiver's local ids (-1 elsewhere), the weights and (source rank, token),
+//      rebased to the receiver's local ids (-1 elsewhere), the weights (0 for experts elsewhere) and (source rank, token),
 //      straight into the final place of every rank it goes to; every block then signals every
 //      peer once (release: its rows land first) and counts itself done on this GPU.
 //   3. once every peer's B signals and this GPU's B blocks are in, rows per local expert.
@@ -107,10 +107,35 @@ DOORBELL_DEVICE_INLINE uint64_t count_word(uint64_t d, uint32_t count) { return 
 // The count of a word already known to belong to its call (the combine reads its dispatch's).
 DOORBELL_DEVICE_INLINE uint32_t count_of(uint64_t word) { return static_cast<uint32_t>(word); }
 
+// `owner`'s table of rows per expert by source for dispatch `d`, routing without top-k
+// ([source][local expert], words of count | dispatch number << 32).
+DOORBELL_DEVICE_INLINE uint64_t* expert_in(const MoeArgs& a, uint32_t owner, uint64_t d) {
+  return reinterpret_cast<uint64_t*>(a.land[owner] + a.off_expert_in) + (d & 1) * a.world * a.experts_per_rank;
+}
+
+// `owner`'s combine-buffer area of top-k weights rows (`[world * max_tokens][topk]` f32).
+DOORBELL_DEVICE_INLINE float* comb_weights(const MoeArgs& a, uint32_t owner) {
+  return reinterpret_cast<float*>(reinterpret_cast<char*>(a.comb_buf[owner]) + a.off_comb_weights);
+}
+
 // Waits (bounded) until my matrix of dispatch `d` holds source rank `s`'s count for rank `r`,
 // and returns it.
 DOORBELL_DEVICE_INLINE uint32_t wait_count(const MoeArgs& a, uint64_t d, uint32_t s, uint32_t r) {
   const uint64_t* w = count_matrix(a, a.rank, d) + uint64_t(s) * a.world + r;
+  const uint32_t tag = static_cast<uint32_t>(d);
+  uint64_t word = 0;
+  spin_until(a.sems[kSetRows * a.world + s].site, kWaitSemaphore, tag, [&](uint64_t& seen) {
+    word = load_relaxed_sys(w);
+    seen = word >> 32;
+    return seen == tag;
+  });
+  return count_of(word);
+}
+
+// Waits (bounded) until my table of dispatch `d` holds source rank `s`'s rows for local expert
+// `e` (routing without top-k), and returns them.
+DOORBELL_DEVICE_INLINE uint32_t wait_expert_in(const MoeArgs& a, uint64_t d, uint32_t s, uint32_t e) {
+  const uint64_t* w = expert_in(a, a.rank, d) + uint64_t(s) * a.experts_per_rank + e;
   const uint32_t tag = static_cast<uint32_t>(d);
   uint64_t word = 0;
   spin_until(a.sems[kSetRows * a.world + s].site, kWaitSemaphore, tag, [&](uint64_t& seen) {
@@ -229,7 +254,9 @@ DOORBELL_DEVICE_INLINE void dispatch_layout(const MoeArgs& a, uint64_t d) {
   for (uint32_t start = 0; start < a.num_tokens; start += blockDim.x) {
     const uint32_t t = start + tid;
     uint32_t flag = 0;
-    if (t < a.num_tokens) {
+    if (t < a.num_tokens && a.in_rank != nullptr) {
+      flag = a.in_rank[uint64_t(t) * a.world + r] != 0;
+    } else if (t < a.num_tokens) {
       for (uint32_t k = 0; k < a.topk; ++k) {
         const int32_t e = a.topk_idx[uint64_t(t) * a.topk + k];
         if (e >= 0 && uint32_t(e) / a.experts_per_rank == r) flag = 1;
@@ -252,6 +279,14 @@ DOORBELL_DEVICE_INLINE void dispatch_layout(const MoeArgs& a, uint64_t d) {
   }
   // My count for r into row `me` of every rank's matrix: one word, the call's number its flag.
   if (tid < a.world) store_relaxed_sys(count_matrix(a, tid, d) + uint64_t(a.rank) * a.world + r, count_word(d, base));
+  // Routing without top-k: my rows per expert of rank r, into row `me` of r's table (flagged
+  // words as the matrix's; r's final phase sums the rows).
+  if (a.in_rank != nullptr && a.tokens_per_expert != nullptr) {
+    for (uint32_t e = tid; e < a.experts_per_rank; e += blockDim.x) {
+      const int32_t c = a.tokens_per_expert[uint64_t(r) * a.experts_per_rank + e];
+      store_relaxed_sys(expert_in(a, r, d) + uint64_t(a.rank) * a.experts_per_rank + e, count_word(d, uint32_t(c)));
+    }
+  }
   if (tid == 0) count_own(a, kLayoutsDone);
 }
 
@@ -324,11 +359,11 @@ extern "C" __global__ void __launch_bounds__(512) moe_dispatch(MoeArgs a) {
       }
       int32_t* ids = reinterpret_cast<int32_t*>(a.land[r] + a.off_idx) + j * a.topk;
       float* weights = reinterpret_cast<float*>(a.land[r] + a.off_weights) + j * a.topk;
-      for (uint32_t k = lane; k < a.topk; k += kWarp) {
+      for (uint32_t k = lane; a.in_rank == nullptr && k < a.topk; k += kWarp) {
         const int32_t e = a.topk_idx[uint64_t(t) * a.topk + k];
         const bool here = e >= 0 && uint32_t(e) / a.experts_per_rank == r;
         ids[k] = here ? int32_t(uint32_t(e) % a.experts_per_rank) : -1;
-        weights[k] = a.topk_weights[uint64_t(t) * a.topk + k];
+        weights[k] = here ? a.topk_weights[uint64_t(t) * a.topk + k] : 0.0f;  // DeepEP: 0 elsewhere
       }
       if (lane == 0) {
         int32_t* src_info = reinterpret_cast<int32_t*>(a.land[r] + a.off_src) + 2 * j;
@@ -365,15 +400,33 @@ extern "C" __global__ void __launch_bounds__(512) moe_dispatch(MoeArgs a) {
   for (uint32_t e = threadIdx.x; e < a.experts_per_rank; e += blockDim.x) hist[e] = 0;
   __syncthreads();
   const int32_t* ids = reinterpret_cast<const int32_t*>(a.land[a.rank] + a.off_idx);
-  const uint64_t n = uint64_t(total) * a.topk;
+  const uint64_t n = a.in_rank != nullptr || cut ? 0 : uint64_t(total) * a.topk;
   for (uint64_t i = blockIdx.x * uint64_t(blockDim.x) + threadIdx.x; i < n; i += uint64_t(gridDim.x) * blockDim.x) {
     const int32_t e = ids[i];
     if (e >= 0) atomicAdd(&hist[e], 1u);
+  }
+  // Routing without top-k: the sources' own counts per expert (block 0).
+  if (a.in_rank != nullptr && a.tokens_per_expert != nullptr && blockIdx.x == 0 && !cut) {
+    for (uint32_t e = threadIdx.x; e < a.experts_per_rank; e += blockDim.x) {
+      uint32_t sum = 0;
+      for (uint32_t s = 0; s < a.world; ++s) sum += wait_expert_in(a, d, s, e);
+      hist[e] = sum;
+    }
   }
   __syncthreads();
   for (uint32_t e = threadIdx.x; e < a.experts_per_rank; e += blockDim.x) {
     if (hist[e]) atomicAdd(&a.expert_counts[e], hist[e]);
     if (cut) atomicOr(&a.expert_counts[e], kCutBit);
+  }
+  // DeepEP's rank_prefix_matrix ([s][r]: rows that ranks 0..=s send rank r), by block 0: every
+  // rank stores its counts into every rank's matrix before its rows, so these waits end at once.
+  if (blockIdx.x == 0 && threadIdx.x < a.world) {
+    const uint32_t r = threadIdx.x;
+    int32_t sum = 0;
+    for (uint32_t s = 0; s < a.world; ++s) {
+      if (!cut) sum += int32_t(wait_count(a, d, s, r));
+      a.rank_prefix[uint64_t(s) * a.world + r] = cut ? -1 : sum;
+    }
   }
   if (cut) {
     const uint64_t row_bytes = a.scales != nullptr ? a.hidden : uint64_t(a.hidden) * 2;
@@ -403,15 +456,26 @@ extern "C" __global__ void __launch_bounds__(512) moe_combine(MoeArgs a) {
   if (threadIdx.x == 0) a.calls[kCombinedDispatch + blockIdx.x] = d;
   // Only the rows peers read: those of other source ranks. My own tokens' rows stay in y, where
   // the sums below read them (on 2 ranks that halves the copy).
+  const uint32_t total = *a.num_recv;
+  const uint64_t* matrix = count_matrix(a, a.rank, d);
+  uint32_t own_first = 0;
+  for (uint32_t s = 0; s < a.rank; ++s) own_first += count_of(matrix[uint64_t(s) * a.world + a.rank]);
+  const uint32_t own_rows = count_of(matrix[uint64_t(a.rank) * a.world + a.rank]);
+  // A cut dispatch (total kCutCount) left no rows to copy.
+  const uint32_t others = total == kCutCount ? 0u : total - own_rows;
+  if (a.y_weights != nullptr && total != kCutCount) {
+    // The rows' top-k weights, to be summed as the rows are (DeepEP's combined_topk_weights).
+    float* w = comb_weights(a, a.rank);
+    const uint64_t n = uint64_t(others) * a.topk;
+    for (uint64_t i = blockIdx.x * uint64_t(blockDim.x) + threadIdx.x; i < n; i += uint64_t(gridDim.x) * blockDim.x) {
+      const uint64_t row = i / a.topk;
+      const uint64_t j = row < own_first ? row : row + own_rows;
+      w[j * a.topk + i % a.topk] = a.y_weights[j * a.topk + i % a.topk];
+    }
+  }
   if (static_cast<const void*>(a.y) != static_cast<const void*>(a.comb_buf[a.rank])) {
     const uint32_t lane = threadIdx.x % kWarp;
     const uint32_t warps = gridDim.x * (blockDim.x / kWarp);
-    const uint32_t total = *a.num_recv;
-    const uint64_t* m = count_matrix(a, a.rank, d);
-    uint32_t own_first = 0;
-    for (uint32_t s = 0; s < a.rank; ++s) own_first += count_of(m[uint64_t(s) * a.world + a.rank]);
-    const uint32_t own_rows = count_of(m[uint64_t(a.rank) * a.world + a.rank]);
-    const uint32_t others = total - own_rows;
     // (row, segment) items as in the dispatch: a decode batch's few rows are split over every
     // warp of the grid instead of keeping a few warps busy while the rest wait.
     const uint32_t chunks = a.hidden / 8;
@@ -440,6 +504,11 @@ extern "C" __global__ void __launch_bounds__(512) moe_combine(MoeArgs a) {
     for (uint32_t i = blockIdx.x * blockDim.x + threadIdx.x; i < n_items; i += gridDim.x * blockDim.x) {
       reinterpret_cast<int4*>(a.out)[i] = make_int4(-1, -1, -1, -1);
     }
+    if (a.out_weights != nullptr) {
+      for (uint32_t i = blockIdx.x * blockDim.x + threadIdx.x; i < a.num_tokens * a.topk; i += gridDim.x * blockDim.x) {
+        a.out_weights[i] = __int_as_float(-1);
+      }
+    }
     check_moe_call(a);
     return;
   }
@@ -459,6 +528,21 @@ extern "C" __global__ void __launch_bounds__(512) moe_combine(MoeArgs a) {
     reduce_rows<2>(a, first);
   } else {
     reduce_rows<0>(a, first);
+  }
+  if (a.out_weights != nullptr) {
+    // A thread per (token, k): the weights of every rank the token went to, in rank order, f32.
+    const uint32_t n = a.num_tokens * a.topk;
+    for (uint32_t i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) {
+      const uint32_t t = i / a.topk, k = i % a.topk;
+      float acc = 0.0f;
+      for (uint32_t r = 0; r < a.world; ++r) {
+        const int32_t p = a.pos[uint64_t(t) * a.world + r];
+        if (p < 0) continue;
+        const float* w = r == a.rank ? a.y_weights : comb_weights(a, r);
+        acc += w[(first[r] + uint64_t(p)) * a.topk + k];
+      }
+      a.out_weights[i] = acc;
+    }
   }
   check_moe_call(a);
 }

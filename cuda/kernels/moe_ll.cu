@@ -8,7 +8,7 @@
 // lists the sections). The half is the parity of the dispatch epoch, so a dispatch never
 // overwrites rows the previous one delivered (two results may be alive at once, as with DeepEP).
 //
-// dispatch send (moe_ll_send): a warp per (token, destination rank) reserves a slot of each
+// dispatch send (moe_ll_dispatch_send): a warp per (token, destination rank) reserves a slot of each
 // selected expert there (an atomic on my own counter), writes the row once into the first (the
 // carrier) and the selections' metadata, then after a system fence announces the carrier in the
 // destination's queue for this source (moe_ll::put). The warp that finishes the call's last
@@ -16,7 +16,7 @@
 // word and, for every rank, the carriers it sent there, after a system fence (no semaphores; the
 // epoch tells a fresh word from last call's), and zeroes the counters; the last block stores the
 // epoch.
-// dispatch receive (moe_ll_recv): warps take queue entries (entry j of every source before j + 1)
+// dispatch receive (moe_ll_dispatch_recv): warps take queue entries (entry j of every source before j + 1)
 // and copy each carrier row into its pair's other slots the moment its entry appears; an entry
 // past the source's carrier count is skipped. Block 0 waits for the count words and writes the
 // rows per (expert, source) and per expert. moe_ll_dispatch runs both in one kernel, half of
@@ -25,9 +25,18 @@
 // to the token's rank (moe_ll::send_partial); the last block signals every peer.
 // combine receive (moe_ll_combine_recv): waits for every peer's signal of this call, then adds
 // each token's partial sums (moe_ll::combine_chunk). moe_ll_combine does both in one kernel.
+//
+// DeepEP's layout (MoeLlArgs::packed, MoeConfig::with_deep_ep_layout): the send half is the same;
+// the receive half skips the copies into the slots and, once every source's counts are in,
+// writes each local expert's rows packed from row 0 in source order into the caller's outputs,
+// straight from the row that crossed (cast to e4m3 on the way when asked), with each row's source
+// token and each (expert, source) range (pack_rows). The combine returns every row unweighted
+// to its token's rank (combine_send_packed), which weighs them with the weights given to the
+// combine (combine_recv_packed): DeepEP's traffic and semantics.
 #include <doorbell/doorbell.cuh>
 
 #include <cuda_bf16.h>
+#include <cuda_fp8.h>
 
 using namespace doorbell;
 
@@ -35,6 +44,10 @@ namespace {
 
 constexpr uint32_t kWarp = 32;
 constexpr uint32_t kMaxPairs = 8192;  // local experts x ranks (1024 x 8), checked on the host
+
+// Per-(expert, source) counts of the receive half (write_layout, or pack_rows's counts and
+// beginnings in its two halves): one array, so a kernel with both paths fits its shared memory.
+__shared__ uint32_t pair_scratch[kMaxPairs];
 
 // The largest of `n[0..count)`, computed by the whole block.
 __device__ uint32_t block_max(const uint32_t* n, uint32_t count) {
@@ -125,7 +138,7 @@ __device__ void copy_announced(const MoeLlArgs& a, uint64_t epoch, uint32_t w, u
 // leave slots stale) writes no layout (the combine then sends nothing), every expert's count
 // kCutCount, and all ones (NaN) over every row of this half: nothing of it passes for a result.
 __device__ void write_layout(const MoeLlArgs& a, uint64_t epoch) {
-  __shared__ uint32_t rows_of[kMaxPairs];
+  uint32_t* rows_of = pair_scratch;
   const uint32_t half = uint32_t(epoch & 1);
   const uint32_t pairs = a.experts_per_rank * a.world;
   bool gave_up = false;
@@ -157,11 +170,304 @@ __device__ void write_layout(const MoeLlArgs& a, uint64_t epoch) {
   }
 }
 
+// ---- DeepEP's layout ----
+
+constexpr uint32_t kMaxPackedPairs = kMaxPairs / 2;  // local experts x ranks (= experts), checked on the host
+
+// Rows per local expert in the packed outputs.
+__device__ uint32_t packed_cap(const MoeLlArgs& a) { return a.world * a.max_tokens; }
+
+// The source whose rows hold position `i` of a local expert, or -1 past them; `range(src, begin,
+// rows)` gives each source's range. One warp, every lane with its lane id.
+template <typename Range>
+__device__ int32_t source_of(uint32_t world, uint32_t i, uint32_t lane, Range range) {
+  for (uint32_t base = 0; base < world; base += kWarp) {
+    const uint32_t src = base + lane;
+    bool hit = false;
+    if (src < world) {
+      uint32_t begin = 0, rows = 0;
+      range(src, begin, rows);
+      hit = i >= begin && i - begin < rows;
+    }
+    const uint32_t m = __ballot_sync(0xffffffffu, hit);
+    if (m != 0) return int32_t(base + __ffs(m) - 1);
+  }
+  return -1;
+}
+
+// ceil(log2(x)) for a positive normal float.
+__device__ int32_t ceil_log2(float x) {
+  const uint32_t bits = __float_as_uint(x);
+  return int32_t((bits >> 23) & 0xff) - 127 + ((bits & 0x7fffff) != 0 ? 1 : 0);
+}
+
+// Where the scale of group `g` of packed row (`le`, `pos`) goes (column-major, as DeepEP's).
+__device__ void store_scale(const MoeLlArgs& a, uint32_t le, uint32_t g, uint32_t pos, float scale_inv) {
+  const uint64_t cap = packed_cap(a);
+  if (a.packed & kPackedUe8m0) {
+    uint8_t* s = static_cast<uint8_t*>(a.packed_scales);
+    s[((uint64_t(le) * (a.hidden / 512) + g / 4) * cap + pos) * 4 + g % 4] = uint8_t(__float_as_uint(scale_inv) >> 23);
+  } else {
+    static_cast<float*>(a.packed_scales)[(uint64_t(le) * (a.hidden / 128) + g) * cap + pos] = scale_inv;
+  }
+}
+
+// Casts a bf16 row (`hidden` values at `src`) to e4m3 at `dst` (`hidden` bytes), one scale per
+// 128 values as DeepEP casts: amax over the group (at least 1e-4), scale amax / 448 (with
+// kPackedRound the next power of two up), values times its inverse, saturated. One warp: a
+// half-warp per group, eight values a lane. Each lane loads kCastBatch words before it casts any
+// (as copy_words_batched does): one load in flight at a time made a row of hidden 7168 a chain of
+// 28 dependent reads, and the FP8 dispatch 2.2 x the bf16 one (2 x H100, 2026-11-26: 90 against
+// 40 us at 128 tokens, top-8 of 288).
+constexpr uint32_t kCastBatch = 8;
+
+__device__ void cast_row_fp8(const MoeLlArgs& a, const int4* src, uint8_t* dst, uint32_t le, uint32_t pos,
+                             uint32_t lane) {
+  const uint32_t words = a.hidden / 8;
+  const bool round = (a.packed & kPackedRound) != 0;
+  for (uint32_t base = 0; base < words; base += kWarp * kCastBatch) {  // uniform: the shuffles need every lane
+    int4 raw[kCastBatch];
+#pragma unroll
+    for (uint32_t b = 0; b < kCastBatch; ++b) {
+      const uint32_t w = base + b * kWarp + lane;
+      raw[b] = w < words ? src[w] : make_int4(0, 0, 0, 0);
+    }
+#pragma unroll
+    for (uint32_t b = 0; b < kCastBatch; ++b) {
+      if (base + b * kWarp >= words) break;  // uniform
+      const uint32_t w = base + b * kWarp + lane;
+      const bool valid = w < words;
+      float v[8];
+      float amax = 0.f;
+      const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&raw[b]);
+#pragma unroll
+      for (uint32_t j = 0; j < 4; ++j) {
+        const float2 f = __bfloat1622float2(h[j]);
+        v[2 * j] = f.x;
+        v[2 * j + 1] = f.y;
+        amax = fmaxf(amax, fmaxf(fabsf(f.x), fabsf(f.y)));
+      }
+#pragma unroll
+      for (uint32_t o = 8; o >= 1; o /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+      if (!valid) continue;
+      amax = fmaxf(amax, 1e-4f);
+      float scale_inv, mul;
+      if (round) {
+        const int32_t e = ceil_log2(amax * (1.f / 448.f));
+        scale_inv = __uint_as_float(uint32_t(e + 127) << 23);
+        mul = __uint_as_float(uint32_t(127 - e) << 23);
+      } else {
+        scale_inv = amax * (1.f / 448.f);
+        mul = 448.f / amax;
+      }
+      uint32_t packed[2] = {0, 0};
+#pragma unroll
+      for (uint32_t j = 0; j < 4; ++j) {
+        const __nv_fp8x2_storage_t q = __nv_cvt_float2_to_fp8x2(make_float2(v[2 * j] * mul, v[2 * j + 1] * mul),
+                                                                __NV_SATFINITE, __NV_E4M3);
+        packed[j / 2] |= uint32_t(q) << (16 * (j % 2));
+      }
+      reinterpret_cast<uint2*>(dst)[w] = make_uint2(packed[0], packed[1]);
+      if (lane % 16 == 0) store_scale(a, le, w / 16, pos, scale_inv);
+    }
+  }
+}
+
+// The receive half in DeepEP's layout, every block: waits (bounded) for every count word of
+// `epoch`, takes each local expert's ranges in source order, and writes every received row at
+// its packed place straight from the row that crossed (its carrier), with its source token; block
+// 0 writes the ranges, the counts, the legacy per-(expert, source) counts, and adds to the stats.
+// A dispatch cut short (a wait gave up, or the communicator failed) writes count -1, no ranges,
+// and all ones (NaN in bf16 and e4m3, and in the scales) over the rows of the blocks that saw it.
+__device__ void pack_rows(const MoeLlArgs& a, uint64_t epoch) {
+  uint32_t* rows_of = pair_scratch;
+  uint32_t* begin_of = pair_scratch + kMaxPackedPairs;
+  const uint32_t half = uint32_t(epoch & 1);
+  const uint32_t world = a.world, local = a.experts_per_rank, pairs = local * world, cap = packed_cap(a);
+  bool gave_up = false;
+  for (uint32_t q = threadIdx.x; q < pairs; q += blockDim.x) {
+    const uint32_t src = q % world;
+    const uint64_t* word = moe_ll::count_word(a, a.rank, half, q / world, src);
+    uint64_t got = 0;
+    if (moe_ll::masked(a, src)) {
+      got = 0;  // a masked source sends nothing (its experts' selections read as -1)
+    } else if (!spin_until(moe_ll::site(a, src), kWaitPacket, epoch, [&](uint64_t& seen) {
+                 got = load_acquire_sys(word);
+                 seen = got >> 32;
+                 return seen == epoch;
+               })) {
+      got = 0;
+      // A source that died (tolerated: a rank mask) sent nothing; anything else cuts the call.
+      if (!peer_lost(moe_ll::site(a, src))) gave_up = true;
+    }
+    rows_of[q] = min(uint32_t(got), a.max_tokens);  // a sender reserves at most max_tokens
+  }
+  const bool cut = __syncthreads_or(gave_up || (threadIdx.x == 0 && failed(moe_ll::site(a, a.rank))));
+  for (uint32_t le = threadIdx.x; le < local; le += blockDim.x) {
+    uint32_t n = 0;
+    for (uint32_t src = 0; src < world; ++src) {
+      begin_of[le * world + src] = n;
+      n += rows_of[le * world + src];
+    }
+  }
+  __syncthreads();
+  if (blockIdx.x == 0) {
+    for (uint32_t q = threadIdx.x; q < pairs; q += blockDim.x) {
+      a.packed_range[q] = cut ? 0 : int64_t((uint64_t(begin_of[q]) << 32) | rows_of[q]);
+      a.layout[q] = cut ? 0u : rows_of[q];
+    }
+    for (uint32_t le = threadIdx.x; le < local; le += blockDim.x) {
+      const uint32_t last = le * world + world - 1;
+      const uint32_t n = begin_of[last] + rows_of[last];
+      a.packed_count[le] = cut ? -1 : int32_t(n);
+      a.recv_count[le] = cut ? kCutCount : n;
+      if (!cut && a.packed_stats != nullptr) a.packed_stats[le] += int32_t(n);
+    }
+  }
+  const uint32_t lane = threadIdx.x % kWarp;
+  const uint32_t warps = gridDim.x * (blockDim.x / kWarp);
+  const uint32_t words = a.hidden / 8;
+  const bool fp8 = (a.packed & kPackedFp8) != 0;
+  const uint64_t row_bytes = fp8 ? uint64_t(a.hidden) : uint64_t(a.hidden) * 2;
+  const int32_t* from = moe_ll::section<int32_t>(a, a.rank, a.off_from);
+  const int32_t* token = moe_ll::section<int32_t>(a, a.rank, a.off_src);
+  const int4* rows = reinterpret_cast<const int4*>(a.area[a.rank]);
+  for (uint64_t p = blockIdx.x * (blockDim.x / kWarp) + threadIdx.x / kWarp; p < uint64_t(local) * cap; p += warps) {
+    const uint32_t le = uint32_t(p / cap), i = uint32_t(p % cap);
+    uint8_t* dst = a.packed_x + p * row_bytes;
+    if (cut) {
+      for (uint64_t w = lane; w < row_bytes / 16; w += kWarp) reinterpret_cast<int4*>(dst)[w] = make_int4(-1, -1, -1, -1);
+      if (fp8) {
+        for (uint32_t g = lane; g < a.hidden / 128; g += kWarp) store_scale(a, le, g, i, __uint_as_float(~0u));
+      }
+      continue;
+    }
+    const int32_t src = source_of(world, i, lane, [&](uint32_t s, uint32_t& begin, uint32_t& n) {
+      begin = begin_of[le * world + s];
+      n = rows_of[le * world + s];
+    });
+    if (src < 0) continue;  // past the expert's rows
+    const uint64_t at = moe_ll::row_index(a, half, le, uint32_t(src), i - begin_of[le * world + src]);
+    const int32_t f = from[at];
+    const uint64_t carrier = f < 0 ? at : uint64_t(f);
+    if (lane == 0) a.packed_src[p] = token[at];
+    if (fp8) {
+      cast_row_fp8(a, rows + carrier * words, dst, le, i, lane);
+    } else {
+      copy_words_batched<int4, 8>(reinterpret_cast<int4*>(dst), rows + carrier * words, words, lane, kWarp);
+    }
+  }
+}
+
+// Waits until every peer signalled combine `call` and this rank's own send grid finished it (a
+// fused combine's blocks read rows other blocks of the same grid wrote: the send's last block
+// stores the call only after every block's rows). False when a wait gave up. One thread per rank.
+__device__ bool combine_arrived(const MoeLlArgs& a, uint64_t call, uint32_t* lost = nullptr) {
+  bool ok = true;
+  if (threadIdx.x < a.world && threadIdx.x != a.rank && !moe_ll::masked(a, threadIdx.x)) {
+    const SemaphoreHandle& h = a.ready[threadIdx.x];
+    ok = spin_until(h.site, kWaitSemaphore, call, [&](uint64_t& seen) {
+      seen = load_acquire_sys(h.inbound_token);
+      return seen >= call;
+    });
+    // A peer that died (tolerated: a rank mask) returns nothing: left out, with its experts.
+    if (!ok && lost != nullptr && peer_lost(h.site)) {
+      atomicOr(lost, 1u << threadIdx.x);
+      ok = true;
+    }
+  } else if (threadIdx.x == a.rank) {
+    ok = spin_until(moe_ll::site(a, a.rank), kWaitSemaphore, call, [&](uint64_t& seen) {
+      seen = load_acquire_gpu(a.epochs + 1);
+      return seen >= call;
+    });
+  }
+  return ok;
+}
+
+// The last block of a combine's send grid signals every peer and stores `call` as the combine
+// count. Every thread of every block, after its rows.
+__device__ void finish_combine_send(const MoeLlArgs& a, uint64_t call) {
+  __shared__ bool last;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence_system();
+    last = atomicAdd(&a.done[1], 1u) == gridDim.x - 1;
+  }
+  __syncthreads();
+  if (!last) return;
+  __threadfence_system();
+  if (threadIdx.x < a.world && threadIdx.x != a.rank && !moe_ll::masked(a, threadIdx.x)) a.ready[threadIdx.x].signal();
+  __syncthreads();  // every signal out before the call is stored
+  if (threadIdx.x == 0) {
+    a.done[1] = 0;
+    if (a.ticket != nullptr) *a.ticket = call;
+    __threadfence();
+    store_release_gpu(a.epochs + 1, call);
+  }
+}
+
+// DeepEP's combine, send half: every row of the handle's dispatch (`packed_range`, `packed_src`),
+// read from the caller's `y [local expert][cap][hidden]`, goes back unweighted to its token's
+// rank, into that rank's return slot for (this expert, token).
+__device__ void combine_send_packed(const MoeLlArgs& a, uint64_t call) {
+  const uint32_t half = uint32_t(call & 1), cap = packed_cap(a), lane = threadIdx.x % kWarp;
+  const uint32_t words = a.hidden / 8, experts = a.experts_per_rank * a.world;
+  const uint32_t warps = gridDim.x * (blockDim.x / kWarp);
+  const int4* y = reinterpret_cast<const int4*>(a.y);
+  for (uint64_t p = blockIdx.x * (blockDim.x / kWarp) + threadIdx.x / kWarp; p < uint64_t(a.experts_per_rank) * cap;
+       p += warps) {
+    const uint32_t le = uint32_t(p / cap), i = uint32_t(p % cap);
+    const int32_t src = source_of(a.world, i, lane, [&](uint32_t s, uint32_t& begin, uint32_t& n) {
+      const uint64_t r = uint64_t(a.packed_range[le * a.world + s]);
+      begin = uint32_t(r >> 32);
+      n = uint32_t(r);
+    });
+    if (src < 0 || moe_ll::masked(a, uint32_t(src))) continue;
+    const int32_t t = a.packed_src[p];
+    if (t < 0 || uint32_t(t) >= a.max_tokens) continue;  // not a row a dispatch wrote
+    const uint32_t e = a.rank * a.experts_per_rank + le;
+    int4* dst = reinterpret_cast<int4*>(a.area[src] + a.off_ret) + ((uint64_t(half) * experts + e) * a.max_tokens + t) * words;
+    copy_words_batched<int4, 8>(dst, y + p * words, words, lane, kWarp);
+  }
+  finish_combine_send(a, call);
+}
+
+// DeepEP's combine, receive half: once every row is back, token t's output is the sum over its
+// top-k of weight x the row its expert returned (f32 in top-k order; ids of -1 or past the
+// experts skipped). A block whose wait gave up writes all ones (NaN) over its share instead.
+__device__ void combine_recv_packed(const MoeLlArgs& a, uint64_t call) {
+  __shared__ uint32_t lost;  // peers found dead while waiting (every block waits for every peer)
+  if (threadIdx.x == 0) lost = 0;
+  __syncthreads();
+  const bool cut = __syncthreads_or(!combine_arrived(a, call, &lost));
+  const uint32_t words = a.hidden / 8, experts = a.experts_per_rank * a.world, half = uint32_t(call & 1);
+  const uint32_t n_items = a.num_tokens * words;
+  const uint32_t first = blockIdx.x * blockDim.x + threadIdx.x, stride = gridDim.x * blockDim.x;
+  int4* out = reinterpret_cast<int4*>(a.out);
+  if (cut) {
+    for (uint32_t i = first; i < n_items; i += stride) out[i] = make_int4(-1, -1, -1, -1);
+    return;
+  }
+  const int4* ret = reinterpret_cast<const int4*>(a.area[a.rank] + a.off_ret);
+  for (uint32_t i = first; i < n_items; i += stride) {
+    const uint32_t t = i / words, c = i % words;
+    float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    for (uint32_t k = 0; k < a.topk; ++k) {
+      const int32_t e = moe_ll::topk_id(a, uint64_t(t) * a.topk + k);
+      if (e < 0 || uint32_t(e) >= experts) continue;
+      const uint32_t owner = uint32_t(e) / a.experts_per_rank;
+      if (moe_ll::masked(a, owner) || ((lost >> owner) & 1u) != 0u) continue;
+      fma_bf16x8(acc, a.topk_weights[uint64_t(t) * a.topk + k],
+                 ret[((uint64_t(half) * experts + uint32_t(e)) * a.max_tokens + t) * words + c]);
+    }
+    out[i] = to_bf16x8(acc);
+  }
+}
+
 // The combine's send half: a warp per carrier row of the last dispatch sends its pair's partial
 // sum; the last block to finish signals every peer and stores `call` as the combine count.
 // `layout` must have been written by a kernel before this one.
 __device__ void combine_send(const MoeLlArgs& a, uint64_t call) {
-  __shared__ bool last;
   const uint32_t half = uint32_t(a.epochs[0] & 1);
   const uint32_t pairs = a.experts_per_rank * a.world;
   const uint32_t deepest = block_max(a.layout, pairs);
@@ -175,35 +481,16 @@ __device__ void combine_send(const MoeLlArgs& a, uint64_t call) {
     const uint64_t at = moe_ll::row_index(a, half, q / a.world, q % a.world, i);
     if (from[at] < 0) moe_ll::send_partial(a, at, lane);
   }
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    __threadfence_system();
-    last = atomicAdd(&a.done[1], 1u) == gridDim.x - 1;
-  }
-  __syncthreads();
-  if (!last) return;
-  __threadfence_system();
-  if (threadIdx.x < a.world && threadIdx.x != a.rank) a.ready[threadIdx.x].signal();
-  if (threadIdx.x == 0) {
-    a.epochs[1] = call;
-    a.done[1] = 0;
-  }
+  finish_combine_send(a, call);
 }
 
-// The combine's receive half: waits until every peer signalled combine `call`, then a thread per
+// The combine's receive half: waits until every peer signalled combine `call` (and this rank's own
+// send grid finished it), then a thread per
 // (token, 16 bytes of the row) adds the partial sums. A block whose wait gave up (the
 // communicator aborted) stores all ones (NaN in bf16) over its share of the output instead: the
 // partial sums are not all in, and the slots' old ones would pass for a result.
 __device__ void combine_recv(const MoeLlArgs& a, uint64_t call) {
-  bool ok = true;
-  if (threadIdx.x < a.world && threadIdx.x != a.rank) {
-    const SemaphoreHandle& h = a.ready[threadIdx.x];
-    ok = spin_until(h.site, kWaitSemaphore, call, [&](uint64_t& seen) {
-      seen = load_acquire_sys(h.inbound_token);
-      return seen >= call;
-    });
-  }
-  const bool cut = __syncthreads_or(!ok);
+  const bool cut = __syncthreads_or(!combine_arrived(a, call));
   const uint32_t chunks = a.hidden / 8;
   const uint32_t n_items = a.num_tokens * chunks;
   const uint32_t first = blockIdx.x * blockDim.x + threadIdx.x, stride = gridDim.x * blockDim.x;
@@ -223,30 +510,51 @@ __device__ void combine_recv(const MoeLlArgs& a, uint64_t call) {
 // The send kernels announce the call at their start (finish_send announces it for fused sends,
 // after the rows, and is told not to here: a call is announced once): a send that waits (for
 // queue room, say) must not keep the peers' checks waiting.
-extern "C" __global__ void __launch_bounds__(512) moe_ll_send(MoeLlArgs a) {
-  announce_call(a.call, a.rank, a.world);
+extern "C" __global__ void __launch_bounds__(512) moe_ll_dispatch_send(MoeLlArgs a) {
+  announce_split_call(a.call, a.rank, a.world, a.ticket != nullptr ? a.ticket + 1 : nullptr, a.epochs + 2,
+                      a.rank_mask);
   send_items(a, threadIdx.x / kWarp, blockDim.x / kWarp);
   moe_ll::finish_send(a, true);
 }
 
-// The call check (call_check.cuh): the send halves announce the call (finish_send, combine_send),
-// the receive halves check every peer made the same one.
-DOORBELL_DEVICE_INLINE void check_moe_call(const MoeLlArgs& a) {
-  check_call(a.call, a.rank, a.world, moe_ll::site(a, checked_peer(a.world) % a.world));
+// The call check (call_check.cuh): the send halves announce the call (finish_send, combine_send)
+// and keep its ordinal (in the ticket, and as the last send's: epochs[2 + which]), the receive
+// halves check every peer made the same one (`which`: 0 dispatch, 1 combine); whole calls
+// announce and check in one kernel (`which` = 2).
+DOORBELL_DEVICE_INLINE void check_moe_call(const MoeLlArgs& a, uint32_t which) {
+  const uint64_t* ordinal = which == 2 ? nullptr : a.ticket != nullptr ? a.ticket + 1 : a.epochs + 2 + which;
+  check_indexed_call(a.call, a.rank, a.world, moe_ll::site(a, checked_peer(a.world) % a.world), ordinal, a.rank_mask);
 }
 
-extern "C" __global__ void __launch_bounds__(512) moe_ll_recv(MoeLlArgs a) {
-  const uint64_t epoch = a.epochs[0];
+// The epoch (combine call) a receive half pairs with: its send's ticket, else the last send's.
+__device__ uint64_t paired(const MoeLlArgs& a, uint32_t which) {
+  return a.ticket != nullptr ? *a.ticket : a.epochs[which];
+}
+
+extern "C" __global__ void __launch_bounds__(512) moe_ll_dispatch_recv(MoeLlArgs a) {
+  const uint64_t epoch = paired(a, 0);
   const uint32_t nwarps = blockDim.x / kWarp;
-  copy_announced(a, epoch, threadIdx.x / kWarp * gridDim.x + blockIdx.x, nwarps * gridDim.x);
-  if (blockIdx.x == 0) write_layout(a, epoch);
-  check_moe_call(a);
+  if (a.packed != 0) {
+    pack_rows(a, epoch);
+  } else {
+    copy_announced(a, epoch, threadIdx.x / kWarp * gridDim.x + blockIdx.x, nwarps * gridDim.x);
+    if (blockIdx.x == 0) write_layout(a, epoch);
+  }
+  check_moe_call(a, 0);
 }
 
 extern "C" __global__ void __launch_bounds__(512) moe_ll_dispatch(MoeLlArgs a) {
-  announce_call(a.call, a.rank, a.world);
+  announce_indexed_call(a.call, a.rank, a.world, a.rank_mask);
   const uint64_t epoch = moe_ll::send_epoch(a);
   const uint32_t warp = threadIdx.x / kWarp, nwarps = blockDim.x / kWarp, nsend = nwarps / 2;
+  if (a.packed != 0) {
+    // Every warp sends, then every block packs once the counts are in (no copies to overlap).
+    send_items(a, warp, nwarps);
+    moe_ll::finish_send(a, true);
+    pack_rows(a, epoch);
+    check_moe_call(a, 2);
+    return;
+  }
   if (warp < nsend) {
     send_items(a, warp, nsend);
   } else {
@@ -254,25 +562,39 @@ extern "C" __global__ void __launch_bounds__(512) moe_ll_dispatch(MoeLlArgs a) {
   }
   moe_ll::finish_send(a, true);
   if (blockIdx.x == 0) write_layout(a, epoch);
-  check_moe_call(a);
+  check_moe_call(a, 2);
 }
 
 extern "C" __global__ void __launch_bounds__(512) moe_ll_combine_send(MoeLlArgs a) {
-  announce_call(a.call, a.rank, a.world);
-  combine_send(a, a.epochs[1] + 1);
+  announce_split_call(a.call, a.rank, a.world, a.ticket != nullptr ? a.ticket + 1 : nullptr, a.epochs + 3,
+                      a.rank_mask);
+  if (a.packed != 0) {
+    combine_send_packed(a, a.epochs[1] + 1);
+  } else {
+    combine_send(a, a.epochs[1] + 1);
+  }
 }
 
 extern "C" __global__ void __launch_bounds__(512) moe_ll_combine_recv(MoeLlArgs a) {
-  combine_recv(a, a.epochs[1]);
-  check_moe_call(a);
+  if (a.packed != 0) {
+    combine_recv_packed(a, paired(a, 1));
+  } else {
+    combine_recv(a, paired(a, 1));
+  }
+  check_moe_call(a, 1);
 }
 
 extern "C" __global__ void __launch_bounds__(512) moe_ll_combine(MoeLlArgs a) {
   const uint64_t call = a.epochs[1] + 1;
-  announce_call(a.call, a.rank, a.world);
-  combine_send(a, call);
-  combine_recv(a, call);
-  check_moe_call(a);
+  announce_indexed_call(a.call, a.rank, a.world, a.rank_mask);
+  if (a.packed != 0) {
+    combine_send_packed(a, call);
+    combine_recv_packed(a, call);
+  } else {
+    combine_send(a, call);
+    combine_recv(a, call);
+  }
+  check_moe_call(a, 2);
 }
 
 

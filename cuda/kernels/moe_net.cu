@@ -2,9 +2,9 @@
 // NVLink and RDMA peers); protocol and device calls in doorbell/moe_net.cuh, layouts in
 // collective_args.cuh (MoeNetArgs).
 //
-// dispatch send (moe_net_send): a warp per token stages its message and sends it to each rank
+// dispatch send (moe_net_dispatch_send): a warp per token stages its message and sends it to each rank
 // holding one of its experts (moe_net::put_token); the last block publishes the counts.
-// dispatch receive (moe_net_recv): block 0 waits for every source's count (over the network: its
+// dispatch receive (moe_net_dispatch_recv): block 0 waits for every source's count (over the network: its
 // signal, then the word), publishes them to the grid, and every warp unpacks messages into the
 // per-expert result rows; the last block writes the rows per (expert, source) and per expert.
 // combine send (moe_net_combine_send): a warp per received message sends its token's partial row
@@ -143,7 +143,7 @@ __device__ void wait_dispatch(const MoeNetArgs& a, uint64_t epoch, Counts& count
 
 }  // namespace
 
-// ---- The low-latency dispatch send (moe_net_send): every part of it at once over the grid. ----
+// ---- The low-latency dispatch send (moe_net_dispatch_send): every part of it at once over the grid. ----
 // Tokens form groups of 32 (at least one group, so every rank gets its counts). The work is a list
 // of tasks, each block taking tasks blockIdx.x, blockIdx.x + gridDim.x, ... in order:
 //   stage tasks (a block each, kStageParts per group): build kStageTokens messages of group g in
@@ -394,7 +394,7 @@ __device__ __forceinline__ void network_task(const MoeNetArgs& a, uint32_t r, ui
 
 }  // namespace
 
-extern "C" __global__ void __launch_bounds__(256) moe_net_send(MoeNetArgs a) {
+extern "C" __global__ void __launch_bounds__(256) moe_net_dispatch_send(MoeNetArgs a) {
   moe_net::announce_nvlink(a, 0);  // network peers: in their network task, before the messages
   if (a.probe != nullptr && threadIdx.x == 0) {
     atomicMin(reinterpret_cast<unsigned long long*>(&a.probe[0]), static_cast<unsigned long long>(global_timer_ns()));
@@ -423,7 +423,7 @@ extern "C" __global__ void __launch_bounds__(256) moe_net_send(MoeNetArgs a) {
   }
 }
 
-extern "C" __global__ void __launch_bounds__(512) moe_net_recv(MoeNetArgs a) {
+extern "C" __global__ void __launch_bounds__(512) moe_net_dispatch_recv(MoeNetArgs a) {
   moe_net::check_call(a);  // first: a peer in another call sends no counts to wait for
   const uint64_t epoch = a.epochs[0];
   const uint32_t half = uint32_t(epoch & 1);

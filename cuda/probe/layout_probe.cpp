@@ -33,6 +33,7 @@ int main() {
   FIELD(WaitReport, mismatch_mine_recv);
   FIELD(WaitReport, mismatch_theirs_send);
   FIELD(WaitReport, mismatch_theirs_recv);
+  FIELD(WaitReport, dead_peers);
 
   STRUCT(WaitSite);
   FIELD(WaitSite, report);
@@ -198,6 +199,13 @@ int main() {
   FIELD(MoeArgs, expert_counts);
   FIELD(MoeArgs, calls);
   FIELD(MoeArgs, sems);
+  FIELD(MoeArgs, rank_prefix);
+  FIELD(MoeArgs, y_weights);
+  FIELD(MoeArgs, out_weights);
+  FIELD(MoeArgs, off_comb_weights);
+  FIELD(MoeArgs, in_rank);
+  FIELD(MoeArgs, tokens_per_expert);
+  FIELD(MoeArgs, off_expert_in);
   FIELD(MoeArgs, call);
 
   STRUCT(MoeLlArgs);
@@ -230,6 +238,17 @@ int main() {
   FIELD(MoeLlArgs, recv_count);
   FIELD(MoeLlArgs, ready);
   FIELD(MoeLlArgs, call);
+  FIELD(MoeLlArgs, packed_x);
+  FIELD(MoeLlArgs, packed_scales);
+  FIELD(MoeLlArgs, packed_src);
+  FIELD(MoeLlArgs, packed_range);
+  FIELD(MoeLlArgs, packed_count);
+  FIELD(MoeLlArgs, packed_stats);
+  FIELD(MoeLlArgs, off_ret);
+  FIELD(MoeLlArgs, packed);
+  FIELD(MoeLlArgs, packed_pad);
+  FIELD(MoeLlArgs, ticket);
+  FIELD(MoeLlArgs, rank_mask);
 
   STRUCT(MoeNetArgs);
   FIELD(MoeNetArgs, x);

@@ -9,11 +9,13 @@
 //! Errors raise `doorbell.DoorbellError` with the library's message (which names the rank and
 //! the cause), or `doorbell.NoGpuError` when there is no CUDA driver or GPU.
 
-use cudarc::driver::{sys, CudaStream};
+use cudarc::driver::{sys, CudaStream, DevicePtr};
 use doorbell::channel::memory_channel::{MemoryChannels, RegisteredMemory};
 use doorbell::collectives::allreduce::{AllReduce, AllReduceOptions};
 use doorbell::collectives::alltoall::{AllToAll, AllToAllOptions};
-use doorbell::collectives::moe::{MoeConfig, MoeDispatcher, MoeLowLatency};
+use doorbell::collectives::moe::{
+    MoeConfig, MoeHighThroughput, MoeLowLatency, PackedHandle, PackedOutputs,
+};
 use doorbell::collectives::DataType;
 use doorbell::communicator::Communicator;
 use doorbell::device_api::MemoryChannelHandle;
@@ -379,22 +381,17 @@ fn moe_config(
     sms: Option<u32>,
     net_chunks: Option<usize>,
 ) -> MoeConfig {
-    MoeConfig {
-        hidden,
-        topk,
-        num_experts,
-        max_tokens,
-        blocks: sms,
-        net_chunks,
-    }
+    MoeConfig::new(hidden, topk, num_experts, max_tokens)
+        .with_blocks(sms)
+        .with_net_chunks(net_chunks)
 }
 
 /// MoE dispatch/combine, high-throughput layout (DeepEP's normal kernels); node-spanning when the
 /// communicator spans nodes.
-#[pyclass(frozen, module = "doorbell._doorbell")]
+#[pyclass(frozen, name = "MoeHighThroughput", module = "doorbell._doorbell")]
 struct MoeHt {
     comm: Py<Comm>,
-    inner: MoeDispatcher,
+    inner: MoeHighThroughput,
 }
 
 fn results_dict<'py>(py: Python<'py>, items: &[(&str, u64)]) -> PyResult<Bound<'py, PyDict>> {
@@ -424,7 +421,7 @@ impl MoeHt {
         let c = comm.get().comm.clone();
         let cfg = moe_config(hidden, topk, num_experts, max_tokens, sms, net_chunks);
         let inner = py
-            .allow_threads(|| MoeDispatcher::new(&c, cfg))
+            .allow_threads(|| MoeHighThroughput::new(&c, cfg))
             .map_err(py_err)?;
         Ok(MoeHt { comm, inner })
     }
@@ -454,7 +451,7 @@ impl MoeHt {
         // SAFETY: checked by the package (shapes, dtypes, device, alignment, id range).
         py.allow_threads(|| unsafe {
             self.inner
-                .dispatch(&s, x, topk_idx, topk_weights, num_tokens)
+                .dispatch_raw(&s, x, topk_idx, topk_weights, num_tokens)
         })
         .map_err(py_err)
     }
@@ -475,17 +472,57 @@ impl MoeHt {
         // SAFETY: as for dispatch.
         py.allow_threads(|| unsafe {
             self.inner
-                .dispatch_fp8(&s, x, scales, topk_idx, topk_weights, num_tokens)
+                .dispatch_fp8_raw(&s, x, scales, topk_idx, topk_weights, num_tokens)
+        })
+        .map_err(py_err)
+    }
+
+    /// Dispatch routed by ranks: `in_rank [num_tokens, world]` bool, `tokens_per_expert
+    /// [experts]` i32 or 0; `scales` nonzero for e4m3 rows.
+    #[allow(clippy::too_many_arguments)]
+    fn dispatch_by_rank(
+        &self,
+        py: Python<'_>,
+        x: u64,
+        scales: u64,
+        in_rank: u64,
+        tokens_per_expert: u64,
+        num_tokens: usize,
+        stream: u64,
+    ) -> PyResult<()> {
+        let s = self.comm.get().stream(stream)?;
+        // SAFETY: the package checked the tensors' shapes, dtypes and devices.
+        py.allow_threads(|| unsafe {
+            self.inner
+                .dispatch_by_rank_raw(&s, x, scales, in_rank, tokens_per_expert, num_tokens)
         })
         .map_err(py_err)
     }
 
     /// `y` (one bf16 row per received row of the last dispatch) into `out [num_tokens, hidden]`.
-    fn combine(&self, py: Python<'_>, y: u64, out: u64, stream: u64) -> PyResult<()> {
+    /// With `y_weights` and `out_weights` (nonzero), the rows' `[*, topk]` f32 weights are summed
+    /// the same way into `out_weights [num_tokens, topk]`.
+    #[pyo3(signature = (y, out, stream, y_weights = 0, out_weights = 0))]
+    fn combine(
+        &self,
+        py: Python<'_>,
+        y: u64,
+        out: u64,
+        stream: u64,
+        y_weights: u64,
+        out_weights: u64,
+    ) -> PyResult<()> {
         let s = self.comm.get().stream(stream)?;
         // SAFETY: checked by the package against the last dispatch's shapes.
-        py.allow_threads(|| unsafe { self.inner.combine(&s, y, out) })
-            .map_err(py_err)
+        py.allow_threads(|| unsafe {
+            if y_weights == 0 && out_weights == 0 {
+                self.inner.combine_raw(&s, y, out)
+            } else {
+                self.inner
+                    .combine_with_weights_raw(&s, y, out, y_weights, out_weights)
+            }
+        })
+        .map_err(py_err)
     }
 
     /// Device addresses of the last dispatch's results and the room for rows.
@@ -501,6 +538,7 @@ impl MoeHt {
                 ("recv_scales", r.recv_scales),
                 ("num_recv", r.num_recv),
                 ("expert_counts", r.expert_counts),
+                ("rank_prefix", r.rank_prefix),
                 ("max_rows", r.max_rows as u64),
                 ("combine_buffer", self.inner.combine_buffer()),
             ],
@@ -509,7 +547,7 @@ impl MoeHt {
 }
 
 /// MoE dispatch/combine, low-latency layout (DeepEP's decode kernels).
-#[pyclass(frozen, module = "doorbell._doorbell")]
+#[pyclass(frozen, name = "MoeLowLatency", module = "doorbell._doorbell")]
 struct MoeLl {
     comm: Py<Comm>,
     inner: MoeLowLatency,
@@ -517,9 +555,13 @@ struct MoeLl {
 
 #[pymethods]
 impl MoeLl {
-    /// Collective: allocates and exchanges the receive areas for `max_tokens` tokens per rank.
+    /// Collective: allocates and exchanges the receive areas for `max_tokens` tokens per rank
+    /// (with `deep_ep_layout`, also DeepEP's layout: `dispatch_packed`, `combine_packed`; with
+    /// `rank_mask` too, DeepEP's rank mask: `set_rank_masked`, `clean_rank_mask`,
+    /// `rank_mask_ptr`).
     #[new]
-    #[pyo3(signature = (comm, hidden, topk, num_experts, max_tokens, sms=None))]
+    #[pyo3(signature = (comm, hidden, topk, num_experts, max_tokens, sms=None, deep_ep_layout=false, rank_mask=false))]
+    #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
         comm: Py<Comm>,
@@ -528,9 +570,13 @@ impl MoeLl {
         num_experts: usize,
         max_tokens: usize,
         sms: Option<u32>,
+        deep_ep_layout: bool,
+        rank_mask: bool,
     ) -> PyResult<MoeLl> {
         let c = comm.get().comm.clone();
-        let cfg = moe_config(hidden, topk, num_experts, max_tokens, sms, None);
+        let cfg = moe_config(hidden, topk, num_experts, max_tokens, sms, None)
+            .with_deep_ep_layout(deep_ep_layout)
+            .with_rank_mask(rank_mask);
         let inner = py
             .allow_threads(|| MoeLowLatency::new(&c, cfg))
             .map_err(py_err)?;
@@ -540,6 +586,36 @@ impl MoeLl {
     #[getter]
     fn spans_nodes(&self) -> bool {
         self.inner.spans_nodes()
+    }
+
+    /// Masks (or unmasks) `rank` for the calls issued after on `stream` (DeepEP's
+    /// `low_latency_update_mask_buffer`).
+    fn set_rank_masked(
+        &self,
+        py: Python<'_>,
+        rank: usize,
+        masked: bool,
+        stream: u64,
+    ) -> PyResult<()> {
+        let s = self.comm.get().stream(stream)?;
+        py.allow_threads(|| self.inner.set_rank_masked(&s, rank, masked))
+            .map_err(py_err)
+    }
+
+    /// Unmasks every rank on `stream` (DeepEP's `low_latency_clean_mask_buffer`).
+    fn clean_rank_mask(&self, py: Python<'_>, stream: u64) -> PyResult<()> {
+        let s = self.comm.get().stream(stream)?;
+        py.allow_threads(|| self.inner.clean_rank_mask(&s))
+            .map_err(py_err)
+    }
+
+    /// The rank mask's device address (`[world]` int32, 1 = masked), or 0 without one, after
+    /// writing the peers found dead into it on `stream`.
+    fn rank_mask_ptr(&self, py: Python<'_>, stream: u64) -> PyResult<u64> {
+        let s = self.comm.get().stream(stream)?;
+        py.allow_threads(|| self.inner.mask_dead_peers(&s))
+            .map_err(py_err)?;
+        Ok(self.inner.rank_mask().map_or(0, |m| m.device_ptr(&s).0))
     }
 
     /// The send half (bf16 rows, or e4m3 rows with `scales` != 0).
@@ -559,10 +635,10 @@ impl MoeLl {
         py.allow_threads(|| unsafe {
             if scales != 0 {
                 self.inner
-                    .dispatch_send_fp8(&s, x, scales, topk_idx, topk_weights, num_tokens)
+                    .dispatch_send_fp8_raw(&s, x, scales, topk_idx, topk_weights, num_tokens)
             } else {
                 self.inner
-                    .dispatch_send(&s, x, topk_idx, topk_weights, num_tokens)
+                    .dispatch_send_raw(&s, x, topk_idx, topk_weights, num_tokens)
             }
         })
         .map_err(py_err)
@@ -610,8 +686,132 @@ impl MoeLl {
     fn combine_recv(&self, py: Python<'_>, out: u64, stream: u64) -> PyResult<()> {
         let s = self.comm.get().stream(stream)?;
         // SAFETY: checked by the package against the last dispatch's shapes.
-        py.allow_threads(|| unsafe { self.inner.combine_recv(&s, out) })
+        py.allow_threads(|| unsafe { self.inner.combine_recv_raw(&s, out) })
             .map_err(py_err)
+    }
+
+    /// DeepEP's layout: a dispatch (both halves, or with `send_only` the send half), its outputs
+    /// at the addresses given (`scales` 0: bf16 rows; `stats` 0: none; `ticket` two u64 that
+    /// pairs the receive half with this send, or 0).
+    #[pyo3(signature = (x, topk_idx, num_tokens, out_x, scales, round_scale, ue8m0, src_info, layout_range, count, stats, ticket, send_only, stream, ids_i64=false))]
+    #[allow(clippy::too_many_arguments)]
+    fn dispatch_packed(
+        &self,
+        py: Python<'_>,
+        x: u64,
+        topk_idx: u64,
+        num_tokens: usize,
+        out_x: u64,
+        scales: u64,
+        round_scale: bool,
+        ue8m0: bool,
+        src_info: u64,
+        layout_range: u64,
+        count: u64,
+        stats: u64,
+        ticket: u64,
+        send_only: bool,
+        stream: u64,
+        ids_i64: bool,
+    ) -> PyResult<()> {
+        let s = self.comm.get().stream(stream)?;
+        let out = PackedOutputs::new(out_x, src_info, layout_range, count)
+            .with_fp8(scales, round_scale, ue8m0)
+            .with_stats(stats)
+            .with_ticket(ticket)
+            .with_i64_ids(ids_i64);
+        // SAFETY: checked by the package (shapes, dtypes, device, alignment); the tensors are
+        // kept until the stream has run the call.
+        py.allow_threads(|| unsafe {
+            if send_only {
+                self.inner
+                    .dispatch_packed_send_raw(&s, x, topk_idx, num_tokens, &out)
+            } else {
+                self.inner
+                    .dispatch_packed_raw(&s, x, topk_idx, num_tokens, &out)
+            }
+        })
+        .map_err(py_err)
+    }
+
+    /// DeepEP's layout: a dispatch's receive half (after `dispatch_packed(.., send_only=True)`).
+    #[allow(clippy::too_many_arguments)]
+    fn dispatch_packed_recv(
+        &self,
+        py: Python<'_>,
+        out_x: u64,
+        scales: u64,
+        round_scale: bool,
+        ue8m0: bool,
+        src_info: u64,
+        layout_range: u64,
+        count: u64,
+        stats: u64,
+        ticket: u64,
+        stream: u64,
+    ) -> PyResult<()> {
+        let s = self.comm.get().stream(stream)?;
+        let out = PackedOutputs::new(out_x, src_info, layout_range, count)
+            .with_fp8(scales, round_scale, ue8m0)
+            .with_stats(stats)
+            .with_ticket(ticket);
+        // SAFETY: as in dispatch_packed.
+        py.allow_threads(|| unsafe { self.inner.dispatch_packed_recv_raw(&s, &out) })
+            .map_err(py_err)
+    }
+
+    /// DeepEP's layout: a combine's halves (`send`: `y` and the handle's `src_info` and
+    /// `layout_range` go out; `recv`: `out [num_tokens, hidden]` from `topk_idx` and
+    /// `topk_weights`, int64 ids with `ids_i64`; `ticket` pairs a receive half with its send,
+    /// or 0).
+    #[pyo3(signature = (y, src_info, layout_range, topk_idx, topk_weights, num_tokens, out, ticket, send, recv, stream, ids_i64=false))]
+    #[allow(clippy::too_many_arguments)]
+    fn combine_packed(
+        &self,
+        py: Python<'_>,
+        y: u64,
+        src_info: u64,
+        layout_range: u64,
+        topk_idx: u64,
+        topk_weights: u64,
+        num_tokens: usize,
+        out: u64,
+        ticket: u64,
+        send: bool,
+        recv: bool,
+        stream: u64,
+        ids_i64: bool,
+    ) -> PyResult<()> {
+        let s = self.comm.get().stream(stream)?;
+        let handle = PackedHandle {
+            src_info,
+            layout_range,
+        };
+        // SAFETY: checked by the package (shapes, dtypes, device, alignment).
+        py.allow_threads(|| unsafe {
+            match (send, recv) {
+                (true, true) => self.inner.combine_packed_ids_raw(
+                    &s,
+                    y,
+                    &handle,
+                    (topk_idx, ids_i64),
+                    topk_weights,
+                    num_tokens,
+                    out,
+                ),
+                (true, false) => self.inner.combine_packed_send_raw(&s, y, &handle, ticket),
+                (false, true) => self.inner.combine_packed_recv_ids_raw(
+                    &s,
+                    (topk_idx, ids_i64),
+                    topk_weights,
+                    num_tokens,
+                    out,
+                    ticket,
+                ),
+                (false, false) => Ok(()),
+            }
+        })
+        .map_err(py_err)
     }
 
     /// Device addresses of the results of dispatch number `n` (1-based; None: the last one

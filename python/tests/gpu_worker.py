@@ -289,8 +289,464 @@ def bad_arguments(comm):
         raise AssertionError("all_reduce took int32")
 
 
+def deep_ep_normal():
+    """doorbell.deep_ep's normal mode through DeepEP's calls, on a gloo process group (ranks may
+    share a GPU): layout, dispatch (rows in source-rank order, local ids, weights 0 elsewhere,
+    the rank prefix matrix, the per-expert list), combine, the async/previous-event forms,
+    num_worst_tokens, and the refusal of what is not built yet."""
+    import os
+
+    import torch.distributed as dist
+
+    from doorbell import deep_ep
+
+    r, w = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    torch.cuda.set_device(r % torch.cuda.device_count())
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{os.environ['DOORBELL_MASTER_PORT']}", rank=r, world_size=w
+    )
+    group = dist.group.WORLD
+    T, H, K, E = 64, 256, 4, 4 * w
+    local = E // w
+    buf = deep_ep.Buffer(group, int(1e8))
+    torch.manual_seed(r)
+    x = torch.full((T, H), float(r), dtype=torch.bfloat16, device="cuda")
+    x[:, -1] = torch.arange(T, device="cuda").to(torch.bfloat16)
+    scores = torch.rand(T, E, device="cuda")
+    topk_idx = torch.topk(scores, K, dim=1).indices.to(deep_ep.topk_idx_t)
+    topk_idx[::7, 1] = -1
+    topk_weights = torch.rand(T, K, device="cuda")
+    all_idx = [torch.zeros(T, K, dtype=torch.int64) for _ in range(w)]
+    all_w = [torch.zeros(T, K) for _ in range(w)]
+    dist.all_gather(all_idx, topk_idx.cpu())
+    dist.all_gather(all_w, topk_weights.cpu())
+
+    per_rank, rdma, per_expert, in_rank, ev = buf.get_dispatch_layout(topk_idx, E)
+    check(rdma is None and isinstance(ev, deep_ep.EventOverlap) and ev.event is None, "layout: one node, synchronous")
+    idx_cpu = topk_idx.cpu()
+    for p in range(w):
+        want = [bool(((idx_cpu[t] >= 0) & (idx_cpu[t] // local == p)).any()) for t in range(T)]
+        check(in_rank[:, p].cpu().tolist() == want, f"is_token_in_rank column {p}")
+        check(int(per_rank[p]) == sum(want), f"num_tokens_per_rank[{p}]")
+    for e in range(E):
+        check(int(per_expert[e]) == int((idx_cpu == e).sum()), f"num_tokens_per_expert[{e}]")
+
+    # What rank r receives, in source-rank order.
+    rows = [(s, t) for s in range(w) for t in range(T) if bool(((all_idx[s][t] >= 0) & (all_idx[s][t] // local == r)).any())]
+    args = dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert, topk_idx=topk_idx, topk_weights=topk_weights)
+
+    def check_dispatch(recv_x, recv_idx, recv_w, listed, handle, what):
+        n = len(rows)
+        check(recv_x.shape == (n, H) and recv_idx.shape == (n, K) and recv_w.shape == (n, K), f"{what}: shapes {tuple(recv_x.shape)}")
+        check(recv_idx.dtype == torch.int64, f"{what}: ids int64")
+        rx, ri, rw = recv_x.float().cpu(), recv_idx.cpu(), recv_w.cpu()
+        counts = [0] * local
+        for j, (s, t) in enumerate(rows):
+            check(rx[j, 0] == s and rx[j, -1] == t, f"{what}: row {j} is ({s}, {t}), got ({rx[j, 0]}, {rx[j, -1]})")
+            for k in range(K):
+                e = int(all_idx[s][t, k])
+                here = e >= 0 and e // local == r
+                check(int(ri[j, k]) == (e % local if here else -1), f"{what}: row {j} id {k}")
+                check(float(rw[j, k]) == (float(all_w[s][t, k]) if here else 0.0), f"{what}: row {j} weight {k}")
+                if here:
+                    counts[e % local] += 1
+        prefix = handle[0].cpu()
+        sent = [sum(1 for (s2, _) in rows if s2 == s) for s in range(w)]
+        check([int(prefix[s, r]) for s in range(w)] == [sum(sent[: s + 1]) for s in range(w)], f"{what}: rank_prefix_matrix column {r}: {prefix[:, r].tolist()}")
+        if listed is not None:
+            check(listed == counts, f"{what}: per-expert list {listed} vs {counts}")
+
+    recv_x, recv_idx, recv_w, listed, handle, ev = buf.dispatch(x, **args)
+    check(isinstance(ev, deep_ep.EventOverlap) and ev.event is None, "synchronous dispatch: an empty event, as DeepEP's")
+    check_dispatch(recv_x, recv_idx, recv_w, listed, handle, "dispatch")
+
+    combined, cw, ev = buf.combine(recv_x, handle)
+    check(cw is None and ev.event is None, "combine: no weights asked, synchronous")
+    times = in_rank.sum(1, keepdim=True).float()
+    check(torch.equal(combined.float(), x.float() * times), "combine: each row times the ranks it went to")
+    combined_w, cw, _ = buf.combine(recv_x, handle, topk_weights=recv_w)
+    check(torch.equal(combined_w, combined), "combine with weights: the same rows")
+    # Weight k of a token reaches only its expert's rank (0 elsewhere): the sum is the weight.
+    check(torch.equal(cw, topk_weights.masked_fill(topk_idx < 0, 0.0)), "combined_topk_weights")
+
+    # The stream rules: after an event of the current stream, finishing asynchronously.
+    recv_x2, recv_idx2, recv_w2, listed2, handle2, ev = buf.dispatch(x, **args, previous_event=buf.capture(), async_finish=True)
+    check(isinstance(ev, deep_ep.EventOverlap), "async dispatch returns an EventOverlap")
+    ev.current_stream_wait()
+    check_dispatch(recv_x2, recv_idx2, recv_w2, listed2, handle2, "async dispatch")
+    combined2, _, ev = buf.combine(recv_x2, handle2, async_finish=True)
+    with ev:
+        pass
+    check(torch.equal(combined2, combined), "async combine")
+    check(torch.equal(recv_x, recv_x2), "results of the first dispatch outlive the second (copies)")
+
+    # num_worst_tokens: fixed-size outputs, no host wait, ids -1 past the received rows.
+    worst = w * T
+    wx, wi, ww, empty, _, _ = buf.dispatch(x, **args, num_worst_tokens=worst)
+    check(empty == [] and wx.shape[0] == worst and wi.shape[0] == worst, "num_worst_tokens: shapes, empty list")
+    check(torch.equal(wx[: len(rows)], recv_x) and torch.equal(wi[: len(rows)], recv_idx), "num_worst_tokens: same rows first")
+    check(bool((wi[len(rows):] == -1).all()), "num_worst_tokens: ids -1 past the received rows")
+
+    # Without top-k: routed by is_token_in_rank; the same rows and per-expert list, no ids.
+    nx, ni, nw, nlisted, nhandle, _ = buf.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert)
+    check(ni is None and nw is None, "dispatch without top-k: no ids or weights")
+    check(torch.equal(nx, recv_x), "dispatch without top-k: the same rows")
+    check(nlisted == listed, f"dispatch without top-k: per-expert list {nlisted} vs {listed}")
+    check(torch.equal(nhandle[0], handle[0]), "dispatch without top-k: the same prefix matrix")
+    # The cached dispatch: the handle's routing, new rows; then a combine with that handle.
+    x2 = x * 2
+    cx, c1, c2, c3, c4, _ = buf.dispatch(x2, handle=nhandle)
+    check(c1 is None and c2 is None and c3 is None and c4 is None, "cached dispatch: DeepEP's tuple")
+    check(torch.equal(cx, recv_x * 2), "cached dispatch: the handle's routing, the new rows")
+    combined3, _, _ = buf.combine(cx, nhandle)
+    check(torch.equal(combined3.float(), x2.float() * times), "combine after the cached dispatch")
+    # Not built yet: refused by name, nothing sent.
+    try:
+        buf.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert, num_worst_tokens=worst)
+    except NotImplementedError as e:
+        check("not built yet" in str(e), str(e))
+    else:
+        raise AssertionError("num_worst_tokens without top-k was not refused")
+    buf.destroy()
+    dist.barrier()
+    dist.destroy_process_group()
+    print(f"rank {r}: deep_ep_normal ok", flush=True)
+
+
+def deep_ep_low_latency():
+    """doorbell.deep_ep's low-latency mode through DeepEP's calls, on a gloo process group (ranks
+    may share a GPU): every expert's rows packed from row 0 in source order (layout_range,
+    src_info, counts, the stats added up), bf16 and FP8 (plain, power-of-two and UE8M0 scales),
+    with and without the receive hook, and the combine applying the weights given to it, from x
+    and from the zero-copy buffer."""
+    import os
+
+    import torch.distributed as dist
+
+    from doorbell import deep_ep
+    from doorbell.deep_ep.utils.math import calc_diff, per_token_cast_back
+
+    r, w = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    torch.cuda.set_device(r % torch.cuda.device_count())
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{os.environ['DOORBELL_MASTER_PORT']}", rank=r, world_size=w
+    )
+    group = dist.group.WORLD
+    T, H, K, E = 48, 512, 4, 4 * w
+    local = E // w
+    buf = deep_ep.Buffer(group, 0, deep_ep.Buffer.get_low_latency_rdma_size_hint(T, H, w, E), low_latency_mode=True)
+    torch.manual_seed(100 + r)
+    x = torch.full((T, H), float(r - 8), dtype=torch.bfloat16, device="cuda")
+    x[:, -128:] = torch.arange(T, device="cuda").to(torch.bfloat16).view(-1, 1)
+    topk_idx = torch.topk(torch.rand(T, E, device="cuda"), K, dim=1).indices.to(deep_ep.topk_idx_t)
+    topk_idx[::5, 2] = -1
+    topk_weights = torch.rand(T, K, device="cuda")
+    all_idx = [torch.zeros(T, K, dtype=torch.int64) for _ in range(w)]
+    dist.all_gather(all_idx, topk_idx.cpu())
+    stats = torch.zeros(local, dtype=torch.int32, device="cuda")
+    calls = 0
+    for fp8, rnd, ue8m0 in ((False, False, False), (True, False, False), (True, True, False), (True, True, True)):
+        for hook_mode in (False, True):
+            calls += 1
+            recv, count, handle, ev, hook = buf.low_latency_dispatch(
+                x, topk_idx, T, E, cumulative_local_expert_recv_stats=stats, use_fp8=fp8, round_scale=rnd,
+                use_ue8m0=ue8m0, async_finish=not hook_mode, return_recv_hook=hook_mode,
+            )
+            hook() if hook_mode else ev.current_stream_wait()
+            what = f"fp8={fp8} round={rnd} ue8m0={ue8m0} hook={hook_mode}"
+            if fp8:
+                check(recv[1].stride(1) == 1, f"{what}: scales column-major, as DeepEP's")
+                rows = per_token_cast_back(recv[0].view(-1, H), recv[1].contiguous().view(-1, recv[1].shape[2])).view(local, w * T, H)
+            else:
+                rows = recv
+            src_info, layout_range = handle[0], handle[1]
+            for le in range(local):
+                e = r * local + le
+                n = int(count[le])
+                want = sum(int((all_idx[j] == e).sum()) for j in range(w))
+                check(n == want, f"{what}: expert {le} has {n} rows, {want} selected it")
+                ranges = layout_range[le].cpu().tolist()
+                begin = 0
+                for j in range(w):
+                    b, c = ranges[j] >> 32, ranges[j] & 0xFFFFFFFF
+                    check(b == begin and c == int((all_idx[j] == e).sum()), f"{what}: expert {le} range of source {j}: {b}, {c}")
+                    part = rows[le, b:b + c].float()
+                    check(bool((part[:, :-128] == float(j - 8)).all()), f"{what}: expert {le} rows from {j}")
+                    toks = src_info[le, b:b + c].cpu()
+                    sel = (all_idx[j] == e).any(dim=1).nonzero().flatten()
+                    check(sorted(toks.tolist()) == sorted(sel.tolist()), f"{what}: expert {le} source tokens from {j}")
+                    if not rnd:
+                        check(bool((part[:, -128:] == toks.cuda().float().view(-1, 1)).all()), f"{what}: token ids in the rows")
+                    begin += c
+            check(int(stats.sum()) == calls * int(count.sum()), f"{what}: stats {stats.tolist()}")
+            gemm = rows.clone()
+            for zero_copy in (False, True):
+                if zero_copy:
+                    buf.get_next_low_latency_combine_buffer(handle)[:, :, :] = gemm
+                out, ev2, hook2 = buf.low_latency_combine(
+                    gemm, topk_idx, topk_weights, handle, zero_copy=zero_copy,
+                    async_finish=not hook_mode, return_recv_hook=hook_mode,
+                )
+                hook2() if hook_mode else ev2.current_stream_wait()
+                ref = x.float() * topk_weights.masked_fill(topk_idx == -1, 0).sum(dim=1, keepdim=True)
+                diff = calc_diff(ref, out)
+                check(not bool(out.isnan().any()), f"{what}: NaN in the combine")
+                if not rnd:  # rounded scales move the token ids (DeepEP's test skips this too)
+                    check(diff < (1e-3 if fp8 else 1e-5), f"{what} zero_copy={zero_copy}: combine diff {diff}")
+    # Two dispatches in flight (DeepEP's two-batch overlap): send A, send B, then A's hook and
+    # B's, or B's first; each receive half pairs with its own send.
+    for order in ((0, 1), (1, 0)):
+        halves = []
+        for factor in (1.0, 2.0):
+            halves.append(buf.low_latency_dispatch(x * factor, topk_idx, T, E, use_fp8=False, return_recv_hook=True))
+        for i in order:
+            halves[i][4]()
+        for factor, (recv, count, handle, _, _) in zip((1.0, 2.0), halves):
+            for le in range(local):
+                for j in range(w):
+                    b, c = int(handle[1][le, j]) >> 32, int(handle[1][le, j]) & 0xFFFFFFFF
+                    part = recv[le, b:b + c, :-128].float()
+                    check(bool((part == factor * (j - 8)).all()),
+                          f"two in flight, hooks {order}: batch x{factor} expert {le} rows from {j}")
+    # Not built yet: refused by name, nothing sent.
+    try:
+        buf.low_latency_combine(gemm, topk_idx, topk_weights, handle, use_logfmt=True)
+    except NotImplementedError as e:
+        check("not built yet" in str(e), str(e))
+    else:
+        raise AssertionError("use_logfmt was not refused")
+    buf.destroy()
+    dist.barrier()
+    dist.destroy_process_group()
+    print(f"rank {r}: deep_ep_low_latency ok", flush=True)
+
+
+def _masked_decode_step(buf, r, w, step, left_out):
+    """One decode step of the rank-mask cases through DeepEP's API (T=32 tokens, hidden 256,
+    top-4 of 4 experts a rank, bf16), checked: every (expert, source) range, its rows and each
+    expert's count with the ranks in `left_out` sending nothing, and the combine with their
+    experts adding nothing."""
+    from doorbell import deep_ep
+
+    T, H, K, E = 32, 256, 4, 4 * w
+    local = E // w
+
+    def routing(src):
+        g = torch.Generator().manual_seed(1000 * step + src)
+        idx = torch.topk(torch.rand(T, E, generator=g), K, dim=1).indices
+        idx[step % 3::4, 1] = -1
+        return idx, torch.rand(T, K, generator=g)
+
+    x = torch.full((T, H), float(r - 8), dtype=torch.bfloat16)
+    x[:, -128:] = torch.arange(T).to(torch.bfloat16).view(-1, 1)
+    idx, wts = routing(r)
+    idx_d = idx.to(deep_ep.topk_idx_t).cuda()
+    recv, count, handle, _, _ = buf.low_latency_dispatch(x.cuda(), idx_d, T, E, use_fp8=False)
+    counts = count.tolist()
+    for le in range(local):
+        e = r * local + le
+        for j in range(w):
+            b, c = int(handle[1][le, j]) >> 32, int(handle[1][le, j]) & 0xFFFFFFFF
+            want = 0 if j in left_out else int((routing(j)[0] == e).sum())
+            check(c == want, f"step {step}: expert {e} got {c} rows from {j}, want {want}")
+            if c:
+                part = recv[le, b:b + c].float().cpu()
+                check(bool((part[:, :-128] == j - 8).all()), f"step {step}: expert {e} rows from {j}")
+        want_total = sum(int((routing(j)[0] == e).sum()) for j in range(w) if j not in left_out)
+        check(counts[le] == want_total, f"step {step}: expert {e} count {counts[le]}, want {want_total}")
+    out, _, _ = buf.low_latency_combine(recv, idx_d, wts.cuda(), handle)
+    live = torch.tensor([[int(t) >= 0 and int(t) // local not in left_out for t in row] for row in idx.tolist()])
+    ref = x.float() * (wts * live).sum(dim=1, keepdim=True)
+    got = out.float().cpu()
+    check(bool(torch.isfinite(got).all()), f"step {step}: combine not finite")
+    check(torch.allclose(got, ref, rtol=1e-2, atol=1e-2), f"step {step}: combine off by {(got - ref).abs().max()}")
+
+
+def deep_ep_masks(steps):
+    """DeepEP's rank masks (enable_shrink), set by the caller: after one round with every rank,
+    each rank masks the last one, which then makes no more low-latency calls; the others run
+    `steps` decode steps (new routing each, every step's dispatch and combine checked): no row
+    from or to the masked rank, its experts' selections adding nothing to the combine, the
+    mask reported by low_latency_query_mask_buffer, and nothing waiting for it."""
+    import os
+
+    import torch.distributed as dist
+
+    from doorbell import deep_ep
+
+    r, w = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    torch.cuda.set_device(r % torch.cuda.device_count())
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{os.environ['DOORBELL_MASTER_PORT']}", rank=r, world_size=w
+    )
+    T, H, E, victim = 32, 256, 4 * w, w - 1
+    buf = deep_ep.Buffer(dist.group.WORLD, 0, deep_ep.Buffer.get_low_latency_rdma_size_hint(T, H, w, E),
+                         low_latency_mode=True, enable_shrink=True)
+    status = torch.zeros(w, dtype=torch.int32, device="cuda")
+    for step in range(steps + 1):
+        if step == 1:
+            buf.low_latency_update_mask_buffer(victim, True)
+            buf.low_latency_query_mask_buffer(status)
+            check(status.tolist() == [1 if j == victim else 0 for j in range(w)], f"mask status {status.tolist()}")
+            if r == victim:
+                break  # a masked rank makes no more calls (DeepEP's failed rank)
+        _masked_decode_step(buf, r, w, step, set() if step == 0 else {victim})
+    torch.cuda.synchronize()
+    dist.barrier()
+    buf.destroy()
+    dist.destroy_process_group()
+    print(f"rank {r}: deep_ep_masks {steps} ok", flush=True)
+
+
+def deep_ep_shrink(steps):
+    """DeepEP's enable_shrink with a rank that dies: after one decode step with every rank, the
+    last rank kills itself (SIGKILL); the others run `steps` more decode steps through the same
+    Buffer, each dispatch's ranges, rows and counts and each combine checked with the dead
+    rank's rows and experts left out, and the mask lists it. No step may fail or wait past the
+    watchdog's finding (the first after the kill leaves the dead rank out by itself)."""
+    import os
+    import signal
+    import time
+
+    import torch.distributed as dist
+
+    from doorbell import deep_ep
+
+    r, w = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    torch.cuda.set_device(r % torch.cuda.device_count())
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{os.environ['DOORBELL_MASTER_PORT']}", rank=r, world_size=w
+    )
+    victim = w - 1
+    survivors = dist.new_group(list(range(victim)))  # every rank makes it, before the kill
+    T, H, E = 32, 256, 4 * w
+    buf = deep_ep.Buffer(dist.group.WORLD, 0, deep_ep.Buffer.get_low_latency_rdma_size_hint(T, H, w, E),
+                         low_latency_mode=True, enable_shrink=True)
+    status = torch.zeros(w, dtype=torch.int32, device="cuda")
+    first_after = None
+    for step in range(steps + 1):
+        if step == 1 and r == victim:
+            torch.cuda.synchronize()
+            os.kill(os.getpid(), signal.SIGKILL)
+        t0 = time.monotonic()
+        _masked_decode_step(buf, r, w, step, set() if step == 0 else {victim})
+        if step == 1:
+            first_after = time.monotonic() - t0
+            # The watchdog's finding (a killed process: within about 2 s) bounds this step.
+            check(first_after < 10.0, f"the first step after the kill took {first_after:.1f} s")
+            buf.low_latency_query_mask_buffer(status)
+            check(status.tolist() == [1 if j == victim else 0 for j in range(w)], f"mask status {status.tolist()}")
+    torch.cuda.synchronize()
+    dist.barrier(group=survivors)
+    print(f"rank {r}: deep_ep_shrink {steps} ok (the first step after the kill took {first_after:.3f} s)", flush=True)
+    os._exit(0)  # the dead rank's process group and exchange are not torn down collectively
+
+
+def deep_ep_low_latency_graph(replays):
+    """doorbell.deep_ep's low-latency dispatch + combine captured in one CUDA graph (FP8 dispatch,
+    DeepEP's default, and the hook halves), replayed `replays` times with new inputs and weights
+    each time; every replay's combined rows checked against x times the sum of the weights."""
+    import os
+
+    import torch.distributed as dist
+
+    from doorbell import deep_ep
+    from doorbell.deep_ep.utils.math import calc_diff, per_token_cast_back
+
+    r, w = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    torch.cuda.set_device(r % torch.cuda.device_count())
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{os.environ['DOORBELL_MASTER_PORT']}", rank=r, world_size=w
+    )
+    group = dist.group.WORLD
+    T, H, K, E = 32, 256, 4, 4 * w
+    buf = deep_ep.Buffer(group, 0, deep_ep.Buffer.get_low_latency_rdma_size_hint(T, H, w, E), low_latency_mode=True)
+    torch.manual_seed(200 + r)
+    x = torch.zeros(T, H, dtype=torch.bfloat16, device="cuda")
+    idx = torch.topk(torch.rand(T, E, device="cuda"), K, dim=1).indices.to(deep_ep.topk_idx_t)
+    idx[::6, 1] = -1
+    wts = torch.ones(T, K, device="cuda")
+
+    def step():
+        recv, _, handle, _, hook = buf.low_latency_dispatch(x, idx, T, E, use_fp8=True, return_recv_hook=True)
+        hook()
+        rows = per_token_cast_back(recv[0].view(-1, H), recv[1].contiguous().view(-1, H // 128)).view(recv[0].shape)
+        out, _, hook2 = buf.low_latency_combine(rows, idx, wts, handle, return_recv_hook=True)
+        hook2()
+        return out
+
+    def want():
+        return x.float() * wts.masked_fill(idx == -1, 0).sum(dim=1, keepdim=True)
+
+    x.fill_(1.0)
+    out = step()  # eager first: the shape's first call builds the exchange (collective)
+    torch.cuda.synchronize()
+    check(calc_diff(want(), out) < 1e-3, f"LL deep_ep eager rank {r}")
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        outs = step()
+    for i in range(replays):
+        x.copy_(torch.randn(T, H, device="cuda").to(torch.bfloat16))
+        wts.copy_(torch.rand(T, K, device="cuda"))
+        g.replay()
+        torch.cuda.synchronize()
+        d = calc_diff(want(), outs)
+        check(d < 1e-3 and not bool(outs.isnan().any()), f"LL deep_ep graph replay {i} rank {r}: diff {d}")
+    buf.destroy()
+    dist.barrier()
+    dist.destroy_process_group()
+    print(f"rank {r}: deep_ep_low_latency_graph ok", flush=True)
+
+
+def deep_ep_utils():
+    """The helpers doorbell.deep_ep.utils gives DeepEP's tests: FP8 casts both ways (column-major
+    and UE8M0 scales), calc_diff, inplace_unique, hash_tensor, bench and bench_kineto."""
+    from doorbell import deep_ep
+    from doorbell.deep_ep.utils.math import calc_diff, hash_tensor, inplace_unique, per_token_cast_back, per_token_cast_to_fp8
+    from doorbell.deep_ep.utils.testing import bench, bench_kineto
+
+    check(deep_ep.topk_idx_t == torch.int64, "topk_idx_t")
+    x = torch.randn(64, 512, device="cuda").to(torch.bfloat16)
+    q, s = per_token_cast_to_fp8(x)
+    back = per_token_cast_back(q, s.T.contiguous().T)
+    check(calc_diff(back.float(), x.float()) < 1e-3, "FP8 round trip")
+    e = torch.tensor([[127, 128, 126, 130]], dtype=torch.uint8, device="cuda")
+    u = per_token_cast_back(torch.ones(1, 512, device="cuda").to(torch.float8_e4m3fn), e.view(torch.int32)).float()
+    check(u[0, ::128].tolist() == [1.0, 2.0, 0.5, 8.0], f"UE8M0 scales {u[0, ::128].tolist()}")
+    r = torch.tensor([[3, 1, 3, -1], [0, 1, 2, 3]], device="cuda")
+    inplace_unique(r, 4)
+    check(r.tolist() == [[3, 1, -1, -1], [3, 2, 1, 0]], f"inplace_unique {r.tolist()}")
+    check(hash_tensor(x) == hash_tensor(x.clone()) and hash_tensor(x) != hash_tensor(x + 1), "hash_tensor")
+    y = torch.empty_like(x)
+    mean, lo, hi = bench(lambda: y.copy_(x), num_warmups=3, num_tests=5)
+    check(0 < lo <= mean <= hi < 1.0, f"bench {mean} {lo} {hi}")
+    z = x.clone()
+    t = bench_kineto(lambda: z.abs_(), "AbsFunctor", num_tests=3, suppress_kineto_output=True)
+    check(isinstance(t, float) and t > 0, f"bench_kineto {t}")
+
+
 def main():
     case = sys.argv[1]
+    if case == "deep_ep_normal":  # its own process group; doorbell joins through it
+        deep_ep_normal()
+        return
+    if case == "deep_ep_low_latency":
+        deep_ep_low_latency()
+        return
+    if case == "deep_ep_low_latency_graph":
+        deep_ep_low_latency_graph(int(sys.argv[2]))
+        return
+    if case == "deep_ep_shrink":
+        deep_ep_shrink(int(sys.argv[2]))
+        return
+    if case == "deep_ep_masks":
+        deep_ep_masks(int(sys.argv[2]))
+        return
+    if case == "deep_ep_utils":
+        torch.cuda.set_device(int(__import__("os").environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
+        deep_ep_utils()
+        print("deep_ep_utils ok", flush=True)
+        return
     gpus = torch.cuda.device_count()
     comm = doorbell.init(device=int(__import__("os").environ.get("LOCAL_RANK", "0")) % gpus)
     if case == "all_reduce":

@@ -21,13 +21,20 @@ CASES: List[Tuple[str, ...]] = [
     ("channels",),
     ("bad_arguments",),
     ("moe_graph", "1000"),
+    ("deep_ep_normal",),
+    ("deep_ep_low_latency",),
+    ("deep_ep_low_latency_graph", "1000"),
+    ("deep_ep_utils",),
+    ("deep_ep_masks", "100"),
+    ("deep_ep_shrink", "100"),
 ] + [("kill_loop", str(seed)) for seed in range(10)]
 
 
 def run_ranks(n: int, *args: str, timeout: float = 600) -> List[str]:
     """Runs gpu_worker.py with `args` as `n` ranks; returns the failures (empty: all passed). In
-    the kill_loop case the last rank kills itself: it must end by SIGKILL, the others pass."""
-    victim = n - 1 if args and args[0] == "kill_loop" else None
+    the kill_loop and deep_ep_shrink cases the last rank kills itself: it must end by SIGKILL,
+    the others pass."""
+    victim = n - 1 if args and args[0] in ("kill_loop", "deep_ep_shrink") else None
     # Below the ephemeral range, so no outgoing connection takes it before rank 0 listens.
     port = _doorbell.free_port()
     secret = secrets.token_hex(16)  # one per job, as a launcher should set it

@@ -8,9 +8,6 @@ pub mod allreduce;
 pub mod alltoall;
 pub mod check;
 pub mod moe;
-mod moe_ht_net;
-mod moe_ll_net;
-pub mod moe_net;
 pub mod net;
 
 use crate::error::{Error, Result};

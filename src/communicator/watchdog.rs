@@ -166,15 +166,34 @@ fn watch(
         let made = bootstrap.call_counter().load(Ordering::Relaxed);
         for peer in (0..bootstrap.world_size()).filter(|&p| p != me) {
             if let Some(cause) = left_early(me, made, bootstrap.goodbye_calls(peer)) {
-                if diagnostics.abort(Fault { rank: peer, cause }) {
+                // While peer loss is tolerated, a peer gone early is left out like a dead one.
+                if diagnostics.tolerates_peer_loss() {
+                    if diagnostics.mark_dead(Fault { rank: peer, cause }) {
+                        tracing::warn!("rank {me}: rank {peer} left early; left out by masks");
+                    }
+                } else if diagnostics.abort(Fault { rank: peer, cause }) {
                     tracing::error!("rank {me}: rank {peer} left the communicator early");
                 }
             }
         }
-        // A peer's failure (or this rank's own bootstrap abort): abort the device waits.
+        // A peer's failure (or this rank's own bootstrap abort): abort the device waits. While
+        // peer loss is tolerated (a MoE low-latency exchange with a rank mask), a peer that died
+        // or fell silent is marked instead: the exchange leaves it out, every other wait for it
+        // still fails the communicator (wait.cuh).
         if let Some(f) = bootstrap.health() {
             let own_relay = relayed && f.from == Some(me);
-            if !own_relay
+            if f.from.is_none() && diagnostics.tolerates_peer_loss() {
+                for (peer, cause) in bootstrap.dead_peers() {
+                    if diagnostics.mark_dead(Fault {
+                        rank: peer,
+                        cause: cause.clone(),
+                    }) {
+                        tracing::warn!(
+                            "rank {me}: rank {peer} failed ({cause}); left out by masks"
+                        );
+                    }
+                }
+            } else if !own_relay
                 && diagnostics.abort(Fault {
                     rank: f.rank,
                     cause: f.cause.clone(),

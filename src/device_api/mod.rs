@@ -55,7 +55,13 @@ pub struct WaitReport {
     pub mismatch_theirs_send: u64,
     /// Bytes that peer expects from this rank.
     pub mismatch_theirs_recv: u64,
+    /// Bit p: peer p died and this communicator tolerates it (set by the host's watchdog).
+    pub dead_peers: u64,
 }
+
+/// `WaitSite::reserved` bit (`kSiteTolerant` in `wait.cuh`): a wait whose caller leaves its peer
+/// out when that peer died (MoE low latency with a rank mask) instead of failing the communicator.
+pub const SITE_TOLERANT: u32 = 1;
 
 /// Who is waiting, copied into every handle that can wait.
 #[repr(C)]
@@ -73,7 +79,7 @@ pub struct WaitSite {
     pub peer: i32,
     /// Channel or semaphore id.
     pub channel: u32,
-    /// Zero.
+    /// [`SITE_TOLERANT`] or zero.
     pub reserved: u32,
 }
 
@@ -452,6 +458,13 @@ pub struct MoeArgs {
     pub expert_counts: u64,
     pub calls: u64,
     pub sems: u64,
+    pub rank_prefix: u64,
+    pub y_weights: u64,
+    pub out_weights: u64,
+    pub off_comb_weights: u64,
+    pub in_rank: u64,
+    pub tokens_per_expert: u64,
+    pub off_expert_in: u64,
     /// The call check.
     pub call: CallCheck,
 }
@@ -491,6 +504,32 @@ pub struct MoeLlArgs {
     pub ready: u64,
     /// The call check.
     pub call: CallCheck,
+    pub packed_x: u64,
+    pub packed_scales: u64,
+    pub packed_src: u64,
+    pub packed_range: u64,
+    pub packed_count: u64,
+    pub packed_stats: u64,
+    pub off_ret: u64,
+    pub packed: u32,
+    pub packed_pad: u32,
+    pub ticket: u64,
+    pub rank_mask: u64,
+}
+
+/// `MoeLlArgs::packed` bits (`collective_args.cuh`): DeepEP's low-latency layout; e4m3 rows;
+/// scales rounded up to powers of two; scales as exponent bytes.
+pub mod packed {
+    /// DeepEP's layout.
+    pub const PACKED: u32 = 1;
+    /// e4m3 rows, one scale per 128 values.
+    pub const FP8: u32 = 2;
+    /// Scales rounded up to powers of two.
+    pub const ROUND: u32 = 4;
+    /// Scales stored as their exponent bytes, four per i32.
+    pub const UE8M0: u32 = 8;
+    /// `topk_idx` holds int64 ids.
+    pub const IDS64: u32 = 16;
 }
 
 /// Launch arguments of the node-spanning MoE kernels (`collective_args.cuh`, `moe_net.cuh`; field
@@ -720,7 +759,8 @@ mod layout {
                     mismatch_mine_send,
                     mismatch_mine_recv,
                     mismatch_theirs_send,
-                    mismatch_theirs_recv
+                    mismatch_theirs_recv,
+                    dead_peers
                 ]
             ),
             layout!(
@@ -838,6 +878,13 @@ mod layout {
                     expert_counts,
                     calls,
                     sems,
+                    rank_prefix,
+                    y_weights,
+                    out_weights,
+                    off_comb_weights,
+                    in_rank,
+                    tokens_per_expert,
+                    off_expert_in,
                     call
                 ]
             ),
@@ -873,7 +920,18 @@ mod layout {
                     layout,
                     recv_count,
                     ready,
-                    call
+                    call,
+                    packed_x,
+                    packed_scales,
+                    packed_src,
+                    packed_range,
+                    packed_count,
+                    packed_stats,
+                    off_ret,
+                    packed,
+                    packed_pad,
+                    ticket,
+                    rank_mask
                 ]
             ),
             layout!(

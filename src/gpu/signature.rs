@@ -171,13 +171,13 @@ pub fn describe(word: u64) -> String {
     text
 }
 
-/// Bytes of one rank's inbox (`kInboxWords` in `call_check.cuh`): `[2 parities][MAX_RANKS]` slots
-/// its peers write, then its own counts of calls announced to and checked against each peer,
+/// Bytes of one rank's inbox (`kInboxWords` in `call_check.cuh`): `[4][MAX_RANKS]` slots its
+/// peers write, then its own counts of calls announced to and checked against each peer,
 /// `MAX_RANKS` words each, then `[2 parities][MAX_RANKS][2]` pair byte counts (alltoallv). The
-/// inbox half a call uses is picked by that count on the device, not by the call index: a CUDA
-/// graph replays the indices it captured, so with an odd number of calls in a graph two calls in
-/// a row would share a half.
-pub const INBOX_BYTES: usize = 8 * MAX_RANKS * 8;
+/// slot a call uses is picked by that count on the device, not by the call index: a CUDA graph
+/// replays the indices it captured. Four slots, not two: MoE low latency may have two calls in
+/// flight (sends before receive halves), and a peer then runs up to three calls ahead of a check.
+pub const INBOX_BYTES: usize = 10 * MAX_RANKS * 8;
 
 /// The call check of one collective object: every rank's inbox (mapped here) and the count of
 /// calls made so far.

@@ -33,7 +33,16 @@ pub struct WaitDiagnostics {
     budget: Duration,
     rank: i32,
     fault: Mutex<Option<Fault>>,
+    /// Peers found dead while the communicator tolerates peer loss, with what happened to each.
+    dead: Mutex<Vec<Fault>>,
+    /// Whether a dead peer is marked (`mark_dead`) instead of aborting the communicator.
+    tolerant: std::sync::atomic::AtomicBool,
 }
+
+/// Bits of the report's abort word (`kAbortAll`, `kAbortPeerDead` in `wait.cuh`): every device
+/// wait leaves; some peer is marked in `dead_peers` (the GPU reads that word only then).
+const ABORT_ALL: u32 = 1;
+const ABORT_PEER_DEAD: u32 = 2;
 
 /// How long a failed CUDA call waits for the watchdog to learn why, before it is returned as it
 /// is: a peer's death can fail this rank's kernel (MPS) a moment before its socket closes.
@@ -49,6 +58,8 @@ impl WaitDiagnostics {
             budget,
             rank: rank as i32,
             fault: Mutex::new(None),
+            dead: Mutex::new(Vec::new()),
+            tolerant: std::sync::atomic::AtomicBool::new(false),
         })
     }
 
@@ -79,7 +90,7 @@ impl WaitDiagnostics {
 
     /// Whether the abort word is set (by this host or by a device giver-up).
     pub fn aborted(&self) -> bool {
-        self.field(|r| unsafe { std::ptr::addr_of_mut!((*r).abort) }) != 0
+        self.field(|r| unsafe { std::ptr::addr_of_mut!((*r).abort) }) & ABORT_ALL != 0
     }
 
     /// Records `fault` as the reason this communicator stops (the first one recorded wins) and
@@ -93,12 +104,82 @@ impl WaitDiagnostics {
             }
             first
         };
-        // SAFETY: as in `field`; a plain 4-byte store that the GPU reads with an acquire load.
-        unsafe {
-            std::ptr::write_volatile(std::ptr::addr_of_mut!((*self.report.host_ptr()).abort), 1)
-        };
+        // A locked OR (the GPU may write the word too), which the GPU reads with an acquire load.
+        self.abort_word()
+            .fetch_or(ABORT_ALL, std::sync::atomic::Ordering::SeqCst);
         std::sync::atomic::fence(std::sync::atomic::Ordering::SeqCst);
         first
+    }
+
+    /// Records that peer `fault.rank` died while the communicator tolerates peer loss: its bit in
+    /// the report's `dead_peers` (the device's tolerant waits leave it out, every other wait for
+    /// it fails the communicator) instead of the abort word; the fault is also kept as the cause
+    /// a later abort names. Returns true the first time for that peer. Peers past 63 cannot be
+    /// marked: the communicator aborts for them as for any failure.
+    pub fn mark_dead(&self, fault: Fault) -> bool {
+        if fault.rank >= 64 {
+            return self.abort(fault);
+        }
+        let mut dead = self.dead.lock().unwrap_or_else(|p| p.into_inner());
+        if dead.iter().any(|f| f.rank == fault.rank) {
+            return false;
+        }
+        // Not kept as `fault`: the communicator goes on. `known` names the first dead peer only
+        // once something aborts it (a wait that could not leave the peer out).
+        // SAFETY: the report is one live, pinned WaitReport; the field pointer stays inside it and
+        // is 8-byte aligned (repr(C), layout-tested). Writers of dead_peers hold `dead`'s lock;
+        // the GPU only reads it (acquire).
+        unsafe {
+            let word = std::ptr::addr_of_mut!((*self.report.host_ptr()).dead_peers);
+            std::ptr::write_volatile(word, std::ptr::read_volatile(word) | (1u64 << fault.rank));
+        }
+        // Then the abort word's bit that tells the GPU to read dead_peers at all, with a locked
+        // OR: the GPU may set bit 0 at any moment, and a plain read-modify-write could undo it.
+        std::sync::atomic::fence(std::sync::atomic::Ordering::SeqCst);
+        self.abort_word()
+            .fetch_or(ABORT_PEER_DEAD, std::sync::atomic::Ordering::SeqCst);
+        dead.push(fault);
+        true
+    }
+
+    /// From now on a peer's death is marked ([`mark_dead`](Self::mark_dead)) instead of aborting
+    /// the communicator (set by an exchange that can leave dead peers out: MoE low latency with
+    /// a rank mask).
+    pub fn tolerate_peer_loss(&self) {
+        self.tolerant
+            .store(true, std::sync::atomic::Ordering::SeqCst);
+    }
+
+    /// Whether peer loss is tolerated (see [`tolerate_peer_loss`](Self::tolerate_peer_loss)).
+    pub fn tolerates_peer_loss(&self) -> bool {
+        self.tolerant.load(std::sync::atomic::Ordering::SeqCst)
+    }
+
+    /// The peers marked dead ([`mark_dead`](Self::mark_dead)), one bit each.
+    pub fn dead_peers(&self) -> u64 {
+        // SAFETY: as in `field`; an aligned 8-byte volatile read of host memory.
+        unsafe { std::ptr::read_volatile(std::ptr::addr_of!((*self.report.host_ptr()).dead_peers)) }
+    }
+
+    /// The first peer marked dead, with its cause.
+    pub fn first_dead(&self) -> Option<Fault> {
+        self.dead
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .first()
+            .cloned()
+    }
+
+    /// The report's abort word, as an atomic the host and the GPU both write.
+    fn abort_word(&self) -> &std::sync::atomic::AtomicU32 {
+        // SAFETY: the report is one live, pinned (host-mapped) WaitReport that lives as long as
+        // `self`; the field is 4-byte aligned (repr(C), layout-tested); every host access to it
+        // goes through this atomic or a volatile read, and the GPU's are 4-byte atomic stores.
+        unsafe {
+            std::sync::atomic::AtomicU32::from_ptr(std::ptr::addr_of_mut!(
+                (*self.report.host_ptr()).abort
+            ))
+        }
     }
 
     /// The fault recorded so far, if any.
@@ -202,7 +283,21 @@ impl WaitDiagnostics {
                 cause: f.cause,
             });
         }
-        self.timeout()
+        if let Some(e) = self.timeout() {
+            return Some(e);
+        }
+        // Aborted by a wait that could not leave a dead peer out (tolerated peer loss): that
+        // peer is the cause.
+        if self.aborted() {
+            if let Some(f) = self.first_dead() {
+                return Some(Error::PeerFailed {
+                    me: self.rank.max(0) as usize,
+                    rank: f.rank,
+                    cause: f.cause,
+                });
+            }
+        }
+        None
     }
 
     /// The error to report for a failed CUDA call: what [`error`](Self::error) knows, waiting a

@@ -3,7 +3,7 @@
 // Every collective call carries a 64-bit call word that names it: call index, collective, element
 // type, algorithm, operation and count (made by src/gpu/signature.rs; bit 63 marks a word as
 // written, so a zeroed slot reads as "nothing yet"). Each rank has an inbox of kInboxWords words in
-// its collective's scratch (zeroed at allocation): [2 parities][kMaxRanks] slots its peers write,
+// its collective's scratch (zeroed at allocation): [kSlotRing][kMaxRanks] slots its peers write,
 // mapped by them, then two rows of counters only this rank touches: for each peer p, how many
 // calls it announced to p and how many it checked against p.
 //
@@ -14,24 +14,32 @@
 // hide its one load in their length.
 //
 // Protocol (for each peer p != rank), n = this call's ordinal among the object's checked calls:
-//   start of the kernel, block 0's thread p: store my word into peer p's inbox slot [n & 1][rank]
+//   start of the kernel, block 0's thread p: store my word into peer p's inbox slot [n % 4][rank]
 //     (relaxed; the reader only compares it, nothing is read under its protection).
 //   end of the kernel, checker thread p, after its own share of the work: wait (bounded,
-//     abort-aware) until my inbox slot [n & 1][p] holds a word with this call's key (index and
+//     abort-aware) until my inbox slot [n % 4][p] holds a word with this call's key (index and
 //     graph bit), and compare it with mine. A different word is reported as a mismatch (WaitReport's mismatch
 //     record) and aborts the communicator, so the host call returns Error::ArgumentMismatch
 //     naming both calls. A peer that skipped or repeated a call never shows this key: its waits
 //     and this one give up at the budget (Error::Timeout naming it).
-// The parity is n's, counted on the device (each announcing and checking thread keeps its own
-// count per peer, so no two threads share one), not the host's call index: a CUDA graph replays
-// the indices it captured, so with an odd number of calls in a graph the first call of a replay
-// has the parity of the last call of the one before, and a peer one call ahead would overwrite
-// the slot this rank is about to check (the check then waited for a word that never came).
-// Why two parities suffice: peer p writes call n+2's word into slot [n & 1][rank] only after it
-// finished call n+1, which needs this rank's data of call n+1, which this rank sends only after this
-// kernel (call n) ended. So while call n runs, the slot holds call n-2's word (wait) or call n's.
+// The slot is picked by n, counted on the device (each announcing and checking thread keeps its
+// own count per peer, so no two threads share one), not by the host's call index: a CUDA graph
+// replays the indices it captured, so unless a graph held a multiple of four calls the first call
+// of a replay would share a slot with a call just before it, and a peer one call ahead would
+// overwrite the slot this rank is about to check (the check then waited for a word that never
+// came).
+// Why four slots suffice: a call split into a send and a receive half (MoE low latency) is
+// checked in its receive half, and up to two such calls may be in flight (two sends, then their
+// receive halves in send order: DeepEP's double buffer; the host refuses a third, and receive
+// halves out of order). Peer p writes call n+4's word into slot [n % 4][rank] only after its
+// receive half of call n+2 passed, which needs this rank's word of call n+2, which this rank
+// announces only after its receive half of call n (at most two in flight). So while call n's
+// check runs, the slot holds call n-4's word (wait) or call n's. With one call in flight two
+// slots would do (call n+2 needs this rank's data of n+1, sent after call n ended); with two in
+// flight, two slots were measured to deadlock (2026-11-26, 2 x H100: a peer's call n+2 overwrote call n's
+// word before this rank's receive half read it).
 // Graph replays reuse their captured words; a slot already holding this call's key from an
-// earlier replay (call n-2 captured as the same call) makes the check pass at once (the words
+// earlier replay (call n-4 captured as the same call) makes the check pass at once (the words
 // were compared at the first replay).
 // Pair counts (alltoallv): blocks differ by pair, so the word carries no count; instead the
 // announcing thread first stores, into peer p's inbox, the bytes it sends p and the bytes it
@@ -54,11 +62,13 @@ namespace doorbell {
 // Most ranks a single-node collective kernel handles.
 constexpr uint32_t kMaxRanks = 8;
 
-// Words of one rank's inbox: [2][kMaxRanks] slots, then [kMaxRanks] counts of calls announced to
-// each peer and [kMaxRanks] counts of calls checked against each peer, then [2][kMaxRanks][2] pair
-// byte counts (send, receive) its peers write (signature::INBOX_BYTES).
-constexpr uint32_t kInboxWords = 8 * kMaxRanks;
-constexpr uint32_t kAnnouncedCounts = 2 * kMaxRanks, kCheckedCounts = 3 * kMaxRanks, kPairCounts = 4 * kMaxRanks;
+// Words of one rank's inbox: [kSlotRing][kMaxRanks] slots, then [kMaxRanks] counts of calls
+// announced to each peer and [kMaxRanks] counts of calls checked against each peer, then
+// [2][kMaxRanks][2] pair byte counts (send, receive) its peers write (signature::INBOX_BYTES).
+constexpr uint32_t kSlotRing = 4;
+constexpr uint32_t kInboxWords = 10 * kMaxRanks;
+constexpr uint32_t kAnnouncedCounts = kSlotRing * kMaxRanks, kCheckedCounts = kAnnouncedCounts + kMaxRanks,
+                   kPairCounts = kCheckedCounts + kMaxRanks;
 
 // Launch-argument member of every checked collective.
 struct CallCheck {
@@ -108,27 +118,31 @@ static __noinline__ __device__ void announce_call_to(uint64_t* own, uint64_t* th
   const uint64_t n = own[kAnnouncedCounts + p];
   if (pair) {
     store_relaxed_sys_v2(theirs + kPairCounts + ((n & 1) * kMaxRanks + rank) * 2, send, recv);
-    store_release_sys(theirs + (n & 1) * kMaxRanks + rank, device_indexed(word, n));
+    store_release_sys(theirs + (n % kSlotRing) * kMaxRanks + rank, device_indexed(word, n));
   } else {
-    store_relaxed_sys(theirs + (n & 1) * kMaxRanks + rank, word);
+    store_relaxed_sys(theirs + (n % kSlotRing) * kMaxRanks + rank, word);
   }
   own[kAnnouncedCounts + p] = n + 1;
 }
 
-static __noinline__ __device__ void check_call_of(uint64_t* own, uint64_t word, uint32_t p, WaitSite site,
-                                                  bool pair, uint64_t send, uint64_t recv) {
+// Checks call n (this rank's ordinal of it) against peer p's word in slot n. `later_passes`
+// (device-indexed words only): a word of a later call in the slot means the peer passed call n
+// and overwrote its word; the check then passes without comparing (the peer's own check of call
+// n compares both words, so a mismatch is still reported there).
+static __noinline__ __device__ void check_slot(uint64_t* own, uint64_t word, uint64_t n, uint32_t p, WaitSite site,
+                                               bool pair, uint64_t send, uint64_t recv, bool later_passes) {
   site.peer = static_cast<int32_t>(p);
-  const uint64_t n = own[kCheckedCounts + p];
-  own[kCheckedCounts + p] = n + 1;
-  if (pair) word = device_indexed(word, n);
-  const uint64_t* slot = own + (n & 1) * kMaxRanks + p;
+  const uint64_t* slot = own + (n % kSlotRing) * kMaxRanks + p;
   uint64_t theirs = 0;
+  bool passed = false;
   spin_until(site, kWaitArgMismatch, word, [&](uint64_t& seen) {
     seen = load_relaxed_sys(slot);
     theirs = seen;
-    return call_key(seen) == call_key(word);
+    if (call_key(seen) == call_key(word)) return true;
+    passed = later_passes && (seen >> 63) != 0 && ((seen - n) & 0xffffull) - 1 < 0x7fffull;
+    return passed;
   });
-  if (call_key(theirs) != call_key(word)) return;  // gave up (reported) or aborted
+  if (passed || call_key(theirs) != call_key(word)) return;  // passed, gave up (reported) or aborted
   if (theirs != word) {
     report_mismatch(site, static_cast<int32_t>(p), word, theirs);
     return;
@@ -141,6 +155,14 @@ static __noinline__ __device__ void check_call_of(uint64_t* own, uint64_t word, 
   if (their_send != recv || their_recv != send) {
     report_mismatch(site, static_cast<int32_t>(p), word, theirs, true, send, recv, their_send, their_recv);
   }
+}
+
+// The next call's check against peer p: its ordinal is this rank's count of calls checked.
+static __noinline__ __device__ void check_call_of(uint64_t* own, uint64_t word, uint32_t p, WaitSite site,
+                                                  bool pair, uint64_t send, uint64_t recv) {
+  const uint64_t n = own[kCheckedCounts + p];
+  own[kCheckedCounts + p] = n + 1;
+  check_slot(own, pair ? device_indexed(word, n) : word, n, p, site, pair, send, recv, false);
 }
 
 // Block 0's thread p tells peer p which call this is (block 0 runs first, even where the grids of
@@ -182,6 +204,65 @@ DOORBELL_DEVICE_INLINE void check_call_counts(const CallCheck& c, uint32_t rank,
   if (c.word != 0 && call_checker(world, p) && p != rank) {
     check_call_of(c.inbox[rank], c.word, p, site, true, counts[p], counts[2 * world + p]);
   }
+}
+
+// Calls made of two kernels (MoE low latency: a send half, then a receive half; up to two calls
+// in flight, their receive halves in any order). Their words carry the call's ordinal n (the
+// device's count, device_indexed), as do the whole calls of the same object, so a rank that sends
+// and receives in two kernels and a peer that runs both in one still agree.
+// The send half's block 0 thread p announces call n, advances both counts (so the next whole
+// call's checker, which reads the checked count, finds its own ordinal) and, for the first peer,
+// leaves n in `keep` and `keep2` (either may be null: a ticket, the object's last-send word)
+// where its receive half finds it. `masked` ([world], or null): a masked peer (MoE low latency's
+// rank mask) is told nothing and not checked, but its counts advance like every peer's.
+DOORBELL_DEVICE_INLINE void announce_split_call(const CallCheck& c, uint32_t rank, uint32_t world, uint64_t* keep,
+                                                uint64_t* keep2, const uint32_t* masked = nullptr) {
+  const uint32_t p = threadIdx.x;
+  if (c.word == 0 || blockIdx.x != 0 || p >= world || p == rank) return;
+  uint64_t* own = c.inbox[rank];
+  const uint64_t n = own[kAnnouncedCounts + p];
+  if (masked != nullptr && masked[p] != 0u) {
+    own[kAnnouncedCounts + p] = n + 1;
+  } else {
+    announce_call_to(own, c.inbox[p], p, rank, device_indexed(c.word, n), false, 0, 0);
+  }
+  own[kCheckedCounts + p] = n + 1;
+  if (p == (rank + 1) % world) {
+    if (keep != nullptr) *keep = n;
+    if (keep2 != nullptr) *keep2 = n;
+  }
+}
+
+// A whole call of such an object (both halves in one kernel): block 0 announces ordinal n, the
+// announced count; the checkers check n, the checked count (equal at every kernel boundary).
+DOORBELL_DEVICE_INLINE void announce_indexed_call(const CallCheck& c, uint32_t rank, uint32_t world,
+                                                  const uint32_t* masked = nullptr) {
+  const uint32_t p = threadIdx.x;
+  if (c.word == 0 || blockIdx.x != 0 || p >= world || p == rank) return;
+  uint64_t* own = c.inbox[rank];
+  if (masked != nullptr && masked[p] != 0u) {
+    own[kAnnouncedCounts + p] += 1;
+    return;
+  }
+  announce_call_to(own, c.inbox[p], p, rank, device_indexed(c.word, own[kAnnouncedCounts + p]), false, 0, 0);
+}
+
+// The check of a call announced by announce_split_call (`ordinal`: what the send half kept) or,
+// with `ordinal` null, by announce_indexed_call. Checker threads only; the wait is bounded.
+DOORBELL_DEVICE_INLINE void check_indexed_call(const CallCheck& c, uint32_t rank, uint32_t world, const WaitSite& site,
+                                               const uint64_t* ordinal, const uint32_t* masked = nullptr) {
+  uint32_t p;
+  if (c.word == 0 || !call_checker(world, p) || p == rank) return;
+  uint64_t* own = c.inbox[rank];
+  uint64_t n;
+  if (ordinal != nullptr) {
+    n = *ordinal;
+  } else {
+    n = own[kCheckedCounts + p];
+    own[kCheckedCounts + p] = n + 1;
+  }
+  if (masked != nullptr && masked[p] != 0u) return;
+  check_slot(own, device_indexed(c.word, n), n, p, site, false, 0, 0, true);
 }
 
 #endif  // DOORBELL_CUDA

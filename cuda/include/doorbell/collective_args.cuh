@@ -121,9 +121,20 @@ struct MoeArgs {
   uint32_t* expert_counts;     // mine: [experts_per_rank]
   uint64_t* calls;             // mine: call counts per kernel and block (cuda/kernels/moe.cu)
   const SemaphoreHandle* sems; // [3][world]: dispatch rows in, repeated combine may start, combine copy-in done
+  int32_t* rank_prefix;        // mine: [world][world] i32, DeepEP's rank_prefix_matrix of the last dispatch:
+                               //   [s][r] = rows ranks 0..=s send rank r (-1 everywhere after a cut dispatch)
+  const float* y_weights;      // combine, per call: [num_recv, topk] f32 summed like y's rows, or null
+  float* out_weights;          // combine, per call: [num_tokens, topk] f32 (with y_weights)
+  uint64_t off_comb_weights;   // in every combine buffer: peers' y_weights rows [world * max_tokens, topk] f32
+  // Routing without top-k (in_rank non-null: the mode; DeepEP's dispatch by is_token_in_rank), per call:
+  const uint8_t* in_rank;            // [num_tokens, world] bool: token t goes to rank r
+  const int32_t* tokens_per_expert;  // [experts] i32, this rank's rows per expert (summed over the
+                                     //   sources into each rank's expert_counts), or null: no counts
+  uint64_t off_expert_in;      // in every landing area: [2][world][experts_per_rank] u64 words, count |
+                               //   dispatch number << 32, of tokens_per_expert by source (call parity)
   CallCheck call;              // this call's word and every rank's inbox (call_check.cuh)
 };
-DOORBELL_CHECK_SIZE(MoeArgs, 360);
+DOORBELL_CHECK_SIZE(MoeArgs, 416);
 
 // Launch arguments of the low-latency MoE kernels (cuda/kernels/moe_ll.cu).
 struct MoeLlArgs {
@@ -168,13 +179,48 @@ struct MoeLlArgs {
                                 //   rows sent per rank, this call
   uint32_t* done;               // mine: [4] blocks finished: dispatch send, combine send; (token,
                                 //   rank) items the dispatch send finished; zero
-  uint64_t* epochs;             // mine: [2] dispatch epoch, combine calls
+  uint64_t* epochs;             // mine: [4] dispatch epoch, combine calls, then the call-check
+                                //   ordinals of the last dispatch send and the last combine send
   uint32_t* layout;             // mine: [local expert][source] rows received
   uint32_t* recv_count;         // mine: [local expert] rows received
   const SemaphoreHandle* ready; // [world]: "my partial sums for you are written"
   CallCheck call;               // this call's word and every rank's inbox (call_check.cuh)
+  // DeepEP's low-latency layout (`packed` != 0; MoeConfig::with_deep_ep_layout). Per call; cap =
+  // world * max_tokens rows per local expert, each expert's rows packed from row 0, source 0's
+  // first, then source 1's, ...
+  uint8_t* packed_x;            // dispatch: [local expert][cap] rows of hidden bf16, or (kPackedFp8)
+                                //   hidden e4m3 bytes
+  void* packed_scales;          // dispatch, kPackedFp8: f32 [local expert][hidden / 128][cap], or
+                                //   (kPackedUe8m0) i32 [local expert][hidden / 512][cap] holding four
+                                //   exponent bytes (group 4j + b in byte b): column-major, as DeepEP's
+  int32_t* packed_src;          // [local expert][cap]: each row's source token (DeepEP's src_info)
+  int64_t* packed_range;        // [local expert][world]: begin << 32 | rows from each source
+  int32_t* packed_count;        // dispatch: [local expert] rows; -1 after a dispatch an abort cut short
+  int32_t* packed_stats;        // dispatch: [local expert] rows added to it (null: none)
+  uint64_t off_ret;             // area section: [2][expert][max_tokens][hidden] bf16, the combine's rows
+                                //   returned unweighted to each token's rank, half = combine call & 1
+  uint32_t packed;              // kPacked | kPackedFp8 | kPackedRound | kPackedUe8m0 | kIds64, or 0
+  uint32_t packed_pad;
+  uint64_t* ticket;             // per call, or null: [2] words; the send half stores its dispatch
+                                //   epoch (combine call) and its call-check ordinal here and the
+                                //   receive half reads them, so a receive half still pairs with its
+                                //   own send when another send came between them (two results in
+                                //   flight, as DeepEP allows); null: the receive half takes the
+                                //   last send's
+  const uint32_t* rank_mask;    // [world], or null: 1 = the rank is masked (DeepEP's enable_shrink,
+                                //   low_latency_update_mask_buffer): nothing goes to it, nothing is
+                                //   waited for from it, its experts add nothing to a combine; read
+                                //   at each call (set between calls, on the stream)
 };
-DOORBELL_CHECK_SIZE(MoeLlArgs, 320);
+DOORBELL_CHECK_SIZE(MoeLlArgs, 400);
+
+// MoeLlArgs::packed bits: DeepEP's layout; e4m3 rows cast per 128 values by the receive half
+// (scale amax / 448, amax at least 1e-4); scales rounded up to powers of two; scales stored as
+// exponent bytes.
+constexpr uint32_t kPacked = 1, kPackedFp8 = 2, kPackedRound = 4, kPackedUe8m0 = 8;
+// MoeLlArgs::packed bit: topk_idx holds int64 ids (DeepEP's topk_idx_t), read as such (an id
+// outside -1..experts selects nothing), so callers with int64 ids need no conversion kernel.
+constexpr uint32_t kIds64 = 16;
 
 // Launch arguments of the node-spanning MoE kernels (cuda/kernels/moe_net.cu, doorbell/moe_net.cuh):
 // the low-latency exchange for any mix of same-node peers (NVLink stores) and peers on other
@@ -247,14 +293,14 @@ struct MoeNetArgs {
   uint32_t* list;               // mine: [world][max_tokens] the token of each message to a peer on
                                 //   another node, this call (message j goes to the peer's slot j)
   uint64_t* probe;              // optional [8] global timer (ns): first block's start (min), last
-                                //   doorbell of the send (max), send's end (max); moe_net_send only:
+                                //   doorbell of the send (max), send's end (max); moe_net_dispatch_send only:
                                 //   last stage task's end, last network task done listing its
                                 //   tokens, last one done writing its batch, last one past the
                                 //   staging (its gate) (max), first network task's start (min);
                                 //   null: off
-  uint32_t* arrived;            // mine: [world] (token group, rank) tasks of moe_net_send done, this call
+  uint32_t* arrived;            // mine: [world] (token group, rank) tasks of moe_net_dispatch_send done, this call
   uint64_t* staged;             // mine: [ceil(max_tokens / 32) * 8] the dispatch epoch each stage task
-                                //   of moe_net_send (8 per token group) last staged
+                                //   of moe_net_dispatch_send (8 per token group) last staged
   // The call check across nodes (moe_net.cuh, "call check"): this call's word (0: unchecked, as
   // every high-throughput call), the inbox's offset in the area, and the offset in the staging
   // area of the two words network peers' inboxes are written from ([dispatch, combine]).

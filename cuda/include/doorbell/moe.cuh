@@ -37,6 +37,16 @@
 namespace doorbell {
 namespace moe_ll {
 
+// Top-k id `i` of the call: int32, or int64 with kIds64 (an id outside -1..experts reads as -1,
+// which selects nothing, as an int32 id past the experts does).
+DOORBELL_DEVICE_INLINE int32_t topk_id(const MoeLlArgs& a, uint64_t i) {
+  if (a.packed & kIds64) {
+    const int64_t v = reinterpret_cast<const int64_t*>(a.topk_idx)[i];
+    return v >= 0 && v < int64_t(a.experts_per_rank) * a.world ? int32_t(v) : -1;
+  }
+  return a.topk_idx[i];
+}
+
 // Row `i` of local expert `le` from `src` in half `half` of a receive area.
 DOORBELL_DEVICE_INLINE uint64_t row_index(const MoeLlArgs& a, uint32_t half, uint32_t le, uint32_t src, uint32_t i) {
   return ((uint64_t(half) * a.experts_per_rank + le) * a.world + src) * a.max_tokens + i;
@@ -62,9 +72,18 @@ DOORBELL_DEVICE_INLINE uint64_t* count_word(const MoeLlArgs& a, uint32_t owner, 
 // The epoch of the dispatch being sent: one past the last one finished (finish_send stores it).
 DOORBELL_DEVICE_INLINE uint64_t send_epoch(const MoeLlArgs& a) { return a.epochs[0] + 1; }
 
-// Where waits and input errors about `peer` are reported.
-DOORBELL_DEVICE_INLINE const WaitSite& site(const MoeLlArgs& a, uint32_t peer) {
-  return a.ready[peer == a.rank ? (a.rank + 1) % a.world : peer].site;
+// Where waits and input errors about `peer` are reported (this rank's own: a neighbour's site
+// naming this rank, so a dead neighbour never ends a wait for this rank's own words).
+DOORBELL_DEVICE_INLINE WaitSite site(const MoeLlArgs& a, uint32_t peer) {
+  WaitSite s = a.ready[peer == a.rank ? (a.rank + 1) % a.world : peer].site;
+  if (peer == a.rank) s.peer = int32_t(a.rank);
+  return s;
+}
+
+// Whether rank r is masked for this call (MoeLlArgs::rank_mask): nothing goes to it, nothing is
+// waited for from it.
+DOORBELL_DEVICE_INLINE bool masked(const MoeLlArgs& a, uint32_t r) {
+  return a.rank_mask != nullptr && a.rank_mask[r] != 0u;
 }
 
 // No carrier row: the (token, rank) pair has no selection on that rank.
@@ -89,8 +108,8 @@ DOORBELL_DEVICE_INLINE uint64_t reserve(const MoeLlArgs& a, uint32_t t, uint32_t
   const uint32_t half = uint32_t(send_epoch(a) & 1);
   const uint64_t sel = uint64_t(t) * a.topk + lane;
   int32_t e = -1;
-  if (lane < a.topk) e = a.topk_idx[sel];
-  const bool here = e >= 0 && uint32_t(e) / a.experts_per_rank == r;
+  if (lane < a.topk) e = topk_id(a, sel);
+  const bool here = e >= 0 && uint32_t(e) / a.experts_per_rank == r && !masked(a, r);
   const uint32_t mask = __ballot_sync(0xffffffffu, here);
   if (mask == 0) return kNoRow;
   const uint32_t first = __ffs(mask) - 1;
@@ -109,7 +128,7 @@ DOORBELL_DEVICE_INLINE uint64_t reserve(const MoeLlArgs& a, uint32_t t, uint32_t
   const uint64_t carrier = __shfl_sync(0xffffffffu, at, first);
   if (here) {
     section<int32_t>(a, r, a.off_src)[at] = int32_t(t);
-    section<float>(a, r, a.off_weight)[at] = a.topk_weights[sel];
+    section<float>(a, r, a.off_weight)[at] = a.topk_weights != nullptr ? a.topk_weights[sel] : 0.f;  // DeepEP's layout: none
     section<int32_t>(a, r, a.off_from)[at] = lane == first ? -int32_t(__popc(mask)) : int32_t(carrier);
     section<int32_t>(a, r, a.off_rec)[carrier * a.topk + __popc(mask & ((1u << lane) - 1))] = int32_t(at);
   }
@@ -131,8 +150,8 @@ DOORBELL_DEVICE_INLINE void publish_counts(const MoeLlArgs& a, uint64_t epoch, u
     // thread instead of one per store).
     if (e < experts) {
       const uint32_t r = e / a.experts_per_rank, le = e % a.experts_per_rank;
-      store_relaxed_sys(count_word(a, r, half, le, a.rank), (epoch << 32) | n);
-    } else {
+      if (!masked(a, r)) store_relaxed_sys(count_word(a, r, half, le, a.rank), (epoch << 32) | n);
+    } else if (!masked(a, e - experts)) {
       store_relaxed_sys(sent_word(a, e - experts, half, a.rank), (epoch << 32) | n);
     }
   }
@@ -148,6 +167,7 @@ DOORBELL_DEVICE_INLINE void item_done(const MoeLlArgs& a, uint32_t lane) {
   uint32_t last = 0;
   if (lane == 0) last = atomicAdd(&a.done[2], 1u) == a.num_tokens * a.world - 1;
   if (!__shfl_sync(0xffffffffu, last, 0)) return;
+  __syncwarp();  // orders the other lanes after lane 0's atomic, which saw every item's fence
   __threadfence_system();
   publish_counts(a, send_epoch(a), lane);
   if (lane == 0) a.done[2] = 0;
@@ -196,7 +216,10 @@ DOORBELL_DEVICE_INLINE void put_token(const MoeLlArgs& a, uint32_t t, const void
 // library's send kernels do, so a send that waits never keeps the peers' checks waiting), passes
 // true, as a call is announced once.
 DOORBELL_DEVICE_INLINE void finish_send(const MoeLlArgs& a, bool announced = false) {
-  if (!announced) announce_call(a.call, a.rank, a.world);
+  if (!announced) {
+    announce_split_call(a.call, a.rank, a.world, a.ticket != nullptr ? a.ticket + 1 : nullptr, a.epochs + 2,
+                        a.rank_mask);
+  }
   __shared__ bool last;
   __syncthreads();
   if (threadIdx.x == 0) {
@@ -212,6 +235,7 @@ DOORBELL_DEVICE_INLINE void finish_send(const MoeLlArgs& a, bool announced = fal
   }
   __syncthreads();  // every thread has read the old epoch
   if (threadIdx.x == 0) {
+    if (a.ticket != nullptr) *a.ticket = epoch;
     a.epochs[0] = epoch;
     a.done[0] = 0;
   }
@@ -269,7 +293,8 @@ DOORBELL_DEVICE_INLINE void combine_chunk(const MoeLlArgs& a, uint32_t t, uint32
   uint32_t ranks = 0;
   for (uint32_t k = 0; k < a.topk; ++k) {
     const int32_t e = a.topk_idx[uint64_t(t) * a.topk + k];
-    if (e >= 0) ranks |= 1u << (uint32_t(e) / a.experts_per_rank);
+    // An id past the experts names no rank (the send half dropped it too).
+    if (e >= 0 && uint32_t(e) < a.experts_per_rank * a.world) ranks |= 1u << (uint32_t(e) / a.experts_per_rank);
   }
   const int4* part = reinterpret_cast<const int4*>(a.area[a.rank] + a.off_part);
   float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};

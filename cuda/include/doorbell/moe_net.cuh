@@ -305,7 +305,7 @@ DOORBELL_DEVICE_INLINE void finish_send(const MoeNetArgs& a) {
     n = __shfl_sync(0xffffffffu, n, 0);
     n = n < a.max_tokens ? n : a.max_tokens;  // more is impossible: each token sends once per rank
     const uint64_t word = epoch << 32 | n;
-    if (lane == 0 && r != a.rank) announce_to(a, r, 0);  // the call check (a fused send runs no moe_net_send)
+    if (lane == 0 && r != a.rank) announce_to(a, r, 0);  // the call check (a fused send runs no moe_net_dispatch_send)
     __syncwarp();
     if (a.peer_area[r] != 0) {
       if (lane == 0) {

@@ -27,6 +27,14 @@
 //     turn and whose calls name this rank and its report.
 // Nothing traps: the CUDA context stays usable, so survivors can drop the communicator and build a
 // new one (Communicator::shrink) in the same process.
+// A communicator that tolerates peer loss (one with a MoE low-latency exchange that has a rank
+// mask: DeepEP's enable_shrink) gets a dead peer's bit in the report's `dead_peers`, and bit 1 of
+// the abort word (bit 0 is the abort), instead of the abort. The gate's reader sees bit 1; a
+// wait whose site is tolerant (kSiteTolerant) then reads `dead_peers`, and if its peer is dead,
+// copies the bit into the claim word (bits 8-31, peers 0-23, where every later wait for that
+// peer finds it) and leaves, and its caller goes on without that peer (peer_lost). Any other wait
+// sets the abort word, as the abort would have (a collective without masks still fails at once;
+// the host names the dead peer).
 //
 // Protocol of the report (one per communicator, host-mapped):
 //   claim word (device memory, 8-byte aligned, followed by the abort gate's u64): bit 0 clear =
@@ -80,7 +88,8 @@ struct WaitReport {
   uint64_t expected;
   uint64_t seen;
   uint64_t waited_ns;
-  uint32_t abort;             // nonzero: leave every wait (see the protocol above)
+  uint32_t abort;             // bit 0: leave every wait (see the protocol above); bit 1: a peer is
+                              // in dead_peers (tolerated loss), read only then
   int32_t mismatch_peer;      // the first peer found making another call (see call_check.cuh)
   uint64_t mismatch_mine;     // this rank's call word
   uint64_t mismatch_theirs;   // that peer's call word
@@ -90,8 +99,9 @@ struct WaitReport {
   uint64_t mismatch_mine_recv;     // bytes this rank expects from that peer
   uint64_t mismatch_theirs_send;   // bytes that peer sends this rank
   uint64_t mismatch_theirs_recv;   // bytes that peer expects from this rank
+  uint64_t dead_peers;        // bit p: peer p died and this communicator tolerates it (set by the host)
 };
-DOORBELL_CHECK_SIZE(WaitReport, 120);
+DOORBELL_CHECK_SIZE(WaitReport, 128);
 
 // Who is waiting: copied into every handle that can wait, so a report names its wait site.
 struct WaitSite {
@@ -111,13 +121,35 @@ DOORBELL_CHECK_SIZE(WaitSite, 40);
 // the device's copy of the abort word, which every wait reads at its first miss (an L2 read,
 // issued beside the first poll) so that once one wait has seen the abort, every later wait of the
 // communicator, in this kernel or in kernels queued behind it, leaves at once.
+// Bits of the abort word (host memory): every wait leaves; a peer is marked in dead_peers.
+constexpr uint32_t kAbortAll = 1u;
+constexpr uint32_t kAbortPeerDead = 2u;
+
 constexpr uint32_t kClaimReport = 1u;
 constexpr uint32_t kClaimMismatch = 2u;
 constexpr uint32_t kClaimAborted = 4u;
+constexpr uint32_t kClaimDeadShift = 8;  // bits 8-31: peers 0-23 known dead (tolerated loss)
+constexpr int32_t kClaimDeadPeers = 24;
+
+// WaitSite::reserved bits: a wait that may lose its peer (the caller leaves a dead peer out).
+constexpr uint32_t kSiteTolerant = 1u;
+
+// True once the host has marked the site's peer dead (a PCIe read: call it rarely).
+DOORBELL_DEVICE_INLINE bool peer_dead(const WaitSite& site) {
+  if (site.report == nullptr || site.peer < 0 || site.peer >= 64) return false;
+  return (load_acquire_sys(const_cast<const uint64_t*>(&site.report->dead_peers)) >> site.peer) & 1u;
+}
+
+// The device's copy of a dead peer's bit (an L2 read).
+DOORBELL_DEVICE_INLINE bool peer_dead_seen(const WaitSite& site) {
+  return site.claim != nullptr && site.peer >= 0 && site.peer < kClaimDeadPeers &&
+         ((load_relaxed_gpu(site.claim) >> (kClaimDeadShift + uint32_t(site.peer))) & 1u) != 0u;
+}
+
 
 // True once the communicator of `site` aborted. A PCIe read: call it rarely.
 DOORBELL_DEVICE_INLINE bool aborted(const WaitSite& site) {
-  return site.report != nullptr && load_acquire_sys(const_cast<const uint32_t*>(&site.report->abort)) != 0u;
+  return site.report != nullptr && (load_acquire_sys(const_cast<const uint32_t*>(&site.report->abort)) & kAbortAll) != 0u;
 }
 
 // True once this GPU knows that the communicator of `site` failed: a wait of it gave up, a call
@@ -126,6 +158,12 @@ DOORBELL_DEVICE_INLINE bool aborted(const WaitSite& site) {
 // mismatch, nothing derived from the other call leaves this GPU.
 DOORBELL_DEVICE_INLINE bool failed(const WaitSite& site) {
   return site.claim != nullptr && (load_relaxed_gpu(site.claim) & kClaimAborted) != 0u;
+}
+
+// After a wait of a tolerant site returned false: whether its peer died (the caller then leaves
+// that peer out) rather than the wait giving up or the communicator aborting.
+DOORBELL_DEVICE_INLINE bool peer_lost(const WaitSite& site) {
+  return (site.reserved & kSiteTolerant) != 0u && !failed(site) && (peer_dead_seen(site) || peer_dead(site));
 }
 
 // Records a failure (if this thread is the first to give up in the communicator) and sets the
@@ -196,11 +234,25 @@ constexpr uint64_t kAbortGatePeriodNs = kAbortCheckPeriodNs / 2;
 // True once this communicator aborted, as far as a waiter can tell at `now` (global timer):
 // the claim word's copy, or the host word if the gate lets this thread read it. Inline: a call
 // out of the wait loop makes the caller save its live registers around it (kernels with many
-// waits, such as moe_net_send, spilled 7x more with this out of line).
+// waits, such as moe_net_dispatch_send, spilled 7x more with this out of line).
+// A wait that cannot leave a dead peer out ends the communicator, as the host's abort would have
+// (the host has the peer's fault recorded: the calls return PeerFailed naming it).
+static __noinline__ __device__ void fail_for_dead_peer(const WaitSite& site) {
+  store_release_sys(const_cast<uint32_t*>(&site.report->abort), 1u);
+  __threadfence_system();
+  atomicOr(site.claim, kClaimAborted);
+}
+
 DOORBELL_DEVICE_INLINE bool abort_seen(const WaitSite& site, uint64_t now) {
   if (site.report == nullptr) return false;
   if (site.claim == nullptr) return aborted(site);
-  if (load_relaxed_gpu(site.claim) & kClaimAborted) return true;
+  const uint32_t claim = load_relaxed_gpu(site.claim);
+  if (claim & kClaimAborted) return true;
+  const bool one_peer = site.peer >= 0 && site.peer < kClaimDeadPeers;
+  if (one_peer && ((claim >> (kClaimDeadShift + uint32_t(site.peer))) & 1u) != 0u) {
+    if ((site.reserved & kSiteTolerant) == 0u) fail_for_dead_peer(site);
+    return true;
+  }
   uint64_t* gate = reinterpret_cast<uint64_t*>(site.claim) + 1;
   const uint64_t due = load_relaxed_gpu(gate);
   if (now < due) return false;
@@ -210,13 +262,30 @@ DOORBELL_DEVICE_INLINE bool abort_seen(const WaitSite& site, uint64_t now) {
   asm("mov.u32 %0, %%laneid;" : "=r"(lane));
   if (lane != uint32_t(__ffs(__activemask()) - 1)) return false;
   if (cas_relaxed_gpu(gate, due, now + kAbortGatePeriodNs) != due) return false;
-  if (!aborted(site)) return false;
-  atomicOr(site.claim, kClaimAborted);
-  return true;
+  const uint32_t word = load_acquire_sys(const_cast<const uint32_t*>(&site.report->abort));
+  if (word & kAbortAll) {
+    atomicOr(site.claim, kClaimAborted);
+    return true;
+  }
+  if ((word & kAbortPeerDead) == 0u) return false;
+  // A peer died and the communicator tolerates it. A wait that cannot leave a peer out fails
+  // the communicator, as the abort word would have: every collective of a communicator involves
+  // every rank, so whatever it waits for (one peer, or none named) may hang on the dead one.
+  if ((site.reserved & kSiteTolerant) == 0u) {
+    fail_for_dead_peer(site);
+    return true;
+  }
+  // A tolerant wait leaves only if its own peer is a dead one (its caller leaves it out). The
+  // dead-peer word is read only now that the host said some peer is in it, and every dead peer's
+  // bit goes into the claim word, so no later wait needs the gate to learn of it.
+  const uint64_t dead = load_acquire_sys(const_cast<const uint64_t*>(&site.report->dead_peers));
+  const uint32_t known = uint32_t(dead & ((1ull << kClaimDeadPeers) - 1u));
+  if (known != 0u) atomicOr(site.claim, known << kClaimDeadShift);
+  return site.peer >= 0 && site.peer < 64 && ((dead >> uint32_t(site.peer)) & 1u) != 0u;
 }
 
 // abort_seen behind a call, for the packet waits below (measured faster there; in kernels with
-// many values live across their waits, such as moe_net_send, a call in the loop spills them).
+// many values live across their waits, such as moe_net_dispatch_send, a call in the loop spills them).
 static __noinline__ __device__ bool abort_seen_out_of_line(const WaitSite& site, uint64_t now) {
   return abort_seen(site, now);
 }
@@ -242,6 +311,12 @@ DOORBELL_DEVICE_INLINE bool spin_until(const WaitSite& site, uint32_t what, uint
       const uint64_t now = global_timer_ns();
       if (i == 64) {
         if (claim & kClaimAborted) return false;
+        // A tolerant wait for a peer already known dead leaves now, not at its first abort
+        // check (graph replays do not write newly dead peers into the rank mask).
+        if ((site.reserved & kSiteTolerant) != 0u && site.peer >= 0 && site.peer < kClaimDeadPeers &&
+            ((claim >> (kClaimDeadShift + uint32_t(site.peer))) & 1u) != 0u) {
+          return false;
+        }
         start = now;
       }
       const uint64_t waited = now - start;

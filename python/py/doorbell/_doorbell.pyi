@@ -54,7 +54,7 @@ class MemChannels:
     @staticmethod
     def handle_size() -> int: ...
 
-class MoeHt:
+class MoeHighThroughput:
     def __init__(
         self,
         comm: Comm,
@@ -73,15 +73,27 @@ class MoeHt:
     def dispatch_fp8(
         self, x: int, scales: int, topk_idx: int, topk_weights: int, num_tokens: int, stream: int
     ) -> None: ...
-    def combine(self, y: int, out: int, stream: int) -> None: ...
+    def combine(self, y: int, out: int, stream: int, y_weights: int = 0, out_weights: int = 0) -> None: ...
+    def dispatch_by_rank(self, x: int, scales: int, in_rank: int, tokens_per_expert: int, num_tokens: int, stream: int) -> None: ...
     def results(self) -> Dict[str, int]: ...
 
-class MoeLl:
+class MoeLowLatency:
     def __init__(
-        self, comm: Comm, hidden: int, topk: int, num_experts: int, max_tokens: int, sms: Optional[int] = None
+        self,
+        comm: Comm,
+        hidden: int,
+        topk: int,
+        num_experts: int,
+        max_tokens: int,
+        sms: Optional[int] = None,
+        deep_ep_layout: bool = False,
+        rank_mask: bool = False,
     ) -> None: ...
     @property
     def spans_nodes(self) -> bool: ...
+    def set_rank_masked(self, rank: int, masked: bool, stream: int) -> None: ...
+    def clean_rank_mask(self, stream: int) -> None: ...
+    def rank_mask_ptr(self, stream: int) -> int: ...
     def dispatch_send(
         self, x: int, scales: int, topk_idx: int, topk_weights: int, num_tokens: int, stream: int
     ) -> None: ...
@@ -90,3 +102,49 @@ class MoeLl:
     def combine_send(self, stream: int) -> None: ...
     def combine_recv(self, out: int, stream: int) -> None: ...
     def results(self, n: Optional[int] = None) -> Dict[str, int]: ...
+    def dispatch_packed(
+        self,
+        x: int,
+        topk_idx: int,
+        num_tokens: int,
+        out_x: int,
+        scales: int,
+        round_scale: bool,
+        ue8m0: bool,
+        src_info: int,
+        layout_range: int,
+        count: int,
+        stats: int,
+        ticket: int,
+        send_only: bool,
+        stream: int,
+        ids_i64: bool = False,
+    ) -> None: ...
+    def dispatch_packed_recv(
+        self,
+        out_x: int,
+        scales: int,
+        round_scale: bool,
+        ue8m0: bool,
+        src_info: int,
+        layout_range: int,
+        count: int,
+        stats: int,
+        ticket: int,
+        stream: int,
+    ) -> None: ...
+    def combine_packed(
+        self,
+        y: int,
+        src_info: int,
+        layout_range: int,
+        topk_idx: int,
+        topk_weights: int,
+        num_tokens: int,
+        out: int,
+        ticket: int,
+        send: bool,
+        recv: bool,
+        stream: int,
+        ids_i64: bool = False,
+    ) -> None: ...

@@ -1,10 +1,12 @@
-"""``python -m doorbell.bench allreduce|alltoall|moe`` under torchrun (one rank per GPU): doorbell
+"""``python -m doorbell.bench allreduce|alltoall|moe|deep_ep`` under torchrun (one rank per GPU): doorbell
 beside ``torch.distributed`` (NCCL) and, for allreduce where the machine allows it, PyTorch
 symmetric memory's one-shot allreduce, in the same run. The table has the Rust examples'
 columns (size, count, type, then per library CUDA-graph and eager time in us with busbw in GB/s,
 max over ranks, and doorbell's speedup over the fastest peer); ``#wrong`` counts elements of
-doorbell's result that differ from the exact answer (max over ranks). NVLink multicast stays
-off (the variables set below)."""
+doorbell's result that differ from the exact answer (max over ranks). ``deep_ep`` times
+doorbell.deep_ep (DeepEP's API) beside doorbell's own calls: single-call GPU p50/p99, and in
+the eager tables the host's time to enqueue one call (``api host us``, ``own host us``). NVLink
+multicast stays off (the variables set below)."""
 
 from __future__ import annotations
 
@@ -94,6 +96,36 @@ def _time_calls(fn: Callable[[], Any], iters: int, graph: bool) -> Optional[List
                     fn()
         torch.cuda.synchronize()
         return [float(a.elapsed_time(b)) * 1e3 for a, b in zip(marks[1:], marks[2:])]
+    except Exception:  # noqa: BLE001 - a peer that cannot run here shows as "-"
+        torch.cuda.synchronize()
+        return None
+
+
+def _host_calls(fn: Callable[[], Any], iters: int, hold: bool) -> Optional[List[float]]:
+    """Host wall time (``time.perf_counter``, us) of each of ``iters`` eager calls, after one
+    untimed call and a barrier. With ``hold`` the calls queue behind a GPU sleep with room for
+    200 us of host time a call, so each time is what the host takes to enqueue one call, never a
+    wait for the GPU; a call that synchronizes with the host would only wait such a hold out, so
+    those go without (``hold=False``) and their times include the GPU's. None when the call
+    cannot run here."""
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    try:
+        fn()
+        torch.cuda.synchronize()
+        dist.barrier()
+        if hold:
+            _hold(10 * iters)
+        out: List[float] = []
+        for _ in range(iters):
+            t0 = time.perf_counter()
+            fn()
+            out.append((time.perf_counter() - t0) * 1e6)
+        torch.cuda.synchronize()
+        return out
     except Exception:  # noqa: BLE001 - a peer that cannot run here shows as "-"
         torch.cuda.synchronize()
         return None
@@ -235,13 +267,183 @@ def _moe(a: argparse.Namespace, comm: Any) -> None:
         print(f"{'combine':>10} | {_fmt(c[0], 1):>9} {_fmt(c[1], 1):>9}")
 
 
+def _p(v: Optional[List[float]], q: float) -> Optional[float]:
+    """The ``q`` quantile of single-call times (None when they could not be taken)."""
+    if not v:
+        return None
+    s = sorted(v)
+    return s[min(len(s) - 1, int(q * len(s)))]
+
+
+def _deep_ep(a: argparse.Namespace) -> None:
+    """doorbell.deep_ep (DeepEP's API) beside doorbell's own calls on the same kernels and
+    buffers: the low-latency mode at the decode shape and the normal mode at the prefill shape,
+    per call GPU p50/p99 (single calls, max over ranks) in CUDA graphs and eager, GB/s as DeepEP's
+    tests count bytes, the API's cost over the native call, SMs and GPU memory. The eager tables
+    add the host's wall time to enqueue one call, the API's and doorbell's own (``api host us``,
+    ``own host us``: median over the calls, max over ranks), which the GPU times leave out; the
+    API's normal dispatch waits for its row count, so its host time includes the GPU's."""
+    import torch
+    import torch.distributed as dist
+
+    from . import deep_ep, moe
+    from .deep_ep._buffer import _normal_bytes_per_token
+
+    group = dist.group.WORLD
+    w, rank = dist.get_world_size(), dist.get_rank()
+    hidden, topk = 7168, 8
+    experts = (a.experts + w - 1) // w * w
+    m = a.ll_tokens
+    torch.manual_seed(rank)
+    free0 = torch.cuda.mem_get_info()[0]
+    buf = deep_ep.Buffer(
+        group,
+        _normal_bytes_per_token(w, hidden, topk) * a.tokens,
+        deep_ep.Buffer.get_low_latency_rdma_size_hint(m, hidden, w, experts),
+        low_latency_mode=True,
+    )
+    sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+    local = experts // w
+
+    def routing(tokens: int) -> Any:
+        scores = torch.randn(tokens, experts, device="cuda").abs() + 1
+        return torch.topk(scores, topk, dim=1).indices
+
+    def row(
+        name: str, api_fn: Callable[[], Any], own_fn: Callable[[], Any], nbytes: int, graph: bool, api_syncs: bool = False
+    ) -> List[Optional[float]]:
+        """Times the API's call and doorbell's own and prints their row: single-call GPU p50 and
+        p99, max over ranks; eager rows add each call's host time to enqueue it (median, max over
+        ranks; ``api_syncs``: the API's call waits for the GPU, so it is timed without a hold)."""
+        api, native = _time_calls(api_fn, a.iters, graph), _time_calls(own_fn, a.iters, graph)
+        vals = [_max(_p(api, 0.5)), _max(_p(api, 0.99)), _max(_p(native, 0.5)), _max(_p(native, 0.99))]
+        cost = None if vals[0] is None or vals[2] is None else vals[0] - vals[2]
+        gbs = None if vals[0] is None else nbytes / vals[0] / 1e3
+        host: List[Optional[float]] = []
+        if not graph:
+            host = [
+                _max(_p(_host_calls(api_fn, a.iters, hold=not api_syncs), 0.5)),
+                _max(_p(_host_calls(own_fn, a.iters, hold=True), 0.5)),
+            ]
+        if rank == 0:
+            line = (
+                f"{name:>26} | {_fmt(vals[0], 1):>7} {_fmt(vals[1], 1):>7} | {_fmt(vals[2], 1):>7} "
+                f"{_fmt(vals[3], 1):>7} | {_fmt(cost, 2):>7} | {_fmt(gbs, 1):>7}"
+            )
+            if not graph:
+                line += f" | {_fmt(host[0], 1):>11} {_fmt(host[1], 1):>11}"
+            print(line, flush=True)
+        return vals + host
+
+    header = f"{'call':>26} | {'api p50':>7} {'p99':>7} | {'own p50':>7} {'p99':>7} | {'cost us':>7} | {'GB/s':>7}"
+    eager_header = f"{header} | {'api host us':>11} {'own host us':>11}"
+
+    # ---- low latency, decode shape ----
+    x = torch.randn(m, hidden, device="cuda").to(torch.bfloat16)
+    idx = routing(m).to(deep_ep.topk_idx_t)
+    wts = torch.rand(m, topk, device="cuda")
+    recv, _, handle, _, _ = buf.low_latency_dispatch(x, idx, m, experts, use_fp8=False)
+    y = recv.clone()
+    free1 = torch.cuda.mem_get_info()[0]
+    native = buf._ll[(hidden, experts, m, topk)]
+    idx32 = idx.int()
+    cap = w * m
+    px = torch.empty((local, cap, hidden), dtype=torch.bfloat16, device="cuda")
+    px8 = torch.empty((local, cap, hidden), dtype=torch.float8_e4m3fn, device="cuda")
+    scales = torch.empty((local, hidden // 128, cap), dtype=torch.float32, device="cuda")
+    count = torch.empty(local, dtype=torch.int32, device="cuda")
+    src = torch.empty((local, cap), dtype=torch.int32, device="cuda")
+    rng = torch.empty((local, w), dtype=torch.int64, device="cuda")
+    out = torch.empty((m, hidden), dtype=torch.bfloat16, device="cuda")
+    selections = int((idx >= 0).sum())
+
+    def stream() -> int:
+        return int(torch.cuda.current_stream().cuda_stream)
+
+    def own_dispatch(fp8: bool) -> None:
+        target, sc = (px8, scales.data_ptr()) if fp8 else (px, 0)
+        native.dispatch_packed(x.data_ptr(), idx32.data_ptr(), m, target.data_ptr(), sc, False, False,
+                               src.data_ptr(), rng.data_ptr(), count.data_ptr(), 0, 0, False, stream())
+
+    def own_combine() -> None:
+        native.combine_packed(y.data_ptr(), handle[0].data_ptr(), handle[1].data_ptr(), idx32.data_ptr(),
+                              wts.data_ptr(), m, out.data_ptr(), 0, True, True, stream())
+
+    if rank == 0:
+        print(f"# doorbell.deep_ep against doorbell's own calls, {w} ranks, {torch.cuda.get_device_name()}")
+        print(f"# low latency: {m} tokens x top-{topk} of {experts} experts, hidden {hidden}; {sms} SMs (every SM); "
+              f"buffers {(free0 - free1) / 2**20:.0f} MiB a rank (free-memory drop, normal mode's included once built)")
+        print("# GB/s as DeepEP's tests count: dispatch = selections x (FP8: hidden + hidden/128 x 4; bf16: 2 hidden), "
+              "combine = selections x 2 hidden, over the API's p50")
+    for graph in (True, False):
+        if rank == 0:
+            if graph:
+                print(f"# CUDA graph, single calls\n{header}")
+            else:
+                print("# eager, single calls; host us: the host's time to enqueue one call (perf_counter, the calls "
+                      f"queued behind a GPU sleep), median, max over ranks\n{eager_header}")
+        for fp8 in (True, False):
+            nbytes = selections * ((hidden + hidden // 128 * 4) if fp8 else 2 * hidden)
+            row(f"ll dispatch {'fp8' if fp8 else 'bf16'}",
+                lambda: buf.low_latency_dispatch(x, idx, m, experts, use_fp8=fp8), lambda: own_dispatch(fp8), nbytes, graph)
+        row("ll combine", lambda: buf.low_latency_combine(y, idx, wts, handle), own_combine, selections * 2 * hidden, graph)
+
+        def api_period() -> None:
+            r = buf.low_latency_dispatch(x, idx, m, experts, use_fp8=True)
+            buf.low_latency_combine(y, idx, wts, r[2])
+
+        def own_period() -> None:
+            own_dispatch(True)
+            native.combine_packed(y.data_ptr(), src.data_ptr(), rng.data_ptr(), idx32.data_ptr(), wts.data_ptr(),
+                                  m, out.data_ptr(), 0, True, True, stream())
+
+        row("ll dispatch+combine", api_period, own_period, 0, graph)
+
+    # ---- normal mode, prefill shape ----
+    t = a.tokens
+    xn = torch.randn(t, hidden, device="cuda").to(torch.bfloat16)
+    idxn = routing(t).to(deep_ep.topk_idx_t)
+    wn = torch.rand(t, topk, device="cuda")
+    per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idxn, experts)
+    recv_x, _, _, _, nhandle, _ = buf.dispatch(xn, topk_idx=idxn, topk_weights=wn, num_tokens_per_rank=per_rank,
+                                               is_token_in_rank=in_rank, num_tokens_per_expert=per_expert)
+    own_buf = buf._normal[(hidden, experts, topk)]
+    own_handle = own_buf.dispatch(xn, idxn, wn)[4]
+    rows_in = int(recv_x.shape[0])
+    if rank == 0:
+        print(f"# normal mode: {t} tokens x top-{topk} of {experts} experts, hidden {hidden}, bf16; "
+              f"{max(_normal_sms(deep_ep), w)} SMs; GB/s = received rows x 2 hidden over the API's p50 (DeepEP's NVL count)")
+        print("# eager, single calls, host us as above; the API's dispatch reads the row count on the host, as "
+              "DeepEP's, so its host time is taken without a GPU sleep ahead and includes the wait for the GPU (the "
+              f"kernels, every rank's arrival, the count's copy)\n{eager_header}")
+    row("normal dispatch", lambda: buf.dispatch(xn, topk_idx=idxn, topk_weights=wn, num_tokens_per_rank=per_rank,
+                                                is_token_in_rank=in_rank, num_tokens_per_expert=per_expert),
+        lambda: own_buf.dispatch(xn, idxn, wn), rows_in * 2 * hidden, False, api_syncs=True)
+    # DeepEP's num_worst_tokens: outputs of the worst-case row count, no wait on the host (CUDA-graph
+    # capturable), so this row compares the kernels and the adapter alone.
+    row("normal dispatch, worst", lambda: buf.dispatch(xn, topk_idx=idxn, topk_weights=wn, num_tokens_per_rank=per_rank,
+                                                       is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+                                                       num_worst_tokens=w * t),
+        lambda: own_buf.dispatch(xn, idxn, wn), rows_in * 2 * hidden, False)
+    row("normal combine", lambda: buf.combine(recv_x, nhandle),
+        lambda: own_buf.combine(own_buf.get_combine_buffer(), own_handle), rows_in * 2 * hidden, False)
+    buf.destroy()
+
+
+def _normal_sms(deep_ep: Any) -> int:
+    """The SMs the normal mode's kernels take by default (``Buffer.num_sms``)."""
+    return int(deep_ep.Buffer.num_sms)
+
+
 def main(argv: Optional[List[str]] = None) -> None:
     p = argparse.ArgumentParser(prog="python -m doorbell.bench", description=__doc__)
-    p.add_argument("collective", choices=["allreduce", "alltoall", "moe"])
+    p.add_argument("collective", choices=["allreduce", "alltoall", "moe", "deep_ep"])
     p.add_argument("--min-bytes", type=int, default=1024)
     p.add_argument("--max-bytes", type=int, default=256 << 20)
     p.add_argument("--iters", type=int, default=20)
-    p.add_argument("--tokens", type=int, default=4096, help="moe: tokens per rank")
+    p.add_argument("--tokens", type=int, default=4096, help="moe, deep_ep's normal mode: tokens per rank")
+    p.add_argument("--ll-tokens", type=int, default=128, help="deep_ep's low-latency mode: tokens per rank")
+    p.add_argument("--experts", type=int, default=288, help="deep_ep: experts (rounded up to a multiple of the ranks)")
     a = p.parse_args(argv)
 
     import torch
@@ -252,6 +454,10 @@ def main(argv: Optional[List[str]] = None) -> None:
     local = int(os.environ.get("LOCAL_RANK", "0"))
     torch.cuda.set_device(local % torch.cuda.device_count())
     dist.init_process_group("nccl", device_id=torch.device("cuda", torch.cuda.current_device()))
+    if a.collective == "deep_ep":  # the Buffer joins doorbell through the process group
+        _deep_ep(a)
+        dist.destroy_process_group()
+        return
     comm = doorbell.init()
     if a.collective == "moe":
         _moe(a, comm)

@@ -75,9 +75,9 @@ class Buffer:
         self.low_latency_mode = low_latency_mode
         self._native: Any
         if low_latency_mode:
-            self._native = _doorbell.MoeLl(comm._native, hidden, num_topk, num_experts, num_max_tokens, num_sms)
+            self._native = _doorbell.MoeLowLatency(comm._native, hidden, num_topk, num_experts, num_max_tokens, num_sms)
         else:
-            self._native = _doorbell.MoeHt(
+            self._native = _doorbell.MoeHighThroughput(
                 comm._native, hidden, num_topk, num_experts, num_max_tokens, num_sms, net_chunks
             )
         self._dispatches = 0
@@ -104,7 +104,7 @@ class Buffer:
         rank_of = torch.where(valid, idx // self.num_local_experts, torch.full_like(idx, world))
         in_rank = torch.zeros(idx.shape[0], world + 1, dtype=torch.bool, device=idx.device)
         in_rank.scatter_(1, rank_of, True)
-        in_rank = in_rank[:, :world]
+        in_rank = in_rank[:, :world].contiguous()
         per_rank = in_rank.sum(0).int()
         return per_rank, None, per_expert.int(), in_rank, None
 
@@ -159,10 +159,63 @@ class Buffer:
         self._dispatches += 1
         return recv_x, recv_idx, recv_w, counts, handle, None
 
-    def combine(self, x: Any, handle: DispatchHandle, out: Any = None) -> Tuple[Any, None, None]:
+    def dispatch_by_rank(
+        self, x: Union[Any, Tuple[Any, Any]], is_token_in_rank: Any, num_tokens_per_expert: Any = None
+    ) -> Tuple[Any, None, None, Any, DispatchHandle, None]:
+        """A dispatch routed by ranks instead of experts (DeepEP's dispatch without top-k):
+        ``is_token_in_rank [num_tokens, world]`` bool says where each token goes (each rank once).
+        Rows arrive as from :meth:`dispatch`, with no ids or weights; ``num_tokens_per_expert``
+        (int32 ``[num_experts]``, this rank's rows per expert) is summed over the sources into the
+        per-local-expert counts (without it they stay 0). Returns ``(recv_x, None, None,
+        num_recv_tokens_per_expert, handle, None)``. Inside one node only (for now)."""
+        self._need(False, "dispatch_by_rank")
+        comm = self.comm
+        fp8 = isinstance(x, tuple)
+        rows: Any = x[0] if fp8 else x
+        num_tokens = int(rows.shape[0]) if len(getattr(rows, "shape", ())) == 2 else -1
+        if num_tokens < 0:
+            raise ValueError("x: expected shape (num_tokens, hidden)")
+        if num_tokens > self.num_max_tokens:
+            raise ValueError(f"x: {num_tokens} tokens, but the buffer holds {self.num_max_tokens} per rank")
+        world = comm.world_size
+        check_tensor("is_token_in_rank", is_token_in_rank, device=comm.device, dtypes="bool", shape=(num_tokens, world), align=1)
+        per_expert = 0
+        if num_tokens_per_expert is not None:
+            check_tensor("num_tokens_per_expert", num_tokens_per_expert, device=comm.device, dtypes="int32", shape=(self.num_experts,), align=4)
+            per_expert = num_tokens_per_expert.data_ptr()
+        _, stream = comm._stream()
+        if fp8:
+            check_tensor("x[0]", x[0], device=comm.device, dtypes="float8_e4m3fn", shape=(num_tokens, self.hidden))
+            check_tensor("x[1]", x[1], device=comm.device, dtypes="float32", shape=(num_tokens, self.hidden // 128), align=4)
+            # A rank with no tokens still says FP8 (a nonzero scales value; nothing is read).
+            self._native.dispatch_by_rank(x[0].data_ptr(), x[1].data_ptr() or 16, is_token_in_rank.data_ptr(), per_expert, num_tokens, stream)
+        else:
+            check_tensor("x", rows, device=comm.device, dtypes="bfloat16", shape=(num_tokens, self.hidden))
+            self._native.dispatch_by_rank(rows.data_ptr(), 0, is_token_in_rank.data_ptr(), per_expert, num_tokens, stream)
+        r = self._native.results()
+        dev, cap = comm.device, int(r["max_rows"])
+        if fp8:
+            recv_x: Any = (
+                device_view(r["recv_x"], (cap, self.hidden), "float8_e4m3fn", dev, self),
+                device_view(r["recv_scales"], (cap, self.hidden // 128), "float32", dev, self),
+            )
+        else:
+            recv_x = device_view(r["recv_x"], (cap, self.hidden), "bfloat16", dev, self)
+        counts = device_view(r["expert_counts"], (self.num_local_experts,), "int32", dev, self)
+        num_recv = device_view(r["num_recv"], (1,), "int32", dev, self)
+        handle = DispatchHandle(num_tokens, self.hidden, (x, is_token_in_rank, num_tokens_per_expert), num_recv)
+        self._dispatches += 1
+        return recv_x, None, None, counts, handle, None
+
+    def combine(
+        self, x: Any, handle: DispatchHandle, out: Any = None, topk_weights: Any = None
+    ) -> Tuple[Any, Optional[Any], None]:
         """``x``: bf16 rows aligned with the last dispatch's ``recv_x`` (each already weighted and
         summed over this rank's experts of its token). Returns ``(combined_x [num_tokens,
-        hidden], None, None)``: per token, the sum over the ranks it went to (f32, rank order)."""
+        hidden], combined_topk_weights, None)``: per token, the sum over the ranks it went to (f32,
+        rank order); with ``topk_weights`` (float32 ``[rows, num_topk]`` aligned with ``x``, e.g.
+        the dispatch's ``recv_topk_weights``) those are summed the same way into
+        ``combined_topk_weights [num_tokens, num_topk]`` (inside one node), else it is None."""
         import torch
 
         self._need(False, "combine")
@@ -177,8 +230,13 @@ class Buffer:
             out = torch.empty(handle.num_tokens, self.hidden, dtype=torch.bfloat16, device=f"cuda:{comm.device}")
         check_tensor("out", out, device=comm.device, dtypes="bfloat16", shape=(handle.num_tokens, self.hidden))
         _, stream = comm._stream()
-        self._native.combine(x.data_ptr(), out.data_ptr(), stream)
-        return out, None, None
+        if topk_weights is None:
+            self._native.combine(x.data_ptr(), out.data_ptr(), stream)
+            return out, None, None
+        check_tensor("topk_weights", topk_weights, device=comm.device, dtypes="float32", shape=(int(x.shape[0]), self.num_topk), align=4)
+        weights = torch.empty(handle.num_tokens, self.num_topk, dtype=torch.float32, device=f"cuda:{comm.device}")
+        self._native.combine(x.data_ptr(), out.data_ptr(), stream, topk_weights.data_ptr(), weights.data_ptr())
+        return out, weights, None
 
     def get_combine_buffer(self) -> Any:
         """Normal mode: the combine buffer, bf16 ``[rows, hidden]`` aligned with ``recv_x``.

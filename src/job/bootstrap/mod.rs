@@ -405,6 +405,12 @@ impl Bootstrap {
         self.shared.failure(silence)
     }
 
+    /// Every peer that died or fell silent so far (not those that left with a goodbye), with
+    /// what happened; [`health`](Self::health) names only the first failure.
+    pub fn dead_peers(&self) -> Vec<(usize, String)> {
+        self.shared.died()
+    }
+
     /// Builds a new job of the ranks not in `failed`, renumbered in order (collective among the
     /// survivors; the failed ranks take no part). The lowest survivor becomes rank 0 of the new
     /// job: it listens on an ephemeral port and tells the others over this job's links, which

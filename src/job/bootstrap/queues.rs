@@ -180,6 +180,19 @@ impl Shared {
         })
     }
 
+    /// Every peer that died or fell silent (not one that left with a goodbye), with why.
+    pub(super) fn died(&self) -> Vec<(usize, String)> {
+        lock(&self.state)
+            .gone
+            .iter()
+            .enumerate()
+            .filter_map(|(peer, g)| match g {
+                Some(g) if g.died => Some((peer, g.why.clone())),
+                _ => None,
+            })
+            .collect()
+    }
+
     /// Waits up to `timeout` for anything to change (a message, a gone peer, an abort).
     pub(super) fn wait_change(&self, timeout: Duration) {
         let st = lock(&self.state);

@@ -1,7 +1,7 @@
-//! The node-spanning path of [`super::moe::MoeDispatcher`] (high throughput), DeepEP's
+//! The node-spanning path of [`super::MoeHighThroughput`], DeepEP's
 //! hierarchical scheme: a token crosses the network once per destination node, to the rank of
 //! that node with the sender's local index (its rail peer), which forwards it over NVLink with the
-//! node's own [`super::moe::MoeDispatcher`] (on a communicator of the node's ranks); the combine
+//! node's own NVLink path (`ht_nvlink.rs`, on a communicator of the node's ranks); the combine
 //! sums inside the node first (that dispatcher's combine), then sends one row per (token, node)
 //! back over the network, where the token's rank adds the nodes' rows in node order.
 //!
@@ -10,11 +10,13 @@
 //! the receiver has granted its slot (a credit signal per chunk consumed), so the buffers are far
 //! smaller than the worst case (`max_tokens` per source) and an incast of every node onto one rank
 //! never overruns them. Protocol and kernels: `moe_ht_*` in `cuda/kernels/moe_net.cu`; the same
-//! protocol on the CPU: [`super::moe_net::ChunkStream`].
+//! protocol on the CPU: [`super::plan::ChunkStream`].
 
-use super::moe::{DispatchResults, MoeConfig, MoeDispatcher};
-use super::moe_ll_net::{message_bytes, LandingShape, NetLanding};
-use super::moe_net::{NodeMap, HT_CHUNK};
+use super::ht_nvlink::HtNvlink;
+use super::net_area::{message_bytes, LandingShape, NetLanding};
+use super::path::HighThroughputPath;
+use super::plan::{NodeMap, HT_CHUNK};
+use super::shared::{agree_shape, DispatchResults, MoeConfig};
 use crate::channel::memory_channel::RegisteredMemory;
 use crate::communicator::Communicator;
 use crate::device_api::{MoeHtArgs, MoeNetArgs};
@@ -27,7 +29,7 @@ use cudarc::driver::{CudaFunction, CudaSlice, CudaStream, DevicePtr, LaunchConfi
 use std::sync::{Arc, Mutex};
 
 /// Ring chunks per source node unless [`MoeConfig::net_chunks`] says otherwise.
-pub const DEFAULT_NET_CHUNKS: usize = 8;
+pub(super) const DEFAULT_NET_CHUNKS: usize = 8;
 
 /// Node-spanning high-throughput MoE state. Collective to build and to call.
 pub(super) struct HtNet {
@@ -41,7 +43,7 @@ pub(super) struct HtNet {
     /// topk_idx and token count of the last dispatch (the combine needs them).
     last: Mutex<(u64, u32)>,
     /// The node's NVLink dispatcher and its communicator (dropped after it).
-    node: Box<MoeDispatcher>,
+    node: Box<HtNvlink>,
     _node_comm: Arc<Communicator>,
     _origin: (
         Arc<Buffer>,
@@ -90,14 +92,13 @@ impl HtNet {
         let node_comm = Arc::new(comm.shrink(&others)?);
         let per_rank = cfg.num_experts / world;
         let slots = nodes * cfg.max_tokens;
-        let node_disp = MoeDispatcher::new(
-            &node_comm,
-            MoeConfig {
-                num_experts: per_rank * size,
-                max_tokens: slots,
-                ..cfg.clone()
-            },
-        )?;
+        let node_cfg = MoeConfig {
+            num_experts: per_rank * size,
+            max_tokens: slots,
+            ..cfg.clone()
+        };
+        agree_shape(&node_comm, "high-throughput", false, &node_cfg)?;
+        let node_disp = HtNvlink::new(&node_comm, node_cfg)?;
         // Every node rank's slot origins, mapped by the others (the rows' origins after the
         // node dispatch name the forwarder's slot).
         let origin = node_comm.alloc(slots * 8)?;
@@ -201,7 +202,7 @@ impl HtNet {
             _origin: (origin, origin_reg, origin_peers),
             _device: device,
             // The words travel to each peer\'s inbox in its area, not mapped ones.
-            calls: super::channel_call_checker(comm)?,
+            calls: crate::collectives::channel_call_checker(comm)?,
         })
     }
 
@@ -227,8 +228,8 @@ impl HtNet {
         (self.nodes.div_ceil(16) + self.nodes) as u32
     }
 
-    /// Dispatches (see [`MoeDispatcher::dispatch`]); `scales` nonzero: e4m3 rows.
-    pub(super) fn dispatch(
+    /// Dispatches (see [`super::MoeHighThroughput::dispatch`]); `scales` nonzero: e4m3 rows.
+    fn dispatch_rows(
         &self,
         stream: &CudaStream,
         x: u64,
@@ -285,15 +286,74 @@ impl HtNet {
         }
         self.launch(stream, 2, self.landing.blocks, &a)
     }
+}
 
-    /// Combines (see [`MoeDispatcher::combine`]).
-    pub(super) fn combine(&self, stream: &CudaStream, y: u64, out: u64) -> Result<()> {
+impl HighThroughputPath for HtNet {
+    fn spans_nodes(&self) -> bool {
+        true
+    }
+
+    fn last_tokens(&self) -> usize {
+        self.last.lock().unwrap_or_else(|p| p.into_inner()).1 as usize
+    }
+
+    fn config(&self) -> &MoeConfig {
+        &self.cfg
+    }
+
+    fn sms(&self) -> u32 {
+        self.landing.blocks
+    }
+
+    unsafe fn dispatch(
+        &self,
+        stream: &CudaStream,
+        x: u64,
+        topk_idx: u64,
+        topk_weights: u64,
+        num_tokens: usize,
+    ) -> Result<()> {
+        self.dispatch_rows(stream, x, 0, topk_idx, topk_weights, num_tokens)
+    }
+
+    unsafe fn dispatch_fp8(
+        &self,
+        stream: &CudaStream,
+        x: u64,
+        scales: u64,
+        topk_idx: u64,
+        topk_weights: u64,
+        num_tokens: usize,
+    ) -> Result<()> {
+        if self.cfg.hidden % 128 != 0 || scales == 0 || scales % 4 != 0 {
+            return Err(Error::invalid(
+                "dispatch_fp8",
+                "a hidden size that is a multiple of 128 and 4-byte aligned scales",
+            ));
+        }
+        self.dispatch_rows(stream, x, scales, topk_idx, topk_weights, num_tokens)
+    }
+
+    /// Combines (see [`super::MoeHighThroughput::combine`]).
+    unsafe fn combine(
+        &self,
+        stream: &CudaStream,
+        y: u64,
+        out: u64,
+        weights: Option<(u64, u64)>,
+    ) -> Result<()> {
+        if weights.is_some() {
+            return Err(Error::invalid(
+                "combine weights",
+                "the node-spanning high-throughput path does not combine top-k weights yet",
+            ));
+        }
         if out % 16 != 0 {
             return Err(Error::invalid("combine", "out 16-byte aligned"));
         }
         // SAFETY: fwd_out is this exchange's own, sized for every slot; `y` as the caller's
         // contract says.
-        unsafe { self.node.combine(stream, y, self.ht.fwd_out) }?;
+        unsafe { self.node.combine(stream, y, self.ht.fwd_out, None) }?;
         let (topk_idx, num_tokens) = *self.last.lock().unwrap_or_else(|p| p.into_inner());
         let a = MoeNetArgs {
             topk_idx,
@@ -317,39 +377,33 @@ impl HtNet {
         self.launch(stream, 4, blocks, &a)
     }
 
+    fn combine_buffer(&self) -> u64 {
+        self.node.combine_buffer()
+    }
+
     /// Results of the last dispatch: the node dispatcher's, with every row's origin named.
-    pub(super) fn results(&self) -> DispatchResults {
+    fn results(&self) -> DispatchResults {
         DispatchResults {
             recv_src: self.ht.recv_src,
+            // Rows are grouped by forwarding rank, not by source: no prefix matrix of sources.
+            rank_prefix: 0,
             ..self.node.results()
         }
     }
 
-    pub(super) fn combine_buffer(&self) -> u64 {
-        self.node.combine_buffer()
-    }
-
-    pub(super) fn config(&self) -> &MoeConfig {
-        &self.cfg
-    }
-
-    pub(super) fn sms(&self) -> u32 {
-        self.landing.blocks
-    }
-
     /// `[nodes]` u32: rows each node's rail peer sent here in the last dispatch.
-    pub(super) fn network_rows(&self) -> (u64, usize) {
-        (self.ht.net_rows, self.nodes)
+    fn network_rows(&self) -> Option<(u64, usize)> {
+        Some((self.ht.net_rows, self.nodes))
     }
 
     /// Bytes of this rank's receive rings (every source node's), and what rings of the worst
     /// case (`max_tokens` messages per source node) would take.
-    pub(super) fn ring_bytes(&self) -> (u64, u64) {
+    fn network_ring_bytes(&self) -> Option<(u64, u64)> {
         let msg = u64::from(self.base.msg_bytes);
         let nodes = self.nodes as u64;
-        (
+        Some((
             nodes * u64::from(self.ht.chunks) * HT_CHUNK as u64 * msg,
             nodes * u64::from(self.base.max_tokens) * msg,
-        )
+        ))
     }
 }

@@ -1,6 +1,6 @@
 //! MoE dispatch and combine across nodes: the plan, on the CPU. What the node-spanning kernels
-//! (`cuda/kernels/moe_net.cu`, driven by `MoeDispatcher` and `MoeLowLatency` when a communicator
-//! spans nodes) do, in a form tests can check exhaustively without a GPU:
+//! (`cuda/kernels/moe_net.cu`, driven by `MoeHighThroughput` and `MoeLowLatency` when a
+//! communicator spans nodes) do, in a form tests can check exhaustively without a GPU:
 //!
 //! - [`NodeMap`]: which node each rank is on and its index there (every node holds the same
 //!   number of ranks, as DeepEP's internode mode requires).

@@ -1,0 +1,873 @@
+"""``Buffer``, ``Config`` and ``EventOverlap`` with DeepEP's V1 names and semantics, on doorbell's
+MoE kernels (see ``docs/deep_ep.md`` for what is built and what is not yet)."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, List, Optional, Set, Tuple, Union
+
+from .. import moe as _moe
+from .._check import check_tensor, device_view
+
+_PLAN = "docs/deep_ep.md"
+
+
+def _not_yet(what: str, step: str) -> NotImplementedError:
+    return NotImplementedError(
+        f"doorbell.deep_ep: {what} is not built yet ({step} of issue 27's plan, {_PLAN}); "
+        "nothing was sent"
+    )
+
+
+class Config:
+    """DeepEP's tuning knobs: ``num_sms`` sets the blocks doorbell's kernels run on (at least the
+    rank count); the chunk and buffer sizes are DeepEP's own pipeline's and are accepted and
+    ignored (doorbell sizes its buffers from the shapes and ``num_nvl_bytes``)."""
+
+    def __init__(
+        self,
+        num_sms: int,
+        num_max_nvl_chunked_send_tokens: int = 6,
+        num_max_nvl_chunked_recv_tokens: int = 256,
+        num_max_rdma_chunked_send_tokens: int = 6,
+        num_max_rdma_chunked_recv_tokens: int = 256,
+    ) -> None:
+        values = {
+            "num_sms": num_sms,
+            "num_max_nvl_chunked_send_tokens": num_max_nvl_chunked_send_tokens,
+            "num_max_nvl_chunked_recv_tokens": num_max_nvl_chunked_recv_tokens,
+            "num_max_rdma_chunked_send_tokens": num_max_rdma_chunked_send_tokens,
+            "num_max_rdma_chunked_recv_tokens": num_max_rdma_chunked_recv_tokens,
+        }
+        for name, v in values.items():
+            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+                raise ValueError(f"Config: {name}={v!r}; a positive int")
+        self.num_sms = num_sms
+        self.num_max_nvl_chunked_send_tokens = num_max_nvl_chunked_send_tokens
+        self.num_max_nvl_chunked_recv_tokens = num_max_nvl_chunked_recv_tokens
+        self.num_max_rdma_chunked_send_tokens = num_max_rdma_chunked_send_tokens
+        self.num_max_rdma_chunked_recv_tokens = num_max_rdma_chunked_recv_tokens
+
+    def get_nvl_buffer_size_hint(self, hidden_bytes: int, num_ranks: int) -> int:
+        """Bytes of ``num_nvl_bytes`` that hold this config's NVLink chunks for rows of
+        ``hidden_bytes`` (the tokens in flight per rank pair, as DeepEP counts them)."""
+        return int(num_ranks * num_ranks * self.num_max_nvl_chunked_recv_tokens * (hidden_bytes + 256))
+
+    def get_rdma_buffer_size_hint(self, hidden_bytes: int, num_ranks: int) -> int:
+        """Bytes of ``num_rdma_bytes`` for this config across nodes (0 inside one node)."""
+        nodes = max(num_ranks // 8, 1)
+        if nodes == 1:
+            return 0
+        return int(2 * nodes * self.num_max_rdma_chunked_recv_tokens * (hidden_bytes + 256))
+
+    def __repr__(self) -> str:
+        return (
+            f"Config(num_sms={self.num_sms}, nvl=({self.num_max_nvl_chunked_send_tokens}, "
+            f"{self.num_max_nvl_chunked_recv_tokens}), rdma=({self.num_max_rdma_chunked_send_tokens}, "
+            f"{self.num_max_rdma_chunked_recv_tokens}))"
+        )
+
+
+class EventOverlap:
+    """A CUDA event (and the tensors that must live until it completes), as DeepEP returns with
+    ``async_finish=True``: ``current_stream_wait()`` makes PyTorch's current stream wait for it;
+    ``with event:`` runs the block, then makes the current stream wait."""
+
+    def __init__(self, event: Any = None, extra_tensors: Optional[Tuple[Any, ...]] = None) -> None:
+        self.event = event
+        self.extra_tensors = extra_tensors
+
+    def current_stream_wait(self) -> None:
+        if self.event is None:
+            raise ValueError("EventOverlap: no event to wait for (the call finished on the current stream)")
+        import torch
+
+        torch.cuda.current_stream().wait_event(self.event)
+
+    def __enter__(self) -> "EventOverlap":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.event is not None:
+            self.current_stream_wait()
+
+
+def _route_key(t: Any) -> Tuple[Any, int, int]:
+    """Names a routing tensor's contents as long as nobody writes it: the same object (kept
+    alive by the key, so its id cannot be reused), storage and version counter (PyTorch bumps it
+    on every in-place change) mean the same values."""
+    return (t, int(t.data_ptr()), int(getattr(t, "_version", 0)))
+
+
+class _NormalHandle:
+    """The part of a normal-mode handle only doorbell reads (DeepEP's ``send_head`` slot): the
+    buffer, its dispatch, and the routing tensor's key (a combine may take this handle while the
+    buffer's last dispatch had the same routing: the same layout)."""
+
+    def __init__(
+        self, buffer: _moe.Buffer, dispatch: _moe.DispatchHandle, num_tokens: int, hidden: int,
+        route: Tuple[Any, int, int], rows: Optional[int] = None,
+    ) -> None:
+        self.buffer = buffer
+        self.dispatch = dispatch
+        self.num_tokens = num_tokens
+        self.hidden = hidden
+        self.route = route
+        self.rows = rows  # rows the dispatch delivered here, when known on the host
+
+
+def _normal_bytes_per_token(world: int, hidden: int, topk: int) -> int:
+    """Bytes the normal mode's NVLink buffers take per token of ``max_tokens`` (receive rows,
+    ids, weights, origins, FP8 scales, the combine rows, positions; collective/moe/ht_nvlink.rs)."""
+    return world * (hidden * 2 + topk * 8 + 8 + (hidden // 128) * 4 + hidden * 2) + world * 4
+
+
+class Buffer:
+    """DeepEP's ``Buffer`` on doorbell: the normal kernels (``dispatch``/``combine``) over NVLink
+    and the low-latency ones (``low_latency_dispatch``/``low_latency_combine``).
+
+    ``group``: the ``torch.distributed`` process group of the ranks (doorbell joins it with
+    ``doorbell.init(group)``). ``num_nvl_bytes`` bounds the normal mode's buffers: they hold
+    ``num_nvl_bytes // (bytes per token)`` tokens per rank and call, built on the first call of
+    each shape (hidden size, experts, top-k): every rank makes that call, so building there is
+    collective. ``num_rdma_bytes``, ``num_qps_per_rank``, ``allow_nvlink_for_low_latency_mode``,
+    ``allow_mnnvl``, ``use_fabric`` and ``explicitly_destroy`` are accepted with DeepEP's checks;
+    doorbell picks NVLink or the network per peer itself. ``enable_shrink`` gives the
+    low-latency calls DeepEP's rank mask (one node): masks the caller sets, and a rank whose
+    process died or fell silent is left out by itself (the communicator then tolerates peer
+    loss; its other calls fail naming the dead rank). A rank that stays alive but stops calling
+    is not masked by a timeout as DeepEP's is (its peers' waits end the job at their budget), and
+    ``destroy()`` meets every rank, so it is not for a Buffer that lost one. ``comm`` (an MPI
+    communicator instead of ``group``) is not built yet."""
+
+    num_sms: int = 20
+
+    def __init__(
+        self,
+        group: Any,
+        num_nvl_bytes: int = 0,
+        num_rdma_bytes: int = 0,
+        low_latency_mode: bool = False,
+        num_qps_per_rank: int = 24,
+        allow_nvlink_for_low_latency_mode: bool = True,
+        allow_mnnvl: bool = False,
+        use_fabric: bool = False,
+        explicitly_destroy: bool = False,
+        enable_shrink: bool = False,
+        comm: Any = None,
+    ) -> None:
+        for name, v in (("num_nvl_bytes", num_nvl_bytes), ("num_rdma_bytes", num_rdma_bytes)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ValueError(f"Buffer: {name}={v!r}; a byte count, 0 or more")
+        if isinstance(num_qps_per_rank, bool) or not isinstance(num_qps_per_rank, int) or num_qps_per_rank <= 0:
+            raise ValueError(f"Buffer: num_qps_per_rank={num_qps_per_rank!r}; a positive int")
+        if low_latency_mode and num_rdma_bytes == 0:
+            raise ValueError(
+                "Buffer: low_latency_mode needs num_rdma_bytes (Buffer.get_low_latency_rdma_size_hint)"
+            )
+        if group is None:
+            raise _not_yet("a Buffer without a torch.distributed group (comm=)", "step 2")
+        import doorbell
+        import torch
+
+        self.group = group
+        self.rank: int = torch.distributed.get_rank(group)
+        self.group_size: int = torch.distributed.get_world_size(group)
+        self.num_nvl_bytes = num_nvl_bytes
+        self.num_rdma_bytes = num_rdma_bytes
+        self.low_latency_mode = low_latency_mode
+        self.explicitly_destroy = explicitly_destroy
+        self.enable_shrink = bool(enable_shrink)
+        # The ranks the caller masked (low_latency_update_mask_buffer), applied to every
+        # low-latency shape's exchange, including those built later.
+        self._masked: Set[int] = set()
+        self._comm = doorbell.init(group=group)
+        self._stream = torch.cuda.Stream(device=self._comm.device)
+        self._normal: Dict[Tuple[int, int, int], _moe.Buffer] = {}
+        self._last_normal: Tuple[Optional[_moe.Buffer], Optional[_moe.DispatchHandle]] = (None, None)
+        self._last_route: Optional[Tuple[Any, int, int]] = None
+        self._ll: Dict[Tuple[int, int, int, int], Any] = {}
+        self._ll_combine_buffers: Dict[Tuple[int, int, int], List[Any]] = {}
+        self._destroyed = False
+
+    # ---- DeepEP's static helpers ----
+
+    @staticmethod
+    def is_sm90_compiled() -> bool:
+        """doorbell's kernels are built for sm_90 (H100/H200) and up."""
+        return True
+
+    @staticmethod
+    def set_num_sms(new_num_sms: int) -> None:
+        """The SMs the default configs use (``get_dispatch_config``/``get_combine_config``)."""
+        if isinstance(new_num_sms, bool) or not isinstance(new_num_sms, int) or new_num_sms <= 0:
+            raise ValueError(f"set_num_sms: {new_num_sms!r}; a positive int")
+        Buffer.num_sms = new_num_sms
+
+    @staticmethod
+    def capture() -> EventOverlap:
+        """An event on PyTorch's current stream (pass it as ``previous_event``)."""
+        import torch
+
+        return EventOverlap(torch.cuda.current_stream().record_event())
+
+    @staticmethod
+    def get_dispatch_config(num_ranks: int) -> Config:
+        return Config(Buffer.num_sms)
+
+    @staticmethod
+    def get_combine_config(num_ranks: int) -> Config:
+        return Config(Buffer.num_sms)
+
+    @staticmethod
+    def get_low_latency_rdma_size_hint(
+        num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int, num_experts: int
+    ) -> int:
+        """Bytes doorbell's low-latency buffers take for this shape (receive rows of both halves
+        with FP8 scales and headers, the combine rows), whatever the top-k."""
+        m, e = num_max_dispatch_tokens_per_rank, num_experts
+        rows = e * m  # local experts x sources x tokens, summed over the ranks' share
+        per_row = hidden * 2 + (hidden // 128) * 4 + 32
+        returned = 2 * e * m * hidden * 2  # DeepEP's combine: every row back to its token's rank
+        return int(2 * rows * per_row + rows * hidden * 2 + num_ranks * m * hidden * 2 + returned)
+
+    def get_comm_stream(self) -> Any:
+        """The stream doorbell's kernels of this Buffer run on."""
+        return self._stream
+
+    def destroy(self) -> None:
+        """Drops the buffers (with ``explicitly_destroy=True``, DeepEP's way to free them).
+        Collective, as DeepEP's: the GPU finishes this rank's calls and every rank arrives before
+        the memory that peers write into goes."""
+        held = [getattr(self, h, {}) for h in ("_normal", "_ll", "_ll_combine_buffers")]
+        if any(held) and getattr(self, "group", None) is not None:
+            import torch
+
+            torch.cuda.synchronize()
+            torch.distributed.barrier(group=self.group)
+        for h in held:
+            h.clear()
+        self._destroyed = True
+
+    # ---- the stream rules ----
+
+    def _begin(self, previous_event: Optional[EventOverlap]) -> Any:
+        """The communication stream waits for ``previous_event``, else for the current stream."""
+        import torch
+
+        compute = torch.cuda.current_stream()
+        if previous_event is not None:
+            if not isinstance(previous_event, EventOverlap) or previous_event.event is None:
+                raise TypeError("previous_event: pass an EventOverlap with an event (Buffer.capture())")
+            self._stream.wait_event(previous_event.event)
+        else:
+            self._stream.wait_stream(compute)
+        return compute
+
+    def _finish(self, compute: Any, async_finish: bool, tensors: Tuple[Any, ...]) -> EventOverlap:
+        """With ``async_finish`` an event on the communication stream; else the current stream
+        waits for it and the event is empty (DeepEP returns an ``EventOverlap`` either way, so
+        ``with event:`` works after both). Tensors made on one stream and used on the other are
+        recorded on both."""
+        for t in tensors:
+            if t is not None and hasattr(t, "record_stream"):
+                t.record_stream(compute)
+                t.record_stream(self._stream)
+        if async_finish:
+            return EventOverlap(self._stream.record_event(), tensors)
+        compute.wait_stream(self._stream)
+        return EventOverlap(None)
+
+    def _alive(self) -> None:
+        if self._destroyed:
+            raise RuntimeError("Buffer: used after destroy()")
+
+    # ---- normal mode ----
+
+    def _normal_for(self, hidden: int, num_experts: int, topk: int, num_tokens: int, config: Optional[Config]) -> _moe.Buffer:
+        key = (hidden, num_experts, topk)
+        buf = self._normal.get(key)
+        if buf is None:
+            per_token = _normal_bytes_per_token(self.group_size, hidden, topk)
+            max_tokens = self.num_nvl_bytes // per_token
+            if max_tokens == 0:
+                raise ValueError(
+                    f"Buffer: num_nvl_bytes={self.num_nvl_bytes} holds no token of hidden {hidden} "
+                    f"at {self.group_size} ranks ({per_token} bytes per token)"
+                )
+            sms = max((config or Config(Buffer.num_sms)).num_sms, self.group_size)
+            buf = _moe.Buffer(self._comm, hidden, num_experts, max_tokens, topk, num_sms=sms)
+            if buf._native.spans_nodes:
+                raise _not_yet("the normal mode across nodes (DeepEP's internode layouts)", "step 6")
+            self._normal[key] = buf
+        if num_tokens > buf.num_max_tokens:
+            need = num_tokens * _normal_bytes_per_token(self.group_size, hidden, topk)
+            raise ValueError(
+                f"dispatch: {num_tokens} tokens, but num_nvl_bytes={self.num_nvl_bytes} holds "
+                f"{buf.num_max_tokens} of this shape; give the Buffer at least {need} bytes"
+            )
+        return buf
+
+    def get_dispatch_layout(
+        self,
+        topk_idx: Any,
+        num_experts: int,
+        previous_event: Optional[EventOverlap] = None,
+        async_finish: bool = False,
+        allocate_on_comm_stream: bool = False,
+    ) -> Tuple[Any, Optional[Any], Any, Any, EventOverlap]:
+        """``(num_tokens_per_rank [ranks] int32, None (one node), num_tokens_per_expert [experts]
+        int32, is_token_in_rank [tokens, ranks] bool, event)`` for ``topk_idx`` (int64, -1: none).
+        Computed on the communication stream (its tensors are recorded on the current stream
+        too, so ``allocate_on_comm_stream`` changes nothing that can be observed)."""
+        import torch
+
+        self._alive()
+        world = self.group_size
+        if num_experts <= 0 or num_experts % world != 0:
+            raise ValueError(f"get_dispatch_layout: num_experts={num_experts}; a positive multiple of {world}")
+        check_tensor("topk_idx", topk_idx, device=self._comm.device, dtypes=("int64", "int32"), ndim=2, align=4)
+        compute = self._begin(previous_event)
+        with torch.cuda.stream(self._stream):
+            idx = topk_idx.long()
+            valid = idx >= 0
+            per_expert = torch.zeros(num_experts, dtype=torch.int64, device=idx.device)
+            per_expert.scatter_add_(0, idx.clamp(min=0).flatten(), valid.flatten().long())
+            rank_of = torch.where(valid, idx // (num_experts // world), torch.full_like(idx, world))
+            in_rank = torch.zeros(idx.shape[0], world + 1, dtype=torch.bool, device=idx.device)
+            in_rank.scatter_(1, rank_of, True)
+            is_token_in_rank = in_rank[:, :world].contiguous()
+            per_rank = is_token_in_rank.sum(0, dtype=torch.int32)
+            per_expert_i32 = per_expert.int()
+        event = self._finish(compute, async_finish, (topk_idx, per_rank, per_expert_i32, is_token_in_rank))
+        return per_rank, None, per_expert_i32, is_token_in_rank, event
+
+    def dispatch(
+        self,
+        x: Union[Any, Tuple[Any, Any]],
+        handle: Optional[Tuple[Any, ...]] = None,
+        num_tokens_per_rank: Optional[Any] = None,
+        num_tokens_per_rdma_rank: Optional[Any] = None,
+        is_token_in_rank: Optional[Any] = None,
+        num_tokens_per_expert: Optional[Any] = None,
+        topk_idx: Optional[Any] = None,
+        topk_weights: Optional[Any] = None,
+        expert_alignment: int = 1,
+        num_worst_tokens: int = 0,
+        config: Optional[Config] = None,
+        previous_event: Optional[EventOverlap] = None,
+        async_finish: bool = False,
+        allocate_on_comm_stream: bool = False,
+    ) -> Tuple[Any, Optional[Any], Optional[Any], List[int], Tuple[Any, ...], EventOverlap]:
+        """DeepEP's normal dispatch: ``(recv_x, recv_topk_idx, recv_topk_weights,
+        num_recv_tokens_per_expert_list, handle, event)``; ``recv_x`` holds this rank's rows in
+        source-rank order (``handle[0]``, the rank prefix matrix, says where each source's rows
+        end), bf16 or an ``(e4m3, scales)`` pair like ``x``; ids are local (-1: an expert
+        elsewhere) and their weights 0 there. Without ``num_worst_tokens`` the row count is read
+        on the host (DeepEP waits for it too); with it, outputs have that many rows, ids -1 past
+        the received ones, and the list is empty. Results are fresh tensors, as DeepEP's."""
+        import torch
+
+        self._alive()
+        if handle is not None or topk_idx is None:
+            return self._dispatch_by_rank(
+                x, handle, is_token_in_rank, num_tokens_per_expert, topk_weights, expert_alignment,
+                num_worst_tokens, config, previous_event, async_finish,
+            )
+        if topk_weights is None:
+            raise ValueError("dispatch: topk_weights is required with topk_idx")
+        if num_tokens_per_rdma_rank is not None:
+            raise ValueError("dispatch: num_tokens_per_rdma_rank is for the internode kernels; this Buffer is one node")
+        if num_tokens_per_expert is None:
+            raise ValueError("dispatch: num_tokens_per_expert (from get_dispatch_layout) is required with topk_idx")
+        if isinstance(expert_alignment, bool) or not isinstance(expert_alignment, int) or expert_alignment <= 0:
+            raise ValueError(f"dispatch: expert_alignment={expert_alignment!r}; a positive int")
+        if isinstance(num_worst_tokens, bool) or not isinstance(num_worst_tokens, int) or num_worst_tokens < 0:
+            raise ValueError(f"dispatch: num_worst_tokens={num_worst_tokens!r}; 0 or a row count")
+        fp8 = isinstance(x, tuple)
+        rows: Any = x[0] if fp8 else x
+        if len(getattr(rows, "shape", ())) != 2:
+            raise ValueError("dispatch: x is (num_tokens, hidden) bf16, or an (e4m3, scales) pair")
+        if len(getattr(topk_idx, "shape", ())) != 2:
+            raise ValueError("dispatch: topk_idx is (num_tokens, num_topk)")
+        num_tokens, hidden = int(rows.shape[0]), int(rows.shape[1])
+        num_experts, topk = int(num_tokens_per_expert.numel()), int(topk_idx.shape[1])
+        buf = self._normal_for(hidden, num_experts, topk, num_tokens, config)
+        cap = buf.num_max_tokens * self.group_size
+        if num_worst_tokens > cap:
+            raise ValueError(f"dispatch: num_worst_tokens={num_worst_tokens}, but the buffer holds {cap} rows")
+        compute = self._begin(previous_event)
+        with torch.cuda.stream(self._stream):
+            scales_in = x[1] if fp8 else None  # the caller's, read on this stream: kept below
+            if fp8:
+                # DeepEP passes column-major scales ([tokens, hidden / 128], stride (1, tokens));
+                # the kernels read rows of scales (a stride argument comes with step 3).
+                x = (x[0], x[1].contiguous())
+            recv_x, recv_idx, recv_w, counts, h, _ = buf.dispatch(x, topk_idx, topk_weights)
+            r = buf._native.results()
+            world, dev = self.group_size, self._comm.device
+            prefix = device_view(r["rank_prefix"], (world, world), "int32", dev, buf).clone()
+            if num_worst_tokens:
+                n, listed = num_worst_tokens, []
+            else:
+                host = torch.cat([h.num_recv, counts]).tolist()  # one wait, as DeepEP's
+                n, listed = int(host[0]), [int(c) for c in host[1:]]
+                if n < 0 or any(c < 0 for c in listed):
+                    raise RuntimeError("dispatch: cut short by a fault (comm.check_health() names it)")
+                a = expert_alignment
+                listed = [(c + a - 1) // a * a for c in listed]
+            # Copies: DeepEP's tensors outlive the next call, doorbell's buffers do not.
+            out_x: Any = (recv_x[0][:n].clone(), recv_x[1][:n].clone()) if fp8 else recv_x[:n].clone()
+            out_idx = recv_idx[:n].long()
+            out_w = recv_w[:n].clone()
+            if num_worst_tokens:
+                past = torch.arange(n, device=out_idx.device) >= h.num_recv.long()
+                out_idx.masked_fill_(past.view(-1, 1), -1)
+        self._last_normal, self._last_route = (buf, h), _route_key(topk_idx)
+        mine = _NormalHandle(buf, h, num_tokens, hidden, self._last_route, None if num_worst_tokens else n)
+        handle_out = (prefix, None, None, None, is_token_in_rank, mine)
+        tensors = tuple(out_x) if fp8 else (out_x,)
+        kept = tensors + (out_idx, out_w, prefix, rows, topk_idx, topk_weights) + ((scales_in,) if fp8 else ())
+        event = self._finish(compute, async_finish, kept)
+        return out_x, out_idx, out_w, listed, handle_out, event
+
+    def _dispatch_by_rank(
+        self,
+        x: Union[Any, Tuple[Any, Any]],
+        handle: Optional[Tuple[Any, ...]],
+        is_token_in_rank: Optional[Any],
+        num_tokens_per_expert: Optional[Any],
+        topk_weights: Optional[Any],
+        expert_alignment: int,
+        num_worst_tokens: int,
+        config: Optional[Config],
+        previous_event: Optional[EventOverlap],
+        async_finish: bool,
+    ) -> Tuple[Any, Optional[Any], Optional[Any], Any, Any, EventOverlap]:
+        """DeepEP's dispatch without top-k: routed by ``is_token_in_rank``, or (with ``handle``,
+        the cached dispatch) by the routing of the handle's dispatch. Returns ``(recv_x, None,
+        None, num_recv_tokens_per_expert_list, handle, event)``, or for the cached dispatch
+        ``(recv_x, None, None, None, None, event)`` as DeepEP does."""
+        import torch
+
+        if topk_weights is not None:
+            raise ValueError("dispatch: topk_weights without topk_idx")
+        if num_worst_tokens:
+            raise _not_yet("num_worst_tokens without top-k", "step 3")
+        cached: Optional[_NormalHandle] = None
+        if handle is not None:
+            cached = handle[5] if isinstance(handle, tuple) and len(handle) == 6 else None
+            if not isinstance(cached, _NormalHandle):
+                raise TypeError("dispatch: pass the handle a dispatch of this Buffer returned")
+            is_token_in_rank = handle[4]
+            num_tokens_per_expert = None
+        if is_token_in_rank is None:
+            raise ValueError("dispatch: without topk_idx, is_token_in_rank (get_dispatch_layout) routes the tokens")
+        if cached is None and num_tokens_per_expert is None:
+            raise ValueError("dispatch: num_tokens_per_expert (get_dispatch_layout) is required")
+        fp8 = isinstance(x, tuple)
+        rows: Any = x[0] if fp8 else x
+        if len(getattr(rows, "shape", ())) != 2:
+            raise ValueError("dispatch: x is (num_tokens, hidden) bf16, or an (e4m3, scales) pair")
+        num_tokens, hidden = int(rows.shape[0]), int(rows.shape[1])
+        if cached is not None:
+            buf = cached.buffer
+            if (num_tokens, hidden) != (cached.num_tokens, cached.hidden):
+                raise ValueError(
+                    f"dispatch: x of {num_tokens} x {hidden}, but the handle's dispatch moved "
+                    f"{cached.num_tokens} x {cached.hidden}"
+                )
+        else:
+            assert num_tokens_per_expert is not None
+            num_experts = int(num_tokens_per_expert.numel())
+            # Without top-k the rows carry no ids: the buffer of any top-k serves; reuse one of
+            # this shape if there is one.
+            same = [b for (h, e, _), b in self._normal.items() if (h, e) == (hidden, num_experts)]
+            buf = same[0] if same else self._normal_for(hidden, num_experts, 1, num_tokens, config)
+        compute = self._begin(previous_event)
+        with torch.cuda.stream(self._stream):
+            if fp8:
+                x = (x[0], x[1].contiguous())  # column-major scales, as in dispatch
+            per_expert = None if num_tokens_per_expert is None else num_tokens_per_expert.int()
+            recv_x, _, _, counts, h, _ = buf.dispatch_by_rank(x, is_token_in_rank, per_expert)
+            r = buf._native.results()
+            world, dev = self.group_size, self._comm.device
+            prefix = device_view(r["rank_prefix"], (world, world), "int32", dev, buf).clone()
+            host = torch.cat([h.num_recv, counts]).tolist()  # one wait, as DeepEP's
+            n, listed = int(host[0]), [int(c) for c in host[1:]]
+            if n < 0 or any(c < 0 for c in listed):
+                raise RuntimeError("dispatch: cut short by a fault (comm.check_health() names it)")
+            a = expert_alignment
+            listed = [(c + a - 1) // a * a for c in listed]
+            out_x: Any = (recv_x[0][:n].clone(), recv_x[1][:n].clone()) if fp8 else recv_x[:n].clone()
+        tensors = tuple(out_x) if fp8 else (out_x,)
+        event = self._finish(compute, async_finish, tensors + (prefix, rows, is_token_in_rank))
+        if cached is not None:
+            # The handle's routing again: a combine may still take that handle.
+            self._last_normal, self._last_route = (buf, h), cached.route
+            return out_x, None, None, None, None, event
+        self._last_normal, self._last_route = (buf, h), _route_key(is_token_in_rank)
+        handle_out = (prefix, None, None, None, is_token_in_rank, _NormalHandle(buf, h, num_tokens, hidden, self._last_route, n))
+        return out_x, None, None, listed, handle_out, event
+
+    def combine(
+        self,
+        x: Any,
+        handle: Tuple[Any, ...],
+        topk_weights: Optional[Any] = None,
+        bias: Any = None,
+        config: Optional[Config] = None,
+        previous_event: Optional[EventOverlap] = None,
+        async_finish: bool = False,
+        allocate_on_comm_stream: bool = False,
+    ) -> Tuple[Any, Optional[Any], EventOverlap]:
+        """DeepEP's normal combine: ``(combined_x [tokens, hidden] bf16, combined_topk_weights,
+        event)``, each token's rows (and, given ``topk_weights [rows, topk]`` f32, its weights
+        rows) summed over the ranks it went to, in f32 in rank order; no weights are applied."""
+        import torch
+
+        self._alive()
+        if bias is not None:
+            raise _not_yet("the combine's bias", "step 3")
+        mine = handle[5] if isinstance(handle, tuple) and len(handle) == 6 else None
+        if not isinstance(mine, _NormalHandle):
+            raise TypeError("combine: pass the handle the matching dispatch of this Buffer returned")
+        last_buf, last = self._last_normal
+        route = self._last_route
+        same_route = route is not None and route[0] is mine.route[0] and route[1:] == mine.route[1:]
+        if last is None or last_buf is not mine.buffer or (last is not mine.dispatch and not same_route):
+            # doorbell's combine reads the layout of the buffer's last dispatch; DeepEP keeps one
+            # per handle.
+            raise _not_yet("a combine with the handle of an earlier dispatch of another routing than the last", "step 3")
+        if last.num_tokens != mine.num_tokens:
+            raise ValueError(f"combine: the handle's dispatch had {mine.num_tokens} tokens, the last {last.num_tokens}")
+        check_tensor("x", x, device=self._comm.device, dtypes="bfloat16", ndim=2)
+        if mine.rows is not None and int(x.shape[0]) != mine.rows:
+            # The kernel reads as many rows as the dispatch delivered.
+            raise ValueError(f"combine: x has {int(x.shape[0])} rows; the handle's dispatch delivered {mine.rows}")
+        compute = self._begin(previous_event)
+        with torch.cuda.stream(self._stream):
+            out, weights, _ = mine.buffer.combine(x, last, topk_weights=topk_weights)
+        event = self._finish(compute, async_finish, (x, out, weights, topk_weights))
+        return out, weights, event
+
+    # ---- low-latency mode ----
+
+    def _ll_for(self, hidden: int, num_experts: int, m: int, topk: int) -> Any:
+        """doorbell's low-latency exchange in DeepEP's layout for this shape, built on the shape's
+        first call (every rank makes it: collective)."""
+        from .. import _doorbell
+
+        if not self.low_latency_mode:
+            raise ValueError("low-latency calls need a Buffer built with low_latency_mode=True")
+        world = self.group_size
+        if num_experts <= 0 or num_experts % world != 0:
+            raise ValueError(f"num_experts={num_experts}; a positive multiple of the {world} ranks")
+        if m <= 0:
+            raise ValueError(f"num_max_dispatch_tokens_per_rank={m}; a positive int")
+        if hidden <= 0 or hidden % 128 != 0:
+            raise ValueError(f"hidden={hidden}; a positive multiple of 128")
+        key = (hidden, num_experts, m, topk)
+        native = self._ll.get(key)
+        if native is None:
+            need = Buffer.get_low_latency_rdma_size_hint(m, hidden, world, num_experts)
+            if need > self.num_rdma_bytes:
+                raise ValueError(
+                    f"low-latency calls of hidden {hidden}, {num_experts} experts and {m} tokens per "
+                    f"rank need num_rdma_bytes >= {need} (Buffer.get_low_latency_rdma_size_hint); "
+                    f"the Buffer has {self.num_rdma_bytes}"
+                )
+            native = _doorbell.MoeLowLatency(self._comm._native, hidden, topk, num_experts, m, None, True, self.enable_shrink)
+            stream = self._current_stream_handle()
+            for r in sorted(self._masked):
+                native.set_rank_masked(r, True, stream)
+            self._ll[key] = native
+        return native
+
+    def _ll_streams(self, async_finish: bool, return_recv_hook: bool) -> Tuple[Any, Any]:
+        """DeepEP's streams for a low-latency call: ``(compute, launch)``; with the hook the call
+        runs on the current stream, else on the communication stream. The caller makes its
+        tensors on the current stream first, then calls :meth:`_ll_launch_after`."""
+        import torch
+
+        if async_finish and return_recv_hook:
+            raise ValueError("async_finish and return_recv_hook cannot both be set")
+        compute = torch.cuda.current_stream()
+        return compute, (compute if return_recv_hook else self._stream)
+
+    @staticmethod
+    def _ll_launch_after(compute: Any, launch: Any) -> None:
+        """The launch stream waits for what the current stream queued (the inputs, the outputs'
+        allocation, the id conversion)."""
+        if launch is not compute:
+            launch.wait_stream(compute)
+
+    def _ll_finish(self, compute: Any, launch: Any, async_finish: bool, tensors: Tuple[Any, ...]) -> EventOverlap:
+        """The event DeepEP returns: with ``async_finish`` one on the communication stream (the
+        tensors, made on the current stream, recorded on it as well, since the current stream
+        goes on without waiting); else the current stream waits and the event is empty (nothing
+        to record: the current stream is ordered after every use, so CUDA-graph capture works)."""
+        if launch is compute:
+            return EventOverlap(None)
+        if async_finish:
+            for t in tensors:
+                if t is not None:
+                    t.record_stream(launch)
+            return EventOverlap(self._stream.record_event(), tensors)
+        compute.wait_stream(launch)
+        return EventOverlap(None)
+
+    def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:
+        """Nothing to clean: doorbell tags every count and signal with its call's epoch, so what an
+        earlier call left is never read as this call's (the arguments are checked)."""
+        self._alive()
+        for name, v in (("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank), ("hidden", hidden), ("num_experts", num_experts)):
+            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+                raise ValueError(f"clean_low_latency_buffer: {name}={v!r}; a positive int")
+        if num_experts % self.group_size != 0:
+            raise ValueError(f"clean_low_latency_buffer: num_experts={num_experts}; a multiple of {self.group_size}")
+
+    def low_latency_dispatch(
+        self,
+        x: Any,
+        topk_idx: Any,
+        num_max_dispatch_tokens_per_rank: int,
+        num_experts: int,
+        cumulative_local_expert_recv_stats: Optional[Any] = None,
+        dispatch_wait_recv_cost_stats: Optional[Any] = None,
+        use_fp8: bool = True,
+        round_scale: bool = False,
+        use_ue8m0: bool = False,
+        async_finish: bool = False,
+        return_recv_hook: bool = False,
+    ) -> Tuple[Any, Any, Tuple[Any, ...], EventOverlap, Optional[Callable[[], None]]]:
+        """DeepEP's low-latency dispatch: ``(recv_x, recv_count, handle, event, hook)``. ``recv_x``
+        is ``[local experts, ranks * M, hidden]`` bf16, or with ``use_fp8`` (the default) a pair
+        of e4m3 rows and their scales (f32 ``[.., hidden / 128]``, or with ``use_ue8m0`` int32
+        ``[.., hidden / 512]``, column-major as DeepEP's), cast by the kernel per 128 values; each
+        expert's rows packed from row 0, source rank 0's first; ``recv_count`` int32 per local
+        expert; ``handle = (src_info, layout_range, M, hidden, num_experts)``. With
+        ``return_recv_hook`` the send half runs on the current stream and ``hook()`` runs the
+        receive half. Fresh output tensors each call, as DeepEP's."""
+        self._alive()
+        if use_ue8m0 and not round_scale:
+            raise ValueError("low_latency_dispatch: use_ue8m0 needs round_scale=True")
+        if (round_scale or use_ue8m0) and not use_fp8:
+            raise ValueError("low_latency_dispatch: round_scale and use_ue8m0 are for use_fp8=True")
+        if dispatch_wait_recv_cost_stats is not None:
+            raise _not_yet("dispatch_wait_recv_cost_stats (per-rank receive wait times)", "step 4")
+        import torch
+
+        dev = self._comm.device
+        if len(getattr(x, "shape", ())) != 2:
+            raise ValueError("low_latency_dispatch: x is (num_tokens, hidden) bf16")
+        num_tokens, hidden = int(x.shape[0]), int(x.shape[1])
+        m = num_max_dispatch_tokens_per_rank
+        if isinstance(m, bool) or not isinstance(m, int) or not 0 <= num_tokens <= m:
+            raise ValueError(f"low_latency_dispatch: {num_tokens} tokens, num_max_dispatch_tokens_per_rank={m!r}")
+        check_tensor("x", x, device=dev, dtypes="bfloat16", shape=(num_tokens, hidden))
+        check_tensor("topk_idx", topk_idx, device=dev, dtypes=("int64", "int32"), ndim=2, align=topk_idx.element_size() if hasattr(topk_idx, "element_size") else 4)
+        if int(topk_idx.shape[0]) != num_tokens:
+            raise ValueError(f"low_latency_dispatch: topk_idx has {int(topk_idx.shape[0])} rows, x {num_tokens}")
+        topk = int(topk_idx.shape[1])
+        if use_ue8m0 and hidden % 512 != 0:
+            raise ValueError(f"low_latency_dispatch: use_ue8m0 needs a hidden size that is a multiple of 512 (it is {hidden})")
+        native = self._ll_for(hidden, num_experts, m, topk)
+        world = self.group_size
+        local, cap = num_experts // world, world * m
+        if cumulative_local_expert_recv_stats is not None:
+            check_tensor("cumulative_local_expert_recv_stats", cumulative_local_expert_recv_stats, device=dev, dtypes="int32", shape=(local,), align=4)
+        compute, launch = self._ll_streams(async_finish, return_recv_hook)
+        # The outputs on the current stream, as DeepEP's; int64 ids are read as they are.
+        idx = topk_idx
+        ids_i64 = topk_idx.dtype == torch.int64
+        scales_store: Optional[Any] = None
+        if use_fp8:
+            packed_x = torch.empty((local, cap, hidden), dtype=torch.float8_e4m3fn, device=x.device)
+            if use_ue8m0:
+                scales_store = torch.empty((local, hidden // 512, cap), dtype=torch.int32, device=x.device)
+            else:
+                scales_store = torch.empty((local, hidden // 128, cap), dtype=torch.float32, device=x.device)
+        else:
+            packed_x = torch.empty((local, cap, hidden), dtype=torch.bfloat16, device=x.device)
+        count = torch.empty(local, dtype=torch.int32, device=x.device)
+        src_info = torch.empty((local, cap), dtype=torch.int32, device=x.device)
+        layout_range = torch.empty((local, world), dtype=torch.int64, device=x.device)
+        # Where the send half leaves its epoch for this call's receive half (another dispatch may
+        # be sent before the hook runs: two in flight, as DeepEP allows).
+        ticket = torch.empty(2, dtype=torch.int64, device=x.device)
+        stats = cumulative_local_expert_recv_stats
+        outputs = (
+            packed_x.data_ptr(), 0 if scales_store is None else scales_store.data_ptr(), round_scale, use_ue8m0,
+            src_info.data_ptr(), layout_range.data_ptr(), count.data_ptr(), 0 if stats is None else stats.data_ptr(),
+            ticket.data_ptr(),
+        )
+        self._ll_launch_after(compute, launch)
+        native.dispatch_packed(x.data_ptr(), idx.data_ptr(), num_tokens, *outputs, return_recv_hook, int(launch.cuda_stream), ids_i64)
+        recv_x: Any = (packed_x, scales_store.transpose(1, 2)) if scales_store is not None else packed_x
+        kept = (x, topk_idx, idx, packed_x, scales_store, count, src_info, layout_range, stats, ticket)
+        handle = (src_info, layout_range, m, hidden, num_experts)
+        event = self._ll_finish(compute, launch, async_finish, kept)
+        if not return_recv_hook:
+            return recv_x, count, handle, event, None
+
+        def hook(_keep: Tuple[Any, ...] = kept) -> None:
+            # On the stream of the send half, as DeepEP's hook: ordered after it whatever stream
+            # is current when the hook is called. The hook holds the call's tensors (the ticket
+            # above all, which the send wrote and this half reads) until it is dropped.
+            native.dispatch_packed_recv(*outputs, int(compute.cuda_stream))
+
+        return recv_x, count, handle, event, hook
+
+    def _ll_handle(self, handle: Any) -> Tuple[Any, Any, int, int, int]:
+        if not isinstance(handle, tuple) or len(handle) != 5:
+            raise TypeError("pass the handle low_latency_dispatch returned: (src_info, layout_range, M, hidden, num_experts)")
+        src_info, layout_range, m, hidden, num_experts = handle
+        world, dev = self.group_size, self._comm.device
+        if num_experts % world != 0:
+            raise ValueError(f"handle: num_experts={num_experts}; a multiple of {world}")
+        local = num_experts // world
+        check_tensor("handle src_info", src_info, device=dev, dtypes="int32", shape=(local, world * m), align=4)
+        check_tensor("handle layout_range", layout_range, device=dev, dtypes="int64", shape=(local, world), align=8)
+        return src_info, layout_range, int(m), int(hidden), int(num_experts)
+
+    def get_next_low_latency_combine_buffer(self, handle: Any) -> Any:
+        """The tensor the next ``zero_copy=True`` combine reads: ``[local experts, ranks * M,
+        hidden]`` bf16; two per shape, taken in turn by the zero-copy combines (as DeepEP's two
+        buffers), so filling the next one never overwrites rows a combine still in flight reads."""
+        self._alive()
+        return self._ll_combine_buffer(handle, advance=False)
+
+    def _ll_combine_buffer(self, handle: Any, advance: bool) -> Any:
+        import torch
+
+        _, _, m, hidden, num_experts = self._ll_handle(handle)
+        key = (hidden, num_experts, m)
+        pair = self._ll_combine_buffers.get(key)
+        if pair is None:
+            world = self.group_size
+            shape = (num_experts // world, world * m, hidden)
+            pair = [torch.empty(shape, dtype=torch.bfloat16, device=self._comm.device) for _ in range(2)] + [0]
+            self._ll_combine_buffers[key] = pair
+        buf = pair[pair[2] % 2]
+        if advance:
+            pair[2] += 1
+        return buf
+
+    def low_latency_combine(
+        self,
+        x: Any,
+        topk_idx: Any,
+        topk_weights: Any,
+        handle: Any,
+        use_logfmt: bool = False,
+        zero_copy: bool = False,
+        async_finish: bool = False,
+        return_recv_hook: bool = False,
+        out: Optional[Any] = None,
+        combine_wait_recv_cost_stats: Optional[Any] = None,
+    ) -> Tuple[Any, EventOverlap, Optional[Callable[[], None]]]:
+        """DeepEP's low-latency combine: ``(combined_x, event, hook)``; every row of the handle's
+        dispatch goes back to its token's rank, where ``combined_x[t] = sum_k topk_weights[t, k]
+        x row(t, k)`` (f32 in top-k order, ids of -1 add nothing). ``x`` is the experts' outputs
+        in the dispatch's layout (with ``zero_copy``, the tensor from
+        ``get_next_low_latency_combine_buffer`` is read instead)."""
+        self._alive()
+        if use_logfmt:
+            raise _not_yet("use_logfmt (LogFMT-10 rows in the combine)", "step 4")
+        if combine_wait_recv_cost_stats is not None:
+            raise _not_yet("combine_wait_recv_cost_stats", "step 4")
+        import torch
+
+        src_info, layout_range, m, hidden, num_experts = self._ll_handle(handle)
+        dev, world = self._comm.device, self.group_size
+        check_tensor("topk_idx", topk_idx, device=dev, dtypes=("int64", "int32"), ndim=2, align=4)
+        num_tokens, topk = int(topk_idx.shape[0]), int(topk_idx.shape[1])
+        if num_tokens > m:
+            raise ValueError(f"low_latency_combine: {num_tokens} tokens; the handle's dispatch allows {m}")
+        check_tensor("topk_weights", topk_weights, device=dev, dtypes="float32", shape=(num_tokens, topk), align=4)
+        native = self._ll_for(hidden, num_experts, m, topk)
+        if zero_copy:
+            x = self._ll_combine_buffer(handle, advance=True)
+        check_tensor("x", x, device=dev, dtypes="bfloat16", shape=(num_experts // world, world * m, hidden))
+        if out is not None:
+            check_tensor("out", out, device=dev, dtypes="bfloat16", shape=(num_tokens, hidden))
+        compute, launch = self._ll_streams(async_finish, return_recv_hook)
+        # The output on the current stream, as DeepEP's; int64 ids are read as they are.
+        idx = topk_idx
+        ids_i64 = topk_idx.dtype == torch.int64
+        if out is None:
+            out = torch.empty((num_tokens, hidden), dtype=torch.bfloat16, device=x.device)
+        ticket = torch.empty(2, dtype=torch.int64, device=x.device)
+        self._ll_launch_after(compute, launch)
+        native.combine_packed(
+            x.data_ptr(), src_info.data_ptr(), layout_range.data_ptr(), idx.data_ptr(), topk_weights.data_ptr(),
+            num_tokens, out.data_ptr(), ticket.data_ptr(), True, not return_recv_hook, int(launch.cuda_stream), ids_i64,
+        )
+        kept = (x, topk_idx, idx, topk_weights, src_info, layout_range, out, ticket)
+        event = self._ll_finish(compute, launch, async_finish, kept)
+        if not return_recv_hook:
+            return out, event, None
+        result = out
+
+        def hook(_keep: Tuple[Any, ...] = kept) -> None:
+            # On the stream of the send half, as DeepEP's hook; it holds the call's tensors.
+            native.combine_packed(
+                0, 0, 0, idx.data_ptr(), topk_weights.data_ptr(), num_tokens, result.data_ptr(), ticket.data_ptr(),
+                False, True, int(compute.cuda_stream), ids_i64,
+            )
+
+        return out, event, hook
+
+    # ---- rank masks (enable_shrink) ----
+
+    def _current_stream_handle(self) -> int:
+        import torch
+
+        return int(torch.cuda.current_stream(self._comm.device).cuda_stream)
+
+    def _need_shrink(self, what: str) -> None:
+        self._alive()
+        if not self.enable_shrink:
+            raise RuntimeError(f"{what}: build the Buffer with enable_shrink=True (DeepEP asserts the same)")
+
+    def low_latency_update_mask_buffer(self, rank_to_mask: int, mask: bool = False) -> None:
+        """Masks ``rank_to_mask`` (``mask=True``) or unmasks it, on the current stream, for the
+        low-latency calls after: a masked rank is sent nothing, waited for by no one, and its
+        experts add nothing to a combine (their selections count as -1). Every live rank should
+        mask the same ranks; a masked rank makes no more low-latency calls."""
+        self._need_shrink("low_latency_update_mask_buffer")
+        if isinstance(rank_to_mask, bool) or not isinstance(rank_to_mask, int) or not 0 <= rank_to_mask < self.group_size:
+            raise ValueError(f"low_latency_update_mask_buffer: rank_to_mask={rank_to_mask!r}; a rank in [0, {self.group_size})")
+        stream = self._current_stream_handle()
+        for native in self._ll.values():
+            native.set_rank_masked(rank_to_mask, bool(mask), stream)
+        if mask:
+            self._masked.add(rank_to_mask)
+        else:
+            self._masked.discard(rank_to_mask)
+
+    def low_latency_query_mask_buffer(self, mask_status: Any) -> None:
+        """Writes each rank's mask into ``mask_status`` (``[num_ranks]`` int32 on this GPU, 1 =
+        masked), on the current stream."""
+        self._need_shrink("low_latency_query_mask_buffer")
+        check_tensor("mask_status", mask_status, device=self._comm.device, dtypes="int32", shape=(self.group_size,))
+        stream = self._current_stream_handle()
+        native = next(iter(self._ll.values()), None)
+        if native is None:
+            mask_status.zero_()
+            for r in self._masked:
+                mask_status[r] = 1
+            return
+        mask = device_view(native.rank_mask_ptr(stream), (self.group_size,), "int32", self._comm.device, native)
+        mask_status.copy_(mask)
+
+    def low_latency_clean_mask_buffer(self) -> None:
+        """Unmasks every rank, on the current stream."""
+        self._need_shrink("low_latency_clean_mask_buffer")
+        stream = self._current_stream_handle()
+        for native in self._ll.values():
+            native.clean_rank_mask(stream)
+        self._masked.clear()
+
+
+__all__ = ["Buffer", "Config", "EventOverlap"]

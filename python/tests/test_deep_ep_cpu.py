@@ -1,0 +1,148 @@
+"""CPU tests of ``doorbell.deep_ep`` (DeepEP's API): what needs no GPU and no torch: the package
+imports, DeepEP's static helpers and Config, argument refusals before anything is built, and the
+names of what is not built yet."""
+
+import importlib
+
+import pytest
+
+import doorbell.deep_ep as deep_ep
+from doorbell.deep_ep import Buffer, Config, EventOverlap
+
+
+def test_the_package_and_its_utils_import_without_torch():
+    for m in ("doorbell.deep_ep.utils", "doorbell.deep_ep.utils.math", "doorbell.deep_ep.utils.testing", "doorbell.deep_ep.utils.envs"):
+        importlib.import_module(m)
+    assert set(deep_ep.__all__) == {"Buffer", "Config", "EventOverlap", "topk_idx_t"}
+    with pytest.raises(AttributeError, match="no attribute 'nope'"):
+        deep_ep.nope  # noqa: B018
+
+
+def test_config_takes_deepeps_arguments_and_refuses_nonsense():
+    c = Config(24, 8, 256)
+    assert (c.num_sms, c.num_max_nvl_chunked_send_tokens, c.num_max_nvl_chunked_recv_tokens) == (24, 8, 256)
+    assert (c.num_max_rdma_chunked_send_tokens, c.num_max_rdma_chunked_recv_tokens) == (6, 256)
+    assert c.get_nvl_buffer_size_hint(7168 * 2, 8) > 0
+    assert c.get_rdma_buffer_size_hint(7168 * 2, 8) == 0  # one node
+    assert c.get_rdma_buffer_size_hint(7168 * 2, 16) > 0
+    for bad in (0, -1, 1.5, True, "24"):
+        with pytest.raises(ValueError, match="num_sms"):
+            Config(bad)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="num_max_nvl_chunked_recv_tokens"):
+        Config(24, 8, 0)
+
+
+def test_static_helpers_follow_deepep():
+    assert Buffer.is_sm90_compiled()
+    before = Buffer.num_sms
+    try:
+        Buffer.set_num_sms(32)
+        assert Buffer.get_dispatch_config(8).num_sms == 32
+        assert Buffer.get_combine_config(8).num_sms == 32
+        with pytest.raises(ValueError, match="set_num_sms"):
+            Buffer.set_num_sms(0)
+    finally:
+        Buffer.set_num_sms(before)
+    small = Buffer.get_low_latency_rdma_size_hint(128, 7168, 8, 256)
+    assert small > 0
+    assert Buffer.get_low_latency_rdma_size_hint(256, 7168, 8, 256) > small
+
+
+def test_buffer_refuses_before_joining_anything():
+    with pytest.raises(ValueError, match="num_nvl_bytes"):
+        Buffer(None, num_nvl_bytes=-1)
+    with pytest.raises(ValueError, match="num_qps_per_rank"):
+        Buffer(None, num_qps_per_rank=0)
+    with pytest.raises(ValueError, match="num_rdma_bytes"):
+        Buffer(None, low_latency_mode=True)
+    with pytest.raises(NotImplementedError, match="without a torch.distributed group"):
+        Buffer(None, int(1e9), enable_shrink=True)
+    with pytest.raises(NotImplementedError, match="without a torch.distributed group"):
+        Buffer(None, int(1e9))
+
+
+def test_an_event_overlap_without_an_event_says_so():
+    e = EventOverlap()
+    with pytest.raises(ValueError, match="no event"):
+        e.current_stream_wait()
+    with e as same:  # nothing to wait for at the end
+        assert same is e
+
+
+def _bare_low_latency_buffer() -> Buffer:
+    """A Buffer's state without joining a group (the checks below come before any GPU work)."""
+    b = Buffer.__new__(Buffer)
+    b._destroyed = False
+    b.low_latency_mode = True
+    b.group_size = 2
+    b.num_rdma_bytes = 0
+    return b
+
+
+def test_low_latency_calls_refuse_deepeps_invalid_flag_mixes_before_anything_is_sent():
+    b = _bare_low_latency_buffer()
+    with pytest.raises(ValueError, match="use_ue8m0 needs round_scale=True"):
+        b.low_latency_dispatch(None, None, 128, 16, use_ue8m0=True)
+    with pytest.raises(ValueError, match="round_scale and use_ue8m0 are for use_fp8=True"):
+        b.low_latency_dispatch(None, None, 128, 16, use_fp8=False, round_scale=True)
+    with pytest.raises(NotImplementedError, match="dispatch_wait_recv_cost_stats .*nothing was sent"):
+        b.low_latency_dispatch(None, None, 128, 16, dispatch_wait_recv_cost_stats=object())
+    with pytest.raises(NotImplementedError, match="use_logfmt .*nothing was sent"):
+        b.low_latency_combine(None, None, None, None, use_logfmt=True)
+    with pytest.raises(ValueError, match="a multiple of 2"):
+        b.clean_low_latency_buffer(128, 7168, 3)
+    with pytest.raises(ValueError, match="hidden"):
+        b.clean_low_latency_buffer(128, 0, 4)
+    b.clean_low_latency_buffer(128, 7168, 4)  # nothing to clean: every word carries its call's epoch
+    b.destroy()
+    with pytest.raises(RuntimeError, match="after destroy"):
+        b.clean_low_latency_buffer(128, 7168, 4)
+
+
+def test_the_low_latency_size_hint_holds_the_rows_the_combine_returns():
+    # DeepEP's decode shape: every (expert, token) row can come back, in two halves.
+    assert Buffer.get_low_latency_rdma_size_hint(128, 7168, 2, 288) >= 2 * 288 * 128 * 7168 * 2
+
+
+class _FakeLowLatency:
+    """Records the rank-mask calls a Buffer makes on one low-latency shape's exchange."""
+
+    def __init__(self) -> None:
+        self.calls: list = []
+
+    def set_rank_masked(self, rank: int, masked: bool, stream: int) -> None:
+        self.calls.append(("set", rank, masked, stream))
+
+    def clean_rank_mask(self, stream: int) -> None:
+        self.calls.append(("clean", stream))
+
+
+def test_rank_masks_need_enable_shrink_and_reach_every_low_latency_shape():
+    b = _bare_low_latency_buffer()
+    b.enable_shrink = False
+    b._masked = set()
+    b._ll = {}
+    for call in (lambda: b.low_latency_update_mask_buffer(1, True), b.low_latency_clean_mask_buffer,
+                 lambda: b.low_latency_query_mask_buffer(None)):
+        with pytest.raises(RuntimeError, match="enable_shrink=True"):
+            call()
+    b.enable_shrink = True
+    b._current_stream_handle = lambda: 7
+    shapes = [_FakeLowLatency(), _FakeLowLatency()]
+    b._ll = {(7168, 16, 128, 8): shapes[0], (4096, 16, 128, 8): shapes[1]}
+    for bad in (2, -1, True, "1"):
+        with pytest.raises(ValueError, match="rank_to_mask"):
+            b.low_latency_update_mask_buffer(bad, True)
+    assert all(s.calls == [] for s in shapes)
+    b.low_latency_update_mask_buffer(1, True)
+    assert b._masked == {1}
+    b.low_latency_update_mask_buffer(1)  # DeepEP's default: unmask
+    assert b._masked == set()
+    b.low_latency_update_mask_buffer(0, True)
+    b.low_latency_clean_mask_buffer()
+    assert b._masked == set()
+    for s in shapes:
+        assert s.calls == [("set", 1, True, 7), ("set", 1, False, 7), ("set", 0, True, 7), ("clean", 7)]
+    b.destroy()
+    with pytest.raises(RuntimeError, match="after destroy"):
+        b.low_latency_clean_mask_buffer()
