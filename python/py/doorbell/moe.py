@@ -8,7 +8,7 @@ the GPU, so dispatch and combine are capturable in ``torch.cuda.graph``.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional, Tuple, Union
+from typing import Any, Callable, Dict, Optional, Tuple, Union
 
 from . import _doorbell
 from ._check import check_tensor, describe, device_view, dtype_name
@@ -81,6 +81,21 @@ class Buffer:
                 comm._native, hidden, num_topk, num_experts, num_max_tokens, num_sms, net_chunks
             )
         self._dispatches = 0
+        # Views of doorbell's result memory, made once per (address, shape, dtype): building one
+        # through __cuda_array_interface__ takes tens of microseconds of host time, a call's
+        # results are at fixed addresses (the low-latency path across nodes alternates two).
+        self._views: Dict[Tuple[int, Tuple[int, ...], str], Any] = {}
+
+    def _view(self, ptr: int, shape: Tuple[int, ...], dtype: str) -> Any:
+        """A fresh alias (``view``) of the cached view of doorbell's memory at ``ptr``: callers may
+        reshape what they get without touching the cache."""
+        key = (int(ptr), shape, dtype)
+        base = self._views.get(key)
+        if base is None:
+            # Owned by the native object, not by self: no cycle through the cache.
+            base = device_view(ptr, shape, dtype, self.comm.device, self._native)
+            self._views[key] = base
+        return base.view(shape)
 
     # ---- layout ----
 
@@ -146,15 +161,15 @@ class Buffer:
         dev, cap, k = comm.device, int(r["max_rows"]), self.num_topk
         if fp8:
             recv_x = (
-                device_view(r["recv_x"], (cap, self.hidden), "float8_e4m3fn", dev, self),
-                device_view(r["recv_scales"], (cap, self.hidden // 128), "float32", dev, self),
+                self._view(r["recv_x"], (cap, self.hidden), "float8_e4m3fn"),
+                self._view(r["recv_scales"], (cap, self.hidden // 128), "float32"),
             )
         else:
-            recv_x = device_view(r["recv_x"], (cap, self.hidden), "bfloat16", dev, self)
-        recv_idx = device_view(r["recv_idx"], (cap, k), "int32", dev, self)
-        recv_w = device_view(r["recv_weights"], (cap, k), "float32", dev, self)
-        counts = device_view(r["expert_counts"], (self.num_local_experts,), "int32", dev, self)
-        num_recv = device_view(r["num_recv"], (1,), "int32", dev, self)
+            recv_x = self._view(r["recv_x"], (cap, self.hidden), "bfloat16")
+        recv_idx = self._view(r["recv_idx"], (cap, k), "int32")
+        recv_w = self._view(r["recv_weights"], (cap, k), "float32")
+        counts = self._view(r["expert_counts"], (self.num_local_experts,), "int32")
+        num_recv = self._view(r["num_recv"], (1,), "int32")
         handle = DispatchHandle(num_tokens, self.hidden, (x, idx, topk_weights), num_recv)
         self._dispatches += 1
         return recv_x, recv_idx, recv_w, counts, handle, None
@@ -196,13 +211,13 @@ class Buffer:
         dev, cap = comm.device, int(r["max_rows"])
         if fp8:
             recv_x: Any = (
-                device_view(r["recv_x"], (cap, self.hidden), "float8_e4m3fn", dev, self),
-                device_view(r["recv_scales"], (cap, self.hidden // 128), "float32", dev, self),
+                self._view(r["recv_x"], (cap, self.hidden), "float8_e4m3fn"),
+                self._view(r["recv_scales"], (cap, self.hidden // 128), "float32"),
             )
         else:
-            recv_x = device_view(r["recv_x"], (cap, self.hidden), "bfloat16", dev, self)
-        counts = device_view(r["expert_counts"], (self.num_local_experts,), "int32", dev, self)
-        num_recv = device_view(r["num_recv"], (1,), "int32", dev, self)
+            recv_x = self._view(r["recv_x"], (cap, self.hidden), "bfloat16")
+        counts = self._view(r["expert_counts"], (self.num_local_experts,), "int32")
+        num_recv = self._view(r["num_recv"], (1,), "int32")
         handle = DispatchHandle(num_tokens, self.hidden, (x, is_token_in_rank, num_tokens_per_expert), num_recv)
         self._dispatches += 1
         return recv_x, None, None, counts, handle, None
@@ -244,7 +259,7 @@ class Buffer:
         ``combine``, which then copies nothing in."""
         self._need(False, "get_combine_buffer")
         r = self._native.results()
-        return device_view(r["combine_buffer"], (int(r["max_rows"]), self.hidden), "bfloat16", self.comm.device, self)
+        return self._view(r["combine_buffer"], (int(r["max_rows"]), self.hidden), "bfloat16")
 
     # ---- low-latency mode ----
 
@@ -332,12 +347,12 @@ class Buffer:
         recv_x: Any
         if fp8:
             recv_x = (
-                device_view(r["recv_x"], (el, slots, self.hidden), "float8_e4m3fn", dev, self),
-                device_view(r["recv_scales"], (el, slots, self.hidden // 128), "float32", dev, self),
+                self._view(r["recv_x"], (el, slots, self.hidden), "float8_e4m3fn"),
+                self._view(r["recv_scales"], (el, slots, self.hidden // 128), "float32"),
             )
         else:
-            recv_x = device_view(r["recv_x"], (el, slots, self.hidden), "bfloat16", dev, self)
-        recv_count = device_view(r["recv_count"], (el,), "int32", dev, self)
+            recv_x = self._view(r["recv_x"], (el, slots, self.hidden), "bfloat16")
+        recv_count = self._view(r["recv_count"], (el,), "int32")
         return recv_x, recv_count, DispatchHandle(num_tokens, self.hidden, keep, recv_count, self._dispatches)
 
     def _dispatch_recv_hook(self) -> Callable[[], None]:
@@ -355,7 +370,7 @@ class Buffer:
         self._need(True, "get_next_low_latency_combine_buffer")
         r = self._native.results()
         shape = (self.num_local_experts, self.comm.world_size * self.num_max_tokens, self.hidden)
-        return device_view(r["combine_buffer"], shape, "bfloat16", self.comm.device, self)
+        return self._view(r["combine_buffer"], shape, "bfloat16")
 
     def low_latency_combine(
         self,

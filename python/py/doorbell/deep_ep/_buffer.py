@@ -404,8 +404,8 @@ class Buffer:
                 x = (x[0], x[1].contiguous())
             recv_x, recv_idx, recv_w, counts, h, _ = buf.dispatch(x, topk_idx, topk_weights)
             r = buf._native.results()
-            world, dev = self.group_size, self._comm.device
-            prefix = device_view(r["rank_prefix"], (world, world), "int32", dev, buf).clone()
+            world = self.group_size
+            prefix = buf._view(r["rank_prefix"], (world, world), "int32").clone()
             if num_worst_tokens:
                 n, listed = num_worst_tokens, []
             else:
@@ -490,8 +490,8 @@ class Buffer:
             per_expert = None if num_tokens_per_expert is None else num_tokens_per_expert.int()
             recv_x, _, _, counts, h, _ = buf.dispatch_by_rank(x, is_token_in_rank, per_expert)
             r = buf._native.results()
-            world, dev = self.group_size, self._comm.device
-            prefix = device_view(r["rank_prefix"], (world, world), "int32", dev, buf).clone()
+            world = self.group_size
+            prefix = buf._view(r["rank_prefix"], (world, world), "int32").clone()
             host = torch.cat([h.num_recv, counts]).tolist()  # one wait, as DeepEP's
             n, listed = int(host[0]), [int(c) for c in host[1:]]
             if n < 0 or any(c < 0 for c in listed):
@@ -584,15 +584,18 @@ class Buffer:
         return native
 
     def _ll_streams(self, async_finish: bool, return_recv_hook: bool) -> Tuple[Any, Any]:
-        """DeepEP's streams for a low-latency call: ``(compute, launch)``; with the hook the call
-        runs on the current stream, else on the communication stream. The caller makes its
-        tensors on the current stream first, then calls :meth:`_ll_launch_after`."""
+        """The streams of a low-latency call: ``(compute, launch)``. DeepEP runs the call on its
+        communication stream unless a hook is asked for, and without ``async_finish`` makes the
+        current stream wait for it at once; so here only an ``async_finish`` call goes to the
+        communication stream, the others run on the current stream (the same order as seen from
+        every stream the caller has, without two event waits of host time per call). The caller
+        makes its tensors on the current stream first, then calls :meth:`_ll_launch_after`."""
         import torch
 
         if async_finish and return_recv_hook:
             raise ValueError("async_finish and return_recv_hook cannot both be set")
         compute = torch.cuda.current_stream()
-        return compute, (compute if return_recv_hook else self._stream)
+        return compute, (self._stream if async_finish else compute)
 
     @staticmethod
     def _ll_launch_after(compute: Any, launch: Any) -> None:
