@@ -695,14 +695,15 @@ class Buffer:
         count = torch.empty(local, dtype=torch.int32, device=x.device)
         src_info = torch.empty((local, cap), dtype=torch.int32, device=x.device)
         layout_range = torch.empty((local, world), dtype=torch.int64, device=x.device)
-        # Where the send half leaves its epoch for this call's receive half (another dispatch may
-        # be sent before the hook runs: two in flight, as DeepEP allows).
-        ticket = torch.empty(2, dtype=torch.int64, device=x.device)
+        # With the hook: where the send half leaves its epoch for this call's receive half (another
+        # dispatch may be sent before the hook runs: two in flight, as DeepEP allows). Both halves
+        # in one kernel need none (the receive half pairs with the send of its own launch).
+        ticket = torch.empty(2, dtype=torch.int64, device=x.device) if return_recv_hook else None
         stats = cumulative_local_expert_recv_stats
         outputs = (
             packed_x.data_ptr(), 0 if scales_store is None else scales_store.data_ptr(), round_scale, use_ue8m0,
             src_info.data_ptr(), layout_range.data_ptr(), count.data_ptr(), 0 if stats is None else stats.data_ptr(),
-            ticket.data_ptr(),
+            0 if ticket is None else ticket.data_ptr(),
         )
         self._ll_launch_after(compute, launch)
         native.dispatch_packed(x.data_ptr(), idx.data_ptr(), num_tokens, *outputs, return_recv_hook, int(launch.cuda_stream), ids_i64)
@@ -800,22 +801,25 @@ class Buffer:
         ids_i64 = topk_idx.dtype == torch.int64
         if out is None:
             out = torch.empty((num_tokens, hidden), dtype=torch.bfloat16, device=x.device)
-        ticket = torch.empty(2, dtype=torch.int64, device=x.device)
+        # The hook's pairing word, as in low_latency_dispatch (none when one kernel does both).
+        ticket = torch.empty(2, dtype=torch.int64, device=x.device) if return_recv_hook else None
         self._ll_launch_after(compute, launch)
         native.combine_packed(
             x.data_ptr(), src_info.data_ptr(), layout_range.data_ptr(), idx.data_ptr(), topk_weights.data_ptr(),
-            num_tokens, out.data_ptr(), ticket.data_ptr(), True, not return_recv_hook, int(launch.cuda_stream), ids_i64,
+            num_tokens, out.data_ptr(), 0 if ticket is None else ticket.data_ptr(), True, not return_recv_hook,
+            int(launch.cuda_stream), ids_i64,
         )
         kept = (x, topk_idx, idx, topk_weights, src_info, layout_range, out, ticket)
         event = self._ll_finish(compute, launch, async_finish, kept)
         if not return_recv_hook:
             return out, event, None
-        result = out
+        assert ticket is not None  # made above whenever there is a hook
+        result, pairing = out, int(ticket.data_ptr())
 
         def hook(_keep: Tuple[Any, ...] = kept) -> None:
             # On the stream of the send half, as DeepEP's hook; it holds the call's tensors.
             native.combine_packed(
-                0, 0, 0, idx.data_ptr(), topk_weights.data_ptr(), num_tokens, result.data_ptr(), ticket.data_ptr(),
+                0, 0, 0, idx.data_ptr(), topk_weights.data_ptr(), num_tokens, result.data_ptr(), pairing,
                 False, True, int(compute.cuda_stream), ids_i64,
             )
 
