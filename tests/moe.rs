@@ -1318,6 +1318,14 @@ fn deep_ep_layout(comm: &Arc<Communicator>, s: &Arc<CudaStream>) {
             // SAFETY: as above; no token is read.
             unsafe { ll.dispatch_packed_send_raw(s, xp, ip, 0, &empty) }.unwrap();
             htod(op, &[0u8; 16]);
+            // FP8 rows are cast by the send half: a receive half given bf16 outputs for that
+            // send is refused before it launches (it would read e4m3 bytes as bf16).
+            // SAFETY: as above; a refused call launches nothing.
+            let wrong = unsafe { ll.dispatch_packed_recv_raw(s, &outputs) };
+            assert!(
+                matches!(&wrong, Err(doorbell::Error::InvalidArgument { .. })),
+                "rank {me}: bf16 outputs for an FP8 send: {wrong:?}"
+            );
             if round == 1 {
                 // SAFETY: as above.
                 unsafe { ll.dispatch_packed_recv_raw(s, &o) }.unwrap();

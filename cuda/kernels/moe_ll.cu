@@ -29,7 +29,8 @@
 // DeepEP's layout (MoeLlArgs::packed, MoeConfig::with_deep_ep_layout): the send half is the same;
 // the receive half skips the copies into the slots and, once every source's counts are in,
 // writes each local expert's rows packed from row 0 in source order into the caller's outputs,
-// straight from the row that crossed (cast to e4m3 on the way when asked), with each row's source
+// straight from the row that crossed (with FP8 rows, the send half cast it: e4m3 and scales
+// cross, and are copied), with each row's source
 // token and each (expert, source) range (pack_rows). The combine returns every row unweighted
 // to its token's rank (combine_send_packed), which weighs them with the weights given to the
 // combine (combine_recv_packed): DeepEP's traffic and semantics.
@@ -195,12 +196,6 @@ __device__ int32_t source_of(uint32_t world, uint32_t i, uint32_t lane, Range ra
   return -1;
 }
 
-// ceil(log2(x)) for a positive normal float.
-__device__ int32_t ceil_log2(float x) {
-  const uint32_t bits = __float_as_uint(x);
-  return int32_t((bits >> 23) & 0xff) - 127 + ((bits & 0x7fffff) != 0 ? 1 : 0);
-}
-
 // Where the scale of group `g` of packed row (`le`, `pos`) goes (column-major, as DeepEP's).
 __device__ void store_scale(const MoeLlArgs& a, uint32_t le, uint32_t g, uint32_t pos, float scale_inv) {
   const uint64_t cap = packed_cap(a);
@@ -209,67 +204,6 @@ __device__ void store_scale(const MoeLlArgs& a, uint32_t le, uint32_t g, uint32_
     s[((uint64_t(le) * (a.hidden / 512) + g / 4) * cap + pos) * 4 + g % 4] = uint8_t(__float_as_uint(scale_inv) >> 23);
   } else {
     static_cast<float*>(a.packed_scales)[(uint64_t(le) * (a.hidden / 128) + g) * cap + pos] = scale_inv;
-  }
-}
-
-// Casts a bf16 row (`hidden` values at `src`) to e4m3 at `dst` (`hidden` bytes), one scale per
-// 128 values as DeepEP casts: amax over the group (at least 1e-4), scale amax / 448 (with
-// kPackedRound the next power of two up), values times its inverse, saturated. One warp: a
-// half-warp per group, eight values a lane. Each lane loads kCastBatch words before it casts any
-// (as copy_words_batched does): one load in flight at a time made a row of hidden 7168 a chain of
-// 28 dependent reads, and the FP8 dispatch 2.2 x the bf16 one (2 x H100, 2026-11-26: 90 against
-// 40 us at 128 tokens, top-8 of 288).
-constexpr uint32_t kCastBatch = 8;
-
-__device__ void cast_row_fp8(const MoeLlArgs& a, const int4* src, uint8_t* dst, uint32_t le, uint32_t pos,
-                             uint32_t lane) {
-  const uint32_t words = a.hidden / 8;
-  const bool round = (a.packed & kPackedRound) != 0;
-  for (uint32_t base = 0; base < words; base += kWarp * kCastBatch) {  // uniform: the shuffles need every lane
-    int4 raw[kCastBatch];
-#pragma unroll
-    for (uint32_t b = 0; b < kCastBatch; ++b) {
-      const uint32_t w = base + b * kWarp + lane;
-      raw[b] = w < words ? src[w] : make_int4(0, 0, 0, 0);
-    }
-#pragma unroll
-    for (uint32_t b = 0; b < kCastBatch; ++b) {
-      if (base + b * kWarp >= words) break;  // uniform
-      const uint32_t w = base + b * kWarp + lane;
-      const bool valid = w < words;
-      float v[8];
-      float amax = 0.f;
-      const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&raw[b]);
-#pragma unroll
-      for (uint32_t j = 0; j < 4; ++j) {
-        const float2 f = __bfloat1622float2(h[j]);
-        v[2 * j] = f.x;
-        v[2 * j + 1] = f.y;
-        amax = fmaxf(amax, fmaxf(fabsf(f.x), fabsf(f.y)));
-      }
-#pragma unroll
-      for (uint32_t o = 8; o >= 1; o /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-      if (!valid) continue;
-      amax = fmaxf(amax, 1e-4f);
-      float scale_inv, mul;
-      if (round) {
-        const int32_t e = ceil_log2(amax * (1.f / 448.f));
-        scale_inv = __uint_as_float(uint32_t(e + 127) << 23);
-        mul = __uint_as_float(uint32_t(127 - e) << 23);
-      } else {
-        scale_inv = amax * (1.f / 448.f);
-        mul = 448.f / amax;
-      }
-      uint32_t packed[2] = {0, 0};
-#pragma unroll
-      for (uint32_t j = 0; j < 4; ++j) {
-        const __nv_fp8x2_storage_t q = __nv_cvt_float2_to_fp8x2(make_float2(v[2 * j] * mul, v[2 * j + 1] * mul),
-                                                                __NV_SATFINITE, __NV_E4M3);
-        packed[j / 2] |= uint32_t(q) << (16 * (j % 2));
-      }
-      reinterpret_cast<uint2*>(dst)[w] = make_uint2(packed[0], packed[1]);
-      if (lane % 16 == 0) store_scale(a, le, w / 16, pos, scale_inv);
-    }
   }
 }
 
@@ -352,7 +286,12 @@ __device__ void pack_rows(const MoeLlArgs& a, uint64_t epoch) {
     const uint64_t carrier = f < 0 ? at : uint64_t(f);
     if (lane == 0) a.packed_src[p] = token[at];
     if (fp8) {
-      cast_row_fp8(a, rows + carrier * words, dst, le, i, lane);
+      // The send half cast the row (moe_ll::push_row_fp8): e4m3 bytes, then a scale per group.
+      const uint8_t* slot = reinterpret_cast<const uint8_t*>(rows + carrier * words);
+      copy_words_batched<int4, 8>(reinterpret_cast<int4*>(dst), reinterpret_cast<const int4*>(slot), a.hidden / 16, lane,
+                                  kWarp);
+      const float* scales = reinterpret_cast<const float*>(slot + a.hidden);
+      for (uint32_t g = lane; g < a.hidden / 128; g += kWarp) store_scale(a, le, g, i, scales[g]);
     } else {
       copy_words_batched<int4, 8>(reinterpret_cast<int4*>(dst), rows + carrier * words, words, lane, kWarp);
     }

@@ -33,6 +33,7 @@
 
 #if DOORBELL_CUDA
 #include <cuda_bf16.h>
+#include <cuda_fp8.h>
 
 namespace doorbell {
 namespace moe_ll {
@@ -180,6 +181,82 @@ DOORBELL_DEVICE_INLINE void push_row(const MoeLlArgs& a, uint32_t r, uint64_t ca
                               words, lane, 32);
 }
 
+// ceil(log2(x)) for a positive normal float.
+DOORBELL_DEVICE_INLINE int32_t ceil_log2(float x) {
+  const uint32_t bits = __float_as_uint(x);
+  return int32_t((bits >> 23) & 0xff) - 127 + ((bits & 0x7fffff) != 0 ? 1 : 0);
+}
+
+// Loads in flight per lane before the FP8 cast uses any (a 7168-wide row in one pass): one at a
+// time made a row a chain of dependent reads.
+constexpr uint32_t kCastBatch = 8;
+
+// DeepEP's FP8 cast of a bf16 row (`hidden` values at `src`, a multiple of 128): e4m3 bytes to
+// `dst` (`hidden` bytes) and one f32 scale per 128 values to `scales` (the factor that restores
+// them). Per group: amax (at least 1e-4), scale amax / 448, or with `round` the next power of two
+// up (UE8M0-representable), values times its inverse, saturated. One warp: a half-warp per group,
+// eight values a lane; `dst` and `scales` may be a peer's memory (8- and 4-byte stores).
+DOORBELL_DEVICE_INLINE void cast_row_fp8(const int4* src, uint8_t* dst, float* scales, uint32_t hidden, bool round,
+                                         uint32_t lane) {
+  const uint32_t words = hidden / 8;
+  for (uint32_t base = 0; base < words; base += 32 * kCastBatch) {  // uniform: the shuffles need every lane
+    int4 raw[kCastBatch];
+#pragma unroll
+    for (uint32_t b = 0; b < kCastBatch; ++b) {
+      const uint32_t w = base + b * 32 + lane;
+      raw[b] = w < words ? src[w] : make_int4(0, 0, 0, 0);
+    }
+#pragma unroll
+    for (uint32_t b = 0; b < kCastBatch; ++b) {
+      if (base + b * 32 >= words) break;  // uniform
+      const uint32_t w = base + b * 32 + lane;
+      float v[8];
+      float amax = 0.f;
+      const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&raw[b]);
+#pragma unroll
+      for (uint32_t j = 0; j < 4; ++j) {
+        const float2 f = __bfloat1622float2(h[j]);
+        v[2 * j] = f.x;
+        v[2 * j + 1] = f.y;
+        amax = fmaxf(amax, fmaxf(fabsf(f.x), fabsf(f.y)));
+      }
+#pragma unroll
+      for (uint32_t o = 8; o >= 1; o /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+      if (w >= words) continue;
+      amax = fmaxf(amax, 1e-4f);
+      float scale_inv, mul;
+      if (round) {
+        const int32_t e = ceil_log2(amax * (1.f / 448.f));
+        scale_inv = __uint_as_float(uint32_t(e + 127) << 23);
+        mul = __uint_as_float(uint32_t(127 - e) << 23);
+      } else {
+        scale_inv = amax * (1.f / 448.f);
+        mul = 448.f / amax;
+      }
+      uint32_t q8[2] = {0, 0};
+#pragma unroll
+      for (uint32_t j = 0; j < 4; ++j) {
+        const __nv_fp8x2_storage_t q = __nv_cvt_float2_to_fp8x2(make_float2(v[2 * j] * mul, v[2 * j + 1] * mul),
+                                                                __NV_SATFINITE, __NV_E4M3);
+        q8[j / 2] |= uint32_t(q) << (16 * (j % 2));
+      }
+      reinterpret_cast<uint2*>(dst)[w] = make_uint2(q8[0], q8[1]);
+      if (lane % 16 == 0) scales[w / 16] = scale_inv;
+    }
+  }
+}
+
+// DeepEP's layout with FP8 rows (kPackedFp8): the carrier slot (2 x hidden bytes) holds the row
+// cast once here, on the sending side, as DeepEP's send does: e4m3 bytes [0, hidden), then the
+// f32 scales of its 128-value groups. Half the bytes cross, and each row is cast once per token
+// and rank instead of once per selection; the receive half copies bytes and scales.
+DOORBELL_DEVICE_INLINE void push_row_fp8(const MoeLlArgs& a, uint32_t r, uint64_t carrier, const void* row,
+                                         uint32_t lane) {
+  uint8_t* slot = reinterpret_cast<uint8_t*>(a.area[r]) + carrier * (uint64_t(a.hidden) * 2);
+  cast_row_fp8(static_cast<const int4*>(row), slot, reinterpret_cast<float*>(slot + a.hidden), a.hidden,
+               (a.packed & kPackedRound) != 0, lane);
+}
+
 // Sends token t's row (hidden bf16, 16-byte aligned, at `row` in any memory) to rank r if any
 // of its selections is there: reserve(), the whole row into the carrier slot, then (after a
 // system fence) the carrier's entry in r's queue for this rank, so r can copy it into the other
@@ -188,7 +265,11 @@ DOORBELL_DEVICE_INLINE void push_row(const MoeLlArgs& a, uint32_t r, uint64_t ca
 DOORBELL_DEVICE_INLINE void put(const MoeLlArgs& a, uint32_t t, uint32_t r, const void* row, uint32_t lane) {
   const uint64_t carrier = reserve(a, t, r, lane);
   if (carrier != kNoRow) {
-    push_row(a, r, carrier, row, lane);
+    if (a.packed & kPackedFp8) {
+      push_row_fp8(a, r, carrier, row, lane);
+    } else {
+      push_row(a, r, carrier, row, lane);
+    }
     __syncwarp();
     if (lane == 0) {
       // The slot first: the fence then orders it (and the reservations, rows and metadata)

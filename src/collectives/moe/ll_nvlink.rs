@@ -34,6 +34,9 @@ pub(super) struct LlNvlink {
     rank_mask: Option<CudaSlice<u32>>,
     /// The dead peers already written into the mask (one bit each).
     masked_dead: std::sync::atomic::AtomicU64,
+    /// DeepEP's layout: the row format of the last packed sends, `(ticket, FP8)`, newest last
+    /// (with FP8 the send half casts, so its receive half must read FP8 too).
+    packed_sends: std::sync::Mutex<std::collections::VecDeque<(u64, bool)>>,
     _area: Landing,
     _semaphores: Semaphores,
     _device: Vec<CudaSlice<u8>>,
@@ -207,6 +210,7 @@ impl LlNvlink {
                 comm.bootstrap().call_counter(),
             ),
             last_calls: std::sync::Mutex::new((CallCheck::default(), CallCheck::default())),
+            packed_sends: std::sync::Mutex::new(std::collections::VecDeque::new()),
             rank_mask,
             masked_dead: std::sync::atomic::AtomicU64::new(0),
             _area: area,
@@ -401,6 +405,43 @@ impl LlNvlink {
     /// The words of the last dispatch and the last combine.
     fn last_call(&self) -> (CallCheck, CallCheck) {
         *self.last_calls.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Records a packed dispatch's row format under its ticket (the last few sends).
+    fn note_packed_send(&self, out: &PackedOutputs) {
+        let mut sends = self.packed_sends.lock().unwrap_or_else(|p| p.into_inner());
+        if sends.len() == 8 {
+            sends.pop_front();
+        }
+        sends.push_back((out.ticket, out.scales != 0));
+    }
+
+    /// A receive half must read the rows in the format its send half wrote them: FP8 rows are
+    /// cast by the send, so bf16 outputs for an FP8 send (or the reverse) would read garbage.
+    /// The send is the one of `out.ticket`, else the last one.
+    fn check_packed_format(&self, out: &PackedOutputs) -> Result<()> {
+        let sends = self.packed_sends.lock().unwrap_or_else(|p| p.into_inner());
+        let sent = if out.ticket != 0 {
+            sends.iter().rev().find(|(t, _)| *t == out.ticket)
+        } else {
+            sends.back()
+        };
+        let fp8 = out.scales != 0;
+        match sent {
+            Some(&(_, sent_fp8)) if sent_fp8 != fp8 => Err(Error::invalid(
+                "dispatch receive",
+                format!(
+                    "its send wrote {} rows; give the receive half the same outputs ({})",
+                    if sent_fp8 { "FP8" } else { "bf16" },
+                    if sent_fp8 {
+                        "with scales"
+                    } else {
+                        "without scales"
+                    }
+                ),
+            )),
+            _ => Ok(()),
+        }
     }
 
     /// The combine's arguments for the last dispatch, writing `out`.
@@ -717,12 +758,14 @@ impl LowLatencyPath for LlNvlink {
         // Checked before the call word is taken: a refused call takes none.
         let send = self.prepare_packed_send(x, topk_idx, num_tokens)?;
         let call = self.next_call(CallKind::MoeLlDispatch, 1, Some(stream));
+        self.note_packed_send(out);
         if send_only {
             let args = crate::device_api::MoeLlArgs {
                 call,
                 ticket: out.ticket,
-                // PACKED: the send kernel ignores it; it tells `launch` this is DeepEP's layout.
-                packed: packed::PACKED | if out.ids_i64 { packed::IDS64 } else { 0 },
+                // The send casts FP8 rows (FP8, ROUND) and reads int64 ids (IDS64); PACKED tells
+                // `launch` this is DeepEP's layout. The outputs stay with the receive half.
+                packed: o.packed & (packed::PACKED | packed::FP8 | packed::ROUND | packed::IDS64),
                 ..send
             };
             return self.launch(stream, 0, self.base.blocks, 512, &args);
@@ -741,6 +784,7 @@ impl LowLatencyPath for LlNvlink {
     /// DeepEP's layout: the receive half, into `out`.
     unsafe fn dispatch_packed_recv(&self, stream: &CudaStream, out: &PackedOutputs) -> Result<()> {
         self.packed_built()?;
+        self.check_packed_format(out)?;
         let args = crate::device_api::MoeLlArgs {
             call: self.last_call().0,
             ..self.with_outputs(self.base, out)?
