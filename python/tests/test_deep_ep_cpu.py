@@ -3,6 +3,7 @@ imports, DeepEP's static helpers and Config, argument refusals before anything i
 names of what is not built yet."""
 
 import importlib
+import types
 
 import pytest
 
@@ -146,3 +147,86 @@ def test_rank_masks_need_enable_shrink_and_reach_every_low_latency_shape():
     b.destroy()
     with pytest.raises(RuntimeError, match="after destroy"):
         b.low_latency_clean_mask_buffer()
+
+
+class _Shaped:
+    """Stands in for a tensor where only the shape is read before the refusal."""
+
+    def __init__(self, *shape: int) -> None:
+        self.shape = shape
+
+
+def _bare_normal_buffer() -> Buffer:
+    b = Buffer.__new__(Buffer)
+    b._destroyed = False
+    b.low_latency_mode = False
+    b.group_size = 2
+    b._normal = {}
+    b._last_normal = (None, None)
+    b._last_route = None
+    return b
+
+
+def test_normal_dispatch_refuses_deepeps_invalid_arguments_before_anything_is_sent():
+    b = _bare_normal_buffer()
+    x, idx, per_expert = _Shaped(64, 7168), _Shaped(64, 8), _Shaped(16)
+    with pytest.raises(ValueError, match="topk_weights is required"):
+        b.dispatch(x, topk_idx=idx, num_tokens_per_expert=per_expert)
+    with pytest.raises(ValueError, match="num_tokens_per_rdma_rank is for the internode"):
+        b.dispatch(x, topk_idx=idx, topk_weights=object(), num_tokens_per_expert=per_expert,
+                   num_tokens_per_rdma_rank=object())
+    with pytest.raises(ValueError, match="num_tokens_per_expert .* is required"):
+        b.dispatch(x, topk_idx=idx, topk_weights=object())
+    for bad in (0, -2, True, 1.0):
+        with pytest.raises(ValueError, match="expert_alignment"):
+            b.dispatch(x, topk_idx=idx, topk_weights=object(), num_tokens_per_expert=per_expert, expert_alignment=bad)
+    for bad in (-1, False, 2.5):
+        with pytest.raises(ValueError, match="num_worst_tokens"):
+            b.dispatch(x, topk_idx=idx, topk_weights=object(), num_tokens_per_expert=per_expert, num_worst_tokens=bad)
+    with pytest.raises(ValueError, match="x is \\(num_tokens, hidden\\)"):
+        b.dispatch(_Shaped(7168), topk_idx=idx, topk_weights=object(), num_tokens_per_expert=per_expert)
+    with pytest.raises(ValueError, match="topk_idx is \\(num_tokens, num_topk\\)"):
+        b.dispatch(x, topk_idx=_Shaped(64), topk_weights=object(), num_tokens_per_expert=per_expert)
+    # Without top-k: routed by is_token_in_rank, or by a handle of this Buffer.
+    with pytest.raises(ValueError, match="topk_weights without topk_idx"):
+        b.dispatch(x, is_token_in_rank=object(), topk_weights=object())
+    with pytest.raises(ValueError, match="is_token_in_rank .* routes the tokens"):
+        b.dispatch(x, num_tokens_per_expert=per_expert)
+    with pytest.raises(ValueError, match="num_tokens_per_expert .* is required"):
+        b.dispatch(x, is_token_in_rank=object())
+    with pytest.raises(TypeError, match="the handle a dispatch of this Buffer returned"):
+        b.dispatch(x, handle=(None,) * 6)
+    with pytest.raises(NotImplementedError, match="num_worst_tokens without top-k"):
+        b.dispatch(x, is_token_in_rank=object(), num_tokens_per_expert=per_expert, num_worst_tokens=128)
+    assert b._normal == {}  # nothing was built
+
+
+def test_normal_combine_refuses_a_foreign_handle_and_a_bias():
+    b = _bare_normal_buffer()
+    with pytest.raises(TypeError, match="the handle the matching dispatch"):
+        b.combine(_Shaped(64, 7168), (None,) * 6)
+    with pytest.raises(TypeError, match="the handle the matching dispatch"):
+        b.combine(_Shaped(64, 7168), "handle")  # type: ignore[arg-type]
+    with pytest.raises(NotImplementedError, match="bias"):
+        b.combine(_Shaped(64, 7168), (None,) * 6, bias=object())
+    b.destroy()
+    with pytest.raises(RuntimeError, match="after destroy"):
+        b.combine(_Shaped(64, 7168), (None,) * 6)
+
+
+def test_low_latency_calls_refuse_bad_shapes_and_handles_before_anything_is_sent():
+    b = _bare_low_latency_buffer()
+    b._comm = types.SimpleNamespace(device=0)  # the GPU the checks name; never opened here
+    with pytest.raises(ValueError, match="x is \\(num_tokens, hidden\\)"):
+        b.low_latency_dispatch(_Shaped(7168), None, 128, 16)
+    with pytest.raises(ValueError, match="200 tokens, num_max_dispatch_tokens_per_rank=128"):
+        b.low_latency_dispatch(_Shaped(200, 7168), None, 128, 16)
+    with pytest.raises(ValueError, match="num_max_dispatch_tokens_per_rank=True"):
+        b.low_latency_dispatch(_Shaped(1, 7168), None, True, 16)  # type: ignore[arg-type]
+    for handle in (None, (1, 2, 3), "handle"):
+        with pytest.raises(TypeError, match="pass the handle low_latency_dispatch returned"):
+            b.get_next_low_latency_combine_buffer(handle)
+        with pytest.raises(TypeError, match="pass the handle low_latency_dispatch returned"):
+            b.low_latency_combine(None, None, None, handle)
+    with pytest.raises(ValueError, match="num_experts=15; a multiple of 2"):
+        b.get_next_low_latency_combine_buffer((None, None, 128, 7168, 15))

@@ -365,8 +365,6 @@ class Buffer:
         elsewhere) and their weights 0 there. Without ``num_worst_tokens`` the row count is read
         on the host (DeepEP waits for it too); with it, outputs have that many rows, ids -1 past
         the received ones, and the list is empty. Results are fresh tensors, as DeepEP's."""
-        import torch
-
         self._alive()
         if handle is not None or topk_idx is None:
             return self._dispatch_by_rank(
@@ -395,6 +393,8 @@ class Buffer:
         cap = buf.num_max_tokens * self.group_size
         if num_worst_tokens > cap:
             raise ValueError(f"dispatch: num_worst_tokens={num_worst_tokens}, but the buffer holds {cap} rows")
+        import torch
+
         compute = self._begin(previous_event)
         with torch.cuda.stream(self._stream):
             scales_in = x[1] if fp8 else None  # the caller's, read on this stream: kept below
@@ -447,8 +447,6 @@ class Buffer:
         the cached dispatch) by the routing of the handle's dispatch. Returns ``(recv_x, None,
         None, num_recv_tokens_per_expert_list, handle, event)``, or for the cached dispatch
         ``(recv_x, None, None, None, None, event)`` as DeepEP does."""
-        import torch
-
         if topk_weights is not None:
             raise ValueError("dispatch: topk_weights without topk_idx")
         if num_worst_tokens:
@@ -483,6 +481,8 @@ class Buffer:
             # this shape if there is one.
             same = [b for (h, e, _), b in self._normal.items() if (h, e) == (hidden, num_experts)]
             buf = same[0] if same else self._normal_for(hidden, num_experts, 1, num_tokens, config)
+        import torch
+
         compute = self._begin(previous_event)
         with torch.cuda.stream(self._stream):
             if fp8:
@@ -523,8 +523,6 @@ class Buffer:
         """DeepEP's normal combine: ``(combined_x [tokens, hidden] bf16, combined_topk_weights,
         event)``, each token's rows (and, given ``topk_weights [rows, topk]`` f32, its weights
         rows) summed over the ranks it went to, in f32 in rank order; no weights are applied."""
-        import torch
-
         self._alive()
         if bias is not None:
             raise _not_yet("the combine's bias", "step 3")
@@ -544,6 +542,8 @@ class Buffer:
         if mine.rows is not None and int(x.shape[0]) != mine.rows:
             # The kernel reads as many rows as the dispatch delivered.
             raise ValueError(f"combine: x has {int(x.shape[0])} rows; the handle's dispatch delivered {mine.rows}")
+        import torch
+
         compute = self._begin(previous_event)
         with torch.cuda.stream(self._stream):
             out, weights, _ = mine.buffer.combine(x, last, topk_weights=topk_weights)
@@ -658,8 +658,6 @@ class Buffer:
             raise ValueError("low_latency_dispatch: round_scale and use_ue8m0 are for use_fp8=True")
         if dispatch_wait_recv_cost_stats is not None:
             raise _not_yet("dispatch_wait_recv_cost_stats (per-rank receive wait times)", "step 4")
-        import torch
-
         dev = self._comm.device
         if len(getattr(x, "shape", ())) != 2:
             raise ValueError("low_latency_dispatch: x is (num_tokens, hidden) bf16")
@@ -679,6 +677,8 @@ class Buffer:
         local, cap = num_experts // world, world * m
         if cumulative_local_expert_recv_stats is not None:
             check_tensor("cumulative_local_expert_recv_stats", cumulative_local_expert_recv_stats, device=dev, dtypes="int32", shape=(local,), align=4)
+        import torch
+
         compute, launch = self._ll_streams(async_finish, return_recv_hook)
         # The outputs on the current stream, as DeepEP's; int64 ids are read as they are.
         idx = topk_idx
@@ -742,9 +742,9 @@ class Buffer:
         return self._ll_combine_buffer(handle, advance=False)
 
     def _ll_combine_buffer(self, handle: Any, advance: bool) -> Any:
+        _, _, m, hidden, num_experts = self._ll_handle(handle)
         import torch
 
-        _, _, m, hidden, num_experts = self._ll_handle(handle)
         key = (hidden, num_experts, m)
         pair = self._ll_combine_buffers.get(key)
         if pair is None:
@@ -780,8 +780,6 @@ class Buffer:
             raise _not_yet("use_logfmt (LogFMT-10 rows in the combine)", "step 4")
         if combine_wait_recv_cost_stats is not None:
             raise _not_yet("combine_wait_recv_cost_stats", "step 4")
-        import torch
-
         src_info, layout_range, m, hidden, num_experts = self._ll_handle(handle)
         dev, world = self._comm.device, self.group_size
         check_tensor("topk_idx", topk_idx, device=dev, dtypes=("int64", "int32"), ndim=2, align=4)
@@ -795,6 +793,8 @@ class Buffer:
         check_tensor("x", x, device=dev, dtypes="bfloat16", shape=(num_experts // world, world * m, hidden))
         if out is not None:
             check_tensor("out", out, device=dev, dtypes="bfloat16", shape=(num_tokens, hidden))
+        import torch
+
         compute, launch = self._ll_streams(async_finish, return_recv_hook)
         # The output on the current stream, as DeepEP's; int64 ids are read as they are.
         idx = topk_idx
