@@ -686,8 +686,10 @@ impl MoeLowLatency {
 
     /// The send half of [`MoeLowLatency::dispatch_packed_raw`] (DeepEP's `return_recv_hook`):
     /// rows leave; [`MoeLowLatency::dispatch_packed_recv_raw`] with the same `out` later writes
-    /// the outputs. The send writes only `out`'s ticket (give one when another dispatch may be
-    /// sent before this one's receive half runs: two may be in flight).
+    /// the outputs. The send reads `out`'s row format (with FP8 scales it casts each row once,
+    /// rounding the scales with `round_scale`, and e4m3 crosses) and writes only `out`'s ticket
+    /// (give one when another dispatch may be sent before this one's receive half runs: two may
+    /// be in flight).
     ///
     /// # Safety
     /// `x` and `topk_idx` as for [`MoeLowLatency::dispatch_packed_raw`]; `out.ticket` 0 or two
@@ -708,7 +710,9 @@ impl MoeLowLatency {
     }
 
     /// The receive half of [`MoeLowLatency::dispatch_packed_raw`]: waits for every rank's rows of
-    /// the send that `out`'s ticket names (without one, the last send) and writes `out`.
+    /// the send that `out`'s ticket names (without one, the last send) and writes `out`. Refused
+    /// (`InvalidArgument`, nothing launched) when `out`'s row format (FP8 or bf16) is not the one
+    /// that send was given.
     ///
     /// # Safety
     /// `out`'s arrays their documented sizes, valid until `stream` has run it.
