@@ -55,8 +55,9 @@ struct Args {
     /// hidden + hidden / 32 bytes per row, as DeepEP does.
     #[arg(long)]
     fp8: bool,
-    /// Combine from the dispatcher's combine buffer (as expert kernels writing there would),
-    /// skipping the copy of the expert outputs into it.
+    /// Combine from the dispatcher's `combine_buffer()` instead of a separate `y`: with more than
+    /// 64 SMs the high-throughput combine pulls from that buffer, and `y` there is not copied in
+    /// (as expert kernels writing there would); with fewer it pushes from `y` wherever it is.
     #[arg(long)]
     zero_copy: bool,
     /// Also run the low-latency kernels (per-expert layout) with this many tokens per rank
@@ -168,7 +169,7 @@ fn run(args: &Args) -> Result<i32> {
             args.topk,
             args.experts,
             moe.sms(),
-            if args.zero_copy { "from the combine buffer (zero copy)" } else { "copies y in" }
+            if args.zero_copy { "y in combine_buffer()" } else { "y a separate buffer" }
         );
         println!("# us = max over ranks; GB/s = rows received per rank (mean) x bytes per row / us (DeepEP's normal-kernel definition; the combine column counts bf16 rows whatever the dispatch type)");
         println!(
@@ -243,7 +244,7 @@ fn run(args: &Args) -> Result<i32> {
             }
         })?;
         let y_at = if args.zero_copy {
-            moe.combine_buffer()
+            moe.combine_buffer()?
         } else {
             yp
         };

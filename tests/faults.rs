@@ -1049,7 +1049,9 @@ fn gpu_scenario(scenario: &str, comm: Arc<Communicator>) {
                 let aborter = abort_soon(&comm);
                 let e = match (&ll, &ht) {
                     (Some(ll), _) => unsafe { ll.combine_raw(&s, op) },
-                    (_, Some(ht)) => unsafe { ht.combine_raw(&s, ht.combine_buffer(), op) },
+                    (_, Some(ht)) => unsafe {
+                        ht.combine_raw(&s, ht.combine_buffer().unwrap(), op)
+                    },
                     _ => unreachable!(),
                 }
                 .and_then(|()| comm.synchronize(&s))

@@ -33,7 +33,9 @@ fn gpu_rank() {
 #[ignore = "needs GPU"]
 fn dispatch_layout_payloads_and_combine_match_the_cpu() {
     for n in rank_counts() {
+        // 16 blocks: the combine pushes; 96 (where the GPU has that many SMs): it pulls.
         run_case("exchange", n, &[]);
+        run_case("exchange", n, &[("DOORBELL_TEST_MOE_BLOCKS", "96")]);
     }
 }
 
@@ -165,13 +167,20 @@ fn exchange(comm: &Arc<Communicator>, s: &Arc<CudaStream>) {
     let (me, world) = (comm.rank(), comm.world_size());
     let experts = 8 * world;
     let per_rank = experts / world;
+    // The combine's two ways: pushed up to 64 blocks, pulled above (as many as the GPU has).
+    let blocks: u32 = std::env::var("DOORBELL_TEST_MOE_BLOCKS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(16);
+    let blocks = blocks.min(comm.gpu().sm_count().unwrap());
     let moe = MoeHighThroughput::new(
         comm,
         // Across nodes: a receive ring of one chunk of 32 tokens per source node, so every
         // further chunk waits for its credit (receiver-driven admission under test).
         MoeConfig::new(HIDDEN, TOPK, experts, MAX_TOKENS)
-            .with_blocks(16)
-            .with_net_chunks(1),
+            .with_blocks(blocks)
+            .with_net_chunks(1)
+            .with_receive_slots(2),
     )
     .unwrap();
     let res = moe.results();
@@ -214,120 +223,122 @@ fn exchange(comm: &Arc<Communicator>, s: &Arc<CudaStream>) {
         mine
     };
     // Checks the dispatch results of `round`, then computes y on the host and uploads it.
-    let check_dispatch = |round: u64, what: &str, y_at: u64| {
-        let all: Vec<Routing> = (0..world).map(|r| routing(r, round, experts)).collect();
-        let n = u32::from_le_bytes(dtoh(res.num_recv, 4).try_into().unwrap()) as usize;
-        let expected: Vec<(usize, usize)> = (0..world)
-            .flat_map(|src| {
-                reference_layout(&all[src].idx, TOPK, per_rank, world)[me]
-                    .iter()
-                    .map(move |&t| (src, t))
-                    .collect::<Vec<_>>()
-            })
-            .collect();
-        assert_eq!(n, expected.len(), "rank {me}, {what}: rows received");
-        let i32s = |b: &[u8; 4]| i32::from_le_bytes(*b);
-        let rx: Vec<bf16> = words(&dtoh(res.recv_x, n * HIDDEN * 2), |b: &[u8; 2]| {
-            bf16::from_bits(u16::from_le_bytes(*b))
-        });
-        let ri: Vec<i32> = words(&dtoh(res.recv_idx, n * TOPK * 4), i32s);
-        let rw: Vec<f32> = words(&dtoh(res.recv_weights, n * TOPK * 4), |b: &[u8; 4]| {
-            f32::from_le_bytes(*b)
-        });
-        let rs: Vec<i32> = words(&dtoh(res.recv_src, n * 8), i32s);
-        let counts: Vec<u32> = words(&dtoh(res.expert_counts, per_rank * 4), |b: &[u8; 4]| {
-            u32::from_le_bytes(*b)
-        });
-        let mut want_counts = vec![0u32; per_rank];
-        let mut ys = vec![0u16; n * HIDDEN];
-        // The rows' origins: in source-rank order over NVLink; any order (each once) across nodes.
-        let origins: Vec<(usize, usize)> = (0..n)
-            .map(|j| (rs[2 * j] as usize, rs[2 * j + 1] as usize))
-            .collect();
-        if spans {
-            let (mut got, mut want) = (origins.clone(), expected.clone());
-            got.sort_unstable();
-            want.sort_unstable();
-            assert_eq!(got, want, "rank {me}, {what}: rows' origins");
-            // Each token crossed the network once to this node, from its rail peer.
-            let (rows_at, nodes) = moe.network_rows().expect("node-spanning");
-            let net: Vec<u32> = words(&dtoh(rows_at, nodes * 4), |b: &[u8; 4]| {
+    let check_dispatch =
+        |res: &doorbell::collectives::moe::DispatchResults, round: u64, what: &str, y_at: u64| {
+            let all: Vec<Routing> = (0..world).map(|r| routing(r, round, experts)).collect();
+            let n = u32::from_le_bytes(dtoh(res.num_recv, 4).try_into().unwrap()) as usize;
+            let expected: Vec<(usize, usize)> = (0..world)
+                .flat_map(|src| {
+                    reference_layout(&all[src].idx, TOPK, per_rank, world)[me]
+                        .iter()
+                        .map(move |&t| (src, t))
+                        .collect::<Vec<_>>()
+                })
+                .collect();
+            assert_eq!(n, expected.len(), "rank {me}, {what}: rows received");
+            let i32s = |b: &[u8; 4]| i32::from_le_bytes(*b);
+            let rx: Vec<bf16> = words(&dtoh(res.recv_x, n * HIDDEN * 2), |b: &[u8; 2]| {
+                bf16::from_bits(u16::from_le_bytes(*b))
+            });
+            let ri: Vec<i32> = words(&dtoh(res.recv_idx, n * TOPK * 4), i32s);
+            let rw: Vec<f32> = words(&dtoh(res.recv_weights, n * TOPK * 4), |b: &[u8; 4]| {
+                f32::from_le_bytes(*b)
+            });
+            let rs: Vec<i32> = words(&dtoh(res.recv_src, n * 8), i32s);
+            let counts: Vec<u32> = words(&dtoh(res.expert_counts, per_rank * 4), |b: &[u8; 4]| {
                 u32::from_le_bytes(*b)
             });
-            let my_node = me / node_size;
-            for (m, &got) in net.iter().enumerate() {
-                let peer = m * node_size + me % node_size;
-                let want = if m == my_node {
-                    0
-                } else {
-                    all[peer]
-                        .idx
-                        .chunks(TOPK)
-                        .filter(|ids| {
-                            ids.iter()
-                                .any(|&e| e >= 0 && e as usize / per_rank / node_size == my_node)
-                        })
-                        .count() as u32
-                };
-                assert_eq!(
-                    got, want,
-                    "rank {me}, {what}: rows from node {m} over the network"
-                );
+            let mut want_counts = vec![0u32; per_rank];
+            let mut ys = vec![0u16; n * HIDDEN];
+            // The rows' origins: in source-rank order over NVLink; any order (each once) across nodes.
+            let origins: Vec<(usize, usize)> = (0..n)
+                .map(|j| (rs[2 * j] as usize, rs[2 * j + 1] as usize))
+                .collect();
+            if spans {
+                let (mut got, mut want) = (origins.clone(), expected.clone());
+                got.sort_unstable();
+                want.sort_unstable();
+                assert_eq!(got, want, "rank {me}, {what}: rows' origins");
+                // Each token crossed the network once to this node, from its rail peer.
+                let (rows_at, nodes) = moe.network_rows().expect("node-spanning");
+                let net: Vec<u32> = words(&dtoh(rows_at, nodes * 4), |b: &[u8; 4]| {
+                    u32::from_le_bytes(*b)
+                });
+                let my_node = me / node_size;
+                for (m, &got) in net.iter().enumerate() {
+                    let peer = m * node_size + me % node_size;
+                    let want = if m == my_node {
+                        0
+                    } else {
+                        all[peer]
+                            .idx
+                            .chunks(TOPK)
+                            .filter(|ids| {
+                                ids.iter().any(|&e| {
+                                    e >= 0 && e as usize / per_rank / node_size == my_node
+                                })
+                            })
+                            .count() as u32
+                    };
+                    assert_eq!(
+                        got, want,
+                        "rank {me}, {what}: rows from node {m} over the network"
+                    );
+                }
+            } else {
+                assert_eq!(origins, expected, "rank {me}, {what}: rows' origins");
+                // DeepEP's rank_prefix_matrix: [s][r], the rows ranks 0..=s send rank r.
+                let got: Vec<i32> = words(&dtoh(res.rank_prefix, world * world * 4), i32s);
+                let mut want = vec![0i32; world * world];
+                for r in 0..world {
+                    let mut sum = 0;
+                    for s in 0..world {
+                        sum += reference_layout(&all[s].idx, TOPK, per_rank, world)[r].len() as i32;
+                        want[s * world + r] = sum;
+                    }
+                }
+                assert_eq!(got, want, "rank {me}, {what}: rank_prefix_matrix");
             }
-        } else {
-            assert_eq!(origins, expected, "rank {me}, {what}: rows' origins");
-            // DeepEP's rank_prefix_matrix: [s][r], the rows ranks 0..=s send rank r.
-            let got: Vec<i32> = words(&dtoh(res.rank_prefix, world * world * 4), i32s);
-            let mut want = vec![0i32; world * world];
-            for r in 0..world {
-                let mut sum = 0;
-                for s in 0..world {
-                    sum += reference_layout(&all[s].idx, TOPK, per_rank, world)[r].len() as i32;
-                    want[s * world + r] = sum;
+            for (j, &(src, t)) in origins.iter().enumerate() {
+                for h in 0..HIDDEN {
+                    assert_eq!(
+                        rx[j * HIDDEN + h],
+                        x_value(src, t, h),
+                        "rank {me}, {what}: row {j} ({src}, {t}) value {h}"
+                    );
+                }
+                let ids = &all[src].idx[t * TOPK..(t + 1) * TOPK];
+                let ws = &all[src].weights[t * TOPK..(t + 1) * TOPK];
+                for k in 0..TOPK {
+                    let e = ids[k];
+                    let local = if e >= 0 && e as usize / per_rank == me {
+                        e % per_rank as i32
+                    } else {
+                        -1
+                    };
+                    assert_eq!(
+                        ri[j * TOPK + k],
+                        local,
+                        "rank {me}, {what}: row {j} expert {k}"
+                    );
+                    // A weight reaches only the rank of its expert (0 elsewhere, as DeepEP's).
+                    let w = if local >= 0 { ws[k] } else { 0.0 };
+                    assert_eq!(rw[j * TOPK + k], w, "rank {me}, {what}: row {j} weight {k}");
+                    if local >= 0 {
+                        want_counts[local as usize] += 1;
+                    }
+                }
+                let f = expert_factor(ids, ws, me, per_rank);
+                for h in 0..HIDDEN {
+                    ys[j * HIDDEN + h] = bf16::from_f32(rx[j * HIDDEN + h].to_f32() * f).to_bits();
                 }
             }
-            assert_eq!(got, want, "rank {me}, {what}: rank_prefix_matrix");
-        }
-        for (j, &(src, t)) in origins.iter().enumerate() {
-            for h in 0..HIDDEN {
-                assert_eq!(
-                    rx[j * HIDDEN + h],
-                    x_value(src, t, h),
-                    "rank {me}, {what}: row {j} ({src}, {t}) value {h}"
-                );
-            }
-            let ids = &all[src].idx[t * TOPK..(t + 1) * TOPK];
-            let ws = &all[src].weights[t * TOPK..(t + 1) * TOPK];
-            for k in 0..TOPK {
-                let e = ids[k];
-                let local = if e >= 0 && e as usize / per_rank == me {
-                    e % per_rank as i32
-                } else {
-                    -1
-                };
-                assert_eq!(
-                    ri[j * TOPK + k],
-                    local,
-                    "rank {me}, {what}: row {j} expert {k}"
-                );
-                // A weight reaches only the rank of its expert (0 elsewhere, as DeepEP's).
-                let w = if local >= 0 { ws[k] } else { 0.0 };
-                assert_eq!(rw[j * TOPK + k], w, "rank {me}, {what}: row {j} weight {k}");
-                if local >= 0 {
-                    want_counts[local as usize] += 1;
-                }
-            }
-            let f = expert_factor(ids, ws, me, per_rank);
-            for h in 0..HIDDEN {
-                ys[j * HIDDEN + h] = bf16::from_f32(rx[j * HIDDEN + h].to_f32() * f).to_bits();
-            }
-        }
-        assert_eq!(
-            counts, want_counts,
-            "rank {me}, {what}: rows per local expert"
-        );
-        htod(y_at, bytemuck::cast_slice(&ys));
-    };
+            assert_eq!(
+                counts, want_counts,
+                "rank {me}, {what}: rows per local expert"
+            );
+            htod(y_at, bytemuck::cast_slice(&ys));
+        };
     // The network leg as this rank's emulated NIC counted it (Ib variants): each of this rank's
     // tokens crosses to each other node holding one of its experts exactly once (a WRITE of
     // `used` bytes), plus a 16-byte chunk descriptor per chunk of 32 (at least one per node) and,
@@ -444,9 +455,13 @@ fn exchange(comm: &Arc<Communicator>, s: &Arc<CudaStream>) {
             // SAFETY: the inputs hold `tokens` rows; y and out are sized for the worst case.
             unsafe { moe.dispatch_raw(s, xp, ip, wp, n) }.unwrap();
         }
-        // Round 3 writes the expert outputs straight into the combine buffer (no copy-in).
-        let y_at = if round == 3 { moe.combine_buffer() } else { yp };
-        check_dispatch(round, &format!("round {round}"), y_at);
+        // Round 3 writes the expert outputs straight into the combine buffer (pulled: no copy-in).
+        let y_at = if round == 3 {
+            moe.combine_buffer().unwrap()
+        } else {
+            yp
+        };
+        check_dispatch(&res, round, &format!("round {round}"), y_at);
         check_network(round, before, used_bf16, &format!("round {round}"));
         if round == 0 {
             let short = moe.combine(s, &y.slice(..HIDDEN), &mut out.slice_mut(..n * HIDDEN));
@@ -547,6 +562,40 @@ fn exchange(comm: &Arc<Communicator>, s: &Arc<CudaStream>) {
             check_combine(round, "round 1, combined again");
         }
     }
+    if !spans {
+        // A second receive slot: a dispatch into it leaves round 3's results in slot 0 as they
+        // were, and its combine follows it.
+        let n0 = u32::from_le_bytes(dtoh(res.num_recv, 4).try_into().unwrap()) as usize;
+        let keep = (
+            dtoh(res.recv_x, n0 * HIDDEN * 2),
+            dtoh(res.recv_src, n0 * 8),
+        );
+        moe.set_receive_slot(1).unwrap();
+        let mine = upload(4);
+        // SAFETY: the inputs hold `tokens` rows; y and out are sized for the worst case.
+        unsafe { moe.dispatch_raw(s, xp, ip, wp, mine.tokens) }.unwrap();
+        let res1 = moe.results();
+        assert_ne!(res1.recv_x, res.recv_x, "rank {me}: slot 1's results");
+        check_dispatch(&res1, 4, "round 4, receive slot 1", yp);
+        // SAFETY: as the rounds' combines.
+        unsafe { moe.combine_raw(s, yp, op) }.unwrap();
+        check_combine(4, "round 4, receive slot 1");
+        let again = (
+            dtoh(res.recv_x, n0 * HIDDEN * 2),
+            dtoh(res.recv_src, n0 * 8),
+        );
+        assert!(again == keep, "rank {me}: slot 0 kept round 3's results");
+        assert!(
+            moe.set_receive_slot(2).is_err(),
+            "rank {me}: a slot past receive_slots"
+        );
+        moe.set_receive_slot(0).unwrap();
+    } else {
+        assert!(
+            moe.set_receive_slot(1).is_err(),
+            "rank {me}: the node-spanning path has one receive slot"
+        );
+    }
     // FP8 dispatch: e4m3 bytes and one scale per 128 values, derived from (source, token), must
     // arrive byte for byte in the same layout; then a bf16 combine on top of it.
     let scales_dev: CudaSlice<f32> = s.alloc_zeros(MAX_TOKENS * HIDDEN / 128).unwrap();
@@ -634,7 +683,7 @@ fn exchange(comm: &Arc<Communicator>, s: &Arc<CudaStream>) {
         assert_eq!(mine.tokens, routing(me, 10, experts).tokens);
         let before = traffic();
         graph.launch().unwrap();
-        check_dispatch(round, &format!("graph replay {replay}"), yp);
+        check_dispatch(&res, round, &format!("graph replay {replay}"), yp);
         check_network(round, before, used_bf16, &format!("graph replay {replay}"));
         // SAFETY: as above.
         unsafe { moe.combine_raw(s, yp, op) }.unwrap();

@@ -5,9 +5,10 @@
 //   1. blocks [0, world), block r: the positions of the tokens bound for rank r (a block-wide
 //      scan) and their count, stored straight into row `me` of every rank's count matrix as one
 //      word with the call's number in it (no fence, no separate signal: the word is its own
-//      flag), and a count on this GPU. A peer's word of this call also means its results area is
-//      free again: its stream has finished everything before this call, the readers of its
-//      previous results included.
+//      flag), and a count on this GPU; block r also tells rank r which of my receive slots this
+//      call's rows land in (the caller picks it: results of earlier calls in other slots stay).
+//      A peer's word of this call also means that slot is free again: its stream has finished
+//      everything before this call, the readers of the slot's previous results included.
 //   2. every block waits for the counts of the lower ranks and this GPU's positions, so each
 //      sender knows where its rows start in each receiver's results (after the rows of lower
 //      ranks); a warp per (token, segment of its row), every warp of the grid with work and none
@@ -23,19 +24,29 @@
 // call d - 1 on its stream (its combine's reads of the matrix included). A word holds the count
 // in its low half and the dispatch number (mod 2^32) in its high half; the other parity's words
 // are two calls old, so a stale word never carries this call's number.
-// Combine pulls, one kernel (moe_combine, B blocks): every rank's expert outputs sit in its
-// combine buffer (registered, mapped by every peer), and each source rank reads the rows of its
-// own tokens straight from the ranks they went to:
+// Combine, one kernel (moe_combine, B blocks), in one of two ways chosen by the grid (every rank
+// has the same), each rank's combine area registered and mapped by every peer:
+// Pulled (B > kPushBlocks): the area holds rows aligned with recv_x, and each source rank reads
+// the rows of its own tokens straight from the ranks they went to:
 //   1. for a second combine of one dispatch only, a signal each way first (the peer has finished
-//      reading my combine buffer in its previous combine; after a dispatch the dispatch's
-//      signals already said so);
-//   2. the rows of y that came from other ranks into the combine buffer (none when the caller
-//      wrote it there itself), split over every warp of the grid; every block signals every peer
-//      once (release);
+//      reading my area in its previous combine; after a dispatch the dispatch's signals already
+//      said so);
+//   2. the rows of y that came from other ranks into my area (none when the caller wrote them
+//      there itself), split over every warp of the grid; every block signals every peer once;
 //   3. once every peer's B signals arrived, for each token the rows of the ranks it went to, at
 //      (rows of lower source ranks on that rank, from the count matrix) + the token's position
-//      there, summed in f32 in rank order into out; its own rows straight from y. Loads over
-//      NVLink, no intermediate copy.
+//      there, summed in f32 in rank order into out; its own rows straight from y.
+// Pushed (B <= kPushBlocks): the area has a row slot per (holding rank, position of the token in
+// its owner's rows to that rank), and each rank stores the rows of y it holds for other ranks'
+// tokens straight from y (wherever the caller has it) into their owners' areas:
+//   1. as pulled;
+//   2. the rows of y that came from other ranks, into their source rank's area at [me][position],
+//      split over every warp of the grid; every block signals every peer once (release);
+//   3. once every peer's B signals arrived, for each token the rows of the ranks it went to,
+//      summed in f32 in rank order into out: the peers' from my own area, mine straight from y.
+//      Local loads only. (Per-row flags letting the sums start before every push is in gained
+//      nothing measurable on 2 x H100 at 20 blocks: 529-533 us either way.)
+// Both sum in the same order, so their results are bit for bit the same.
 // Every block keeps its own call count (`calls`, one slot per kernel and block, written by that
 // block only), every wait's target derives from it, and every call consumes what it signals:
 // CUDA-graph capturable, replays need no reset. Dispatch and combine are stream-ordered on each
@@ -54,7 +65,14 @@ constexpr uint32_t kMaxLocalExperts = 2048;  // MoeDispatcher::new checks expert
 // Semaphore sets (`MoeArgs::sems`, [set][world]).
 constexpr uint32_t kSetRows = 0;      // dispatch: a block's rows are in (B per call and peer)
 constexpr uint32_t kSetRepeat = 1;    // combine: a second combine of one dispatch may start
-constexpr uint32_t kSetCopied = 2;    // combine: a block's copy-in is done (B per call and peer)
+constexpr uint32_t kSetCombined = 2;  // combine: a block's rows are in (B per call and peer)
+
+// Grids of more blocks than this pull in the combine, others push. Measured at the prefill shape
+// on 2 x H100 (4096 tokens a rank, hidden 7168, top-8 of 256-288, y in a separate buffer): with
+// 132 blocks the pull (copy-in, then NVLink reads overlapping the local ones) took 225-235 us and
+// the push 250; with 20 blocks (DeepEP's default) the push took 529-533 us, the pull 615 (537
+// with y already in the combine area).
+constexpr uint32_t kPushBlocks = 64;
 
 // Slots of the call counts (`MoeArgs::calls`), per block unless said otherwise; each is written
 // by its block only (the two GPU-wide counts by atomics).
@@ -104,6 +122,19 @@ DOORBELL_DEVICE_INLINE uint64_t* count_matrix(const MoeArgs& a, uint32_t owner, 
 
 DOORBELL_DEVICE_INLINE uint64_t count_word(uint64_t d, uint32_t count) { return (d << 32) | count; }
 
+// `owner`'s receive results of rank `r`'s slot `slot` (rows at 0, then the ids, weights, sources
+// and scales at their offsets): each call's receiver picks one of its slots and tells every
+// sender (the slot table below).
+DOORBELL_DEVICE_INLINE char* results_at(const MoeArgs& a, uint32_t r, uint32_t slot) {
+  return a.land[r] + uint64_t(slot) * a.slot_bytes;
+}
+
+// `owner`'s table of the receive slots of dispatch `d` ([rank], words of slot | dispatch number
+// << 32, by call parity as the count matrix): entry r is where rank r takes this call's rows.
+DOORBELL_DEVICE_INLINE uint64_t* slot_table(const MoeArgs& a, uint32_t owner, uint64_t d) {
+  return reinterpret_cast<uint64_t*>(a.land[owner] + a.off_slots) + (d & 1) * a.world;
+}
+
 // The count of a word already known to belong to its call (the combine reads its dispatch's).
 DOORBELL_DEVICE_INLINE uint32_t count_of(uint64_t word) { return static_cast<uint32_t>(word); }
 
@@ -113,7 +144,7 @@ DOORBELL_DEVICE_INLINE uint64_t* expert_in(const MoeArgs& a, uint32_t owner, uin
   return reinterpret_cast<uint64_t*>(a.land[owner] + a.off_expert_in) + (d & 1) * a.world * a.experts_per_rank;
 }
 
-// `owner`'s combine-buffer area of top-k weights rows (`[world * max_tokens][topk]` f32).
+// `owner`'s combine area of top-k weights rows (`[world][max_tokens][topk]` f32, as the rows).
 DOORBELL_DEVICE_INLINE float* comb_weights(const MoeArgs& a, uint32_t owner) {
   return reinterpret_cast<float*>(reinterpret_cast<char*>(a.comb_buf[owner]) + a.off_comb_weights);
 }
@@ -125,6 +156,20 @@ DOORBELL_DEVICE_INLINE uint32_t wait_count(const MoeArgs& a, uint64_t d, uint32_
   const uint32_t tag = static_cast<uint32_t>(d);
   uint64_t word = 0;
   spin_until(a.sems[kSetRows * a.world + s].site, kWaitSemaphore, tag, [&](uint64_t& seen) {
+    word = load_relaxed_sys(w);
+    seen = word >> 32;
+    return seen == tag;
+  });
+  return count_of(word);
+}
+
+// Waits (bounded) until my slot table of dispatch `d` holds rank `r`'s receive slot, and returns
+// it.
+DOORBELL_DEVICE_INLINE uint32_t wait_slot(const MoeArgs& a, uint64_t d, uint32_t r) {
+  const uint64_t* w = slot_table(a, a.rank, d) + r;
+  const uint32_t tag = static_cast<uint32_t>(d);
+  uint64_t word = 0;
+  spin_until(a.sems[kSetRows * a.world + r].site, kWaitSemaphore, tag, [&](uint64_t& seen) {
     word = load_relaxed_sys(w);
     seen = word >> 32;
     return seen == tag;
@@ -187,10 +232,57 @@ DOORBELL_DEVICE_INLINE bool wait_all_peers(const MoeArgs& a, uint32_t set, uint6
   return ok;  // false: a wait gave up (the communicator aborted)
 }
 
-// The combine's sums (moe_combine, step 3). kW: the rank count when known at compile time (two
+// Where the rows of my tokens held by rank r start, for the combine's sums: rank r's (r != me)
+// are in my combine area at [r][position], mine in y after the rows of lower source ranks.
+DOORBELL_DEVICE_INLINE const int4* held_rows(const MoeArgs& a, uint32_t r, uint32_t own_first) {
+  const uint64_t chunks = a.hidden / 8;
+  if (r == a.rank) return reinterpret_cast<const int4*>(a.y) + own_first * chunks;
+  return reinterpret_cast<const int4*>(a.comb_buf[a.rank]) + uint64_t(r) * a.max_tokens * chunks;
+}
+
+// The pushing combine's sums (combine_push, step 3). kW: the rank count when known at compile
+// time (two items per thread, loads in registers), else 0 (one item, any rank count).
+template <int kW>
+DOORBELL_DEVICE_INLINE void sum_pushed_rows(const MoeArgs& a, uint32_t own_first) {
+  constexpr uint32_t U = kW == 0 ? 1 : 2;
+  constexpr uint32_t R = kW == 0 ? kMaxRanks : kW;
+  const uint32_t chunks = a.hidden / 8;
+  const uint32_t n_items = a.num_tokens * chunks;  // < 2^32, checked by the host
+  const uint32_t stride = gridDim.x * blockDim.x;
+  for (uint32_t i = blockIdx.x * blockDim.x + threadIdx.x; i < n_items; i += U * stride) {
+    int4 v[U][R];
+    bool has[U][R];
+#pragma unroll
+    for (uint32_t u = 0; u < U; ++u) {
+      const uint32_t item = i + u * stride;
+      const uint32_t t = item / chunks, c = item % chunks;
+#pragma unroll
+      for (uint32_t r = 0; r < R; ++r) {
+        has[u][r] = false;
+        if (item >= n_items || r >= a.world) continue;
+        const int32_t p = a.pos[uint64_t(t) * a.world + r];
+        has[u][r] = p >= 0;
+        if (p >= 0) v[u][r] = held_rows(a, r, own_first)[uint64_t(p) * chunks + c];
+      }
+    }
+#pragma unroll
+    for (uint32_t u = 0; u < U; ++u) {
+      const uint32_t item = i + u * stride;
+      if (item >= n_items) continue;
+      float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+#pragma unroll
+      for (uint32_t r = 0; r < R; ++r) {
+        if (has[u][r]) add_bf16x8(acc, v[u][r]);
+      }
+      reinterpret_cast<int4*>(a.out)[item] = to_bf16x8(acc);
+    }
+  }
+}
+
+// The pulling combine's sums (combine_pull, step 3). kW: the rank count when known at compile time (two
 // items per thread, loads in registers), else 0 (one item, any rank count).
 template <int kW>
-DOORBELL_DEVICE_INLINE void reduce_rows(const MoeArgs& a, const uint32_t* first) {
+DOORBELL_DEVICE_INLINE void sum_pulled_rows(const MoeArgs& a, const uint32_t* first) {
   constexpr uint32_t U = kW == 0 ? 1 : 2;
   constexpr uint32_t R = kW == 0 ? kMaxRanks : kW;
   const uint32_t chunks = a.hidden / 8;
@@ -277,8 +369,10 @@ DOORBELL_DEVICE_INLINE void dispatch_layout(const MoeArgs& a, uint64_t d) {
     if (tid == 0) base += total;
     __syncthreads();
   }
-  // My count for r into row `me` of every rank's matrix: one word, the call's number its flag.
+  // My count for r into row `me` of every rank's matrix: one word, the call's number its flag;
+  // and my receive slot into r's slot table (r sends me rows there).
   if (tid < a.world) store_relaxed_sys(count_matrix(a, tid, d) + uint64_t(a.rank) * a.world + r, count_word(d, base));
+  if (tid == kWarp) store_relaxed_sys(slot_table(a, r, d) + a.rank, count_word(d, a.slot));
   // Routing without top-k: my rows per expert of rank r, into row `me` of r's table (flagged
   // words as the matrix's; r's final phase sums the rows).
   if (a.in_rank != nullptr && a.tokens_per_expert != nullptr) {
@@ -295,10 +389,13 @@ extern "C" __global__ void __launch_bounds__(512) moe_dispatch(MoeArgs a) {
   const uint64_t d = block_call(a, kDispatchCalls);
   if (blockIdx.x < a.world) dispatch_layout(a, d);
   __shared__ uint32_t first[kMaxRanks];  // where my rows start in each rank's results
-  // Thread r: rank r's word of this call (r has started it, so its results area is free) and
-  // the lower ranks' counts for r (where my rows start there); thread `kWarp`: my positions.
+  __shared__ char* results[kMaxRanks];   // each rank's receive slot of this call
+  // Thread r: rank r's word of this call (r has started it, so its results area is free), its
+  // receive slot and the lower ranks' counts for r (where my rows start there); thread `kWarp`:
+  // my positions.
   if (threadIdx.x < a.world) {
     if (threadIdx.x != a.rank) wait_count(a, d, threadIdx.x, a.rank);
+    results[threadIdx.x] = results_at(a, threadIdx.x, threadIdx.x == a.rank ? a.slot : wait_slot(a, d, threadIdx.x));
     uint32_t before = 0;
     for (uint32_t s = 0; s < a.rank; ++s) before += wait_count(a, d, s, threadIdx.x);
     first[threadIdx.x] = before;
@@ -328,7 +425,7 @@ extern "C" __global__ void __launch_bounds__(512) moe_dispatch(MoeArgs a) {
       const int32_t p = a.pos[uint64_t(t) * a.world + r];
       if (p < 0) continue;
       row[n] = (uint64_t(r) << 40) | (first[r] + uint32_t(p));
-      dst[n] = reinterpret_cast<int4*>(a.land[r]) + (first[r] + uint64_t(p)) * chunks;
+      dst[n] = reinterpret_cast<int4*>(results[r]) + (first[r] + uint64_t(p)) * chunks;
       ++n;
     }
     if (n == 0) continue;
@@ -354,11 +451,11 @@ extern "C" __global__ void __launch_bounds__(512) moe_dispatch(MoeArgs a) {
       const uint32_t r = uint32_t(row[d] >> 40);
       const uint64_t j = row[d] & ((uint64_t(1) << 40) - 1);
       if (fp8) {
-        float* scales = reinterpret_cast<float*>(a.land[r] + a.off_scales) + j * n_scales;
+        float* scales = reinterpret_cast<float*>(results[r] + a.off_scales) + j * n_scales;
         for (uint32_t q = lane; q < n_scales; q += kWarp) scales[q] = a.scales[uint64_t(t) * n_scales + q];
       }
-      int32_t* ids = reinterpret_cast<int32_t*>(a.land[r] + a.off_idx) + j * a.topk;
-      float* weights = reinterpret_cast<float*>(a.land[r] + a.off_weights) + j * a.topk;
+      int32_t* ids = reinterpret_cast<int32_t*>(results[r] + a.off_idx) + j * a.topk;
+      float* weights = reinterpret_cast<float*>(results[r] + a.off_weights) + j * a.topk;
       for (uint32_t k = lane; a.in_rank == nullptr && k < a.topk; k += kWarp) {
         const int32_t e = a.topk_idx[uint64_t(t) * a.topk + k];
         const bool here = e >= 0 && uint32_t(e) / a.experts_per_rank == r;
@@ -366,7 +463,7 @@ extern "C" __global__ void __launch_bounds__(512) moe_dispatch(MoeArgs a) {
         weights[k] = here ? a.topk_weights[uint64_t(t) * a.topk + k] : 0.0f;  // DeepEP: 0 elsewhere
       }
       if (lane == 0) {
-        int32_t* src_info = reinterpret_cast<int32_t*>(a.land[r] + a.off_src) + 2 * j;
+        int32_t* src_info = reinterpret_cast<int32_t*>(results[r] + a.off_src) + 2 * j;
         src_info[0] = int32_t(a.rank);
         src_info[1] = int32_t(t);
       }
@@ -399,7 +496,7 @@ extern "C" __global__ void __launch_bounds__(512) moe_dispatch(MoeArgs a) {
   __shared__ uint32_t hist[kMaxLocalExperts];
   for (uint32_t e = threadIdx.x; e < a.experts_per_rank; e += blockDim.x) hist[e] = 0;
   __syncthreads();
-  const int32_t* ids = reinterpret_cast<const int32_t*>(a.land[a.rank] + a.off_idx);
+  const int32_t* ids = reinterpret_cast<const int32_t*>(results[a.rank] + a.off_idx);
   const uint64_t n = a.in_rank != nullptr || cut ? 0 : uint64_t(total) * a.topk;
   for (uint64_t i = blockIdx.x * uint64_t(blockDim.x) + threadIdx.x; i < n; i += uint64_t(gridDim.x) * blockDim.x) {
     const int32_t e = ids[i];
@@ -431,7 +528,7 @@ extern "C" __global__ void __launch_bounds__(512) moe_dispatch(MoeArgs a) {
   if (cut) {
     const uint64_t row_bytes = a.scales != nullptr ? a.hidden : uint64_t(a.hidden) * 2;
     const uint64_t words = uint64_t(a.world) * a.max_tokens * row_bytes / 16;
-    int4* rows = reinterpret_cast<int4*>(a.land[a.rank]);
+    int4* rows = reinterpret_cast<int4*>(results[a.rank]);
     for (uint64_t i = blockIdx.x * uint64_t(blockDim.x) + threadIdx.x; i < words; i += uint64_t(gridDim.x) * blockDim.x) {
       rows[i] = make_int4(-1, -1, -1, -1);
     }
@@ -439,21 +536,9 @@ extern "C" __global__ void __launch_bounds__(512) moe_dispatch(MoeArgs a) {
   check_moe_call(a);
 }
 
-extern "C" __global__ void __launch_bounds__(512) moe_combine(MoeArgs a) {
-  announce_call(a.call, a.rank, a.world);
-  const uint64_t c = block_call(a, kCombineCalls);
-  const uint64_t d = last_dispatch(a);
-  // A second combine of one dispatch: wait until every peer has finished reading my buffer in
-  // its previous combine (its copy-in of this one started: block 0 signals once per peer).
-  // After a dispatch its signals already said so.
-  if (a.calls[kCombinedDispatch + blockIdx.x] == d) {
-    const uint64_t repeats = a.calls[kRepeatCombines + blockIdx.x] + 1;
-    if (blockIdx.x == 0 && threadIdx.x < a.world && threadIdx.x != a.rank) a.sems[kSetRepeat * a.world + threadIdx.x].signal();
-    if (threadIdx.x == 0) wait_all_peers(a, kSetRepeat, repeats, 1);
-    __syncthreads();
-    if (threadIdx.x == 0) a.calls[kRepeatCombines + blockIdx.x] = repeats;
-  }
-  if (threadIdx.x == 0) a.calls[kCombinedDispatch + blockIdx.x] = d;
+// The pulling combine (moe_combine, pulled: see the top of the file), for call `c` after
+// dispatch `d`.
+DOORBELL_DEVICE_INLINE void combine_pull(const MoeArgs& a, uint64_t c, uint64_t d) {
   // Only the rows peers read: those of other source ranks. My own tokens' rows stay in y, where
   // the sums below read them (on 2 ranks that halves the copy).
   const uint32_t total = *a.num_recv;
@@ -492,11 +577,11 @@ extern "C" __global__ void __launch_bounds__(512) moe_combine(MoeArgs a) {
   // Every block tells every peer its rows are in (release: the block's copies first); the sums
   // below wait for all of them (my own rows are read from y, so no wait on this GPU's blocks).
   __syncthreads();
-  if (threadIdx.x < a.world && threadIdx.x != a.rank) a.sems[kSetCopied * a.world + threadIdx.x].signal();
+  if (threadIdx.x < a.world && threadIdx.x != a.rank) a.sems[kSetCombined * a.world + threadIdx.x].signal();
 
   __shared__ uint32_t first[kMaxRanks];  // where my tokens' rows start on each rank
   bool in = true;
-  if (threadIdx.x == 0) in = wait_all_peers(a, kSetCopied, c, a.blocks);
+  if (threadIdx.x == 0) in = wait_all_peers(a, kSetCombined, c, a.blocks);
   if (__syncthreads_or(!in)) {
     // Cut short (the communicator aborted): the peers' rows are not all in, so this block's
     // share of the output is all ones (NaN in bf16), not a sum of the buffers' old rows.
@@ -509,7 +594,6 @@ extern "C" __global__ void __launch_bounds__(512) moe_combine(MoeArgs a) {
         a.out_weights[i] = __int_as_float(-1);
       }
     }
-    check_moe_call(a);
     return;
   }
   if (threadIdx.x < a.world) {
@@ -525,9 +609,9 @@ extern "C" __global__ void __launch_bounds__(512) moe_combine(MoeArgs a) {
   // (the rank count known at compile time) each thread takes two items at once, its loads in
   // registers: twice the NVLink reads in flight.
   if (a.world == 2) {
-    reduce_rows<2>(a, first);
+    sum_pulled_rows<2>(a, first);
   } else {
-    reduce_rows<0>(a, first);
+    sum_pulled_rows<0>(a, first);
   }
   if (a.out_weights != nullptr) {
     // A thread per (token, k): the weights of every rank the token went to, in rank order, f32.
@@ -543,6 +627,136 @@ extern "C" __global__ void __launch_bounds__(512) moe_combine(MoeArgs a) {
       }
       a.out_weights[i] = acc;
     }
+  }
+}
+
+// The pushing combine (moe_combine, pushed: see the top of the file), for call `c` after
+// dispatch `d`.
+DOORBELL_DEVICE_INLINE void combine_push(const MoeArgs& a, uint64_t c, uint64_t d) {
+  // The rows of y from source rank s are its rows [start[s], start[s] + count(s -> me)) here,
+  // in the order of s's positions; those of other sources go to their owners, mine stay in y.
+  __shared__ uint32_t start[kMaxRanks + 1];
+  const uint64_t* matrix = count_matrix(a, a.rank, d);
+  const uint32_t warps = gridDim.x * (blockDim.x / kWarp);
+  const uint32_t chunks = a.hidden / 8;
+  if (threadIdx.x == 0) {
+    uint32_t sum = 0;
+    for (uint32_t s = 0; s < a.world; ++s) {
+      start[s] = sum;
+      sum += count_of(matrix[uint64_t(s) * a.world + a.rank]);
+    }
+    start[a.world] = sum;
+  }
+  __syncthreads();
+  const uint32_t total = *a.num_recv;
+  const uint32_t own_first = start[a.rank];
+  const uint32_t own_rows = start[a.rank + 1] - own_first;
+  // A cut dispatch (total kCutCount) left no rows to push.
+  const uint32_t others = total == kCutCount ? 0u : total - own_rows;
+  // Row j of y (j not mine) goes to source rank `src`, slot [me][j - start[src]] there.
+  auto owner_of = [&](uint64_t j) {
+    uint32_t src = 0;
+    while (src + 1 < a.world && j >= start[src + 1]) ++src;
+    return src;
+  };
+  if (a.y_weights != nullptr && total != kCutCount) {
+    // The rows' top-k weights, to be summed as the rows are (DeepEP's combined_topk_weights).
+    const uint64_t n = uint64_t(others) * a.topk;
+    for (uint64_t i = blockIdx.x * uint64_t(blockDim.x) + threadIdx.x; i < n; i += uint64_t(gridDim.x) * blockDim.x) {
+      const uint64_t row = i / a.topk, k = i % a.topk;
+      const uint64_t j = row < own_first ? row : row + own_rows;
+      const uint32_t src = owner_of(j);
+      const uint64_t slot = uint64_t(a.rank) * a.max_tokens + (j - start[src]);
+      comb_weights(a, src)[slot * a.topk + k] = a.y_weights[j * a.topk + k];
+    }
+  }
+  {
+    const uint32_t lane = threadIdx.x % kWarp;
+    // (row, segment) items as in the dispatch: a decode batch's few rows are split over every
+    // warp of the grid instead of keeping a few warps busy while the rest wait.
+    const uint32_t my_segs = row_segments(others, warps, chunks);
+    const int4* y = reinterpret_cast<const int4*>(a.y);
+    for (uint32_t i = blockIdx.x * (blockDim.x / kWarp) + threadIdx.x / kWarp; i < others * my_segs; i += warps) {
+      const uint32_t row = i / my_segs, seg = i % my_segs;
+      const uint64_t j = row < own_first ? row : row + own_rows;
+      const uint32_t src = owner_of(j);
+      const uint64_t slot = uint64_t(a.rank) * a.max_tokens + (j - start[src]);
+      int4* there = reinterpret_cast<int4*>(a.comb_buf[src]) + slot * chunks;
+      const uint32_t from = uint32_t(uint64_t(chunks) * seg / my_segs), to = uint32_t(uint64_t(chunks) * (seg + 1) / my_segs);
+      warp_copy16(there + from, y + j * chunks + from, uint64_t(to - from) * 16, lane);
+    }
+  }
+  // Every block tells every peer its pushes are in (release: the block's stores first); the sums
+  // below wait for all of them (my own rows are read from y, so no wait on this GPU's blocks).
+  __syncthreads();
+  if (threadIdx.x < a.world && threadIdx.x != a.rank) a.sems[kSetCombined * a.world + threadIdx.x].signal();
+  bool in = true;
+  if (threadIdx.x == 0) in = wait_all_peers(a, kSetCombined, c, a.blocks);
+  if (__syncthreads_or(!in)) {
+    // Cut short (the communicator aborted): the peers' rows are not all in, so this block's
+    // share of the output is all ones (NaN in bf16), not a sum of the area's old rows.
+    const uint32_t n_items = a.num_tokens * (a.hidden / 8);
+    for (uint32_t i = blockIdx.x * blockDim.x + threadIdx.x; i < n_items; i += gridDim.x * blockDim.x) {
+      reinterpret_cast<int4*>(a.out)[i] = make_int4(-1, -1, -1, -1);
+    }
+    if (a.out_weights != nullptr) {
+      for (uint32_t i = blockIdx.x * blockDim.x + threadIdx.x; i < a.num_tokens * a.topk; i += gridDim.x * blockDim.x) {
+        a.out_weights[i] = __int_as_float(-1);
+      }
+    }
+    return;
+  }
+
+  // A thread per (token, 16 bytes of its row): every rank the token went to adds its eight bf16
+  // values, in rank order, in f32; all of a thread's loads are in flight before the sums, and
+  // there are enough threads for a decode batch's few tokens as for prefill's many. On 2 ranks
+  // (the rank count known at compile time) each thread takes two items at once, its loads in
+  // registers.
+  if (a.world == 2) {
+    sum_pushed_rows<2>(a, own_first);
+  } else {
+    sum_pushed_rows<0>(a, own_first);
+  }
+  if (a.out_weights != nullptr) {
+    // A thread per (token, k): the weights of every rank the token went to, in rank order, f32.
+    const uint32_t n = a.num_tokens * a.topk;
+    for (uint32_t i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) {
+      const uint32_t t = i / a.topk, k = i % a.topk;
+      float acc = 0.0f;
+      for (uint32_t r = 0; r < a.world; ++r) {
+        const int32_t p = a.pos[uint64_t(t) * a.world + r];
+        if (p < 0) continue;
+        acc += r == a.rank ? a.y_weights[(own_first + uint64_t(p)) * a.topk + k]
+                           : comb_weights(a, a.rank)[(uint64_t(r) * a.max_tokens + p) * a.topk + k];
+      }
+      a.out_weights[i] = acc;
+    }
+  }
+}
+
+extern "C" __global__ void __launch_bounds__(512, 1) moe_combine(MoeArgs a) {
+  announce_call(a.call, a.rank, a.world);
+  const uint64_t c = block_call(a, kCombineCalls);
+  const uint64_t d = last_dispatch(a);
+  // A second combine of one dispatch: wait until every peer has finished reading its combine
+  // area in its previous combine (it started this one: block 0 signals once per peer). After a
+  // dispatch its signals already said so. Every thread reads the slot before thread 0 rewrites
+  // it below (else a late warp would take a first combine for a second, and stop at a barrier
+  // the others never reach).
+  const bool repeat = a.calls[kCombinedDispatch + blockIdx.x] == d;
+  __syncthreads();
+  if (repeat) {
+    const uint64_t repeats = a.calls[kRepeatCombines + blockIdx.x] + 1;
+    if (blockIdx.x == 0 && threadIdx.x < a.world && threadIdx.x != a.rank) a.sems[kSetRepeat * a.world + threadIdx.x].signal();
+    if (threadIdx.x == 0) wait_all_peers(a, kSetRepeat, repeats, 1);
+    __syncthreads();
+    if (threadIdx.x == 0) a.calls[kRepeatCombines + blockIdx.x] = repeats;
+  }
+  if (threadIdx.x == 0) a.calls[kCombinedDispatch + blockIdx.x] = d;
+  if (a.blocks > kPushBlocks) {
+    combine_pull(a, c, d);
+  } else {
+    combine_push(a, c, d);
   }
   check_moe_call(a);
 }

@@ -206,6 +206,10 @@ int main() {
   FIELD(MoeArgs, in_rank);
   FIELD(MoeArgs, tokens_per_expert);
   FIELD(MoeArgs, off_expert_in);
+  FIELD(MoeArgs, off_slots);
+  FIELD(MoeArgs, slot_bytes);
+  FIELD(MoeArgs, slot);
+  FIELD(MoeArgs, reserved);
   FIELD(MoeArgs, call);
 
   STRUCT(MoeLlArgs);

@@ -404,10 +404,11 @@ fn results_dict<'py>(py: Python<'py>, items: &[(&str, u64)]) -> PyResult<Bound<'
 
 #[pymethods]
 impl MoeHt {
-    /// Collective: allocates and exchanges the buffers for `max_tokens` tokens per rank.
+    /// Collective: allocates and exchanges the buffers for `max_tokens` tokens per rank, with
+    /// `receive_slots` receive slots (`set_receive_slot`).
     #[new]
     #[allow(clippy::too_many_arguments)]
-    #[pyo3(signature = (comm, hidden, topk, num_experts, max_tokens, sms=None, net_chunks=None))]
+    #[pyo3(signature = (comm, hidden, topk, num_experts, max_tokens, sms=None, net_chunks=None, receive_slots=1))]
     fn new(
         py: Python<'_>,
         comm: Py<Comm>,
@@ -417,9 +418,11 @@ impl MoeHt {
         max_tokens: usize,
         sms: Option<u32>,
         net_chunks: Option<usize>,
+        receive_slots: usize,
     ) -> PyResult<MoeHt> {
         let c = comm.get().comm.clone();
-        let cfg = moe_config(hidden, topk, num_experts, max_tokens, sms, net_chunks);
+        let cfg = moe_config(hidden, topk, num_experts, max_tokens, sms, net_chunks)
+            .with_receive_slots(receive_slots);
         let inner = py
             .allow_threads(|| MoeHighThroughput::new(&c, cfg))
             .map_err(py_err)?;
@@ -540,9 +543,19 @@ impl MoeHt {
                 ("expert_counts", r.expert_counts),
                 ("rank_prefix", r.rank_prefix),
                 ("max_rows", r.max_rows as u64),
-                ("combine_buffer", self.inner.combine_buffer()),
+                ("slot_bytes", r.slot_bytes as u64),
             ],
         )
+    }
+
+    /// The receive slot of the next dispatches (and of `results`).
+    fn set_receive_slot(&self, slot: usize) -> PyResult<()> {
+        self.inner.set_receive_slot(slot).map_err(py_err)
+    }
+
+    /// Room for the expert outputs (`[rows, hidden]` bf16), allocated on first use.
+    fn combine_buffer(&self) -> PyResult<u64> {
+        self.inner.combine_buffer().map_err(py_err)
     }
 }
 

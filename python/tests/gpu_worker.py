@@ -378,7 +378,7 @@ def deep_ep_normal():
     with ev:
         pass
     check(torch.equal(combined2, combined), "async combine")
-    check(torch.equal(recv_x, recv_x2), "results of the first dispatch outlive the second (copies)")
+    check(torch.equal(recv_x, recv_x2), "results of the first dispatch outlive the second")
 
     # num_worst_tokens: fixed-size outputs, no host wait, ids -1 past the received rows.
     worst = w * T
@@ -400,6 +400,17 @@ def deep_ep_normal():
     check(torch.equal(cx, recv_x * 2), "cached dispatch: the handle's routing, the new rows")
     combined3, _, _ = buf.combine(cx, nhandle)
     check(torch.equal(combined3.float(), x2.float() * times), "combine after the cached dispatch")
+    # Results handed out of a receive slot keep it while any view of them lives: a part of the
+    # first dispatch's rows, its other tensors dropped, outlives more dispatches than there are
+    # slots; the slots the dropped results held serve them.
+    part, want = recv_x[:, :8], recv_x[:, :8].clone()
+    del recv_x, recv_idx, recv_w, recv_x2, recv_idx2, recv_w2, wx, wi, ww, nx, cx
+    for i in range(4):
+        y3, i3, _, _, h3, _ = buf.dispatch(x * (i + 3), **args)
+        check(torch.equal(y3[:, :8], want * (i + 3)), f"dispatch {i} after the drop: rows")
+        out3, _, _ = buf.combine(y3, h3)
+        check(torch.equal(out3, ((x * (i + 3)).float() * times).bfloat16()), f"dispatch {i} after the drop: combine")
+    check(torch.equal(part, want), "a view of the first dispatch's rows outlived four more dispatches")
     # Not built yet: refused by name, nothing sent.
     try:
         buf.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert, num_worst_tokens=worst)

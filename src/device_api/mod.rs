@@ -465,6 +465,10 @@ pub struct MoeArgs {
     pub in_rank: u64,
     pub tokens_per_expert: u64,
     pub off_expert_in: u64,
+    pub off_slots: u64,
+    pub slot_bytes: u64,
+    pub slot: u32,
+    pub reserved: u32,
     /// The call check.
     pub call: CallCheck,
 }
@@ -885,6 +889,10 @@ mod layout {
                     in_rank,
                     tokens_per_expert,
                     off_expert_in,
+                    off_slots,
+                    slot_bytes,
+                    slot,
+                    reserved,
                     call
                 ]
             ),

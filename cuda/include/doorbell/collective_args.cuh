@@ -103,14 +103,15 @@ struct MoeArgs {
   uint32_t rank;
   uint32_t world;
   uint32_t blocks;             // grid of the send / finish kernels (signals per call per peer)
-  // Every rank's dispatch results, mapped here; senders write rows straight into them:
-  // recv_x [world * max_tokens, hidden] bf16 (or e4m3 bytes) at 0, recv_idx [.., topk] i32 at
-  // off_idx, recv_weights [.., topk] f32 at off_weights, recv_src [.., 2] i32 at off_src, the
-  // count matrices [2][world][world] u64 at off_matrix (row s: what rank s sends to each rank,
-  // words of count | dispatch number << 32, by call parity; cuda/kernels/moe.cu), and
-  // the FP8 scales [.., hidden / 128] f32 at off_scales.
+  // Every rank's dispatch results, mapped here; senders write rows straight into them. Receive
+  // slots of slot_bytes each from 0 (the receiver picks one per call): recv_x [world *
+  // max_tokens, hidden] bf16 (or e4m3 bytes) at 0, recv_idx [.., topk] i32 at off_idx,
+  // recv_weights [.., topk] f32 at off_weights, recv_src [.., 2] i32 at off_src, the FP8 scales
+  // [.., hidden / 128] f32 at off_scales; after the slots, the count matrices [2][world][world]
+  // u64 at off_matrix (row s: what rank s sends to each rank, words of count | dispatch number
+  // << 32, by call parity; cuda/kernels/moe.cu), and the slot tables [2][world] u64 at off_slots.
   char* land[kMaxRanks];
-  char* comb_buf[kMaxRanks];   // every rank's combine buffer: [world * max_tokens, hidden] bf16, rows as recv_x
+  char* comb_buf[kMaxRanks];   // every rank's combine area: [world][max_tokens] rows [hidden] bf16, pushed by their holders
   uint64_t off_idx;
   uint64_t off_weights;
   uint64_t off_src;
@@ -120,21 +121,25 @@ struct MoeArgs {
   uint32_t* num_recv;          // mine: rows received
   uint32_t* expert_counts;     // mine: [experts_per_rank]
   uint64_t* calls;             // mine: call counts per kernel and block (cuda/kernels/moe.cu)
-  const SemaphoreHandle* sems; // [3][world]: dispatch rows in, repeated combine may start, combine copy-in done
+  const SemaphoreHandle* sems; // [3][world]: dispatch rows in, repeated combine may start, combine rows pushed
   int32_t* rank_prefix;        // mine: [world][world] i32, DeepEP's rank_prefix_matrix of the last dispatch:
                                //   [s][r] = rows ranks 0..=s send rank r (-1 everywhere after a cut dispatch)
   const float* y_weights;      // combine, per call: [num_recv, topk] f32 summed like y's rows, or null
   float* out_weights;          // combine, per call: [num_tokens, topk] f32 (with y_weights)
-  uint64_t off_comb_weights;   // in every combine buffer: peers' y_weights rows [world * max_tokens, topk] f32
+  uint64_t off_comb_weights;   // in every combine area: the pushed rows' y_weights [world][max_tokens][topk] f32
   // Routing without top-k (in_rank non-null: the mode; DeepEP's dispatch by is_token_in_rank), per call:
   const uint8_t* in_rank;            // [num_tokens, world] bool: token t goes to rank r
   const int32_t* tokens_per_expert;  // [experts] i32, this rank's rows per expert (summed over the
                                      //   sources into each rank's expert_counts), or null: no counts
   uint64_t off_expert_in;      // in every landing area: [2][world][experts_per_rank] u64 words, count |
                                //   dispatch number << 32, of tokens_per_expert by source (call parity)
+  uint64_t off_slots;          // in every landing area: the slot tables (above)
+  uint64_t slot_bytes;         // one receive slot's bytes
+  uint32_t slot;               // per call: my receive slot
+  uint32_t reserved;
   CallCheck call;              // this call's word and every rank's inbox (call_check.cuh)
 };
-DOORBELL_CHECK_SIZE(MoeArgs, 416);
+DOORBELL_CHECK_SIZE(MoeArgs, 440);
 
 // Launch arguments of the low-latency MoE kernels (cuda/kernels/moe_ll.cu).
 struct MoeLlArgs {

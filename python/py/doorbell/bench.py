@@ -19,13 +19,13 @@ os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
 os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
 
 
-def _hold(iters: int) -> None:
-    """Queues a GPU sleep longer than the host takes to enqueue ``iters`` eager calls (2 ms + 20
-    us a call, as the Rust harness), so the host's scheduling jitter stays out of eager timings:
-    the GPU then runs the queued calls back to back."""
+def _hold(iters: int, per_call_us: float = 20.0) -> None:
+    """Queues a GPU sleep longer than the host takes to enqueue ``iters`` eager calls (2 ms +
+    ``per_call_us`` a call; 20 as the Rust harness), so the host's scheduling jitter stays out of
+    eager timings: the GPU then runs the queued calls back to back."""
     import torch
 
-    torch.cuda._sleep(int((2000 + 20 * iters) * 1e-6 * 2.0e9))  # cycles at about 2 GHz
+    torch.cuda._sleep(int((2000 + per_call_us * iters) * 1e-6 * 2.0e9))  # cycles at about 2 GHz
 
 
 def _time_us(fn: Callable[[], Any], iters: int, graph: bool) -> Optional[float]:
@@ -64,8 +64,8 @@ def _time_us(fn: Callable[[], Any], iters: int, graph: bool) -> Optional[float]:
         return None
 
 
-def _time_calls(fn: Callable[[], Any], iters: int, graph: bool) -> Optional[List[float]]:
-    """Single calls, us each: ``iters`` eager launches (queued behind a hold) with an event between every two, or a
+def _time_calls(fn: Callable[[], Any], iters: int, graph: bool, host_us: float = 20.0) -> Optional[List[float]]:
+    """Single calls, us each: ``iters`` eager launches (queued behind a hold of ``host_us`` a call) with an event between every two, or a
     CUDA graph of ``iters`` calls with an event node between every two (replayed once untimed,
     then timed). The first call is left out (it absorbs the ranks' skew in leaving the barrier
     before it). None when the call (or the graph's event nodes) cannot run here."""
@@ -89,7 +89,7 @@ def _time_calls(fn: Callable[[], Any], iters: int, graph: bool) -> Optional[List
             g.replay()
         else:
             dist.barrier()
-            _hold(iters)
+            _hold(iters, host_us)
             for i, m in enumerate(marks):
                 m.record()
                 if i < iters:
@@ -310,12 +310,15 @@ def _deep_ep(a: argparse.Namespace) -> None:
         return torch.topk(scores, topk, dim=1).indices
 
     def row(
-        name: str, api_fn: Callable[[], Any], own_fn: Callable[[], Any], nbytes: int, graph: bool, api_syncs: bool = False
+        name: str, api_fn: Callable[[], Any], own_fn: Callable[[], Any], nbytes: int, graph: bool, api_syncs: bool = False,
+        host_us: float = 20.0,
     ) -> List[Optional[float]]:
         """Times the API's call and doorbell's own and prints their row: single-call GPU p50 and
-        p99, max over ranks; eager rows add each call's host time to enqueue it (median, max over
-        ranks; ``api_syncs``: the API's call waits for the GPU, so it is timed without a hold)."""
-        api, native = _time_calls(api_fn, a.iters, graph), _time_calls(own_fn, a.iters, graph)
+        p99, max over ranks (eager calls queued behind a GPU sleep with ``host_us`` of host time
+        a call, so the GPU times leave the host's out); eager rows add each call's host time to
+        enqueue it (median, max over ranks; ``api_syncs``: the API's call waits for the GPU, so
+        it is timed without a hold)."""
+        api, native = _time_calls(api_fn, a.iters, graph, host_us), _time_calls(own_fn, a.iters, graph, host_us)
         vals = [_max(_p(api, 0.5)), _max(_p(api, 0.99)), _max(_p(native, 0.5)), _max(_p(native, 0.99))]
         cost = None if vals[0] is None or vals[2] is None else vals[0] - vals[2]
         gbs = None if vals[0] is None else nbytes / vals[0] / 1e3
@@ -413,9 +416,11 @@ def _deep_ep(a: argparse.Namespace) -> None:
     if rank == 0:
         print(f"# normal mode: {t} tokens x top-{topk} of {experts} experts, hidden {hidden}, bf16; "
               f"{max(_normal_sms(deep_ep), w)} SMs; GB/s = received rows x 2 hidden over the API's p50 (DeepEP's NVL count)")
-        print("# eager, single calls, host us as above; the API's dispatch reads the row count on the host, as "
-              "DeepEP's, so its host time is taken without a GPU sleep ahead and includes the wait for the GPU (the "
-              f"kernels, every rank's arrival, the count's copy)\n{eager_header}")
+        print("# eager, single calls; the worst-case dispatch and the combine queued behind a GPU sleep of 1 ms a "
+              "call (GPU times without the host's); both combines given the API dispatch's recv_x. Host us as above; "
+              "the API's dispatch reads the row count on the host, as DeepEP's, so it cannot queue ahead: its GPU "
+              "and host times include the wait for the GPU (the kernels, every rank's arrival, the count's copy)"
+              f"\n{eager_header}")
     row("normal dispatch", lambda: buf.dispatch(xn, topk_idx=idxn, topk_weights=wn, num_tokens_per_rank=per_rank,
                                                 is_token_in_rank=in_rank, num_tokens_per_expert=per_expert),
         lambda: own_buf.dispatch(xn, idxn, wn), rows_in * 2 * hidden, False, api_syncs=True)
@@ -424,9 +429,9 @@ def _deep_ep(a: argparse.Namespace) -> None:
     row("normal dispatch, worst", lambda: buf.dispatch(xn, topk_idx=idxn, topk_weights=wn, num_tokens_per_rank=per_rank,
                                                        is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
                                                        num_worst_tokens=w * t),
-        lambda: own_buf.dispatch(xn, idxn, wn), rows_in * 2 * hidden, False)
+        lambda: own_buf.dispatch(xn, idxn, wn), rows_in * 2 * hidden, False, host_us=1000.0)
     row("normal combine", lambda: buf.combine(recv_x, nhandle),
-        lambda: own_buf.combine(own_buf.get_combine_buffer(), own_handle), rows_in * 2 * hidden, False)
+        lambda: own_buf.combine(recv_x, own_handle), rows_in * 2 * hidden, False, host_us=1000.0)
     buf.destroy()
 
 

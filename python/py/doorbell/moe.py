@@ -42,7 +42,10 @@ class Buffer:
     tokens per rank and call. ``low_latency_mode`` builds the decode layout
     (``low_latency_dispatch``/``low_latency_combine``) instead of the normal one
     (``dispatch``/``combine``). ``num_sms`` bounds the blocks the kernels use (the rest of the GPU
-    stays free for compute). Collective."""
+    stays free for compute). ``receive_slots`` (normal mode, one node): rooms for a dispatch's
+    results, picked per call by ``_native.set_receive_slot`` (``doorbell.deep_ep`` hands results
+    out as tensors that outlive the next dispatch); default one, overwritten by each dispatch.
+    Collective."""
 
     def __init__(
         self,
@@ -54,6 +57,7 @@ class Buffer:
         low_latency_mode: bool = False,
         num_sms: Optional[int] = None,
         net_chunks: Optional[int] = None,
+        receive_slots: int = 1,
     ) -> None:
         world = comm.world_size
         if hidden <= 0 or hidden % 128 != 0:
@@ -78,7 +82,7 @@ class Buffer:
             self._native = _doorbell.MoeLowLatency(comm._native, hidden, num_topk, num_experts, num_max_tokens, num_sms)
         else:
             self._native = _doorbell.MoeHighThroughput(
-                comm._native, hidden, num_topk, num_experts, num_max_tokens, num_sms, net_chunks
+                comm._native, hidden, num_topk, num_experts, num_max_tokens, num_sms, net_chunks, receive_slots
             )
         self._dispatches = 0
         # Views of doorbell's result memory, made once per (address, shape, dtype): building one
@@ -254,12 +258,13 @@ class Buffer:
         return out, weights, None
 
     def get_combine_buffer(self) -> Any:
-        """Normal mode: the combine buffer, bf16 ``[rows, hidden]`` aligned with ``recv_x``.
-        Expert kernels may write their outputs here (after the dispatch) and pass it to
-        ``combine``, which then copies nothing in."""
+        """Normal mode: room for the expert outputs, bf16 ``[rows, hidden]`` aligned with
+        ``recv_x``. With more than 64 SMs the combine pulls rows from each rank's combine area:
+        this is that area, and outputs written here (after the dispatch) are not copied in. With
+        64 or fewer it pushes rows from ``x`` wherever it is, and this is a tensor of its own."""
         self._need(False, "get_combine_buffer")
         r = self._native.results()
-        return self._view(r["combine_buffer"], (int(r["max_rows"]), self.hidden), "bfloat16")
+        return self._view(self._native.combine_buffer(), (int(r["max_rows"]), self.hidden), "bfloat16")
 
     # ---- low-latency mode ----
 

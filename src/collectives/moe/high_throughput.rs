@@ -156,7 +156,7 @@ impl MoeHighThroughput {
     /// # Safety
     /// `y` holds at least `num_recv * hidden` bf16 and `out` `num_tokens * hidden` bf16 of the
     /// last dispatch (both 16-byte aligned), device memory of this GPU valid until the work on
-    /// `stream` completes (or `y` is [`MoeHighThroughput::combine_buffer`]).
+    /// `stream` completes.
     pub unsafe fn combine_raw(&self, stream: &CudaStream, y: u64, out: u64) -> Result<()> {
         // SAFETY: as documented.
         unsafe { self.path.combine(stream, y, out, None) }
@@ -349,9 +349,22 @@ impl MoeHighThroughput {
         Ok(())
     }
 
-    /// This rank's combine buffer (rows aligned with `recv_x`); see [`MoeHighThroughput::combine_raw`].
-    pub fn combine_buffer(&self) -> u64 {
+    /// Room for the expert outputs (`[world * max_tokens, hidden]` bf16, rows aligned with
+    /// `recv_x`). With more than 64 blocks the combine pulls: this is the combine area peers read,
+    /// and a `y` written here (after the dispatch) is not copied in. With 64 or fewer it pushes
+    /// rows straight from `y` wherever it is, and this is a buffer of its own, allocated on first
+    /// use (passing it saves nothing over any other).
+    pub fn combine_buffer(&self) -> Result<u64> {
         self.path.combine_buffer()
+    }
+
+    /// The receive slot the next dispatches land in (`0..MoeConfig::receive_slots`), and whose
+    /// addresses [`MoeHighThroughput::results`] gives: results in the other slots stay as their
+    /// dispatches left them. The caller keeps a slot's readers stream-ordered before the
+    /// dispatch it hands the slot to (as for any buffer reused across calls). A combine always
+    /// follows the last dispatch. Node-spanning path: slot 0 only.
+    pub fn set_receive_slot(&self, slot: usize) -> Result<()> {
+        self.path.set_receive_slot(slot)
     }
 
     /// Device addresses of the last dispatch's results (read them after the stream's work

@@ -95,6 +95,7 @@ impl HtNet {
         let node_cfg = MoeConfig {
             num_experts: per_rank * size,
             max_tokens: slots,
+            receive_slots: 1,
             ..cfg.clone()
         };
         agree_shape(&node_comm, "high-throughput", false, &node_cfg)?;
@@ -377,7 +378,7 @@ impl HighThroughputPath for HtNet {
         self.launch(stream, 4, blocks, &a)
     }
 
-    fn combine_buffer(&self) -> u64 {
+    fn combine_buffer(&self) -> Result<u64> {
         self.node.combine_buffer()
     }
 

@@ -16,6 +16,9 @@ use crate::job::config::Settings;
 use cudarc::driver::{CudaFunction, CudaSlice, CudaStream, DevicePtr};
 use std::sync::Arc;
 
+/// Grids of more blocks than this pull in the combine, others push (`kPushBlocks` in moe.cu).
+const PUSH_BLOCKS: u32 = 64;
+
 /// Call-count slots of the high-throughput kernels (`kDispatchCalls` .. `kSentBlocks` in moe.cu):
 /// four per-block sets of 256, then two GPU-wide counts.
 const HT_CALL_SLOTS: usize = 1026;
@@ -27,9 +30,14 @@ pub(super) struct HtNvlink {
     base: MoeArgs,
     blocks: u32,
     last_tokens: std::sync::atomic::AtomicU32,
+    /// The receive slot of the next dispatch (and of the last one's results).
+    slot: std::sync::atomic::AtomicU32,
+    slots: usize,
     /// Counts calls and makes each call's word (the call check, `call_check.cuh`).
     calls: CallChecker,
     kernels: [CudaFunction; 2],
+    /// [`HighThroughputPath::combine_buffer`]'s rows, allocated on first use.
+    y_rows: std::sync::OnceLock<CudaSlice<u8>>,
     _recv: Landing,
     _comb: Landing,
     _semaphores: Semaphores,
@@ -87,17 +95,24 @@ impl HtNvlink {
         }
         let rows = world * cfg.max_tokens;
         let section = |bytes: usize| bytes.next_multiple_of(256);
+        // Receive slots (rows, ids, weights, sources, scales), then what every call shares.
         let off_idx = section(rows * cfg.hidden * 2);
         let off_weights = off_idx + section(rows * cfg.topk * 4);
         let off_src = off_weights + section(rows * cfg.topk * 4);
-        let off_matrix = off_src + section(rows * 8);
+        let off_scales = off_src + section(rows * 8);
+        let slot_bytes = off_scales + section(rows * (cfg.hidden / 128) * 4);
+        let slots = cfg.receive_slots.max(1);
         // Two count matrices of u64 words, for calls of alternating parity (moe.cu).
-        let off_scales = off_matrix + section(2 * world * world * 8);
+        let off_matrix = slots * slot_bytes;
         // Rows per expert by source, for dispatches routed without top-k (both call parities).
-        let off_expert_in = off_scales + section(rows * (cfg.hidden / 128) * 4);
-        let land_bytes = off_expert_in + section(2 * world * (cfg.num_experts / world) * 8);
+        let off_expert_in = off_matrix + section(2 * world * world * 8);
+        // Every rank's receive slot of the call, both parities.
+        let off_slots = off_expert_in + section(2 * world * (cfg.num_experts / world) * 8);
+        let land_bytes = off_slots + section(2 * world * 8);
         let (recv, land_ptrs, inbox) = landing_with_inbox(comm, land_bytes)?;
-        // The combine buffer: rows, then the rows' top-k weights (a combine with weights).
+        // The combine area: `world x max_tokens` rows, then their top-k weights (a combine with
+        // weights): aligned with recv_x for a pulling combine, a slot per (holding rank, position
+        // of the token in its rows to that rank) for a pushing one (moe.cu).
         let off_comb_weights = section(rows * cfg.hidden * 2);
         let (comb, comb_ptrs) = landing(comm, off_comb_weights + rows * cfg.topk * 4)?;
         let semaphores = comm.semaphores(3)?;
@@ -137,6 +152,8 @@ impl HtNvlink {
             off_scales: off_scales as u64,
             off_comb_weights: off_comb_weights as u64,
             off_expert_in: off_expert_in as u64,
+            off_slots: off_slots as u64,
+            slot_bytes: slot_bytes as u64,
             pos: p(0),
             num_recv: p(1),
             expert_counts: p(2),
@@ -157,12 +174,15 @@ impl HtNvlink {
             base,
             blocks,
             last_tokens: std::sync::atomic::AtomicU32::new(0),
+            slot: std::sync::atomic::AtomicU32::new(0),
+            slots,
             calls: CallChecker::new(
                 inbox,
                 Settings::from_env()?.call_check,
                 comm.bootstrap().call_counter(),
             ),
             kernels,
+            y_rows: std::sync::OnceLock::new(),
             _recv: recv,
             _comb: comb,
             _semaphores: semaphores,
@@ -244,6 +264,7 @@ impl HtNvlink {
         let args = MoeArgs {
             x,
             scales,
+            slot: self.slot.load(std::sync::atomic::Ordering::Relaxed),
             topk_idx,
             topk_weights,
             in_rank,
@@ -399,7 +420,7 @@ impl HighThroughputPath for HtNvlink {
     /// # Safety
     /// `y` holds at least `num_recv * hidden` bf16 and `out` `num_tokens * hidden` bf16 of the
     /// last dispatch (both 16-byte aligned), device memory of this GPU valid until the work on
-    /// `stream` completes (or `y` is [`super::MoeHighThroughput::combine_buffer`]).
+    /// `stream` completes.
     unsafe fn combine(
         &self,
         stream: &CudaStream,
@@ -435,18 +456,50 @@ impl HighThroughputPath for HtNvlink {
         self.launch(stream, 1, self.blocks, 512, &args)
     }
 
-    /// This rank's combine buffer (`[world * max_tokens, hidden]` bf16, rows aligned with
-    /// `recv_x`), mapped by every peer. Expert kernels may write their outputs here directly and
-    /// pass it as `y` to [`super::MoeHighThroughput::combine`], which then skips copying them in; write it
-    /// only after a dispatch (a peer may still be reading it until then).
-    fn combine_buffer(&self) -> u64 {
-        self.base.comb_buf[self.comm.rank()]
+    /// Room for `y` (`[world * max_tokens, hidden]` bf16, rows aligned with `recv_x`). A pulling
+    /// combine (more than 64 blocks) reads peers' rows from this rank's combine area, so this is
+    /// that area and a `y` written there is not copied in (write it only after a dispatch: a
+    /// peer may read it until then); a pushing one stores them from `y` wherever it is, so this
+    /// is a buffer of its own, allocated on first use.
+    fn combine_buffer(&self) -> Result<u64> {
+        if self.blocks > PUSH_BLOCKS {
+            return Ok(self.base.comb_buf[self.comm.rank()]);
+        }
+        if let Some(b) = self.y_rows.get() {
+            return Ok(b.device_ptr(b.stream()).0);
+        }
+        let rows = self.comm.world_size() * self.cfg.max_tokens;
+        let stream = self.comm.gpu().new_stream()?;
+        let b = stream
+            .alloc_zeros::<u8>(rows * self.cfg.hidden * 2)
+            .map_err(cuda_err("cuMemAlloc"))?;
+        stream
+            .synchronize()
+            .map_err(cuda_err("cuStreamSynchronize"))?;
+        let b = self.y_rows.get_or_init(|| b);
+        Ok(b.device_ptr(b.stream()).0)
     }
 
     /// Device addresses of the last dispatch's results: recv_x, recv_idx, recv_weights, recv_src,
     /// num_recv, expert_counts (read them after the stream's work finished).
+    fn set_receive_slot(&self, slot: usize) -> Result<()> {
+        if slot >= self.slots {
+            return Err(Error::invalid(
+                "receive slot",
+                format!(
+                    "{slot}: this exchange has {} (MoeConfig::receive_slots)",
+                    self.slots
+                ),
+            ));
+        }
+        self.slot
+            .store(slot as u32, std::sync::atomic::Ordering::Relaxed);
+        Ok(())
+    }
+
     fn results(&self) -> DispatchResults {
-        let land = self.base.land[self.comm.rank()];
+        let slot = self.slot.load(std::sync::atomic::Ordering::Relaxed) as u64;
+        let land = self.base.land[self.comm.rank()] + slot * self.base.slot_bytes;
         DispatchResults {
             recv_x: land,
             recv_idx: land + self.base.off_idx,
@@ -457,6 +510,7 @@ impl HighThroughputPath for HtNvlink {
             expert_counts: self.base.expert_counts,
             rank_prefix: self.base.rank_prefix,
             max_rows: self.comm.world_size() * self.cfg.max_tokens,
+            slot_bytes: self.base.slot_bytes as usize,
         }
     }
 }

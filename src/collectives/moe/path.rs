@@ -64,7 +64,17 @@ pub(super) trait HighThroughputPath: Send + Sync {
         out: u64,
         weights: Option<(u64, u64)>,
     ) -> Result<()>;
-    fn combine_buffer(&self) -> u64;
+    fn combine_buffer(&self) -> Result<u64>;
+    /// See [`super::MoeHighThroughput::set_receive_slot`].
+    fn set_receive_slot(&self, slot: usize) -> Result<()> {
+        if slot == 0 {
+            return Ok(());
+        }
+        Err(Error::invalid(
+            "receive slot",
+            "the node-spanning high-throughput path has one receive slot",
+        ))
+    }
     fn results(&self) -> DispatchResults;
     /// Tokens of the last dispatch issued from the host (what a combine writes).
     fn last_tokens(&self) -> usize;

@@ -54,6 +54,12 @@ pub struct MoeConfig {
     /// ([`super::MoeLowLatency::set_rank_masked`], [`super::MoeLowLatency::clean_rank_mask`],
     /// [`super::MoeLowLatency::rank_mask`]). Needs [`MoeConfig::deep_ep_layout`]. Default off.
     pub rank_mask: bool,
+    /// High-throughput mode on one node: receive slots, each room for one dispatch's results
+    /// (`world x max_tokens` rows with their ids, weights, sources and scales). A dispatch
+    /// lands in the slot chosen by [`super::MoeHighThroughput::set_receive_slot`], so results of
+    /// earlier dispatches in the other slots stay valid (DeepEP's API hands them out as
+    /// tensors). Default (0 or 1): one slot, overwritten by each dispatch.
+    pub receive_slots: usize,
 }
 
 impl MoeConfig {
@@ -93,6 +99,12 @@ impl MoeConfig {
         self.rank_mask = on;
         self
     }
+
+    /// Receive slots of the high-throughput mode (see [`MoeConfig::receive_slots`]).
+    pub fn with_receive_slots(mut self, slots: usize) -> MoeConfig {
+        self.receive_slots = slots;
+        self
+    }
 }
 
 /// Where a dispatch leaves its results (device addresses owned by the [`super::MoeHighThroughput`], valid
@@ -123,6 +135,9 @@ pub struct DispatchResults {
     pub rank_prefix: u64,
     /// Room for rows (world x max_tokens).
     pub max_rows: usize,
+    /// Bytes of the receive slot these results are in, from `recv_x` (the other results lie
+    /// inside it).
+    pub slot_bytes: usize,
 }
 
 /// Where a low-latency dispatch leaves its results (device addresses; valid until the dispatch

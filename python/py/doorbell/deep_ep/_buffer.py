@@ -3,6 +3,8 @@ MoE kernels (see ``docs/deep_ep.md`` for what is built and what is not yet)."""
 
 from __future__ import annotations
 
+import os
+import weakref
 from typing import Any, Callable, Dict, List, Optional, Set, Tuple, Union
 
 from .. import moe as _moe
@@ -115,10 +117,44 @@ class _NormalHandle:
         self.rows = rows  # rows the dispatch delivered here, when known on the host
 
 
-def _normal_bytes_per_token(world: int, hidden: int, topk: int) -> int:
-    """Bytes the normal mode's NVLink buffers take per token of ``max_tokens`` (receive rows,
-    ids, weights, origins, FP8 scales, the combine rows, positions; collective/moe/ht_nvlink.rs)."""
-    return world * (hidden * 2 + topk * 8 + 8 + (hidden // 128) * 4 + hidden * 2) + world * 4
+def _receive_slots() -> int:
+    """Receive slots of the normal mode (``DOORBELL_DEEP_EP_RECEIVE_SLOTS``, default 3): one the
+    adapter copies out of when every other is held, the rest handed out as the results."""
+    v = os.environ.get("DOORBELL_DEEP_EP_RECEIVE_SLOTS", "3")
+    if not v.isdigit() or int(v) < 1:
+        raise ValueError(f"DOORBELL_DEEP_EP_RECEIVE_SLOTS={v!r}; a count, 1 or more")
+    return int(v)
+
+
+def _normal_bytes_per_token(world: int, hidden: int, topk: int, slots: Optional[int] = None) -> int:
+    """Bytes the normal mode's NVLink buffers take per token of ``max_tokens``: each receive
+    slot's rows, ids, weights, origins and FP8 scales, the combine rows, positions
+    (collective/moe/ht_nvlink.rs)."""
+    s = _receive_slots() if slots is None else slots
+    return world * (s * (hidden * 2 + topk * 8 + 8 + (hidden // 128) * 4) + hidden * 2) + world * 4
+
+
+class _SlotLease:
+    """Held, through their storage, by the tensors a dispatch handed out of a receive slot: the
+    slot is free again once every one of them (views included) is gone."""
+
+
+class _Slots:
+    """The receive slots of one normal-mode exchange: slot 0 is the adapter's own (copied out
+    of), the others are handed out as the results, each while a lease on it lives. Under CUDA
+    graph capture a slot's lease is kept for good (the graph's replays write it)."""
+
+    def __init__(self, count: int) -> None:
+        self.leases: List[Optional[Any]] = [None] * count
+
+    def take(self, capturing: bool) -> Tuple[int, Optional[_SlotLease]]:
+        for k in range(1, len(self.leases)):
+            held = self.leases[k]
+            if held is None or (isinstance(held, weakref.ref) and held() is None):
+                lease = _SlotLease()
+                self.leases[k] = lease if capturing else weakref.ref(lease)
+                return k, lease
+        return 0, None
 
 
 class Buffer:
@@ -183,6 +219,7 @@ class Buffer:
         self._comm = doorbell.init(group=group)
         self._stream = torch.cuda.Stream(device=self._comm.device)
         self._normal: Dict[Tuple[int, int, int], _moe.Buffer] = {}
+        self._slots: Dict[int, _Slots] = {}  # by id() of the _moe.Buffer
         self._last_normal: Tuple[Optional[_moe.Buffer], Optional[_moe.DispatchHandle]] = (None, None)
         self._last_route: Optional[Tuple[Any, int, int]] = None
         self._ll: Dict[Tuple[int, int, int, int], Any] = {}
@@ -295,10 +332,12 @@ class Buffer:
                     f"at {self.group_size} ranks ({per_token} bytes per token)"
                 )
             sms = max((config or Config(Buffer.num_sms)).num_sms, self.group_size)
-            buf = _moe.Buffer(self._comm, hidden, num_experts, max_tokens, topk, num_sms=sms)
+            slots = _receive_slots()
+            buf = _moe.Buffer(self._comm, hidden, num_experts, max_tokens, topk, num_sms=sms, receive_slots=slots)
             if buf._native.spans_nodes:
                 raise _not_yet("the normal mode across nodes (DeepEP's internode layouts)", "step 6")
             self._normal[key] = buf
+            self._slots[id(buf)] = _Slots(slots)
         if num_tokens > buf.num_max_tokens:
             need = num_tokens * _normal_bytes_per_token(self.group_size, hidden, topk)
             raise ValueError(
@@ -306,6 +345,36 @@ class Buffer:
                 f"{buf.num_max_tokens} of this shape; give the Buffer at least {need} bytes"
             )
         return buf
+
+    def _take_slot(self, buf: _moe.Buffer) -> Optional[_SlotLease]:
+        """Points ``buf``'s next dispatch at a free receive slot; its lease, or None for the
+        adapter's own slot (every other one held: the results are copied out of it)."""
+        import torch
+
+        k, lease = self._slots[id(buf)].take(torch.cuda.is_current_stream_capturing())
+        buf._native.set_receive_slot(k)
+        return lease
+
+    def _leased(self, buf: _moe.Buffer, lease: _SlotLease, fp8: bool, with_weights: bool) -> Tuple[Any, Optional[Any]]:
+        """The last dispatch's rows (an ``(e4m3, scales)`` pair after FP8) and weights, every row
+        of the slot's capacity, as tensors over its slot that hold ``lease``."""
+        import torch
+
+        r = buf._native.results()
+        cap, base = int(r["max_rows"]), int(r["recv_x"])
+        root = device_view(base, (int(r["slot_bytes"]),), "uint8", self._comm.device, lease)
+
+        def part(key: str, dtype: Any, cols: int) -> Any:
+            off = int(r[key]) - base
+            return root[off : off + cap * cols * dtype.itemsize].view(dtype).view(cap, cols)
+
+        h = buf.hidden
+        rows: Any = (
+            (part("recv_x", torch.float8_e4m3fn, h), part("recv_scales", torch.float32, h // 128))
+            if fp8
+            else part("recv_x", torch.bfloat16, h)
+        )
+        return rows, part("recv_weights", torch.float32, buf.num_topk) if with_weights else None
 
     def get_dispatch_layout(
         self,
@@ -396,6 +465,7 @@ class Buffer:
         import torch
 
         compute = self._begin(previous_event)
+        lease = self._take_slot(buf)
         with torch.cuda.stream(self._stream):
             scales_in = x[1] if fp8 else None  # the caller's, read on this stream: kept below
             if fp8:
@@ -405,7 +475,11 @@ class Buffer:
             recv_x, recv_idx, recv_w, counts, h, _ = buf.dispatch(x, topk_idx, topk_weights)
             r = buf._native.results()
             world = self.group_size
+            # Everything that needs no row count is enqueued before the host waits for it.
             prefix = buf._view(r["rank_prefix"], (world, world), "int32").clone()
+            ids = recv_idx.long()
+            if lease is not None:
+                recv_x, recv_w = self._leased(buf, lease, fp8, True)
             if num_worst_tokens:
                 n, listed = num_worst_tokens, []
             else:
@@ -415,10 +489,15 @@ class Buffer:
                     raise RuntimeError("dispatch: cut short by a fault (comm.check_health() names it)")
                 a = expert_alignment
                 listed = [(c + a - 1) // a * a for c in listed]
-            # Copies: DeepEP's tensors outlive the next call, doorbell's buffers do not.
-            out_x: Any = (recv_x[0][:n].clone(), recv_x[1][:n].clone()) if fp8 else recv_x[:n].clone()
-            out_idx = recv_idx[:n].long()
-            out_w = recv_w[:n].clone()
+            # DeepEP's tensors outlive the next call: a leased slot's are (the slot stays taken
+            # while they live); the adapter's own slot is copied out of.
+            if lease is not None:
+                out_x: Any = (recv_x[0][:n], recv_x[1][:n]) if fp8 else recv_x[:n]
+                out_w = recv_w[:n]
+            else:
+                out_x = (recv_x[0][:n].clone(), recv_x[1][:n].clone()) if fp8 else recv_x[:n].clone()
+                out_w = recv_w[:n].clone()
+            out_idx = ids[:n]
             if num_worst_tokens:
                 past = torch.arange(n, device=out_idx.device) >= h.num_recv.long()
                 out_idx.masked_fill_(past.view(-1, 1), -1)
@@ -484,6 +563,7 @@ class Buffer:
         import torch
 
         compute = self._begin(previous_event)
+        lease = self._take_slot(buf)
         with torch.cuda.stream(self._stream):
             if fp8:
                 x = (x[0], x[1].contiguous())  # column-major scales, as in dispatch
@@ -492,13 +572,18 @@ class Buffer:
             r = buf._native.results()
             world = self.group_size
             prefix = buf._view(r["rank_prefix"], (world, world), "int32").clone()
+            if lease is not None:
+                recv_x, _ = self._leased(buf, lease, fp8, False)
             host = torch.cat([h.num_recv, counts]).tolist()  # one wait, as DeepEP's
             n, listed = int(host[0]), [int(c) for c in host[1:]]
             if n < 0 or any(c < 0 for c in listed):
                 raise RuntimeError("dispatch: cut short by a fault (comm.check_health() names it)")
             a = expert_alignment
             listed = [(c + a - 1) // a * a for c in listed]
-            out_x: Any = (recv_x[0][:n].clone(), recv_x[1][:n].clone()) if fp8 else recv_x[:n].clone()
+            if lease is not None:
+                out_x: Any = (recv_x[0][:n], recv_x[1][:n]) if fp8 else recv_x[:n]
+            else:
+                out_x = (recv_x[0][:n].clone(), recv_x[1][:n].clone()) if fp8 else recv_x[:n].clone()
         tensors = tuple(out_x) if fp8 else (out_x,)
         event = self._finish(compute, async_finish, tensors + (prefix, rows, is_token_in_rank))
         if cached is not None:
