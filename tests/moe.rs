@@ -569,20 +569,39 @@ fn exchange(comm: &Arc<Communicator>, s: &Arc<CudaStream>) {
         let keep = (
             dtoh(res.recv_x, n0 * HIDDEN * 2),
             dtoh(res.recv_src, n0 * 8),
+            dtoh(res.rank_prefix, world * world * 4),
         );
         moe.set_receive_slot(1).unwrap();
+        // DeepEP's num_worst_tokens: every row of the slot past the received ones without an
+        // expert.
+        let worst = world * MAX_TOKENS;
+        assert!(
+            moe.set_worst_rows(worst + 1).is_err(),
+            "rank {me}: more worst rows than the slot holds"
+        );
+        moe.set_worst_rows(worst).unwrap();
         let mine = upload(4);
         // SAFETY: the inputs hold `tokens` rows; y and out are sized for the worst case.
         unsafe { moe.dispatch_raw(s, xp, ip, wp, mine.tokens) }.unwrap();
+        moe.set_worst_rows(0).unwrap();
         let res1 = moe.results();
         assert_ne!(res1.recv_x, res.recv_x, "rank {me}: slot 1's results");
         check_dispatch(&res1, 4, "round 4, receive slot 1", yp);
+        let n1 = u32::from_le_bytes(dtoh(res1.num_recv, 4).try_into().unwrap()) as usize;
+        let ids: Vec<i32> = words(&dtoh(res1.recv_idx, worst * TOPK * 4), |b: &[u8; 4]| {
+            i32::from_le_bytes(*b)
+        });
+        assert!(
+            ids[n1 * TOPK..].iter().all(|&e| e == -1),
+            "rank {me}: ids of rows {n1}..{worst} are -1"
+        );
         // SAFETY: as the rounds' combines.
         unsafe { moe.combine_raw(s, yp, op) }.unwrap();
         check_combine(4, "round 4, receive slot 1");
         let again = (
             dtoh(res.recv_x, n0 * HIDDEN * 2),
             dtoh(res.recv_src, n0 * 8),
+            dtoh(res.rank_prefix, world * world * 4),
         );
         assert!(again == keep, "rank {me}: slot 0 kept round 3's results");
         assert!(

@@ -515,6 +515,16 @@ extern "C" __global__ void __launch_bounds__(512) moe_dispatch(MoeArgs a) {
     if (hist[e]) atomicAdd(&a.expert_counts[e], hist[e]);
     if (cut) atomicOr(&a.expert_counts[e], kCutBit);
   }
+  // DeepEP's num_worst_tokens: the rows past the received ones, up to fill_rows, carry no
+  // expert (-1 ids), so a caller reading a fixed number of rows sees them empty.
+  if (a.in_rank == nullptr && !cut && a.fill_rows > total) {
+    int32_t* mine = reinterpret_cast<int32_t*>(results[a.rank] + a.off_idx);
+    const uint64_t end = uint64_t(a.fill_rows) * a.topk;
+    for (uint64_t i = uint64_t(total) * a.topk + blockIdx.x * uint64_t(blockDim.x) + threadIdx.x; i < end;
+         i += uint64_t(gridDim.x) * blockDim.x) {
+      mine[i] = -1;
+    }
+  }
   // DeepEP's rank_prefix_matrix ([s][r]: rows that ranks 0..=s send rank r), by block 0: every
   // rank stores its counts into every rank's matrix before its rows, so these waits end at once.
   if (blockIdx.x == 0 && threadIdx.x < a.world) {

@@ -209,7 +209,7 @@ int main() {
   FIELD(MoeArgs, off_slots);
   FIELD(MoeArgs, slot_bytes);
   FIELD(MoeArgs, slot);
-  FIELD(MoeArgs, reserved);
+  FIELD(MoeArgs, fill_rows);
   FIELD(MoeArgs, call);
 
   STRUCT(MoeLlArgs);

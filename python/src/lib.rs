@@ -553,6 +553,11 @@ impl MoeHt {
         self.inner.set_receive_slot(slot).map_err(py_err)
     }
 
+    /// The next dispatches set the ids of rows past the received ones, up to `rows`, to -1.
+    fn set_worst_rows(&self, rows: usize) -> PyResult<()> {
+        self.inner.set_worst_rows(rows).map_err(py_err)
+    }
+
     /// Room for the expert outputs (`[rows, hidden]` bf16), allocated on first use.
     fn combine_buffer(&self) -> PyResult<u64> {
         self.inner.combine_buffer().map_err(py_err)

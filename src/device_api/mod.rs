@@ -468,7 +468,7 @@ pub struct MoeArgs {
     pub off_slots: u64,
     pub slot_bytes: u64,
     pub slot: u32,
-    pub reserved: u32,
+    pub fill_rows: u32,
     /// The call check.
     pub call: CallCheck,
 }
@@ -892,7 +892,7 @@ mod layout {
                     off_slots,
                     slot_bytes,
                     slot,
-                    reserved,
+                    fill_rows,
                     call
                 ]
             ),

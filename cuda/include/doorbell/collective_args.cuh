@@ -122,7 +122,7 @@ struct MoeArgs {
   uint32_t* expert_counts;     // mine: [experts_per_rank]
   uint64_t* calls;             // mine: call counts per kernel and block (cuda/kernels/moe.cu)
   const SemaphoreHandle* sems; // [3][world]: dispatch rows in, repeated combine may start, combine rows pushed
-  int32_t* rank_prefix;        // mine: [world][world] i32, DeepEP's rank_prefix_matrix of the last dispatch:
+  int32_t* rank_prefix;        // per call, in my receive slot: [world][world] i32, DeepEP's rank_prefix_matrix:
                                //   [s][r] = rows ranks 0..=s send rank r (-1 everywhere after a cut dispatch)
   const float* y_weights;      // combine, per call: [num_recv, topk] f32 summed like y's rows, or null
   float* out_weights;          // combine, per call: [num_tokens, topk] f32 (with y_weights)
@@ -136,7 +136,7 @@ struct MoeArgs {
   uint64_t off_slots;          // in every landing area: the slot tables (above)
   uint64_t slot_bytes;         // one receive slot's bytes
   uint32_t slot;               // per call: my receive slot
-  uint32_t reserved;
+  uint32_t fill_rows;          // per call: top-k ids of rows [num_recv, fill_rows) of the slot set to -1 (DeepEP's num_worst_tokens)
   CallCheck call;              // this call's word and every rank's inbox (call_check.cuh)
 };
 DOORBELL_CHECK_SIZE(MoeArgs, 440);

@@ -367,6 +367,15 @@ impl MoeHighThroughput {
         self.path.set_receive_slot(slot)
     }
 
+    /// Makes the next dispatches set the top-k ids of the rows past the received ones, up to
+    /// `rows`, to -1 (0: leave them), so a caller that reads a fixed number of rows without
+    /// waiting for the count (DeepEP's `num_worst_tokens`) sees them as empty. At most `world x
+    /// max_tokens`; dispatches routed by ranks carry no ids and leave them. Node-spanning path:
+    /// 0 only.
+    pub fn set_worst_rows(&self, rows: usize) -> Result<()> {
+        self.path.set_worst_rows(rows)
+    }
+
     /// Device addresses of the last dispatch's results (read them after the stream's work
     /// finished).
     pub fn results(&self) -> DispatchResults {

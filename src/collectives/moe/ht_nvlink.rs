@@ -33,6 +33,10 @@ pub(super) struct HtNvlink {
     /// The receive slot of the next dispatch (and of the last one's results).
     slot: std::sync::atomic::AtomicU32,
     slots: usize,
+    /// Where a slot's rank prefix matrix lies in it.
+    off_prefix: u64,
+    /// Rows whose ids the next dispatches set to -1 past the received ones (0: none).
+    fill_rows: std::sync::atomic::AtomicU32,
     /// Counts calls and makes each call's word (the call check, `call_check.cuh`).
     calls: CallChecker,
     kernels: [CudaFunction; 2],
@@ -100,7 +104,8 @@ impl HtNvlink {
         let off_weights = off_idx + section(rows * cfg.topk * 4);
         let off_src = off_weights + section(rows * cfg.topk * 4);
         let off_scales = off_src + section(rows * 8);
-        let slot_bytes = off_scales + section(rows * (cfg.hidden / 128) * 4);
+        let off_prefix = off_scales + section(rows * (cfg.hidden / 128) * 4);
+        let slot_bytes = off_prefix + section(world * world * 4);
         let slots = cfg.receive_slots.max(1);
         // Two count matrices of u64 words, for calls of alternating parity (moe.cu).
         let off_matrix = slots * slot_bytes;
@@ -132,7 +137,6 @@ impl HtNvlink {
             alloc(cfg.num_experts / world * 4)?, // expert_counts
             alloc(HT_CALL_SLOTS * 8)?,           // call counts per kernel and block (moe.cu)
             sems,
-            alloc(world * world * 4)?, // rank_prefix
         ];
         let p = |i: usize| device[i].device_ptr(&stream).0;
         let base = MoeArgs {
@@ -159,7 +163,6 @@ impl HtNvlink {
             expert_counts: p(2),
             calls: p(3),
             sems: p(4),
-            rank_prefix: p(5),
             ..Default::default()
         };
         stream
@@ -176,6 +179,8 @@ impl HtNvlink {
             last_tokens: std::sync::atomic::AtomicU32::new(0),
             slot: std::sync::atomic::AtomicU32::new(0),
             slots,
+            off_prefix: off_prefix as u64,
+            fill_rows: std::sync::atomic::AtomicU32::new(0),
             calls: CallChecker::new(
                 inbox,
                 Settings::from_env()?.call_check,
@@ -261,10 +266,15 @@ impl HtNvlink {
             (true, true) => 1,
             (true, false) => 2,
         };
+        let slot = self.slot.load(std::sync::atomic::Ordering::Relaxed);
         let args = MoeArgs {
             x,
             scales,
-            slot: self.slot.load(std::sync::atomic::Ordering::Relaxed),
+            slot,
+            fill_rows: self.fill_rows.load(std::sync::atomic::Ordering::Relaxed),
+            rank_prefix: self.base.land[self.comm.rank()]
+                + u64::from(slot) * self.base.slot_bytes
+                + self.off_prefix,
             topk_idx,
             topk_weights,
             in_rank,
@@ -497,6 +507,19 @@ impl HighThroughputPath for HtNvlink {
         Ok(())
     }
 
+    fn set_worst_rows(&self, rows: usize) -> Result<()> {
+        let most = self.comm.world_size() * self.cfg.max_tokens;
+        if rows > most {
+            return Err(Error::invalid(
+                "worst rows",
+                format!("{rows}: at most world x max_tokens = {most}"),
+            ));
+        }
+        self.fill_rows
+            .store(rows as u32, std::sync::atomic::Ordering::Relaxed);
+        Ok(())
+    }
+
     fn results(&self) -> DispatchResults {
         let slot = self.slot.load(std::sync::atomic::Ordering::Relaxed) as u64;
         let land = self.base.land[self.comm.rank()] + slot * self.base.slot_bytes;
@@ -508,7 +531,7 @@ impl HighThroughputPath for HtNvlink {
             recv_scales: land + self.base.off_scales,
             num_recv: self.base.num_recv,
             expert_counts: self.base.expert_counts,
-            rank_prefix: self.base.rank_prefix,
+            rank_prefix: land + self.off_prefix,
             max_rows: self.comm.world_size() * self.cfg.max_tokens,
             slot_bytes: self.base.slot_bytes as usize,
         }

@@ -75,6 +75,16 @@ pub(super) trait HighThroughputPath: Send + Sync {
             "the node-spanning high-throughput path has one receive slot",
         ))
     }
+    /// See [`super::MoeHighThroughput::set_worst_rows`].
+    fn set_worst_rows(&self, rows: usize) -> Result<()> {
+        if rows == 0 {
+            return Ok(());
+        }
+        Err(Error::invalid(
+            "worst rows",
+            "the node-spanning high-throughput path leaves rows past the received ones as they were",
+        ))
+    }
     fn results(&self) -> DispatchResults;
     /// Tokens of the last dispatch issued from the host (what a combine writes).
     fn last_tokens(&self) -> usize;

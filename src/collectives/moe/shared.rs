@@ -128,7 +128,7 @@ pub struct DispatchResults {
     /// `[experts per rank]` u32: rows per local expert; the top bit set (negative as i32) after a
     /// dispatch that an abort cut short.
     pub expert_counts: u64,
-    /// `[world, world]` i32, DeepEP's `rank_prefix_matrix`: entry `[s][r]` the rows ranks 0..=s
+    /// `[world, world]` i32 in the receive slot, DeepEP's `rank_prefix_matrix`: entry `[s][r]` the rows ranks 0..=s
     /// send rank r, so rank s's rows here end at `[s][rank]` (-1 everywhere after a dispatch an
     /// abort cut short); NVLink path only (0 across nodes, where rows are grouped by forwarding
     /// rank).

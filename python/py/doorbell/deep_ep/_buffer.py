@@ -220,6 +220,7 @@ class Buffer:
         self._stream = torch.cuda.Stream(device=self._comm.device)
         self._normal: Dict[Tuple[int, int, int], _moe.Buffer] = {}
         self._slots: Dict[int, _Slots] = {}  # by id() of the _moe.Buffer
+        self._worst_rows: Dict[int, int] = {}  # what each _moe.Buffer's kernel fills, by id()
         self._last_normal: Tuple[Optional[_moe.Buffer], Optional[_moe.DispatchHandle]] = (None, None)
         self._last_route: Optional[Tuple[Any, int, int]] = None
         self._ll: Dict[Tuple[int, int, int, int], Any] = {}
@@ -355,26 +356,36 @@ class Buffer:
         buf._native.set_receive_slot(k)
         return lease
 
-    def _leased(self, buf: _moe.Buffer, lease: _SlotLease, fp8: bool, with_weights: bool) -> Tuple[Any, Optional[Any]]:
-        """The last dispatch's rows (an ``(e4m3, scales)`` pair after FP8) and weights, every row
-        of the slot's capacity, as tensors over its slot that hold ``lease``."""
+    def _slot_results(
+        self, buf: _moe.Buffer, lease: Optional[_SlotLease], fp8: bool, with_topk: bool
+    ) -> Tuple[Any, Optional[Any], Optional[Any], Any]:
+        """The last dispatch's rows (an ``(e4m3, scales)`` pair after FP8), int32 ids and weights
+        (``with_topk``), every row of the slot's capacity, and its rank prefix matrix: tensors
+        over its slot that hold ``lease``, or, for the adapter's own slot (``lease`` None), the
+        cached views the results are copied out of."""
         import torch
 
         r = buf._native.results()
-        cap, base = int(r["max_rows"]), int(r["recv_x"])
-        root = device_view(base, (int(r["slot_bytes"]),), "uint8", self._comm.device, lease)
+        cap, base, world = int(r["max_rows"]), int(r["recv_x"]), self.group_size
+        h, k = buf.hidden, buf.num_topk
+        if lease is None:
+            def part(key: str, dtype: Any, rows: int, cols: int) -> Any:
+                return buf._view(r[key], (rows, cols), str(dtype).removeprefix("torch."))
+        else:
+            root = device_view(base, (int(r["slot_bytes"]),), "uint8", self._comm.device, lease)
 
-        def part(key: str, dtype: Any, cols: int) -> Any:
-            off = int(r[key]) - base
-            return root[off : off + cap * cols * dtype.itemsize].view(dtype).view(cap, cols)
+            def part(key: str, dtype: Any, rows: int, cols: int) -> Any:
+                off = int(r[key]) - base
+                return root[off : off + rows * cols * dtype.itemsize].view(dtype).view(rows, cols)
 
-        h = buf.hidden
-        rows: Any = (
-            (part("recv_x", torch.float8_e4m3fn, h), part("recv_scales", torch.float32, h // 128))
+        x: Any = (
+            (part("recv_x", torch.float8_e4m3fn, cap, h), part("recv_scales", torch.float32, cap, h // 128))
             if fp8
-            else part("recv_x", torch.bfloat16, h)
+            else part("recv_x", torch.bfloat16, cap, h)
         )
-        return rows, part("recv_weights", torch.float32, buf.num_topk) if with_weights else None
+        ids = part("recv_idx", torch.int32, cap, k) if with_topk else None
+        weights = part("recv_weights", torch.float32, cap, k) if with_topk else None
+        return x, ids, weights, part("rank_prefix", torch.int32, world, world)
 
     def get_dispatch_layout(
         self,
@@ -466,20 +477,23 @@ class Buffer:
 
         compute = self._begin(previous_event)
         lease = self._take_slot(buf)
+        if num_worst_tokens != self._worst_rows.get(id(buf), 0):
+            # The kernel writes -1 ids into the rows past the received ones (no mask here).
+            buf._native.set_worst_rows(num_worst_tokens)
+            self._worst_rows[id(buf)] = num_worst_tokens
         with torch.cuda.stream(self._stream):
             scales_in = x[1] if fp8 else None  # the caller's, read on this stream: kept below
             if fp8:
                 # DeepEP passes column-major scales ([tokens, hidden / 128], stride (1, tokens));
                 # the kernels read rows of scales (a stride argument comes with step 3).
                 x = (x[0], x[1].contiguous())
-            recv_x, recv_idx, recv_w, counts, h, _ = buf.dispatch(x, topk_idx, topk_weights)
-            r = buf._native.results()
-            world = self.group_size
+            _, _, _, counts, h, _ = buf.dispatch(x, topk_idx, topk_weights)
+            recv_x, recv_idx, recv_w, prefix = self._slot_results(buf, lease, fp8, True)
+            assert recv_idx is not None and recv_w is not None
             # Everything that needs no row count is enqueued before the host waits for it.
-            prefix = buf._view(r["rank_prefix"], (world, world), "int32").clone()
+            if lease is None:
+                prefix = prefix.clone()
             ids = recv_idx.long()
-            if lease is not None:
-                recv_x, recv_w = self._leased(buf, lease, fp8, True)
             if num_worst_tokens:
                 n, listed = num_worst_tokens, []
             else:
@@ -498,9 +512,6 @@ class Buffer:
                 out_x = (recv_x[0][:n].clone(), recv_x[1][:n].clone()) if fp8 else recv_x[:n].clone()
                 out_w = recv_w[:n].clone()
             out_idx = ids[:n]
-            if num_worst_tokens:
-                past = torch.arange(n, device=out_idx.device) >= h.num_recv.long()
-                out_idx.masked_fill_(past.view(-1, 1), -1)
         self._last_normal, self._last_route = (buf, h), _route_key(topk_idx)
         mine = _NormalHandle(buf, h, num_tokens, hidden, self._last_route, None if num_worst_tokens else n)
         handle_out = (prefix, None, None, None, is_token_in_rank, mine)
@@ -568,12 +579,10 @@ class Buffer:
             if fp8:
                 x = (x[0], x[1].contiguous())  # column-major scales, as in dispatch
             per_expert = None if num_tokens_per_expert is None else num_tokens_per_expert.int()
-            recv_x, _, _, counts, h, _ = buf.dispatch_by_rank(x, is_token_in_rank, per_expert)
-            r = buf._native.results()
-            world = self.group_size
-            prefix = buf._view(r["rank_prefix"], (world, world), "int32").clone()
-            if lease is not None:
-                recv_x, _ = self._leased(buf, lease, fp8, False)
+            _, _, _, counts, h, _ = buf.dispatch_by_rank(x, is_token_in_rank, per_expert)
+            recv_x, _, _, prefix = self._slot_results(buf, lease, fp8, False)
+            if lease is None:
+                prefix = prefix.clone()
             host = torch.cat([h.num_recv, counts]).tolist()  # one wait, as DeepEP's
             n, listed = int(host[0]), [int(c) for c in host[1:]]
             if n < 0 or any(c < 0 for c in listed):
