@@ -595,15 +595,33 @@ fn exchange(comm: &Arc<Communicator>, s: &Arc<CudaStream>) {
             ids[n1 * TOPK..].iter().all(|&e| e == -1),
             "rank {me}: ids of rows {n1}..{worst} are -1"
         );
-        // SAFETY: as the rounds' combines.
-        unsafe { moe.combine_raw(s, yp, op) }.unwrap();
-        check_combine(4, "round 4, receive slot 1");
-        let again = (
+        let in_slot0 = (
             dtoh(res.recv_x, n0 * HIDDEN * 2),
             dtoh(res.recv_src, n0 * 8),
             dtoh(res.rank_prefix, world * world * 4),
         );
-        assert!(again == keep, "rank {me}: slot 0 kept round 3's results");
+        assert!(in_slot0 == keep, "rank {me}: slot 0 kept round 3's results");
+        // Two-batch overlap: a second dispatch (round 7's routing) into slot 0 before round 4's
+        // combine, then both combines, each following its own slot's layout.
+        moe.set_receive_slot(0).unwrap();
+        upload(7);
+        // SAFETY: as above.
+        unsafe { moe.dispatch_raw(s, xp, ip, wp, routing(me, 7, experts).tokens) }.unwrap();
+        let y2: CudaSlice<bf16> = s.alloc_zeros(world * MAX_TOKENS * HIDDEN).unwrap();
+        let y2p = y2.device_ptr(s).0;
+        check_dispatch(&moe.results(), 7, "round 7, receive slot 0", y2p);
+        moe.set_receive_slot(1).unwrap();
+        // SAFETY: y holds round 4's rows (slot 1), out MAX_TOKENS x HIDDEN.
+        unsafe { moe.combine_raw(s, yp, op) }.unwrap();
+        check_combine(4, "round 4's combine after round 7's dispatch");
+        moe.set_receive_slot(0).unwrap();
+        // SAFETY: y2 holds round 7's rows (slot 0).
+        unsafe { moe.combine_raw(s, y2p, op) }.unwrap();
+        check_combine(7, "round 7's combine after round 4's");
+        moe.set_receive_slot(1).unwrap();
+        // SAFETY: as the rounds' combines: slot 1's dispatch combined once more.
+        unsafe { moe.combine_raw(s, yp, op) }.unwrap();
+        check_combine(4, "round 4, combined again");
         assert!(
             moe.set_receive_slot(2).is_err(),
             "rank {me}: a slot past receive_slots"

@@ -34,8 +34,8 @@
 //   2. the rows of y that came from other ranks into my area (none when the caller wrote them
 //      there itself), split over every warp of the grid; every block signals every peer once;
 //   3. once every peer's B signals arrived, for each token the rows of the ranks it went to, at
-//      (rows of lower source ranks on that rank, from the count matrix) + the token's position
-//      there, summed in f32 in rank order into out; its own rows straight from y.
+//      (rows of lower source ranks on that rank) + the token's position there, summed in f32 in
+//      rank order into out; its own rows straight from y.
 // Pushed (B <= kPushBlocks): the area has a row slot per (holding rank, position of the token in
 // its owner's rows to that rank), and each rank stores the rows of y it holds for other ranks'
 // tokens straight from y (wherever the caller has it) into their owners' areas:
@@ -46,7 +46,11 @@
 //      summed in f32 in rank order into out: the peers' from my own area, mine straight from y.
 //      Local loads only. (Per-row flags letting the sums start before every push is in gained
 //      nothing measurable on 2 x H100 at 20 blocks: 529-533 us either way.)
-// Both sum in the same order, so their results are bit for bit the same.
+// Both sum in the same order, so their results are bit for bit the same. Both follow the layout
+// of the dispatch whose receive slot the host names (its positions and rank prefix matrix live
+// there), which need not be the last dispatch: two batches may be dispatched before either is
+// combined. The area handshake keys on the last dispatch, so the first combine after it skips
+// the signal and every later one (of any dispatch) waits for it.
 // Every block keeps its own call count (`calls`, one slot per kernel and block, written by that
 // block only), every wait's target derives from it, and every call consumes what it signals:
 // CUDA-graph capturable, replays need no reset. Dispatch and combine are stream-ordered on each
@@ -147,6 +151,13 @@ DOORBELL_DEVICE_INLINE uint64_t* expert_in(const MoeArgs& a, uint32_t owner, uin
 // `owner`'s combine area of top-k weights rows (`[world][max_tokens][topk]` f32, as the rows).
 DOORBELL_DEVICE_INLINE float* comb_weights(const MoeArgs& a, uint32_t owner) {
   return reinterpret_cast<float*>(reinterpret_cast<char*>(a.comb_buf[owner]) + a.off_comb_weights);
+}
+
+// Rows ranks 0..s-1 sent rank r in the dispatch a combine follows, from that dispatch's rank
+// prefix matrix (in its receive slot, so a combine may follow an earlier dispatch than the last);
+// -1 after a dispatch an abort cut short.
+DOORBELL_DEVICE_INLINE int32_t rows_before(const MoeArgs& a, uint32_t s, uint32_t r) {
+  return s == 0 ? 0 : a.rank_prefix[uint64_t(s - 1) * a.world + r];
 }
 
 // Waits (bounded) until my matrix of dispatch `d` holds source rank `s`'s count for rank `r`,
@@ -548,17 +559,16 @@ extern "C" __global__ void __launch_bounds__(512) moe_dispatch(MoeArgs a) {
 
 // The pulling combine (moe_combine, pulled: see the top of the file), for call `c` after
 // dispatch `d`.
-DOORBELL_DEVICE_INLINE void combine_pull(const MoeArgs& a, uint64_t c, uint64_t d) {
+DOORBELL_DEVICE_INLINE void combine_pull(const MoeArgs& a, uint64_t c) {
   // Only the rows peers read: those of other source ranks. My own tokens' rows stay in y, where
-  // the sums below read them (on 2 ranks that halves the copy).
-  const uint32_t total = *a.num_recv;
-  const uint64_t* matrix = count_matrix(a, a.rank, d);
-  uint32_t own_first = 0;
-  for (uint32_t s = 0; s < a.rank; ++s) own_first += count_of(matrix[uint64_t(s) * a.world + a.rank]);
-  const uint32_t own_rows = count_of(matrix[uint64_t(a.rank) * a.world + a.rank]);
-  // A cut dispatch (total kCutCount) left no rows to copy.
-  const uint32_t others = total == kCutCount ? 0u : total - own_rows;
-  if (a.y_weights != nullptr && total != kCutCount) {
+  // the sums below read them (on 2 ranks that halves the copy). A cut dispatch (its prefix
+  // matrix all -1) left no rows to copy.
+  const bool cut_dispatch = rows_before(a, a.world, a.rank) < 0;
+  const uint32_t total = cut_dispatch ? 0u : uint32_t(rows_before(a, a.world, a.rank));
+  const uint32_t own_first = cut_dispatch ? 0u : uint32_t(rows_before(a, a.rank, a.rank));
+  const uint32_t own_rows = cut_dispatch ? 0u : uint32_t(rows_before(a, a.rank + 1, a.rank)) - own_first;
+  const uint32_t others = total - own_rows;
+  if (a.y_weights != nullptr && !cut_dispatch) {
     // The rows' top-k weights, to be summed as the rows are (DeepEP's combined_topk_weights).
     float* w = comb_weights(a, a.rank);
     const uint64_t n = uint64_t(others) * a.topk;
@@ -606,12 +616,7 @@ DOORBELL_DEVICE_INLINE void combine_pull(const MoeArgs& a, uint64_t c, uint64_t 
     }
     return;
   }
-  if (threadIdx.x < a.world) {
-    const uint64_t* m = count_matrix(a, a.rank, d);
-    uint32_t before = 0;
-    for (uint32_t s = 0; s < a.rank; ++s) before += count_of(m[uint64_t(s) * a.world + threadIdx.x]);
-    first[threadIdx.x] = before;
-  }
+  if (threadIdx.x < a.world) first[threadIdx.x] = cut_dispatch ? 0u : uint32_t(rows_before(a, a.rank, threadIdx.x));
   __syncthreads();
   // A thread per (token, 16 bytes of its row): every rank the token went to adds its eight bf16
   // values, in rank order, in f32; all of a thread's loads are in flight before the sums, and
@@ -642,34 +647,27 @@ DOORBELL_DEVICE_INLINE void combine_pull(const MoeArgs& a, uint64_t c, uint64_t 
 
 // The pushing combine (moe_combine, pushed: see the top of the file), for call `c` after
 // dispatch `d`.
-DOORBELL_DEVICE_INLINE void combine_push(const MoeArgs& a, uint64_t c, uint64_t d) {
+DOORBELL_DEVICE_INLINE void combine_push(const MoeArgs& a, uint64_t c) {
   // The rows of y from source rank s are its rows [start[s], start[s] + count(s -> me)) here,
   // in the order of s's positions; those of other sources go to their owners, mine stay in y.
+  // A cut dispatch (its prefix matrix all -1) left no rows to push.
   __shared__ uint32_t start[kMaxRanks + 1];
-  const uint64_t* matrix = count_matrix(a, a.rank, d);
+  const bool cut_dispatch = rows_before(a, a.world, a.rank) < 0;
   const uint32_t warps = gridDim.x * (blockDim.x / kWarp);
   const uint32_t chunks = a.hidden / 8;
-  if (threadIdx.x == 0) {
-    uint32_t sum = 0;
-    for (uint32_t s = 0; s < a.world; ++s) {
-      start[s] = sum;
-      sum += count_of(matrix[uint64_t(s) * a.world + a.rank]);
-    }
-    start[a.world] = sum;
-  }
+  if (threadIdx.x <= a.world) start[threadIdx.x] = cut_dispatch ? 0u : uint32_t(rows_before(a, threadIdx.x, a.rank));
   __syncthreads();
-  const uint32_t total = *a.num_recv;
+  const uint32_t total = start[a.world];
   const uint32_t own_first = start[a.rank];
   const uint32_t own_rows = start[a.rank + 1] - own_first;
-  // A cut dispatch (total kCutCount) left no rows to push.
-  const uint32_t others = total == kCutCount ? 0u : total - own_rows;
+  const uint32_t others = total - own_rows;
   // Row j of y (j not mine) goes to source rank `src`, slot [me][j - start[src]] there.
   auto owner_of = [&](uint64_t j) {
     uint32_t src = 0;
     while (src + 1 < a.world && j >= start[src + 1]) ++src;
     return src;
   };
-  if (a.y_weights != nullptr && total != kCutCount) {
+  if (a.y_weights != nullptr) {
     // The rows' top-k weights, to be summed as the rows are (DeepEP's combined_topk_weights).
     const uint64_t n = uint64_t(others) * a.topk;
     for (uint64_t i = blockIdx.x * uint64_t(blockDim.x) + threadIdx.x; i < n; i += uint64_t(gridDim.x) * blockDim.x) {
@@ -764,9 +762,9 @@ extern "C" __global__ void __launch_bounds__(512, 1) moe_combine(MoeArgs a) {
   }
   if (threadIdx.x == 0) a.calls[kCombinedDispatch + blockIdx.x] = d;
   if (a.blocks > kPushBlocks) {
-    combine_pull(a, c, d);
+    combine_pull(a, c);
   } else {
-    combine_push(a, c, d);
+    combine_push(a, c);
   }
   check_moe_call(a);
 }

@@ -403,14 +403,40 @@ def deep_ep_normal():
     # Results handed out of a receive slot keep it while any view of them lives: a part of the
     # first dispatch's rows, its other tensors dropped, outlives more dispatches than there are
     # slots; the slots the dropped results held serve them.
+    # (A handle holds its dispatch's slot too: its prefix matrix is a view of the slot; so does
+    # an asynchronous call's event, which keeps the call's tensors.)
     part, want = recv_x[:, :8], recv_x[:, :8].clone()
-    del recv_x, recv_idx, recv_w, recv_x2, recv_idx2, recv_w2, wx, wi, ww, nx, cx
+    del recv_x, recv_idx, recv_w, handle, recv_x2, recv_idx2, recv_w2, handle2, ev, wx, wi, ww, nx, nhandle, cx
     for i in range(4):
         y3, i3, _, _, h3, _ = buf.dispatch(x * (i + 3), **args)
         check(torch.equal(y3[:, :8], want * (i + 3)), f"dispatch {i} after the drop: rows")
         out3, _, _ = buf.combine(y3, h3)
         check(torch.equal(out3, ((x * (i + 3)).float() * times).bfloat16()), f"dispatch {i} after the drop: combine")
     check(torch.equal(part, want), "a view of the first dispatch's rows outlived four more dispatches")
+    # Two-batch overlap: two dispatches of different routings in flight, then their combines,
+    # each following its own dispatch's layout. `part` holds slot 1, so the first lands in slot
+    # 2 and the second in the adapter's own slot (copies).
+    del y3, i3, h3, out3
+    idx_b = torch.topk(torch.rand(T, E, device="cuda"), K, dim=1).indices.to(deep_ep.topk_idx_t)
+    pr_b, _, pe_b, ir_b, _ = buf.get_dispatch_layout(idx_b, E)
+    args_b = dict(num_tokens_per_rank=pr_b, is_token_in_rank=ir_b, num_tokens_per_expert=pe_b, topk_idx=idx_b, topk_weights=topk_weights)
+    ra = buf.dispatch(x, **args)
+    rb = buf.dispatch(x * 2, **args_b)
+    ca, _, _ = buf.combine(ra[0], ra[4])
+    cb, _, _ = buf.combine(rb[0], rb[4])
+    check(torch.equal(ca.float(), x.float() * times), "two-batch overlap: the first batch's combine after the second's dispatch")
+    times_b = ir_b.sum(1, keepdim=True).float()
+    check(torch.equal(cb, ((x * 2).float() * times_b).bfloat16()), "two-batch overlap: the second batch's combine")
+    # A copied dispatch's layout lasts until a dispatch of another routing takes the slot.
+    rc = buf.dispatch(x, **args)
+    try:
+        buf.combine(rb[0], rb[4])
+    except ValueError as e:
+        check("layout is gone" in str(e), str(e))
+    else:
+        raise AssertionError("a combine of an overwritten layout was not refused")
+    cc, _, _ = buf.combine(rc[0], rc[4])
+    check(torch.equal(cc.float(), x.float() * times), "the later dispatch's combine")
     # Not built yet: refused by name, nothing sent.
     try:
         buf.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert, num_worst_tokens=worst)

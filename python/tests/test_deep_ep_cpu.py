@@ -230,3 +230,43 @@ def test_low_latency_calls_refuse_bad_shapes_and_handles_before_anything_is_sent
             b.low_latency_combine(None, None, None, handle)
     with pytest.raises(ValueError, match="num_experts=15; a multiple of 2"):
         b.get_next_low_latency_combine_buffer((None, None, 128, 7168, 15))
+
+
+def test_receive_slots_are_leased_and_layouts_tracked(monkeypatch):
+    """The normal mode's receive slots (no GPU): a slot is handed out while a lease on it lives
+    (slot 0, the adapter's own, when every other is held), and a handle's layout counts as kept
+    while no dispatch of another routing landed in its slot since."""
+    import gc
+
+    from doorbell.deep_ep import _buffer as b
+
+    slots = b._Slots(3)
+    k1, l1 = slots.take(capturing=False)
+    k2, l2 = slots.take(capturing=False)
+    k0, l0 = slots.take(capturing=False)
+    assert (k1, k2, k0) == (1, 2, 0) and l1 is not None and l2 is not None and l0 is None
+    del l1
+    gc.collect()
+    assert slots.take(capturing=False)[0] == 1  # its lease is gone: free again
+    # Under graph capture a slot stays taken for good (the graph's replays write it).
+    slots = b._Slots(2)
+    assert slots.take(capturing=True)[0] == 1
+    gc.collect()
+    assert slots.take(capturing=False)[0] == 0
+
+    route_a, route_b = (object(), 1, 0), (object(), 2, 0)
+    slots = b._Slots(2)
+    h = b._NormalHandle(None, None, 4, 8, route_a, 0, slots.landed(0, route_a))  # type: ignore[arg-type]
+    assert slots.holds(h)
+    slots.landed(0, route_a)  # the same routing again (a cached dispatch): the same layout
+    assert slots.holds(h)
+    slots.landed(0, route_b)
+    assert not slots.holds(h)
+
+    monkeypatch.setenv("DOORBELL_DEEP_EP_RECEIVE_SLOTS", "2")
+    assert b._receive_slots() == 2
+    assert b._normal_bytes_per_token(2, 128, 2) < b._normal_bytes_per_token(2, 128, 2, slots=3)
+    for bad in ("0", "x", "-1"):
+        monkeypatch.setenv("DOORBELL_DEEP_EP_RECEIVE_SLOTS", bad)
+        with pytest.raises(ValueError, match="DOORBELL_DEEP_EP_RECEIVE_SLOTS"):
+            b._receive_slots()

@@ -117,7 +117,7 @@ struct MoeArgs {
   uint64_t off_src;
   uint64_t off_matrix;
   uint64_t off_scales;
-  int32_t* pos;                // mine: [max_tokens][world], position of token t among those sent to r, or -1
+  int32_t* pos;                // per call, in the receive slot: [max_tokens][world], position of token t among those sent to r, or -1
   uint32_t* num_recv;          // mine: rows received
   uint32_t* expert_counts;     // mine: [experts_per_rank]
   uint64_t* calls;             // mine: call counts per kernel and block (cuda/kernels/moe.cu)

@@ -150,12 +150,13 @@ impl MoeHighThroughput {
         }
     }
 
-    /// Combines `y` (one row per received row of the last dispatch) into `out [num_tokens, H]`
-    /// (see the module documentation).
+    /// Combines `y` (one row per received row of the dispatch in the current receive slot: the
+    /// last one unless [`MoeHighThroughput::set_receive_slot`] pointed back) into `out
+    /// [num_tokens, H]` (see the module documentation).
     ///
     /// # Safety
-    /// `y` holds at least `num_recv * hidden` bf16 and `out` `num_tokens * hidden` bf16 of the
-    /// last dispatch (both 16-byte aligned), device memory of this GPU valid until the work on
+    /// `y` holds at least `num_recv * hidden` bf16 and `out` `num_tokens * hidden` bf16 of that
+    /// dispatch (both 16-byte aligned), device memory of this GPU valid until the work on
     /// `stream` completes.
     pub unsafe fn combine_raw(&self, stream: &CudaStream, y: u64, out: u64) -> Result<()> {
         // SAFETY: as documented.
@@ -361,8 +362,11 @@ impl MoeHighThroughput {
     /// The receive slot the next dispatches land in (`0..MoeConfig::receive_slots`), and whose
     /// addresses [`MoeHighThroughput::results`] gives: results in the other slots stay as their
     /// dispatches left them. The caller keeps a slot's readers stream-ordered before the
-    /// dispatch it hands the slot to (as for any buffer reused across calls). A combine always
-    /// follows the last dispatch. Node-spanning path: slot 0 only.
+    /// dispatch it hands the slot to (as for any buffer reused across calls). A combine follows
+    /// the dispatch of the current slot (the slot keeps its layout), so two batches may be
+    /// dispatched before either is combined (two-batch overlap): point the slot back at a
+    /// dispatch before combining it, in the same order on every rank. Node-spanning path: slot
+    /// 0 only.
     pub fn set_receive_slot(&self, slot: usize) -> Result<()> {
         self.path.set_receive_slot(slot)
     }
@@ -376,8 +380,8 @@ impl MoeHighThroughput {
         self.path.set_worst_rows(rows)
     }
 
-    /// Device addresses of the last dispatch's results (read them after the stream's work
-    /// finished).
+    /// Device addresses of the results in the current receive slot (the last dispatch's unless
+    /// [`MoeHighThroughput::set_receive_slot`] moved; read them after the stream's work finished).
     pub fn results(&self) -> DispatchResults {
         self.path.results()
     }

@@ -29,12 +29,14 @@ pub(super) struct HtNvlink {
     cfg: MoeConfig,
     base: MoeArgs,
     blocks: u32,
-    last_tokens: std::sync::atomic::AtomicU32,
+    /// Tokens of the dispatch in each receive slot (what its combine writes).
+    tokens: Vec<std::sync::atomic::AtomicU32>,
     /// The receive slot of the next dispatch (and of the last one's results).
     slot: std::sync::atomic::AtomicU32,
     slots: usize,
-    /// Where a slot's rank prefix matrix lies in it.
+    /// Where a slot's rank prefix matrix and token positions lie in it.
     off_prefix: u64,
+    off_pos: u64,
     /// Rows whose ids the next dispatches set to -1 past the received ones (0: none).
     fill_rows: std::sync::atomic::AtomicU32,
     /// Counts calls and makes each call's word (the call check, `call_check.cuh`).
@@ -105,7 +107,9 @@ impl HtNvlink {
         let off_src = off_weights + section(rows * cfg.topk * 4);
         let off_scales = off_src + section(rows * 8);
         let off_prefix = off_scales + section(rows * (cfg.hidden / 128) * 4);
-        let slot_bytes = off_prefix + section(world * world * 4);
+        // The dispatch's positions of this rank's tokens at each rank, read by its combine.
+        let off_pos = off_prefix + section(world * world * 4);
+        let slot_bytes = off_pos + section(cfg.max_tokens * world * 4);
         let slots = cfg.receive_slots.max(1);
         // Two count matrices of u64 words, for calls of alternating parity (moe.cu).
         let off_matrix = slots * slot_bytes;
@@ -132,7 +136,6 @@ impl HtNvlink {
             .clone_htod(sems_bytes)
             .map_err(cuda_err("cuMemcpyHtoD"))?;
         let device = vec![
-            alloc(cfg.max_tokens * world * 4)?,  // pos
             alloc(4)?,                           // num_recv
             alloc(cfg.num_experts / world * 4)?, // expert_counts
             alloc(HT_CALL_SLOTS * 8)?,           // call counts per kernel and block (moe.cu)
@@ -158,11 +161,10 @@ impl HtNvlink {
             off_expert_in: off_expert_in as u64,
             off_slots: off_slots as u64,
             slot_bytes: slot_bytes as u64,
-            pos: p(0),
-            num_recv: p(1),
-            expert_counts: p(2),
-            calls: p(3),
-            sems: p(4),
+            num_recv: p(0),
+            expert_counts: p(1),
+            calls: p(2),
+            sems: p(3),
             ..Default::default()
         };
         stream
@@ -176,10 +178,13 @@ impl HtNvlink {
             cfg,
             base,
             blocks,
-            last_tokens: std::sync::atomic::AtomicU32::new(0),
+            tokens: (0..slots)
+                .map(|_| std::sync::atomic::AtomicU32::new(0))
+                .collect(),
             slot: std::sync::atomic::AtomicU32::new(0),
             slots,
             off_prefix: off_prefix as u64,
+            off_pos: off_pos as u64,
             fill_rows: std::sync::atomic::AtomicU32::new(0),
             calls: CallChecker::new(
                 inbox,
@@ -193,6 +198,12 @@ impl HtNvlink {
             _semaphores: semaphores,
             _device: device,
         })
+    }
+
+    /// Where receive slot `slot` keeps its dispatch's token positions and rank prefix matrix.
+    fn layout(&self, slot: u32) -> (u64, u64) {
+        let base = self.base.land[self.comm.rank()] + u64::from(slot) * self.base.slot_bytes;
+        (base + self.off_pos, base + self.off_prefix)
     }
 
     fn launch(
@@ -254,8 +265,8 @@ impl HtNvlink {
                 "x must be 16-byte aligned, the top-k arrays 4-byte",
             ));
         }
-        self.last_tokens
-            .store(num_tokens as u32, std::sync::atomic::Ordering::Relaxed);
+        let slot = self.slot.load(std::sync::atomic::Ordering::Relaxed);
+        self.tokens[slot as usize].store(num_tokens as u32, std::sync::atomic::Ordering::Relaxed);
         // Token counts differ by rank; the word names the call and its element type.
         let dtype = if fp8 { signature::E4M3 } else { 0 };
         // The mode tells a dispatch by top-k (0) from one by ranks with per-expert counts (1) and
@@ -266,15 +277,14 @@ impl HtNvlink {
             (true, true) => 1,
             (true, false) => 2,
         };
-        let slot = self.slot.load(std::sync::atomic::Ordering::Relaxed);
+        let (pos, rank_prefix) = self.layout(slot);
         let args = MoeArgs {
             x,
             scales,
             slot,
             fill_rows: self.fill_rows.load(std::sync::atomic::Ordering::Relaxed),
-            rank_prefix: self.base.land[self.comm.rank()]
-                + u64::from(slot) * self.base.slot_bytes
-                + self.off_prefix,
+            pos,
+            rank_prefix,
             topk_idx,
             topk_weights,
             in_rank,
@@ -300,7 +310,8 @@ impl HighThroughputPath for HtNvlink {
     }
 
     fn last_tokens(&self) -> usize {
-        self.last_tokens.load(std::sync::atomic::Ordering::Relaxed) as usize
+        let slot = self.slot.load(std::sync::atomic::Ordering::Relaxed) as usize;
+        self.tokens[slot].load(std::sync::atomic::Ordering::Relaxed) as usize
     }
 
     unsafe fn dispatch_by_rank(
@@ -424,12 +435,12 @@ impl HighThroughputPath for HtNvlink {
         }
     }
 
-    /// Combines `y` (one row per received row of the last dispatch) into `out [num_tokens, H]`
-    /// (see the module documentation).
+    /// Combines `y` (one row per received row of the dispatch in the current receive slot) into
+    /// `out [num_tokens, H]` (see the module documentation).
     ///
     /// # Safety
-    /// `y` holds at least `num_recv * hidden` bf16 and `out` `num_tokens * hidden` bf16 of the
-    /// last dispatch (both 16-byte aligned), device memory of this GPU valid until the work on
+    /// `y` holds at least `num_recv * hidden` bf16 and `out` `num_tokens * hidden` bf16 of that
+    /// dispatch (both 16-byte aligned), device memory of this GPU valid until the work on
     /// `stream` completes.
     unsafe fn combine(
         &self,
@@ -445,12 +456,16 @@ impl HighThroughputPath for HtNvlink {
             ));
         }
         let (y_weights, out_weights) = weights.unwrap_or((0, 0));
+        let slot = self.slot.load(std::sync::atomic::Ordering::Relaxed);
+        let (pos, rank_prefix) = self.layout(slot);
         let args = MoeArgs {
             y,
             out,
             y_weights,
             out_weights,
-            num_tokens: self.last_tokens.load(std::sync::atomic::Ordering::Relaxed),
+            pos,
+            rank_prefix,
+            num_tokens: self.tokens[slot as usize].load(std::sync::atomic::Ordering::Relaxed),
             // Variant 1: the rows' weights ride along; a rank that gives none while others do
             // would read their stale weights, so a mix is named as a mismatch.
             call: self.calls.next(

@@ -55,10 +55,11 @@ pub struct MoeConfig {
     /// [`super::MoeLowLatency::rank_mask`]). Needs [`MoeConfig::deep_ep_layout`]. Default off.
     pub rank_mask: bool,
     /// High-throughput mode on one node: receive slots, each room for one dispatch's results
-    /// (`world x max_tokens` rows with their ids, weights, sources and scales). A dispatch
-    /// lands in the slot chosen by [`super::MoeHighThroughput::set_receive_slot`], so results of
-    /// earlier dispatches in the other slots stay valid (DeepEP's API hands them out as
-    /// tensors). Default (0 or 1): one slot, overwritten by each dispatch.
+    /// (`world x max_tokens` rows with their ids, weights, sources and scales) and layout. A
+    /// dispatch lands in the slot chosen by [`super::MoeHighThroughput::set_receive_slot`], so
+    /// results of earlier dispatches in the other slots stay valid (DeepEP's API hands them out
+    /// as tensors) and can still be combined. Default (0 or 1): one slot, overwritten by each
+    /// dispatch.
     pub receive_slots: usize,
 }
 

@@ -102,18 +102,21 @@ def _route_key(t: Any) -> Tuple[Any, int, int]:
 
 class _NormalHandle:
     """The part of a normal-mode handle only doorbell reads (DeepEP's ``send_head`` slot): the
-    buffer, its dispatch, and the routing tensor's key (a combine may take this handle while the
-    buffer's last dispatch had the same routing: the same layout)."""
+    buffer, its dispatch, the receive slot that keeps the dispatch's layout (and which dispatch
+    into that slot it was), and the routing tensor's key (a later dispatch of the same routing
+    into the slot leaves the same layout)."""
 
     def __init__(
         self, buffer: _moe.Buffer, dispatch: _moe.DispatchHandle, num_tokens: int, hidden: int,
-        route: Tuple[Any, int, int], rows: Optional[int] = None,
+        route: Tuple[Any, int, int], slot: int, serial: int, rows: Optional[int] = None,
     ) -> None:
         self.buffer = buffer
         self.dispatch = dispatch
         self.num_tokens = num_tokens
         self.hidden = hidden
         self.route = route
+        self.slot = slot
+        self.serial = serial
         self.rows = rows  # rows the dispatch delivered here, when known on the host
 
 
@@ -128,10 +131,10 @@ def _receive_slots() -> int:
 
 def _normal_bytes_per_token(world: int, hidden: int, topk: int, slots: Optional[int] = None) -> int:
     """Bytes the normal mode's NVLink buffers take per token of ``max_tokens``: each receive
-    slot's rows, ids, weights, origins and FP8 scales, the combine rows, positions
+    slot's rows, ids, weights, origins, FP8 scales and positions, the combine rows
     (collective/moe/ht_nvlink.rs)."""
     s = _receive_slots() if slots is None else slots
-    return world * (s * (hidden * 2 + topk * 8 + 8 + (hidden // 128) * 4) + hidden * 2) + world * 4
+    return world * (s * (hidden * 2 + topk * 8 + 8 + (hidden // 128) * 4 + 4) + hidden * 2)
 
 
 class _SlotLease:
@@ -146,6 +149,10 @@ class _Slots:
 
     def __init__(self, count: int) -> None:
         self.leases: List[Optional[Any]] = [None] * count
+        # Dispatches into each slot so far, and the routing key of the last: a handle's layout is
+        # still in its slot while no other routing was dispatched there since.
+        self.serial: List[int] = [0] * count
+        self.route: List[Optional[Tuple[Any, int, int]]] = [None] * count
 
     def take(self, capturing: bool) -> Tuple[int, Optional[_SlotLease]]:
         for k in range(1, len(self.leases)):
@@ -155,6 +162,19 @@ class _Slots:
                 self.leases[k] = lease if capturing else weakref.ref(lease)
                 return k, lease
         return 0, None
+
+    def landed(self, k: int, route: Tuple[Any, int, int]) -> int:
+        """Records a dispatch of routing ``route`` into slot ``k``; its serial."""
+        self.serial[k] += 1
+        self.route[k] = route
+        return self.serial[k]
+
+    def holds(self, handle: "_NormalHandle") -> bool:
+        """Whether slot ``handle.slot`` still holds the layout of the handle's dispatch."""
+        k, route = handle.slot, self.route[handle.slot]
+        if self.serial[k] == handle.serial:
+            return True
+        return route is not None and route[0] is handle.route[0] and route[1:] == handle.route[1:]
 
 
 class Buffer:
@@ -221,8 +241,6 @@ class Buffer:
         self._normal: Dict[Tuple[int, int, int], _moe.Buffer] = {}
         self._slots: Dict[int, _Slots] = {}  # by id() of the _moe.Buffer
         self._worst_rows: Dict[int, int] = {}  # what each _moe.Buffer's kernel fills, by id()
-        self._last_normal: Tuple[Optional[_moe.Buffer], Optional[_moe.DispatchHandle]] = (None, None)
-        self._last_route: Optional[Tuple[Any, int, int]] = None
         self._ll: Dict[Tuple[int, int, int, int], Any] = {}
         self._ll_combine_buffers: Dict[Tuple[int, int, int], List[Any]] = {}
         self._destroyed = False
@@ -347,14 +365,14 @@ class Buffer:
             )
         return buf
 
-    def _take_slot(self, buf: _moe.Buffer) -> Optional[_SlotLease]:
-        """Points ``buf``'s next dispatch at a free receive slot; its lease, or None for the
-        adapter's own slot (every other one held: the results are copied out of it)."""
+    def _take_slot(self, buf: _moe.Buffer) -> Tuple[int, Optional[_SlotLease]]:
+        """Points ``buf``'s next dispatch at a free receive slot: the slot and its lease, or None
+        for the adapter's own slot (every other one held: the results are copied out of it)."""
         import torch
 
         k, lease = self._slots[id(buf)].take(torch.cuda.is_current_stream_capturing())
         buf._native.set_receive_slot(k)
-        return lease
+        return k, lease
 
     def _slot_results(
         self, buf: _moe.Buffer, lease: Optional[_SlotLease], fp8: bool, with_topk: bool
@@ -476,7 +494,7 @@ class Buffer:
         import torch
 
         compute = self._begin(previous_event)
-        lease = self._take_slot(buf)
+        slot, lease = self._take_slot(buf)
         if num_worst_tokens != self._worst_rows.get(id(buf), 0):
             # The kernel writes -1 ids into the rows past the received ones (no mask here).
             buf._native.set_worst_rows(num_worst_tokens)
@@ -512,8 +530,9 @@ class Buffer:
                 out_x = (recv_x[0][:n].clone(), recv_x[1][:n].clone()) if fp8 else recv_x[:n].clone()
                 out_w = recv_w[:n].clone()
             out_idx = ids[:n]
-        self._last_normal, self._last_route = (buf, h), _route_key(topk_idx)
-        mine = _NormalHandle(buf, h, num_tokens, hidden, self._last_route, None if num_worst_tokens else n)
+        route = _route_key(topk_idx)
+        serial = self._slots[id(buf)].landed(slot, route)
+        mine = _NormalHandle(buf, h, num_tokens, hidden, route, slot, serial, None if num_worst_tokens else n)
         handle_out = (prefix, None, None, None, is_token_in_rank, mine)
         tensors = tuple(out_x) if fp8 else (out_x,)
         kept = tensors + (out_idx, out_w, prefix, rows, topk_idx, topk_weights) + ((scales_in,) if fp8 else ())
@@ -574,7 +593,7 @@ class Buffer:
         import torch
 
         compute = self._begin(previous_event)
-        lease = self._take_slot(buf)
+        slot, lease = self._take_slot(buf)
         with torch.cuda.stream(self._stream):
             if fp8:
                 x = (x[0], x[1].contiguous())  # column-major scales, as in dispatch
@@ -596,11 +615,12 @@ class Buffer:
         tensors = tuple(out_x) if fp8 else (out_x,)
         event = self._finish(compute, async_finish, tensors + (prefix, rows, is_token_in_rank))
         if cached is not None:
-            # The handle's routing again: a combine may still take that handle.
-            self._last_normal, self._last_route = (buf, h), cached.route
+            # The handle's routing again (the same layout): a combine may still take that handle.
+            self._slots[id(buf)].landed(slot, cached.route)
             return out_x, None, None, None, None, event
-        self._last_normal, self._last_route = (buf, h), _route_key(is_token_in_rank)
-        handle_out = (prefix, None, None, None, is_token_in_rank, _NormalHandle(buf, h, num_tokens, hidden, self._last_route, n))
+        route = _route_key(is_token_in_rank)
+        serial = self._slots[id(buf)].landed(slot, route)
+        handle_out = (prefix, None, None, None, is_token_in_rank, _NormalHandle(buf, h, num_tokens, hidden, route, slot, serial, n))
         return out_x, None, None, listed, handle_out, event
 
     def combine(
@@ -623,15 +643,17 @@ class Buffer:
         mine = handle[5] if isinstance(handle, tuple) and len(handle) == 6 else None
         if not isinstance(mine, _NormalHandle):
             raise TypeError("combine: pass the handle the matching dispatch of this Buffer returned")
-        last_buf, last = self._last_normal
-        route = self._last_route
-        same_route = route is not None and route[0] is mine.route[0] and route[1:] == mine.route[1:]
-        if last is None or last_buf is not mine.buffer or (last is not mine.dispatch and not same_route):
-            # doorbell's combine reads the layout of the buffer's last dispatch; DeepEP keeps one
-            # per handle.
-            raise _not_yet("a combine with the handle of an earlier dispatch of another routing than the last", "step 3")
-        if last.num_tokens != mine.num_tokens:
-            raise ValueError(f"combine: the handle's dispatch had {mine.num_tokens} tokens, the last {last.num_tokens}")
+        slots = self._slots.get(id(mine.buffer))
+        if slots is None or not any(b is mine.buffer for b in self._normal.values()):
+            raise TypeError("combine: pass the handle a dispatch of this Buffer returned")
+        if not slots.holds(mine):
+            # Its receive slot was the adapter's own (every other one was held, so its results
+            # were copies) and a dispatch of another routing landed there since.
+            raise ValueError(
+                "combine: the handle's layout is gone: its dispatch's results were copies (every "
+                "receive slot was held), and a later dispatch of another routing took the slot; "
+                "drop results sooner or raise DOORBELL_DEEP_EP_RECEIVE_SLOTS"
+            )
         check_tensor("x", x, device=self._comm.device, dtypes="bfloat16", ndim=2)
         if mine.rows is not None and int(x.shape[0]) != mine.rows:
             # The kernel reads as many rows as the dispatch delivered.
@@ -639,8 +661,10 @@ class Buffer:
         import torch
 
         compute = self._begin(previous_event)
+        # The combine follows the layout kept in the handle's receive slot.
+        mine.buffer._native.set_receive_slot(mine.slot)
         with torch.cuda.stream(self._stream):
-            out, weights, _ = mine.buffer.combine(x, last, topk_weights=topk_weights)
+            out, weights, _ = mine.buffer.combine(x, mine.dispatch, topk_weights=topk_weights)
         event = self._finish(compute, async_finish, (x, out, weights, topk_weights))
         return out, weights, event
 
