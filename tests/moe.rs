@@ -804,12 +804,42 @@ fn high_throughput_across_nodes_in_every_posting_mode() {
 #[test]
 #[ignore = "needs GPU"]
 fn low_latency_across_nodes_in_every_posting_mode() {
+    let keep = keep_variant();
+    for (name, env) in ll_variants().into_iter().filter(|(name, _)| keep(name)) {
+        for n in rank_counts() {
+            eprintln!("{name}, {n} ranks");
+            run_case("low_latency", n, &env);
+        }
+    }
+}
+
+/// DeepEP's low-latency layout on the node-spanning path, in every variant of
+/// [`low_latency_across_nodes_in_every_posting_mode`]: the same checks as on one node (packed
+/// rows, FP8 casts and scales, ranges, counts, stats, the combine's weights), with the halves
+/// paired across two dispatches in flight and one combine in flight at a time.
+#[test]
+#[ignore = "needs GPU"]
+fn low_latency_in_deep_eps_layout_across_nodes_in_every_posting_mode() {
+    let keep = keep_variant();
+    for (name, env) in ll_variants().into_iter().filter(|(name, _)| keep(name)) {
+        for n in rank_counts() {
+            eprintln!("{name}, {n} ranks");
+            run_case("deep_ep_layout", n, &env);
+        }
+    }
+}
+
+/// The transports and posting modes the node-spanning low-latency tests run in: the emulated
+/// NIC delivering data writes out of order (`DOORBELL_IB_EMULATE_RELAXED`: a count read before
+/// its flush fails), ranks as separate nodes and as nodes of two, and the path on one node
+/// (`DOORBELL_MOE_NET`).
+fn ll_variants() -> Vec<(&'static str, Vec<(&'static str, &'static str)>)> {
     let sep = ("DOORBELL_SEPARATE_NODES", "1");
     let emu = ("DOORBELL_IB_EMULATE", "1");
     let relaxed = ("DOORBELL_IB_EMULATE_RELAXED", "8");
     let pair = ("DOORBELL_NODE_SIZE", "2");
     let posting = |p| ("DOORBELL_IB_POSTING", p);
-    let variants: Vec<(&str, Vec<(&str, &str)>)> = vec![
+    vec![
         ("NVLink only", vec![("DOORBELL_MOE_NET", "1")]),
         (
             "Ib, proxy posting",
@@ -837,14 +867,7 @@ fn low_latency_across_nodes_in_every_posting_mode() {
             "Ethernet, 2 ranks per node",
             vec![sep, pair, ("DOORBELL_IB_DISABLE", "1")],
         ),
-    ];
-    let keep = keep_variant();
-    for (name, env) in variants.into_iter().filter(|(name, _)| keep(name)) {
-        for n in rank_counts() {
-            eprintln!("{name}, {n} ranks");
-            run_case("low_latency", n, &env);
-        }
-    }
+    ]
 }
 
 const LL_MAX: usize = 160;
@@ -1544,6 +1567,24 @@ fn deep_ep_layout(comm: &Arc<Communicator>, s: &Arc<CudaStream>) {
         } else if round % 2 == 0 {
             // SAFETY: as above.
             unsafe { ll.combine_packed_raw(s, yp, &handle, ip, wp, mine.tokens, op) }.unwrap();
+        } else if ll.spans_nodes() {
+            // Across nodes one combine is in flight at a time: a second send half is refused by
+            // name before it launches; the halves run apart. The handle is the last dispatch
+            // received (round 3) or the one before it (round 1).
+            let handle2 = PackedHandle {
+                src_info: p(src2.device_ptr(s).0),
+                layout_range: p(range2.device_ptr(s).0),
+            };
+            // SAFETY: as above.
+            unsafe { ll.combine_packed_send_raw(s, yp, &handle, tk + 32) }.unwrap();
+            // SAFETY: as above; a refused call launches nothing.
+            let e = unsafe { ll.combine_packed_send_raw(s, yp, &handle2, tk + 48) }.unwrap_err();
+            assert!(
+                e.to_string().contains("one combine is in flight"),
+                "rank {me}: {e}"
+            );
+            // SAFETY: as above.
+            unsafe { ll.combine_packed_recv_raw(s, ip, wp, mine.tokens, op, tk + 32) }.unwrap();
         } else {
             // Two combines in flight (the second of the empty dispatch), received in send order
             // (round 1) or the other way round (round 3).

@@ -15,6 +15,7 @@
 // Every kernel's grid is at most one block per SM; only block 0 waits for peers, the others wait
 // for block 0, so the kernels make progress even when not all blocks are resident.
 #include <doorbell/doorbell.cuh>
+#include <doorbell/moe.cuh>  // moe_ll::cast_row_fp8 (DeepEP's cast, shared with the NVLink path)
 
 #include <cuda_bf16.h>
 
@@ -419,13 +420,15 @@ extern "C" __global__ void __launch_bounds__(256) moe_net_dispatch_send(MoeNetAr
   }
   if (last_block(&a.done[0]) && threadIdx.x == 0) {
     a.epochs[0] = epoch;
+    if (a.ticket != nullptr) a.ticket[0] = epoch;  // for this send's own receive half
     probe_max(a, 2);
   }
 }
 
 extern "C" __global__ void __launch_bounds__(512) moe_net_dispatch_recv(MoeNetArgs a) {
   moe_net::check_call(a);  // first: a peer in another call sends no counts to wait for
-  const uint64_t epoch = a.epochs[0];
+  // The send's epoch: its ticket's (two dispatches in flight), else the last send's.
+  const uint64_t epoch = a.ticket != nullptr ? *reinterpret_cast<volatile uint64_t*>(a.ticket) : a.epochs[0];
   const uint32_t half = uint32_t(epoch & 1);
   __shared__ Counts counts;
   wait_dispatch(a, epoch, counts);
@@ -445,6 +448,12 @@ extern "C" __global__ void __launch_bounds__(512) moe_net_dispatch_recv(MoeNetAr
     a.recv_count[le] = cut ? kCutCount : n;
   }
   for (uint32_t q = threadIdx.x; q < pairs; q += blockDim.x) rows[q] = 0;
+  if (threadIdx.x == 0 && (a.packed & kPacked) != 0) {
+    // DeepEP's layout: the epochs of the last two receives (moe_net_pack reads the last, a
+    // combine the one its handle names).
+    a.epochs[5] = a.epochs[4];
+    a.epochs[4] = epoch;
+  }
 }
 
 extern "C" __global__ void __launch_bounds__(512) moe_net_combine_send(MoeNetArgs a) {
@@ -481,6 +490,197 @@ extern "C" __global__ void __launch_bounds__(512) moe_net_combine_recv(MoeNetArg
     return;
   }
   for (uint64_t i = first; i < items; i += stride) moe_net::combine_chunk(a, uint32_t(i / chunks), uint32_t(i % chunks));
+}
+
+// ---- DeepEP's low-latency layout across nodes (MoeNetArgs's packed fields). ----
+// A dispatch: moe_net_packed_prep (a warp per token: the ids as i32, those outside the experts
+// as -1, and with FP8 the row cast once, DeepEP's cast, so e4m3 crosses), the send and receive
+// above, then moe_net_pack (each local expert's rows in source order from row 0, with their
+// source tokens, ranges and counts, the scales in DeepEP's column-major form).
+// A combine: moe_net_combine_send_packed (a warp per message of the handle's dispatch: each
+// selection's row of the experts' outputs, read at its packed place, goes back unweighted to
+// the token's rank, into its slot (token, k); NVLink stores, or staged and put), then
+// moe_net_combine_recv_packed (every token's slots times the combine's weights, f32 in top-k
+// order). A row per selection crosses back, as DeepEP's, since the weights are the combine's
+// and live on the token's side.
+
+// Most (local expert, source) pairs of a packed receive (two u32 of shared memory each);
+// checked on the host.
+constexpr uint32_t kMaxNetPackPairs = 4096;
+
+__device__ int32_t packed_id(const MoeNetArgs& a, uint64_t at) {
+  const int64_t e = (a.packed & kIds64) != 0 ? static_cast<const int64_t*>(a.in_ids)[at]
+                                             : int64_t(static_cast<const int32_t*>(a.in_ids)[at]);
+  return e >= 0 && e < int64_t(a.experts_per_rank) * a.world ? int32_t(e) : -1;
+}
+
+extern "C" __global__ void __launch_bounds__(512) moe_net_packed_prep(MoeNetArgs a) {
+  const uint32_t lane = threadIdx.x % kWarp, warps = gridDim.x * (blockDim.x / kWarp);
+  int32_t* ids = const_cast<int32_t*>(a.topk_idx);  // the exchange's own scratch, written here
+  for (uint32_t t = blockIdx.x * (blockDim.x / kWarp) + threadIdx.x / kWarp; t < a.num_tokens; t += warps) {
+    if (lane < a.topk) ids[uint64_t(t) * a.topk + lane] = packed_id(a, uint64_t(t) * a.topk + lane);
+    if (a.fp8) {
+      moe_ll::cast_row_fp8(reinterpret_cast<const int4*>(a.in_x) + uint64_t(t) * (a.hidden / 8),
+                   const_cast<uint8_t*>(a.x) + uint64_t(t) * a.hidden,
+                   const_cast<float*>(a.scales) + uint64_t(t) * (a.hidden / 128), a.hidden,
+                   (a.packed & kPackedRound) != 0, lane);
+    }
+  }
+}
+
+// Where the scale of group `g` of packed row (`le`, `pos`) goes (column-major, as DeepEP's).
+__device__ void store_net_scale(const MoeNetArgs& a, uint32_t le, uint32_t g, uint32_t pos, float scale_inv) {
+  const uint64_t cap = uint64_t(a.world) * a.max_tokens;
+  if (a.packed & kPackedUe8m0) {
+    uint8_t* s = static_cast<uint8_t*>(a.packed_scales);
+    s[((uint64_t(le) * (a.hidden / 512) + g / 4) * cap + pos) * 4 + g % 4] = uint8_t(__float_as_uint(scale_inv) >> 23);
+  } else {
+    static_cast<float*>(a.packed_scales)[(uint64_t(le) * (a.hidden / 128) + g) * cap + pos] = scale_inv;
+  }
+}
+
+// The receive in DeepEP's layout, after moe_net_dispatch_recv of the same call (which left the
+// per-(expert, source) rows in `layout`, and every count kCutCount when cut short): every block
+// takes each expert's ranges in source order; block 0 writes ranges, counts and stats; the warps
+// copy each received row to its packed place. Cut short: count -1, no ranges, rows all ones.
+extern "C" __global__ void __launch_bounds__(512) moe_net_pack(MoeNetArgs a) {
+  __shared__ uint32_t rows_of[kMaxNetPackPairs], begin_of[kMaxNetPackPairs];
+  const uint32_t half = uint32_t(a.epochs[4] & 1);
+  const uint32_t world = a.world, local = a.experts_per_rank, pairs = local * world, cap = world * a.max_tokens;
+  const bool cut = a.recv_count[0] == kCutCount;
+  for (uint32_t q = threadIdx.x; q < pairs; q += blockDim.x) rows_of[q] = cut ? 0u : min(a.layout[q], a.max_tokens);
+  __syncthreads();
+  for (uint32_t le = threadIdx.x; le < local; le += blockDim.x) {
+    uint32_t n = 0;
+    for (uint32_t src = 0; src < world; ++src) {
+      begin_of[le * world + src] = n;
+      n += rows_of[le * world + src];
+    }
+    if (blockIdx.x == 0) {
+      a.packed_count[le] = cut ? -1 : int32_t(n);
+      if (!cut && a.packed_stats != nullptr) a.packed_stats[le] += int32_t(n);
+    }
+  }
+  __syncthreads();
+  if (blockIdx.x == 0) {
+    for (uint32_t q = threadIdx.x; q < pairs; q += blockDim.x) {
+      a.packed_range[q] = cut ? 0 : int64_t((uint64_t(begin_of[q]) << 32) | rows_of[q]);
+    }
+  }
+  const uint32_t lane = threadIdx.x % kWarp, warps = gridDim.x * (blockDim.x / kWarp);
+  const bool fp8 = (a.packed & kPackedFp8) != 0;
+  const uint64_t row_bytes = fp8 ? uint64_t(a.hidden) : uint64_t(a.hidden) * 2;
+  const uint64_t rows = uint64_t(local) * world * a.max_tokens;
+  const uint8_t* from_half = a.recv_x + uint64_t(half) * rows * a.hidden * 2;
+  for (uint64_t p = blockIdx.x * (blockDim.x / kWarp) + threadIdx.x / kWarp; p < uint64_t(local) * cap; p += warps) {
+    const uint32_t le = uint32_t(p / cap), i = uint32_t(p % cap);
+    uint8_t* dst = a.packed_x + p * row_bytes;
+    if (cut) {
+      for (uint64_t w = lane; w < row_bytes / 16; w += kWarp) reinterpret_cast<int4*>(dst)[w] = make_int4(-1, -1, -1, -1);
+      if (fp8) {
+        for (uint32_t g = lane; g < a.hidden / 128; g += kWarp) store_net_scale(a, le, g, i, __uint_as_float(~0u));
+      }
+      continue;
+    }
+    int32_t src = -1;
+    for (uint32_t base = 0; base < world && src < 0; base += kWarp) {  // the source holding position i
+      const uint32_t s = base + lane;
+      const bool hit = s < world && i >= begin_of[le * world + s] && i - begin_of[le * world + s] < rows_of[le * world + s];
+      const uint32_t m = __ballot_sync(0xffffffffu, hit);
+      if (m != 0) src = int32_t(base + __ffs(m) - 1);
+    }
+    if (src < 0) continue;  // past the expert's rows
+    const uint64_t at = moe_net::row_index(a, half, le, uint32_t(src), i - begin_of[le * world + src]);
+    if (lane == 0) a.packed_src[p] = a.recv_src[at];
+    const int4* row = reinterpret_cast<const int4*>(from_half + (at % rows) * row_bytes);
+    copy_words_batched<int4, 8>(reinterpret_cast<int4*>(dst), row, row_bytes / 16, lane, kWarp);
+    if (fp8) {
+      const float* scales = a.recv_scales + at * (a.hidden / 128);
+      for (uint32_t g = lane; g < a.hidden / 128; g += kWarp) store_net_scale(a, le, g, i, scales[g]);
+    }
+  }
+}
+
+// Combine send in DeepEP's layout for message j from `src` of the dispatch in half `half`: each
+// selection here returns its row of the experts' outputs (`y [local expert][cap][hidden]` at
+// the packed place the handle's ranges give) unweighted to slot (token, k) of `src`'s partial
+// rows: NVLink stores, or staged at (src, j, k) and put. One warp.
+__device__ void send_selections(const MoeNetArgs& a, uint32_t half, uint32_t src, uint32_t j, uint32_t lane) {
+  const uint32_t t = uint32_t(reinterpret_cast<const int32_t*>(a.area + moe_net::wire_offset(a, half, src, j))[0]);
+  const int32_t mine = lane < a.topk ? *moe_net::rec_entry(a, half, src, j, lane) : -1;
+  const uint32_t mask = __ballot_sync(0xffffffffu, mine >= 0);
+  if (mask == 0 || t >= a.max_tokens) return;
+  const uint64_t rows = uint64_t(a.experts_per_rank) * a.world * a.max_tokens, cap = uint64_t(a.world) * a.max_tokens;
+  const uint32_t words = a.hidden / 8;
+  const uint64_t mapped = a.peer_area[src];
+  const int4* y = reinterpret_cast<const int4*>(a.y);
+  for (uint32_t bits = mask; bits != 0; bits &= bits - 1) {
+    const uint32_t k = __ffs(bits) - 1;
+    const uint64_t r = uint64_t(uint32_t(__shfl_sync(0xffffffffu, mine, k))) % rows;
+    const uint32_t i = uint32_t(r % a.max_tokens), le = uint32_t(r / a.max_tokens / a.world);
+    const uint64_t pos = uint64_t(uint32_t(uint64_t(a.packed_range[le * a.world + src]) >> 32)) + i;
+    if (pos >= cap) {  // not the ranges of this dispatch
+      if (lane == 0) report_failure(a.sites[a.rank], kWaitBadInput, cap, pos, 0);
+      continue;
+    }
+    const uint64_t slot = uint64_t(t) * a.topk + k;
+    const uint64_t staged = (uint64_t(src) * a.max_tokens + j) * a.topk + k;
+    int4* dst = mapped != 0 ? reinterpret_cast<int4*>(mapped + a.off_part) + slot * words
+                            : reinterpret_cast<int4*>(a.stage + a.stage_part) + staged * words;
+    copy_words_batched<int4, 8>(dst, y + (uint64_t(le) * cap + pos) * words, words, lane, kWarp);
+    if (mapped == 0) {
+      __syncwarp();
+      if (lane == 0) {
+        __threadfence_system();
+        moe_net::channel(a, src).put(a.off_part + slot * words * 16, a.stage_part + staged * words * 16,
+                                     uint64_t(words) * 16);
+      }
+    }
+  }
+}
+
+extern "C" __global__ void __launch_bounds__(512) moe_net_combine_send_packed(MoeNetArgs a) {
+  moe_net::announce_nvlink(a, 1);  // network peers: in combine_sent, before their signal
+  const uint32_t half = uint32_t(a.epochs[4 + (a.back & 1)] & 1);
+  const uint64_t call = a.epochs[1] + 1;
+  __shared__ Counts counts;
+  if (threadIdx.x == 0) {
+    uint32_t total = 0;
+    for (uint32_t src = 0; src < a.world; ++src) {
+      counts.n[src] = a.msgs[half * a.world + src];
+      total += counts.n[src];
+    }
+    counts.total = total;
+  }
+  __syncthreads();
+  const uint32_t lane = threadIdx.x % kWarp;
+  for_each_message(a, counts, [&](uint32_t src, uint32_t j) { send_selections(a, half, src, j, lane); });
+  combine_sent(a, call);
+}
+
+// Combine receive in DeepEP's layout: out[t] = sum over k of topk_weights[t, k] x slot (t, k),
+// f32 in top-k order, ids outside the experts adding nothing. Cut short: all ones.
+extern "C" __global__ void __launch_bounds__(512) moe_net_combine_recv_packed(MoeNetArgs a) {
+  moe_net::check_call(a);
+  const bool in = wait_combine(a, a.epochs[1]);
+  const uint32_t words = a.hidden / 8;
+  const uint64_t items = uint64_t(a.num_tokens) * words;
+  const uint64_t first = blockIdx.x * blockDim.x + threadIdx.x, stride = uint64_t(gridDim.x) * blockDim.x;
+  int4* out = reinterpret_cast<int4*>(a.out);
+  const int4* part = reinterpret_cast<const int4*>(a.area + a.off_part);
+  for (uint64_t q = first; q < items; q += stride) {
+    if (!in) {
+      out[q] = make_int4(-1, -1, -1, -1);
+      continue;
+    }
+    const uint64_t t = q / words, c = q % words;
+    float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    for (uint32_t k = 0; k < a.topk; ++k) {
+      if (packed_id(a, t * a.topk + k) < 0) continue;
+      fma_bf16x8(acc, a.topk_weights[t * a.topk + k], part[(t * a.topk + k) * words + c]);
+    }
+    out[q] = to_bf16x8(acc);
+  }
 }
 
 // ---- High throughput (prefill) across nodes, DeepEP's hierarchical scheme (MoeHtArgs). ----

@@ -299,6 +299,17 @@ int main() {
   FIELD(MoeNetArgs, call_word);
   FIELD(MoeNetArgs, off_inbox);
   FIELD(MoeNetArgs, stage_words);
+  FIELD(MoeNetArgs, packed_x);
+  FIELD(MoeNetArgs, packed_scales);
+  FIELD(MoeNetArgs, packed_src);
+  FIELD(MoeNetArgs, packed_range);
+  FIELD(MoeNetArgs, packed_count);
+  FIELD(MoeNetArgs, packed_stats);
+  FIELD(MoeNetArgs, ticket);
+  FIELD(MoeNetArgs, in_x);
+  FIELD(MoeNetArgs, in_ids);
+  FIELD(MoeNetArgs, packed);
+  FIELD(MoeNetArgs, back);
 
   STRUCT(MoeHtArgs);
   FIELD(MoeHtArgs, nodes);

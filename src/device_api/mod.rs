@@ -586,6 +586,17 @@ pub struct MoeNetArgs {
     pub call_word: u64,
     pub off_inbox: u64,
     pub stage_words: u64,
+    pub packed_x: u64,
+    pub packed_scales: u64,
+    pub packed_src: u64,
+    pub packed_range: u64,
+    pub packed_count: u64,
+    pub packed_stats: u64,
+    pub ticket: u64,
+    pub in_x: u64,
+    pub in_ids: u64,
+    pub packed: u32,
+    pub back: u32,
 }
 
 /// The high-throughput node-spanning MoE kernels' own arguments (`collective_args.cuh`).

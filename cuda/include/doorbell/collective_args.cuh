@@ -291,8 +291,9 @@ struct MoeNetArgs {
                                 //   rows received, this call
   uint32_t* done;               // mine: [4] blocks finished: dispatch send, dispatch receive,
                                 //   combine send; zero
-  uint64_t* epochs;             // mine: [4] dispatch epoch, combine calls, dispatch and combine
-                                //   receive "counts are in" words
+  uint64_t* epochs;             // mine: [6] dispatch epoch, combine calls, dispatch and combine
+                                //   receive "counts are in" words, then (DeepEP's layout) the
+                                //   epochs of the last two receives, newest first
   uint32_t* layout;             // mine: [local expert][source] rows received
   uint32_t* recv_count;         // mine: [local expert] rows received
   uint32_t* list;               // mine: [world][max_tokens] the token of each message to a peer on
@@ -312,8 +313,22 @@ struct MoeNetArgs {
   uint64_t call_word;
   uint64_t off_inbox;
   uint64_t stage_words;
+  // DeepEP's low-latency layout across nodes (moe_net.cu: moe_net_packed_prep, moe_net_pack,
+  // moe_net_combine_send_packed, moe_net_combine_recv_packed). The packed outputs as MoeLlArgs's
+  // (same meanings), then:
+  uint8_t* packed_x;
+  void* packed_scales;
+  int32_t* packed_src;
+  int64_t* packed_range;        // dispatch: written; combine send: the handle's, read
+  int32_t* packed_count;
+  int32_t* packed_stats;
+  uint64_t* ticket;             // null, or [2]: the send leaves its epoch in [0] for its receive half
+  const uint16_t* in_x;         // prep: the caller's bf16 rows [num_tokens, hidden]
+  const void* in_ids;           // prep and combine receive: the caller's top-k ids (i32, or i64 with kIds64)
+  uint32_t packed;              // kPacked | kPackedFp8 | kPackedRound | kPackedUe8m0 | kIds64, or 0
+  uint32_t back;                // combine send: whose rows, 0 the last packed receive, 1 the one before
 };
-DOORBELL_CHECK_SIZE(MoeNetArgs, 312);
+DOORBELL_CHECK_SIZE(MoeNetArgs, 392);
 
 // The high-throughput node-spanning MoE exchange's own arguments (cuda/kernels/moe_net.cu, beside
 // MoeNetArgs): a token crosses the network once per destination node, to the rank of that node

@@ -172,7 +172,8 @@ DOORBELL_DEVICE_INLINE HeaderLane load_header_lane(const MoeNetArgs& a, uint32_t
   HeaderLane v{0, 0.0f};
   if (lane < a.topk) {
     v.id = a.topk_idx[uint64_t(t) * a.topk + lane];
-    v.weight = a.topk_weights[uint64_t(t) * a.topk + lane];
+    // No weights (DeepEP's layout: the combine takes them) travel as zeros.
+    v.weight = a.topk_weights != nullptr ? a.topk_weights[uint64_t(t) * a.topk + lane] : 0.0f;
   }
   return v;
 }

@@ -85,6 +85,8 @@ impl HtNet {
                 counts: nodes * chunks * 16,
                 fill_extra: 0,
                 credits: true,
+                part_rows: world * cfg.max_tokens,
+                stage_part_rows: world * cfg.max_tokens,
             },
         )?;
         // The node's own communicator and NVLink dispatcher, fed nodes x max_tokens slots.

@@ -14,9 +14,11 @@
 
 use super::net_area::{message_bytes, LandingShape, NetLanding};
 use super::path::LowLatencyPath;
-use super::shared::{launch, FusedSend, LowLatencyResults, MoeConfig};
+use super::shared::{
+    launch, FusedSend, LowLatencyResults, MoeConfig, PackedCombine, PackedOutputs,
+};
 use crate::communicator::Communicator;
-use crate::device_api::MoeNetArgs;
+use crate::device_api::{packed, MoeNetArgs};
 use crate::error::{Error, Result};
 use crate::gpu::cuda::cuda_err;
 use crate::gpu::signature::{self, CallChecker, CallKind};
@@ -28,12 +30,28 @@ use std::sync::{Arc, Mutex};
 /// its own word in `staged`.
 const STAGE_PARTS: usize = 8;
 
+/// Most (local expert, source) pairs of DeepEP's layout across nodes (`kMaxNetPackPairs` in
+/// `moe_net.cu`: the pack kernel keeps each pair's range in shared memory).
+const MAX_PACK_PAIRS: usize = 4096;
+
+/// DeepEP's layout across nodes: what its calls keep on the host to pair halves and handles.
+#[derive(Default)]
+struct PackedLog {
+    /// The last packed sends, newest last: `(ticket, send ordinal, call word, FP8)`.
+    sends: std::collections::VecDeque<(u64, u64, u64, bool)>,
+    /// The last two packed receives, newest first: `(layout_range address, send ordinal)`;
+    /// the device keeps their epochs in the same order (`epochs[4..6]`).
+    received: std::collections::VecDeque<(u64, u64)>,
+    /// A combine's send half ran and its receive half has not.
+    combine_in_flight: bool,
+}
+
 /// Node-spanning low-latency MoE state. Collective to build and to call.
 pub(super) struct LlNet {
     landing: NetLanding,
     comm: Arc<Communicator>,
     base: MoeNetArgs,
-    kernels: [CudaFunction; 4],
+    kernels: [CudaFunction; 8],
     dispatches: AtomicU64,
     /// topk_idx and token count of the last dispatch (the combine needs them).
     last: Mutex<(u64, u32)>,
@@ -43,12 +61,27 @@ pub(super) struct LlNet {
     /// the last dispatch and the last combine, for their receive halves.
     calls: CallChecker,
     words: Mutex<(u64, u64)>,
+    /// DeepEP's layout (`MoeConfig::with_deep_ep_layout`): the scratch each send's prep kernel
+    /// writes (two sets, taken by send parity: `[rows e4m3, scales f32, ids i32]` addresses),
+    /// and the host's log of packed calls.
+    prep: Option<[[u64; 3]; 2]>,
+    packed: Mutex<PackedLog>,
 }
 
 impl LlNet {
     pub(super) fn new(comm: &Arc<Communicator>, cfg: &MoeConfig) -> Result<LlNet> {
         let world = comm.world_size();
         let local = cfg.num_experts / world.max(1);
+        if cfg.deep_ep_layout && local * world > MAX_PACK_PAIRS {
+            return Err(Error::invalid(
+                "config",
+                format!(
+                    "DeepEP's layout across nodes takes at most {MAX_PACK_PAIRS} (local expert, \
+                     rank) pairs; {local} experts a rank at {world} ranks are {}",
+                    local * world
+                ),
+            ));
+        }
         let landing = NetLanding::new(
             comm,
             cfg,
@@ -57,6 +90,16 @@ impl LlNet {
                 counts: 2 * world * 8,
                 fill_extra: local * world,
                 credits: false,
+                // DeepEP's layout returns a row per selection: slot (token, k) here, staged at
+                // (source, message, k) for a network peer.
+                part_rows: if cfg.deep_ep_layout {
+                    world.max(cfg.topk) * cfg.max_tokens
+                } else {
+                    world * cfg.max_tokens
+                },
+                stage_part_rows: world
+                    * cfg.max_tokens
+                    * if cfg.deep_ep_layout { cfg.topk } else { 1 },
             },
         )?;
         let gpu = comm.gpu().clone();
@@ -67,7 +110,7 @@ impl LlNet {
                 .alloc_zeros::<u8>(bytes.max(16))
                 .map_err(cuda_err("cuMemAlloc"))
         };
-        let device = vec![
+        let mut device = vec![
             alloc(rows * cfg.hidden * 2)?,                         // 0 y
             alloc(2 * rows * cfg.hidden * 2)?,                     // 1 recv_x
             alloc(2 * rows * 4)?,                                  // 2 recv_src
@@ -80,7 +123,18 @@ impl LlNet {
             alloc(world * 4)?,                                     // 9 arrived
             alloc(cfg.max_tokens.div_ceil(32) * STAGE_PARTS * 8)?, // 10 staged
         ];
+        if cfg.deep_ep_layout {
+            // 11-16: the prep kernel's scratch, two sets (rows e4m3, scales, ids).
+            for _ in 0..2 {
+                device.push(alloc(cfg.max_tokens * cfg.hidden)?);
+                device.push(alloc(cfg.max_tokens * (cfg.hidden / 128).max(1) * 4)?);
+                device.push(alloc(cfg.max_tokens * cfg.topk * 4)?);
+            }
+        }
         let p = |i: usize| device[i].device_ptr(&stream).0;
+        let prep = cfg
+            .deep_ep_layout
+            .then(|| [[p(11), p(12), p(13)], [p(14), p(15), p(16)]]);
         let base = MoeNetArgs {
             y: p(0),
             recv_x: p(1),
@@ -104,6 +158,10 @@ impl LlNet {
             k("moe_net_dispatch_recv")?,
             k("moe_net_combine_send")?,
             k("moe_net_combine_recv")?,
+            k("moe_net_packed_prep")?,
+            k("moe_net_pack")?,
+            k("moe_net_combine_send_packed")?,
+            k("moe_net_combine_recv_packed")?,
         ];
         comm.bootstrap().barrier()?;
         Ok(LlNet {
@@ -118,6 +176,8 @@ impl LlNet {
             // The words travel to each peer\'s inbox in its area, not mapped ones.
             calls: crate::collectives::channel_call_checker(comm)?,
             words: Mutex::new((0, 0)),
+            prep,
+            packed: Mutex::new(PackedLog::default()),
         })
     }
 
@@ -134,18 +194,21 @@ impl LlNet {
     }
 
     fn launch(&self, stream: &CudaStream, k: usize, args: &MoeNetArgs) -> Result<()> {
+        self.launch_on(stream, k, self.landing.blocks, args)
+    }
+
+    fn launch_on(
+        &self,
+        stream: &CudaStream,
+        k: usize,
+        blocks: u32,
+        args: &MoeNetArgs,
+    ) -> Result<()> {
         self.landing.proxy_alive()?;
         // The send (task-parallel, moe_net_dispatch_send) runs 256 threads a block: more registers per
         // thread for its posting paths; the others 512.
         let threads = if k == 0 { 256 } else { 512 };
-        launch(
-            &self.comm,
-            &self.kernels[k],
-            stream,
-            self.landing.blocks,
-            threads,
-            args,
-        )
+        launch(&self.comm, &self.kernels[k], stream, blocks, threads, args)
     }
 
     /// Checks a dispatch's inputs, counts it, and returns its send arguments (`graph`: the
@@ -201,6 +264,84 @@ impl LlNet {
     /// Dispatches issued from the host so far.
     fn dispatches(&self) -> u64 {
         self.dispatches.load(Ordering::Relaxed)
+    }
+}
+
+impl LlNet {
+    /// DeepEP's layout was built (`MoeConfig::with_deep_ep_layout`): the prep kernel's scratch.
+    fn prep(&self) -> Result<&[[u64; 3]; 2]> {
+        self.prep.as_ref().ok_or_else(|| {
+            Error::invalid(
+                "DeepEP's low-latency layout",
+                "build the MoeLowLatency with MoeConfig::with_deep_ep_layout(true)",
+            )
+        })
+    }
+
+    fn log(&self) -> std::sync::MutexGuard<'_, PackedLog> {
+        self.packed.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// DeepEP's layout, the receive half: the send of `out`'s ticket (else the last), then the
+    /// pack into `out`.
+    fn packed_recv(&self, stream: &CudaStream, out: &PackedOutputs, bits: u32) -> Result<()> {
+        let (ordinal, word) = {
+            let log = self.log();
+            let sent = if out.ticket != 0 {
+                log.sends.iter().rev().find(|s| s.0 == out.ticket)
+            } else {
+                log.sends.back()
+            };
+            let Some(&(_, ordinal, word, fp8)) = sent else {
+                return Err(Error::invalid(
+                    "dispatch receive",
+                    "no send in DeepEP's layout to receive (give the ticket its send was given)",
+                ));
+            };
+            if fp8 != (out.scales != 0) {
+                return Err(Error::invalid(
+                    "dispatch receive",
+                    format!(
+                        "its send wrote {} rows; give the receive half the same outputs ({})",
+                        if fp8 { "FP8" } else { "bf16" },
+                        if fp8 { "with scales" } else { "without scales" }
+                    ),
+                ));
+            }
+            // A send older than the last is received unchecked: its call word's inbox slot may
+            // hold a later call's by now (the waits still bound it).
+            let newest = log.sends.back().is_some_and(|s| s.1 == ordinal);
+            (ordinal, if newest { word } else { 0 })
+        };
+        if self.dispatches() - ordinal >= 2 {
+            return Err(Error::invalid(
+                "dispatch receive",
+                "two later dispatches were sent since its send, so its rows were overwritten: \
+                 at most two dispatches in flight",
+            ));
+        }
+        let recv = MoeNetArgs {
+            call_word: word,
+            ticket: out.ticket,
+            packed: packed::PACKED,
+            ..self.base
+        };
+        self.launch(stream, 1, &recv)?;
+        let pack = MoeNetArgs {
+            packed_x: out.x,
+            packed_scales: out.scales,
+            packed_src: out.src_info,
+            packed_range: out.layout_range,
+            packed_count: out.count,
+            packed_stats: out.stats,
+            packed: bits,
+            ..self.base
+        };
+        self.launch(stream, 5, &pack)?;
+        let mut log = self.log();
+        log.received.push_front((out.layout_range, ordinal));
+        log.received.truncate(2);
+        Ok(())
     }
 }
 
@@ -325,5 +466,169 @@ impl LowLatencyPath for LlNet {
         self.combine_send(stream)?;
         // SAFETY: as the trait's contract says.
         unsafe { self.combine_recv(stream, out) }
+    }
+
+    /// DeepEP's layout across nodes: the prep kernel (ids as i32, FP8 cast once, as on one
+    /// node), the node-spanning send with no weights, and unless `send_only` the receive half.
+    unsafe fn dispatch_packed(
+        &self,
+        stream: &CudaStream,
+        x: u64,
+        topk_idx: u64,
+        num_tokens: usize,
+        out: &PackedOutputs,
+        send_only: bool,
+    ) -> Result<()> {
+        let prep = *self.prep()?;
+        let bits = out.bits(self.base.hidden as usize)?;
+        let max = self.base.max_tokens as usize;
+        let id_align = if out.ids_i64 { 8 } else { 4 };
+        if num_tokens > max
+            || x % 16 != 0
+            || topk_idx % id_align != 0
+            || (num_tokens > 0 && (x == 0 || topk_idx == 0))
+        {
+            return Err(Error::invalid(
+                "dispatch",
+                format!(
+                    "{num_tokens} tokens (at most {max}), x 16-byte and topk_idx {id_align}-byte \
+                     aligned"
+                ),
+            ));
+        }
+        let fp8 = out.scales != 0;
+        let [rows, scales, ids] = prep[(self.dispatches() % 2) as usize];
+        let tokens_blocks = (num_tokens.div_ceil(16) as u32).clamp(1, self.landing.blocks);
+        let prep_args = MoeNetArgs {
+            in_x: x,
+            in_ids: topk_idx,
+            x: rows,
+            scales,
+            topk_idx: ids,
+            fp8: u32::from(fp8),
+            num_tokens: num_tokens as u32,
+            packed: bits,
+            ..self.base
+        };
+        self.launch_on(stream, 4, tokens_blocks, &prep_args)?;
+        let graph = signature::capturing(stream);
+        let (sx, ss) = if fp8 { (rows, scales) } else { (x, 0) };
+        let send = MoeNetArgs {
+            ticket: out.ticket,
+            ..self.prepare_send(sx, ss, ids, 0, num_tokens, graph)?
+        };
+        self.send(stream, &send)?;
+        {
+            let mut log = self.log();
+            if log.sends.len() == 8 {
+                log.sends.pop_front();
+            }
+            log.sends
+                .push_back((out.ticket, self.dispatches(), send.call_word, fp8));
+        }
+        if send_only {
+            return Ok(());
+        }
+        self.packed_recv(stream, out, bits)
+    }
+
+    unsafe fn dispatch_packed_recv(&self, stream: &CudaStream, out: &PackedOutputs) -> Result<()> {
+        self.prep()?;
+        let bits = out.bits(self.base.hidden as usize)?;
+        self.packed_recv(stream, out, bits)
+    }
+
+    /// DeepEP's layout across nodes: the send half returns a row per selection of the handle's
+    /// dispatch (one of the last two received, its rows not yet overwritten); the receive half
+    /// applies the combine's weights. One combine in flight at a time.
+    unsafe fn combine_packed(&self, stream: &CudaStream, call: &PackedCombine) -> Result<()> {
+        self.prep()?;
+        let mut send_args = None;
+        if let Some((y, h)) = call.send {
+            if y % 16 != 0 || y == 0 || h.layout_range % 8 != 0 || h.layout_range == 0 {
+                return Err(Error::invalid(
+                    "combine",
+                    "x 16-byte aligned, the handle's layout_range 8-byte",
+                ));
+            }
+            let log = self.log();
+            if log.combine_in_flight {
+                return Err(Error::invalid(
+                    "combine",
+                    "across nodes one combine is in flight at a time: run the last combine's \
+                     receive half (its hook) first",
+                ));
+            }
+            let Some(back) = log.received.iter().position(|r| r.0 == h.layout_range) else {
+                return Err(Error::invalid(
+                    "combine",
+                    "across nodes a combine takes the handle of one of the last two dispatches \
+                     this rank received (this one is older, or not a dispatch's)",
+                ));
+            };
+            if self.dispatches() - log.received[back].1 >= 2 {
+                return Err(Error::invalid(
+                    "combine",
+                    "two dispatches were sent after the handle's, so its rows are gone: combine \
+                     it before the second dispatch after it",
+                ));
+            }
+            send_args = Some(MoeNetArgs {
+                y,
+                packed_range: h.layout_range,
+                back: back as u32,
+                ..self.base
+            });
+        }
+        let mut recv_args = None;
+        if let Some((topk_idx, topk_weights, num_tokens, out)) = call.recv {
+            let max = self.base.max_tokens as usize;
+            let id_align = if call.ids_i64 { 8 } else { 4 };
+            if num_tokens > max
+                || topk_idx % id_align != 0
+                || topk_weights % 4 != 0
+                || out % 16 != 0
+                || (num_tokens > 0 && (topk_idx == 0 || topk_weights == 0 || out == 0))
+            {
+                return Err(Error::invalid(
+                    "combine",
+                    format!(
+                        "{num_tokens} tokens (at most {max}), topk_idx {id_align}-byte, \
+                         topk_weights 4-byte and out 16-byte aligned"
+                    ),
+                ));
+            }
+            if send_args.is_none() && !self.log().combine_in_flight {
+                return Err(Error::invalid(
+                    "combine receive",
+                    "no combine's send half is waiting for it",
+                ));
+            }
+            recv_args = Some(MoeNetArgs {
+                in_ids: topk_idx,
+                topk_weights,
+                num_tokens: num_tokens as u32,
+                out,
+                packed: packed::PACKED | if call.ids_i64 { packed::IDS64 } else { 0 },
+                ..self.base
+            });
+        }
+        if let Some(args) = send_args {
+            let args = MoeNetArgs {
+                call_word: self.next_word(CallKind::MoeLlCombine, signature::capturing(stream)),
+                ..args
+            };
+            self.launch(stream, 6, &args)?;
+            self.log().combine_in_flight = true;
+        }
+        if let Some(args) = recv_args {
+            let args = MoeNetArgs {
+                call_word: self.words.lock().unwrap_or_else(|p| p.into_inner()).1,
+                ..args
+            };
+            self.launch(stream, 7, &args)?;
+            self.log().combine_in_flight = false;
+        }
+        Ok(())
     }
 }

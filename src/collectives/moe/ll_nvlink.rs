@@ -479,60 +479,7 @@ impl LlNvlink {
         args: crate::device_api::MoeLlArgs,
         out: &PackedOutputs,
     ) -> Result<crate::device_api::MoeLlArgs> {
-        let hidden = self.cfg.hidden;
-        let fp8 = out.scales != 0;
-        let aligned = out.x % 16 == 0
-            && out.x != 0
-            && out.src_info % 4 == 0
-            && out.src_info != 0
-            && out.layout_range % 8 == 0
-            && out.layout_range != 0
-            && out.count % 4 == 0
-            && out.count != 0
-            && out.stats % 4 == 0
-            && out.ticket % 8 == 0
-            && out.scales % 4 == 0;
-        if !aligned {
-            return Err(Error::invalid(
-                "packed outputs",
-                "x 16-byte aligned, src_info, count, stats and scales 4-byte, layout_range and \
-                 ticket 8-byte; x, src_info, layout_range and count given",
-            ));
-        }
-        if (out.round_scale || out.ue8m0) && !fp8 {
-            return Err(Error::invalid(
-                "packed outputs",
-                "round_scale and ue8m0 are for FP8 rows (give scales)",
-            ));
-        }
-        if fp8 && hidden % 128 != 0 {
-            return Err(Error::invalid(
-                "packed outputs",
-                format!("FP8 rows need a hidden size a multiple of 128 (it is {hidden})"),
-            ));
-        }
-        if out.ue8m0 && (!out.round_scale || hidden % 512 != 0) {
-            return Err(Error::invalid(
-                "packed outputs",
-                format!(
-                    "ue8m0 scales need round_scale and a hidden size a multiple of 512 (it is \
-                     {hidden})"
-                ),
-            ));
-        }
-        let mut bits = packed::PACKED;
-        if fp8 {
-            bits |= packed::FP8;
-        }
-        if out.round_scale {
-            bits |= packed::ROUND;
-        }
-        if out.ue8m0 {
-            bits |= packed::UE8M0;
-        }
-        if out.ids_i64 {
-            bits |= packed::IDS64;
-        }
+        let bits = out.bits(self.cfg.hidden)?;
         Ok(crate::device_api::MoeLlArgs {
             packed_x: out.x,
             packed_scales: out.scales,

@@ -657,12 +657,16 @@ impl MoeLowLatency {
         self.world
     }
 
-    /// DeepEP's low-latency dispatch (built with [`MoeConfig::with_deep_ep_layout`]; NVLink path),
-    /// both halves in one kernel: `x [num_tokens, hidden]` bf16 goes to the ranks of its
-    /// `topk_idx [num_tokens, topk]` i32 experts (-1: none), and `out` receives this rank's
-    /// rows packed per local expert, source rank 0's first, with their source tokens, ranges and
-    /// counts (see [`PackedOutputs`]), cast to e4m3 when `out` asks. No weights travel: the
-    /// combine takes them.
+    /// DeepEP's low-latency dispatch (built with [`MoeConfig::with_deep_ep_layout`]), both
+    /// halves: `x [num_tokens, hidden]` bf16 goes to the ranks of its `topk_idx [num_tokens,
+    /// topk]` i32 experts (-1: none), and `out` receives this rank's rows packed per local
+    /// expert, source rank 0's first, with their source tokens, ranges and counts (see
+    /// [`PackedOutputs`]), cast to e4m3 when `out` asks. No weights travel: the combine takes
+    /// them. On one node one kernel; across nodes (or with `DOORBELL_MOE_NET`) a prep kernel
+    /// (ids, the FP8 cast once per token, so e4m3 crosses), the node-spanning send and
+    /// receive, and a pack kernel; there a combine takes the handle of one of the last two
+    /// dispatches received, and one combine is in flight at a time (both refused by name
+    /// otherwise).
     ///
     /// # Safety
     /// `x` holds `num_tokens * hidden` bf16 (16-byte aligned), `topk_idx` `num_tokens * topk`

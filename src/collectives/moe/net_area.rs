@@ -37,6 +37,11 @@ pub(super) struct LandingShape {
     pub fill_extra: usize,
     /// A second set of PortChannels for credit signals (high throughput).
     pub credits: bool,
+    /// Rows (hidden bf16) of the area's partial-row region and of the staging area's: the
+    /// combine's returns and what is staged for network peers (`world x max_tokens` each for
+    /// doorbell's layout; DeepEP's layout returns a row per selection).
+    pub part_rows: usize,
+    pub stage_part_rows: usize,
 }
 
 /// The memory and channels both node-spanning MoE paths share: this rank's area (registered with
@@ -100,14 +105,14 @@ impl NetLanding {
         // The area: messages, counts, partial rows, combine words (collective_args.cuh).
         let off_counts = section(shape.messages);
         let off_part = off_counts + section(shape.counts.max(2 * world * 8));
-        let off_cdone = off_part + section(world * cfg.max_tokens * row_out);
+        let off_cdone = off_part + section(shape.part_rows * row_out);
         let off_inbox = off_cdone + section(world * 8);
         let area_bytes = off_inbox + section(INBOX_WORDS * 8);
         // The staging area: messages by token (two halves), counts, partial rows for remote
         // sources.
         let stage_counts = section(2 * cfg.max_tokens * msg);
         let stage_part = stage_counts + section(shape.counts.max(2 * world * 8));
-        let stage_words = stage_part + section(world * cfg.max_tokens * row_out);
+        let stage_words = stage_part + section(shape.stage_part_rows * row_out);
         let stage_bytes = stage_words + section(16);
         let area = comm.alloc(area_bytes)?;
         let area_reg = comm.register(&area)?;
@@ -152,7 +157,7 @@ impl NetLanding {
             alloc(2 * world * 4)?,                     // 3 msgs
             alloc((world + shape.fill_extra) * 4)?,    // 4 fill
             alloc(16)?,                                // 5 done
-            alloc(32)?,                                // 6 epochs
+            alloc(48)?,                                // 6 epochs
         ];
         if shape.credits {
             device.push(upload(bytemuck::cast_slice(&handles_of(&channels[1])))?);

@@ -171,46 +171,27 @@ pub(super) trait LowLatencyPath: Send + Sync {
     /// As [`super::MoeLowLatency::combine`].
     unsafe fn combine(&self, stream: &CudaStream, out: u64) -> Result<()>;
     /// DeepEP's layout: both halves, or with `send_only` the send half (which writes only `out`'s
-    /// ticket). The NVLink path only.
+    /// ticket).
     ///
     /// # Safety
     /// As [`super::MoeLowLatency::dispatch_packed_raw`].
     unsafe fn dispatch_packed(
         &self,
-        _stream: &CudaStream,
-        _x: u64,
-        _topk_idx: u64,
-        _num_tokens: usize,
-        _out: &PackedOutputs,
-        _send_only: bool,
-    ) -> Result<()> {
-        Err(packed_not_here())
-    }
+        stream: &CudaStream,
+        x: u64,
+        topk_idx: u64,
+        num_tokens: usize,
+        out: &PackedOutputs,
+        send_only: bool,
+    ) -> Result<()>;
     /// DeepEP's layout: the receive half.
     ///
     /// # Safety
     /// As [`super::MoeLowLatency::dispatch_packed_recv_raw`].
-    unsafe fn dispatch_packed_recv(
-        &self,
-        _stream: &CudaStream,
-        _out: &PackedOutputs,
-    ) -> Result<()> {
-        Err(packed_not_here())
-    }
+    unsafe fn dispatch_packed_recv(&self, stream: &CudaStream, out: &PackedOutputs) -> Result<()>;
     /// DeepEP's layout: a combine's halves.
     ///
     /// # Safety
     /// As [`super::MoeLowLatency::combine_packed_raw`].
-    unsafe fn combine_packed(&self, _stream: &CudaStream, _call: &PackedCombine) -> Result<()> {
-        Err(packed_not_here())
-    }
-}
-
-/// DeepEP's layout on the node-spanning path: not built yet.
-fn packed_not_here() -> Error {
-    Error::invalid(
-        "DeepEP's low-latency layout",
-        "runs on the NVLink path (every rank on one node, DOORBELL_MOE_NET unset); across nodes \
-         it is not built yet (docs/deep_ep.md)",
-    )
+    unsafe fn combine_packed(&self, stream: &CudaStream, call: &PackedCombine) -> Result<()>;
 }

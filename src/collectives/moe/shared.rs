@@ -5,7 +5,7 @@
 use crate::channel::memory_channel::RegisteredMemory;
 use crate::communicator::Communicator;
 use crate::device_api::MAX_RANKS;
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::gpu::memory::Buffer;
 use crate::gpu::signature;
 use crate::transport::ipc::RemoteMemory;
@@ -237,6 +237,66 @@ impl PackedOutputs {
     pub fn with_i64_ids(mut self, on: bool) -> PackedOutputs {
         self.ids_i64 = on;
         self
+    }
+
+    /// Checks the outputs for rows of `hidden` values (alignment, given arrays, a row format
+    /// the hidden size allows) and returns their `packed` bits (`device_api::packed`).
+    pub(super) fn bits(&self, hidden: usize) -> Result<u32> {
+        use crate::device_api::packed;
+        let fp8 = self.scales != 0;
+        let aligned = self.x % 16 == 0
+            && self.x != 0
+            && self.src_info % 4 == 0
+            && self.src_info != 0
+            && self.layout_range % 8 == 0
+            && self.layout_range != 0
+            && self.count % 4 == 0
+            && self.count != 0
+            && self.stats % 4 == 0
+            && self.ticket % 8 == 0
+            && self.scales % 4 == 0;
+        if !aligned {
+            return Err(Error::invalid(
+                "packed outputs",
+                "x 16-byte aligned, src_info, count, stats and scales 4-byte, layout_range and \
+                 ticket 8-byte; x, src_info, layout_range and count given",
+            ));
+        }
+        if (self.round_scale || self.ue8m0) && !fp8 {
+            return Err(Error::invalid(
+                "packed outputs",
+                "round_scale and ue8m0 are for FP8 rows (give scales)",
+            ));
+        }
+        if fp8 && hidden % 128 != 0 {
+            return Err(Error::invalid(
+                "packed outputs",
+                format!("FP8 rows need a hidden size a multiple of 128 (it is {hidden})"),
+            ));
+        }
+        if self.ue8m0 && (!self.round_scale || hidden % 512 != 0) {
+            return Err(Error::invalid(
+                "packed outputs",
+                format!(
+                    "ue8m0 scales need round_scale and a hidden size a multiple of 512 (it is \
+                     {hidden})"
+                ),
+            ));
+        }
+        let mut bits = packed::PACKED;
+        if fp8 {
+            bits |= packed::FP8;
+        }
+        if self.round_scale {
+            bits |= packed::ROUND;
+        }
+        if self.ue8m0 {
+            bits |= packed::UE8M0;
+        }
+        if self.ids_i64 {
+            bits |= packed::IDS64;
+        }
+        Ok(bits)
     }
 }
 
