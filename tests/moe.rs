@@ -1435,7 +1435,21 @@ fn deep_ep_layout(comm: &Arc<Communicator>, s: &Arc<CudaStream>) {
                 matches!(&wrong, Err(doorbell::Error::InvalidArgument { .. })),
                 "rank {me}: bf16 outputs for an FP8 send: {wrong:?}"
             );
-            if round == 1 {
+            if ll.spans_nodes() {
+                // Across nodes the receive halves run in their sends' order (the call check reads
+                // each peer's words in the order they were announced): the other order is
+                // refused by name before it launches.
+                // SAFETY: as above; a refused call launches nothing.
+                let e = unsafe { ll.dispatch_packed_recv_raw(s, &empty) }.unwrap_err();
+                assert!(
+                    e.to_string().contains("in their sends' order"),
+                    "rank {me}: {e}"
+                );
+                // SAFETY: as above.
+                unsafe { ll.dispatch_packed_recv_raw(s, &o) }.unwrap();
+                // SAFETY: as above.
+                unsafe { ll.dispatch_packed_recv_raw(s, &empty) }.unwrap();
+            } else if round == 1 {
                 // SAFETY: as above.
                 unsafe { ll.dispatch_packed_recv_raw(s, &o) }.unwrap();
                 // SAFETY: as above.
@@ -1569,8 +1583,8 @@ fn deep_ep_layout(comm: &Arc<Communicator>, s: &Arc<CudaStream>) {
             unsafe { ll.combine_packed_raw(s, yp, &handle, ip, wp, mine.tokens, op) }.unwrap();
         } else if ll.spans_nodes() {
             // Across nodes one combine is in flight at a time: a second send half is refused by
-            // name before it launches; the halves run apart. The handle is the last dispatch
-            // received (round 3) or the one before it (round 1).
+            // name before it launches; the halves run apart. The handle is the dispatch received
+            // before the last.
             let handle2 = PackedHandle {
                 src_info: p(src2.device_ptr(s).0),
                 layout_range: p(range2.device_ptr(s).0),

@@ -449,7 +449,7 @@ extern "C" __global__ void __launch_bounds__(512) moe_net_dispatch_recv(MoeNetAr
   }
   for (uint32_t q = threadIdx.x; q < pairs; q += blockDim.x) rows[q] = 0;
   if (threadIdx.x == 0 && (a.packed & kPacked) != 0) {
-    // DeepEP's layout: the epochs of the last two receives (moe_net_pack reads the last, a
+    // DeepEP's layout: the epochs of the last two receives (moe_net_dispatch_pack reads the last, a
     // combine the one its handle names).
     a.epochs[5] = a.epochs[4];
     a.epochs[4] = epoch;
@@ -493,16 +493,20 @@ extern "C" __global__ void __launch_bounds__(512) moe_net_combine_recv(MoeNetArg
 }
 
 // ---- DeepEP's low-latency layout across nodes (MoeNetArgs's packed fields). ----
-// A dispatch: moe_net_packed_prep (a warp per token: the ids as i32, those outside the experts
+// A dispatch: moe_net_dispatch_prep (a warp per token: the ids as i32, those outside the experts
 // as -1, and with FP8 the row cast once, DeepEP's cast, so e4m3 crosses), the send and receive
-// above, then moe_net_pack (each local expert's rows in source order from row 0, with their
+// above, then moe_net_dispatch_pack (each local expert's rows in source order from row 0, with their
 // source tokens, ranges and counts, the scales in DeepEP's column-major form).
 // A combine: moe_net_combine_send_packed (a warp per message of the handle's dispatch: each
 // selection's row of the experts' outputs, read at its packed place, goes back unweighted to
-// the token's rank, into its slot (token, k); NVLink stores, or staged and put), then
+// the token's rank, into its slot (token, k) of the combine's parity; NVLink stores, or staged
+// and put), then
 // moe_net_combine_recv_packed (every token's slots times the combine's weights, f32 in top-k
 // order). A row per selection crosses back, as DeepEP's, since the weights are the combine's
-// and live on the token's side.
+// and live on the token's side. The slots come in two sets by the combine's parity: with two
+// dispatches in flight, a peer's next combine may send before this rank's receive has read the
+// last one (it waited for this rank's send only), but not the one after (that waits for this
+// rank's next send, which its stream orders after this receive).
 
 // Most (local expert, source) pairs of a packed receive (two u32 of shared memory each);
 // checked on the host.
@@ -514,7 +518,7 @@ __device__ int32_t packed_id(const MoeNetArgs& a, uint64_t at) {
   return e >= 0 && e < int64_t(a.experts_per_rank) * a.world ? int32_t(e) : -1;
 }
 
-extern "C" __global__ void __launch_bounds__(512) moe_net_packed_prep(MoeNetArgs a) {
+extern "C" __global__ void __launch_bounds__(512) moe_net_dispatch_prep(MoeNetArgs a) {
   const uint32_t lane = threadIdx.x % kWarp, warps = gridDim.x * (blockDim.x / kWarp);
   int32_t* ids = const_cast<int32_t*>(a.topk_idx);  // the exchange's own scratch, written here
   for (uint32_t t = blockIdx.x * (blockDim.x / kWarp) + threadIdx.x / kWarp; t < a.num_tokens; t += warps) {
@@ -543,7 +547,7 @@ __device__ void store_net_scale(const MoeNetArgs& a, uint32_t le, uint32_t g, ui
 // per-(expert, source) rows in `layout`, and every count kCutCount when cut short): every block
 // takes each expert's ranges in source order; block 0 writes ranges, counts and stats; the warps
 // copy each received row to its packed place. Cut short: count -1, no ranges, rows all ones.
-extern "C" __global__ void __launch_bounds__(512) moe_net_pack(MoeNetArgs a) {
+extern "C" __global__ void __launch_bounds__(512) moe_net_dispatch_pack(MoeNetArgs a) {
   __shared__ uint32_t rows_of[kMaxNetPackPairs], begin_of[kMaxNetPackPairs];
   const uint32_t half = uint32_t(a.epochs[4] & 1);
   const uint32_t world = a.world, local = a.experts_per_rank, pairs = local * world, cap = world * a.max_tokens;
@@ -603,9 +607,10 @@ extern "C" __global__ void __launch_bounds__(512) moe_net_pack(MoeNetArgs a) {
 
 // Combine send in DeepEP's layout for message j from `src` of the dispatch in half `half`: each
 // selection here returns its row of the experts' outputs (`y [local expert][cap][hidden]` at
-// the packed place the handle's ranges give) unweighted to slot (token, k) of `src`'s partial
-// rows: NVLink stores, or staged at (src, j, k) and put. One warp.
-__device__ void send_selections(const MoeNetArgs& a, uint32_t half, uint32_t src, uint32_t j, uint32_t lane) {
+// the packed place the handle's ranges give) unweighted to slot (call parity, token, k) of
+// `src`'s partial rows: NVLink stores, or staged at (src, j, k) and put. One warp.
+__device__ void send_selections(const MoeNetArgs& a, uint64_t call, uint32_t half, uint32_t src, uint32_t j,
+                                uint32_t lane) {
   const uint32_t t = uint32_t(reinterpret_cast<const int32_t*>(a.area + moe_net::wire_offset(a, half, src, j))[0]);
   const int32_t mine = lane < a.topk ? *moe_net::rec_entry(a, half, src, j, lane) : -1;
   const uint32_t mask = __ballot_sync(0xffffffffu, mine >= 0);
@@ -623,7 +628,7 @@ __device__ void send_selections(const MoeNetArgs& a, uint32_t half, uint32_t src
       if (lane == 0) report_failure(a.sites[a.rank], kWaitBadInput, cap, pos, 0);
       continue;
     }
-    const uint64_t slot = uint64_t(t) * a.topk + k;
+    const uint64_t slot = (uint64_t(call & 1) * a.max_tokens + t) * a.topk + k;
     const uint64_t staged = (uint64_t(src) * a.max_tokens + j) * a.topk + k;
     int4* dst = mapped != 0 ? reinterpret_cast<int4*>(mapped + a.off_part) + slot * words
                             : reinterpret_cast<int4*>(a.stage + a.stage_part) + staged * words;
@@ -654,7 +659,7 @@ extern "C" __global__ void __launch_bounds__(512) moe_net_combine_send_packed(Mo
   }
   __syncthreads();
   const uint32_t lane = threadIdx.x % kWarp;
-  for_each_message(a, counts, [&](uint32_t src, uint32_t j) { send_selections(a, half, src, j, lane); });
+  for_each_message(a, counts, [&](uint32_t src, uint32_t j) { send_selections(a, call, half, src, j, lane); });
   combine_sent(a, call);
 }
 
@@ -662,12 +667,13 @@ extern "C" __global__ void __launch_bounds__(512) moe_net_combine_send_packed(Mo
 // f32 in top-k order, ids outside the experts adding nothing. Cut short: all ones.
 extern "C" __global__ void __launch_bounds__(512) moe_net_combine_recv_packed(MoeNetArgs a) {
   moe_net::check_call(a);
-  const bool in = wait_combine(a, a.epochs[1]);
+  const uint64_t call = a.epochs[1];
+  const bool in = wait_combine(a, call);
   const uint32_t words = a.hidden / 8;
   const uint64_t items = uint64_t(a.num_tokens) * words;
   const uint64_t first = blockIdx.x * blockDim.x + threadIdx.x, stride = uint64_t(gridDim.x) * blockDim.x;
   int4* out = reinterpret_cast<int4*>(a.out);
-  const int4* part = reinterpret_cast<const int4*>(a.area + a.off_part);
+  const int4* part = reinterpret_cast<const int4*>(a.area + a.off_part) + (call & 1) * a.max_tokens * a.topk * words;
   for (uint64_t q = first; q < items; q += stride) {
     if (!in) {
       out[q] = make_int4(-1, -1, -1, -1);

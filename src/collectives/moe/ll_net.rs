@@ -37,8 +37,8 @@ const MAX_PACK_PAIRS: usize = 4096;
 /// DeepEP's layout across nodes: what its calls keep on the host to pair halves and handles.
 #[derive(Default)]
 struct PackedLog {
-    /// The last packed sends, newest last: `(ticket, send ordinal, call word, FP8)`.
-    sends: std::collections::VecDeque<(u64, u64, u64, bool)>,
+    /// The last packed sends, newest last: `(ticket, send ordinal, call word, FP8, received)`.
+    sends: std::collections::VecDeque<(u64, u64, u64, bool, bool)>,
     /// The last two packed receives, newest first: `(layout_range address, send ordinal)`;
     /// the device keeps their epochs in the same order (`epochs[4..6]`).
     received: std::collections::VecDeque<(u64, u64)>,
@@ -90,10 +90,10 @@ impl LlNet {
                 counts: 2 * world * 8,
                 fill_extra: local * world,
                 credits: false,
-                // DeepEP's layout returns a row per selection: slot (token, k) here, staged at
-                // (source, message, k) for a network peer.
+                // DeepEP's layout returns a row per selection: slot (combine parity, token, k)
+                // here, staged at (source, message, k) for a network peer.
                 part_rows: if cfg.deep_ep_layout {
-                    world.max(cfg.topk) * cfg.max_tokens
+                    (2 * cfg.topk).max(world) * cfg.max_tokens
                 } else {
                     world * cfg.max_tokens
                 },
@@ -158,8 +158,8 @@ impl LlNet {
             k("moe_net_dispatch_recv")?,
             k("moe_net_combine_send")?,
             k("moe_net_combine_recv")?,
-            k("moe_net_packed_prep")?,
-            k("moe_net_pack")?,
+            k("moe_net_dispatch_prep")?,
+            k("moe_net_dispatch_pack")?,
             k("moe_net_combine_send_packed")?,
             k("moe_net_combine_recv_packed")?,
         ];
@@ -286,18 +286,20 @@ impl LlNet {
     /// pack into `out`.
     fn packed_recv(&self, stream: &CudaStream, out: &PackedOutputs, bits: u32) -> Result<()> {
         let (ordinal, word) = {
-            let log = self.log();
-            let sent = if out.ticket != 0 {
-                log.sends.iter().rev().find(|s| s.0 == out.ticket)
+            let mut log = self.log();
+            let now = self.dispatches();
+            let at = if out.ticket != 0 {
+                log.sends.iter().rposition(|s| s.0 == out.ticket)
             } else {
-                log.sends.back()
+                log.sends.len().checked_sub(1)
             };
-            let Some(&(_, ordinal, word, fp8)) = sent else {
+            let Some(at) = at else {
                 return Err(Error::invalid(
                     "dispatch receive",
                     "no send in DeepEP's layout to receive (give the ticket its send was given)",
                 ));
             };
+            let (_, ordinal, word, fp8, _) = log.sends[at];
             if fp8 != (out.scales != 0) {
                 return Err(Error::invalid(
                     "dispatch receive",
@@ -308,18 +310,25 @@ impl LlNet {
                     ),
                 ));
             }
-            // A send older than the last is received unchecked: its call word's inbox slot may
-            // hold a later call's by now (the waits still bound it).
-            let newest = log.sends.back().is_some_and(|s| s.1 == ordinal);
-            (ordinal, if newest { word } else { 0 })
+            if now - ordinal >= 2 {
+                return Err(Error::invalid(
+                    "dispatch receive",
+                    "two later dispatches were sent since its send, so its rows were \
+                     overwritten: at most two dispatches in flight",
+                ));
+            }
+            // The call check reads each peer's words in the order they were announced, so across
+            // nodes the receive halves run in their sends' order.
+            if log.sends.iter().take(at).any(|s| !s.4 && now - s.1 < 2) {
+                return Err(Error::invalid(
+                    "dispatch receive",
+                    "across nodes the receive halves run in their sends' order: receive the \
+                     dispatch sent before this one first",
+                ));
+            }
+            log.sends[at].4 = true;
+            (ordinal, word)
         };
-        if self.dispatches() - ordinal >= 2 {
-            return Err(Error::invalid(
-                "dispatch receive",
-                "two later dispatches were sent since its send, so its rows were overwritten: \
-                 at most two dispatches in flight",
-            ));
-        }
         let recv = MoeNetArgs {
             call_word: word,
             ticket: out.ticket,
@@ -524,7 +533,7 @@ impl LowLatencyPath for LlNet {
                 log.sends.pop_front();
             }
             log.sends
-                .push_back((out.ticket, self.dispatches(), send.call_word, fp8));
+                .push_back((out.ticket, self.dispatches(), send.call_word, fp8, false));
         }
         if send_only {
             return Ok(());

@@ -43,9 +43,12 @@ def bench_kineto(
     """Runs ``fn`` ``num_tests`` times under the PyTorch profiler and returns, for each name in
     ``kernel_names``, the mean GPU time in seconds of the kernels whose names contain it: one
     float per name, or with ``num_kernels_per_period`` > 1 a list of that many (the calls'
-    first, second, ... matching kernel, in launch order). A name must match kernels of exactly
-    one period size: more or fewer per call is an error naming them. ``barrier_comm_profiling``:
-    a ``torch.distributed`` barrier before each call, so ranks start together."""
+    first, second, ... part, in launch order). Each part is one kernel, or the sum of ``m``
+    consecutive ones when a call launches ``m`` times ``num_kernels_per_period`` matching
+    kernels (doorbell's calls across nodes: a dispatch is a prep, send, receive and pack
+    kernel). A count per call that is not such a multiple is an error naming the kernels.
+    ``barrier_comm_profiling``: a ``torch.distributed`` barrier before each call, so ranks start
+    together."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -66,15 +69,16 @@ def bench_kineto(
     results: List[Any] = []
     for name in names:
         hits = [e for e in kernels if name in e.name]
-        per_call = len(hits) / num_tests
-        if per_call != num_kernels_per_period:
+        per_part = len(hits) // (num_tests * num_kernels_per_period)
+        if per_part == 0 or len(hits) != per_part * num_tests * num_kernels_per_period:
             found = sorted({e.name for e in hits})
             raise AssertionError(
                 f"bench_kineto: {len(hits)} kernels named *{name}* in {num_tests} calls "
-                f"({found}); expected {num_kernels_per_period} per call"
+                f"({found}); expected a multiple of {num_kernels_per_period} per call"
             )
         spans = [(e.time_range.end - e.time_range.start) / 1e6 for e in hits]  # us -> s
-        means = [sum(spans[i::num_kernels_per_period]) / num_tests for i in range(num_kernels_per_period)]
+        parts = [sum(spans[i : i + per_part]) for i in range(0, len(spans), per_part)]
+        means = [sum(parts[i::num_kernels_per_period]) / num_tests for i in range(num_kernels_per_period)]
         results.append(means[0] if num_kernels_per_period == 1 else means)
     if not suppress_kineto_output:
         print(prof.key_averages().table(sort_by="cuda_time_total", max_name_column_width=60, row_limit=12))
