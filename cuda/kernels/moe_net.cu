@@ -103,7 +103,7 @@ __device__ void combine_sent(const MoeNetArgs& a, uint64_t call) {
       store_relaxed_sys(reinterpret_cast<uint64_t*>(a.peer_area[src] + a.off_cdone) + a.rank, call);
     } else {
       const PortChannelHandle& c = moe_net::channel(a, src);
-      moe_net::announce_to(a, src, 1);  // the call check's word (NVLink peers had it at the start)
+      moe_net::announce_to(a, src);  // the call check's word (NVLink peers had it at the start)
       c.signal();
       c.flush();
     }
@@ -326,7 +326,7 @@ __device__ __forceinline__ void network_task(const MoeNetArgs& a, uint32_t r, ui
   const uint32_t lane = threadIdx.x % kWarp, half = uint32_t(epoch & 1);
   if (lane == 0) {
     probe_min(a, 7);
-    moe_net::announce_to(a, r, 0);  // the call check's word, ahead of the messages
+    moe_net::announce_to(a, r);  // the call check's word, ahead of the messages
   }
   // The queue pair's fields, loaded while the tokens are listed.
   const PortChannelHandle& channel = moe_net::channel(a, r);
@@ -396,7 +396,7 @@ __device__ __forceinline__ void network_task(const MoeNetArgs& a, uint32_t r, ui
 }  // namespace
 
 extern "C" __global__ void __launch_bounds__(256) moe_net_dispatch_send(MoeNetArgs a) {
-  moe_net::announce_nvlink(a, 0);  // network peers: in their network task, before the messages
+  moe_net::announce_nvlink(a);  // network peers: in their network task, before the messages
   if (a.probe != nullptr && threadIdx.x == 0) {
     atomicMin(reinterpret_cast<unsigned long long*>(&a.probe[0]), static_cast<unsigned long long>(global_timer_ns()));
   }
@@ -457,7 +457,7 @@ extern "C" __global__ void __launch_bounds__(512) moe_net_dispatch_recv(MoeNetAr
 }
 
 extern "C" __global__ void __launch_bounds__(512) moe_net_combine_send(MoeNetArgs a) {
-  moe_net::announce_nvlink(a, 1);  // network peers: in combine_sent, before their signal
+  moe_net::announce_nvlink(a);  // network peers: in combine_sent, before their signal
   const uint64_t epoch = a.epochs[0];
   const uint32_t half = uint32_t(epoch & 1);
   const uint64_t call = a.epochs[1] + 1;
@@ -645,7 +645,7 @@ __device__ void send_selections(const MoeNetArgs& a, uint64_t call, uint32_t hal
 }
 
 extern "C" __global__ void __launch_bounds__(512) moe_net_combine_send_packed(MoeNetArgs a) {
-  moe_net::announce_nvlink(a, 1);  // network peers: in combine_sent, before their signal
+  moe_net::announce_nvlink(a);  // network peers: in combine_sent, before their signal
   const uint32_t half = uint32_t(a.epochs[4 + (a.back & 1)] & 1);
   const uint64_t call = a.epochs[1] + 1;
   __shared__ Counts counts;
@@ -813,7 +813,7 @@ __device__ void send_node(const MoeNetArgs& a, const MoeHtArgs& h, uint32_t n, u
   }
   __syncwarp();
   const PortChannelHandle& c = moe_net::channel(a, peer);
-  if (lane == 0) moe_net::announce_to(a, peer, 0);  // the call check's word, ahead of the chunks
+  if (lane == 0) moe_net::announce_to(a, peer);  // the call check's word, ahead of the chunks
   __syncwarp();
   const uint64_t sent = *reinterpret_cast<volatile uint64_t*>(&h.sent_chunks[n]);
   const uint32_t chunks = m == 0 ? 1 : (m + kHtChunk - 1) / kHtChunk;
@@ -966,7 +966,7 @@ extern "C" __global__ void moe_ht_remap(MoeNetArgs a, MoeHtArgs h) {
 }
 
 extern "C" __global__ void __launch_bounds__(512) moe_ht_combine_send(MoeNetArgs a, MoeHtArgs h) {
-  moe_net::announce_nvlink(a, 1);  // network peers: in combine_sent, before their signal
+  moe_net::announce_nvlink(a);  // network peers: in combine_sent, before their signal
   const uint64_t call = a.epochs[1] + 1;
   const uint32_t lane = threadIdx.x % kWarp;
   const uint32_t warps = gridDim.x * (blockDim.x / kWarp);

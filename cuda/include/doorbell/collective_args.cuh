@@ -309,7 +309,7 @@ struct MoeNetArgs {
                                 //   of moe_net_dispatch_send (8 per token group) last staged
   // The call check across nodes (moe_net.cuh, "call check"): this call's word (0: unchecked, as
   // every high-throughput call), the inbox's offset in the area, and the offset in the staging
-  // area of the two words network peers' inboxes are written from ([dispatch, combine]).
+  // area of the four words network peers' inboxes are written from (by the call's count, n & 3).
   uint64_t call_word;
   uint64_t off_inbox;
   uint64_t stage_words;

@@ -57,9 +57,12 @@ DOORBELL_DEVICE_INLINE const PortChannelHandle& channel(const MoeNetArgs& a, uin
 // announced to and checked against each peer (kInboxWords words, zeroed at allocation). A send
 // kernel announces its call to every peer: an NVLink peer by a store into its inbox, a network
 // peer by an 8-byte put (no signal: the MoE protocol counts its signals; a lone aligned 8-byte
-// write lands whole) from the staging area's word for this kind of call (`stage_words`, [dispatch,
-// combine]; a word's put of one call has landed before the next call of that kind writes it: the
-// peer read it before it could answer the call in between). A receive kernel's checker threads
+// write lands whole) from one of four staging words (`stage_words`, by the call's count n: word
+// n & 3). Its put goes before the call's signal on the same channel, so it has landed once the
+// peer's receive of call n saw that signal; word n & 3 is written again by call n + 4, which this
+// rank sends only after its receive of call n + 2 (at most two calls in flight: a dispatch and a
+// combine, or two halves of one kind), and the peer sends call n + 2 only after its receive of
+// call n. A receive kernel's checker threads
 // (the last block's last `world` threads) wait, bounded, for each peer's word of this call and
 // compare. Every dispatch and every combine is one call, so a dispatch against a combine is a
 // mismatch too, named on both sides. The two parities suffice as in call_check.cuh: a peer writes
@@ -73,8 +76,8 @@ DOORBELL_DEVICE_INLINE uint64_t inbox_slot(const MoeNetArgs& a, uint64_t n, uint
 }
 
 // Announces this call to peer r: one thread (for a network peer, the one that posts to r, so
-// that posts to r stay in one thread's order). `which`: 0 dispatch, 1 combine.
-DOORBELL_DEVICE_INLINE void announce_to(const MoeNetArgs& a, uint32_t r, uint32_t which) {
+// that posts to r stay in one thread's order).
+DOORBELL_DEVICE_INLINE void announce_to(const MoeNetArgs& a, uint32_t r) {
   if (a.call_word == 0) return;
   uint64_t* own = reinterpret_cast<uint64_t*>(a.area + a.off_inbox);
   const uint64_t n = own[kInboxAnnounced + r];
@@ -82,19 +85,20 @@ DOORBELL_DEVICE_INLINE void announce_to(const MoeNetArgs& a, uint32_t r, uint32_
     store_relaxed_sys(reinterpret_cast<uint64_t*>(a.peer_area[r] + inbox_slot(a, n, a.rank)), a.call_word);
   } else {
     // Every announcing thread stages the same word; the put reads it after this store.
-    *reinterpret_cast<volatile uint64_t*>(a.stage + a.stage_words + 8 * which) = a.call_word;
+    const uint64_t word = a.stage_words + 8 * (n & 3);
+    *reinterpret_cast<volatile uint64_t*>(a.stage + word) = a.call_word;
     __threadfence_system();
-    channel(a, r).put(inbox_slot(a, n, a.rank), a.stage_words + 8 * which, 8);
+    channel(a, r).put(inbox_slot(a, n, a.rank), word, 8);
   }
   own[kInboxAnnounced + r] = n + 1;
 }
 
 // Announces this call to every NVLink peer: block 0's threads (every thread of every block may
 // call it).
-DOORBELL_DEVICE_INLINE void announce_nvlink(const MoeNetArgs& a, uint32_t which) {
+DOORBELL_DEVICE_INLINE void announce_nvlink(const MoeNetArgs& a) {
   if (a.call_word == 0 || blockIdx.x != 0) return;
   for (uint32_t p = threadIdx.x; p < a.world; p += blockDim.x) {
-    if (p != a.rank && a.peer_area[p] != 0) announce_to(a, p, which);
+    if (p != a.rank && a.peer_area[p] != 0) announce_to(a, p);
   }
 }
 
@@ -306,7 +310,7 @@ DOORBELL_DEVICE_INLINE void finish_send(const MoeNetArgs& a) {
     n = __shfl_sync(0xffffffffu, n, 0);
     n = n < a.max_tokens ? n : a.max_tokens;  // more is impossible: each token sends once per rank
     const uint64_t word = epoch << 32 | n;
-    if (lane == 0 && r != a.rank) announce_to(a, r, 0);  // the call check (a fused send runs no moe_net_dispatch_send)
+    if (lane == 0 && r != a.rank) announce_to(a, r);  // the call check (a fused send runs no moe_net_dispatch_send)
     __syncwarp();
     if (a.peer_area[r] != 0) {
       if (lane == 0) {

@@ -506,6 +506,19 @@ impl LowLatencyPath for LlNet {
             ));
         }
         let fp8 = out.scales != 0;
+        {
+            // Across nodes the staging half of a send is reused two sends later, and only a
+            // receive in between proves the NIC has read it: one dispatch in flight at a time.
+            let log = self.log();
+            let now = self.dispatches();
+            if log.sends.iter().any(|s| !s.4 && now - s.1 < 1) {
+                return Err(Error::invalid(
+                    "dispatch",
+                    "across nodes one dispatch is in flight at a time: run the last dispatch's \
+                     receive half (its hook) first",
+                ));
+            }
+        }
         let [rows, scales, ids] = prep[(self.dispatches() % 2) as usize];
         let tokens_blocks = (num_tokens.div_ceil(16) as u32).clamp(1, self.landing.blocks);
         let prep_args = MoeNetArgs {

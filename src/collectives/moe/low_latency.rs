@@ -664,9 +664,10 @@ impl MoeLowLatency {
     /// [`PackedOutputs`]), cast to e4m3 when `out` asks. No weights travel: the combine takes
     /// them. On one node one kernel; across nodes (or with `DOORBELL_MOE_NET`) a prep kernel
     /// (ids, the FP8 cast once per token, so e4m3 crosses), the node-spanning send and
-    /// receive, and a pack kernel; there a combine takes the handle of one of the last two
-    /// dispatches received, and one combine is in flight at a time (both refused by name
-    /// otherwise).
+    /// receive, and a pack kernel; there one dispatch and one combine are in flight at a time
+    /// (a send's staging half is reused two sends later, and only a receive in between proves
+    /// the NIC read it), and a combine takes the handle of one of the last two dispatches
+    /// received (each refused by name otherwise).
     ///
     /// # Safety
     /// `x` holds `num_tokens * hidden` bf16 (16-byte aligned), `topk_idx` `num_tokens * topk`

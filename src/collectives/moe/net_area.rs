@@ -113,7 +113,7 @@ impl NetLanding {
         let stage_counts = section(2 * cfg.max_tokens * msg);
         let stage_part = stage_counts + section(shape.counts.max(2 * world * 8));
         let stage_words = stage_part + section(shape.stage_part_rows * row_out);
-        let stage_bytes = stage_words + section(16);
+        let stage_bytes = stage_words + section(32); // four call-check words (moe_net.cuh)
         let area = comm.alloc(area_bytes)?;
         let area_reg = comm.register(&area)?;
         let peers = comm.exchange(&area_reg)?;
