@@ -608,4 +608,27 @@ mod tests {
         let l = reference_layout(&idx, 2, 2, 2);
         assert_eq!(l, vec![vec![0], vec![1]]);
     }
+
+    #[test]
+    fn packed_outputs_are_checked_before_any_launch_and_give_their_bits() {
+        use crate::device_api::packed;
+        let ok = PackedOutputs::new(0x1000, 0x2000, 0x3000, 0x4000);
+        assert_eq!(ok.bits(512).unwrap(), packed::PACKED);
+        let fp8 = ok.with_fp8(0x5000, true, true).with_i64_ids(true);
+        assert_eq!(
+            fp8.bits(512).unwrap(),
+            packed::PACKED | packed::FP8 | packed::ROUND | packed::UE8M0 | packed::IDS64
+        );
+        // Each refusal names what is wrong.
+        let e = |o: PackedOutputs, hidden| o.bits(hidden).unwrap_err().to_string();
+        assert!(e(PackedOutputs::new(0x1008, 0x2000, 0x3000, 0x4000), 512).contains("16-byte"));
+        assert!(e(PackedOutputs::new(0x1000, 0, 0x3000, 0x4000), 512).contains("given"));
+        assert!(e(ok.with_ticket(0x6004), 512).contains("ticket 8-byte"));
+        let mut no_scales = ok;
+        no_scales.round_scale = true;
+        assert!(e(no_scales, 512).contains("for FP8 rows"));
+        assert!(e(ok.with_fp8(0x5000, false, false), 200).contains("multiple of 128"));
+        assert!(e(ok.with_fp8(0x5000, false, true), 512).contains("need round_scale"));
+        assert!(e(ok.with_fp8(0x5000, true, true), 384).contains("multiple of 512"));
+    }
 }

@@ -10,8 +10,9 @@
 //! the process's ring thread writes the record and rings (the mode for NICs whose doorbell page
 //! cannot be mapped into the GPU). The GPU code and the WQE bytes are the same in both.
 //!
-//! Data moves with [`CudaDma`]: `cuMemcpy` on unified addresses, so registered regions may be GPU
-//! memory of this process (or a peer's mapped into it) and pinned host memory.
+//! Data moves with [`CudaDma`]: copies on unified addresses, on a stream of its own that waits
+//! for no other work, so registered regions may be GPU memory of this process (or a peer's
+//! mapped into it) and pinned host memory.
 
 use super::cq::{CQE_BYTES, EMPTY_OP_OWN};
 use super::emulator::{Dma, EmulatedNic, QpRings, RingDma};
@@ -25,38 +26,62 @@ use std::ffi::c_void;
 use std::sync::atomic::{fence, Ordering};
 use std::sync::Arc;
 
-/// The emulated NIC's memory access: `cuMemcpy` between unified addresses of this process.
+/// The emulated NIC's memory access: copies between unified addresses of this process, each
+/// finished before the call returns, on a non-blocking stream of its own. (Plain `cuMemcpy` runs
+/// on the legacy default stream, which waits for every kernel queued on it or on a blocking
+/// stream: a kernel there that spins until the NIC completes its work (a flush, a signal's
+/// wait) held the NIC, and every queue pair of it, until the wait's budget ran out.)
 pub struct CudaDma {
     gpu: Arc<Gpu>,
+    stream: std::sync::Mutex<Option<Arc<cudarc::driver::CudaStream>>>,
 }
 
 impl CudaDma {
     /// Access through `gpu`'s context (bound on the NIC's thread at each call).
     pub fn new(gpu: &Arc<Gpu>) -> CudaDma {
-        CudaDma { gpu: gpu.clone() }
+        CudaDma {
+            gpu: gpu.clone(),
+            stream: std::sync::Mutex::new(None),
+        }
+    }
+
+    /// Copies `len` bytes from `src` to `dst` (unified addresses) on the NIC's own stream and
+    /// waits for them.
+    fn copy_now(&self, dst: u64, src: u64, len: usize) -> Result<()> {
+        self.gpu.bind()?;
+        let stream = {
+            let mut slot = self.stream.lock().unwrap_or_else(|p| p.into_inner());
+            match slot.as_ref() {
+                Some(s) => s.clone(),
+                None => {
+                    let s = self.gpu.new_stream()?;
+                    *slot = Some(s.clone());
+                    s
+                }
+            }
+        };
+        // SAFETY: the callers pass ranges the NIC checked against registered regions, or live
+        // host buffers of that length (unified addressing treats them as host memory); the copy
+        // is finished (synchronized) before they are used or dropped.
+        check("cuMemcpyAsync", unsafe {
+            sys::cuMemcpyAsync(dst, src, len, stream.cu_stream())
+        })?;
+        // SAFETY: a live stream of this context.
+        check("cuStreamSynchronize", unsafe {
+            sys::cuStreamSynchronize(stream.cu_stream())
+        })
     }
 }
 
 impl Dma for CudaDma {
     fn read(&self, src: u64, out: &mut [u8]) -> Result<()> {
-        self.gpu.bind()?;
-        // SAFETY: `src..src + len` lies in a registered region (checked by the NIC); `out` is a
-        // live host buffer of that length (unified addressing treats it as host memory).
-        check("cuMemcpy", unsafe {
-            sys::cuMemcpy(out.as_mut_ptr() as u64, src, out.len())
-        })
+        self.copy_now(out.as_mut_ptr() as u64, src, out.len())
     }
     fn write(&self, dst: u64, data: &[u8]) -> Result<()> {
-        self.gpu.bind()?;
-        // SAFETY: as for read.
-        check("cuMemcpy", unsafe {
-            sys::cuMemcpy(dst, data.as_ptr() as u64, data.len())
-        })
+        self.copy_now(dst, data.as_ptr() as u64, data.len())
     }
     fn copy(&self, dst: u64, src: u64, len: u64) -> Result<()> {
-        self.gpu.bind()?;
-        // SAFETY: both ranges lie in registered regions (checked by the NIC).
-        check("cuMemcpy", unsafe { sys::cuMemcpy(dst, src, len as usize) })
+        self.copy_now(dst, src, len as usize)
     }
 }
 

@@ -179,7 +179,11 @@ class _Slots:
 
 class Buffer:
     """DeepEP's ``Buffer`` on doorbell: the normal kernels (``dispatch``/``combine``) over NVLink
-    and the low-latency ones (``low_latency_dispatch``/``low_latency_combine``).
+    and the low-latency ones (``low_latency_dispatch``/``low_latency_combine``) on one node or
+    across nodes. Across nodes the normal mode is not built yet (refused by name), and the
+    low-latency calls keep one dispatch and one combine in flight at a time (a second send half
+    before the first's hook is refused by name), take a combine's handle from one of the last
+    two dispatches, and have no rank mask.
 
     ``group``: the ``torch.distributed`` process group of the ranks (doorbell joins it with
     ``doorbell.init(group)``). ``num_nvl_bytes`` bounds the normal mode's buffers: they hold
