@@ -1001,6 +1001,17 @@ mod layout {
                     call_word,
                     off_inbox,
                     stage_words,
+                    packed_x,
+                    packed_scales,
+                    packed_src,
+                    packed_range,
+                    packed_count,
+                    packed_stats,
+                    ticket,
+                    in_x,
+                    in_ids,
+                    packed,
+                    back,
                 ]
             ),
             layout!(
