@@ -270,3 +270,19 @@ def test_receive_slots_are_leased_and_layouts_tracked(monkeypatch):
         monkeypatch.setenv("DOORBELL_DEEP_EP_RECEIVE_SLOTS", bad)
         with pytest.raises(ValueError, match="DOORBELL_DEEP_EP_RECEIVE_SLOTS"):
             b._receive_slots()
+
+
+def test_bench_kineto_sums_a_calls_kernels_per_part_and_names_a_wrong_count():
+    from doorbell.deep_ep.utils.testing import _period_means
+
+    # One kernel per call and part: plain means.
+    assert _period_means([1.0, 3.0], 2, 1, "*x*") == 2.0
+    assert _period_means([1.0, 2.0, 3.0, 4.0], 2, 2, "*x*") == [2.0, 3.0]
+    # Across nodes a dispatch launches prep, send, receive and pack: summed per call (one part),
+    # or per half with the hook (two parts of two kernels each).
+    assert _period_means([1.0, 2.0, 3.0, 4.0, 1.0, 2.0, 3.0, 4.0], 2, 1, "*x*") == 10.0
+    assert _period_means([1.0, 2.0, 3.0, 4.0, 1.0, 2.0, 3.0, 4.0], 2, 2, "*x*") == [3.0, 7.0]
+    for spans in ([], [1.0, 2.0, 3.0]):
+        with pytest.raises(AssertionError, match=r"kernels named \*x\* in 2 calls; expected a multiple of 2"):
+            _period_means(spans, 2, 2, "*x*")
+

@@ -69,17 +69,24 @@ def bench_kineto(
     results: List[Any] = []
     for name in names:
         hits = [e for e in kernels if name in e.name]
-        per_part = len(hits) // (num_tests * num_kernels_per_period)
-        if per_part == 0 or len(hits) != per_part * num_tests * num_kernels_per_period:
-            found = sorted({e.name for e in hits})
-            raise AssertionError(
-                f"bench_kineto: {len(hits)} kernels named *{name}* in {num_tests} calls "
-                f"({found}); expected a multiple of {num_kernels_per_period} per call"
-            )
         spans = [(e.time_range.end - e.time_range.start) / 1e6 for e in hits]  # us -> s
-        parts = [sum(spans[i : i + per_part]) for i in range(0, len(spans), per_part)]
-        means = [sum(parts[i::num_kernels_per_period]) / num_tests for i in range(num_kernels_per_period)]
-        results.append(means[0] if num_kernels_per_period == 1 else means)
+        results.append(_period_means(spans, num_tests, num_kernels_per_period, f"*{name}* ({sorted({e.name for e in hits})})"))
     if not suppress_kineto_output:
         print(prof.key_averages().table(sort_by="cuda_time_total", max_name_column_width=60, row_limit=12))
     return results[0] if isinstance(kernel_names, str) else tuple(results)
+
+
+def _period_means(spans: Sequence[float], num_tests: int, period: int, what: str) -> Any:
+    """The mean time of each of a call's ``period`` parts, from the matching kernels' durations
+    ``spans`` in launch order over ``num_tests`` calls: a float for one part, else a list. A
+    call that launches ``m`` times ``period`` matching kernels has each part summed over ``m``
+    consecutive ones; any other count is an error naming ``what``."""
+    per_part = len(spans) // (num_tests * period)
+    if per_part == 0 or len(spans) != per_part * num_tests * period:
+        raise AssertionError(
+            f"bench_kineto: {len(spans)} kernels named {what} in {num_tests} calls; expected a "
+            f"multiple of {period} per call"
+        )
+    parts = [sum(spans[i : i + per_part]) for i in range(0, len(spans), per_part)]
+    means = [sum(parts[i::period]) / num_tests for i in range(period)]
+    return means[0] if period == 1 else means
