@@ -66,6 +66,20 @@ __device__ bool gather_counts(const MoeNetArgs& a, uint64_t epoch, uint64_t* rea
   return !cut;
 }
 
+// The message counts a receive of `half` recorded by source (the combines send a reply to each),
+// read by thread 0 into `c` for the whole block.
+__device__ void received_counts(const MoeNetArgs& a, uint32_t half, Counts& c) {
+  if (threadIdx.x == 0) {
+    uint32_t total = 0;
+    for (uint32_t src = 0; src < a.world; ++src) {
+      c.n[src] = a.msgs[half * a.world + src];
+      total += c.n[src];
+    }
+    c.total = total;
+  }
+  __syncthreads();
+}
+
 // Calls f(src, j) for every message of the counts, a warp each over the grid.
 template <typename F>
 __device__ void for_each_message(const MoeNetArgs& a, const Counts& c, F f) {
@@ -462,15 +476,7 @@ extern "C" __global__ void __launch_bounds__(512) moe_net_combine_send(MoeNetArg
   const uint32_t half = uint32_t(epoch & 1);
   const uint64_t call = a.epochs[1] + 1;
   __shared__ Counts counts;
-  if (threadIdx.x == 0) {
-    uint32_t total = 0;
-    for (uint32_t src = 0; src < a.world; ++src) {
-      counts.n[src] = a.msgs[half * a.world + src];
-      total += counts.n[src];
-    }
-    counts.total = total;
-  }
-  __syncthreads();
+  received_counts(a, half, counts);
   const uint32_t lane = threadIdx.x % kWarp;
   for_each_message(a, counts, [&](uint32_t src, uint32_t j) { moe_net::send_partial(a, half, src, j, lane); });
   combine_sent(a, call);
@@ -649,15 +655,7 @@ extern "C" __global__ void __launch_bounds__(512) moe_net_combine_send_packed(Mo
   const uint32_t half = uint32_t(a.epochs[4 + (a.back & 1)] & 1);
   const uint64_t call = a.epochs[1] + 1;
   __shared__ Counts counts;
-  if (threadIdx.x == 0) {
-    uint32_t total = 0;
-    for (uint32_t src = 0; src < a.world; ++src) {
-      counts.n[src] = a.msgs[half * a.world + src];
-      total += counts.n[src];
-    }
-    counts.total = total;
-  }
-  __syncthreads();
+  received_counts(a, half, counts);
   const uint32_t lane = threadIdx.x % kWarp;
   for_each_message(a, counts, [&](uint32_t src, uint32_t j) { send_selections(a, call, half, src, j, lane); });
   combine_sent(a, call);

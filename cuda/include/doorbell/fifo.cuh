@@ -7,7 +7,7 @@
 // Protocol:
 //   push: pos = atomic add on head. If pos >= tail_cache + size the ring is full: poll tail
 //     (bounded, with a short sleep between reads so thousands of waiting pushers do not flood
-//     PCIe) until pos < tail + size. Then one system-scope fence orders everything this thread
+//     PCIe) until pos < tail + size; a wait that gives up writes nothing. Then one system-scope fence orders everything this thread
 //     wrote before (data the proxy will copy) ahead of the trigger, and the slot is written as
 //     two 16-byte stores, each carrying the commit bit: bit 63 of dst_offset and bit 63 of meta.
 //     The commit bit is the lap parity of pos (lap 0 writes 1, lap 1 writes 0, ...), so no field
@@ -79,7 +79,7 @@ struct FifoHandle {
       // sleep, so thousands of waiting pushers cost a handful of PCIe reads.
       uint32_t polls = 0;
       bool stop = false;
-      spin_until(site, kWaitFifoSlot, pos - capacity + 1, [&](uint64_t& seen) {
+      const bool room = spin_until(site, kWaitFifoSlot, pos - capacity + 1, [&](uint64_t& seen) {
         const uint64_t cached = *reinterpret_cast<volatile uint64_t*>(tail_cache);
         seen = cached;
         if (pos < cached + capacity) return true;
@@ -96,6 +96,9 @@ struct FifoHandle {
         return stop;
       });
       if (stop) wait_gave_up(site, kWaitProxyStopped, pos - capacity + 1, seen_tail(), 0);
+      // The wait gave up (reported) or the communicator aborted: the slot is still the proxy's
+      // to read, so it is left as it is; the caller's later waits return at once.
+      if (!room) return pos;
     }
     ProxyTrigger* slot = triggers + (pos & (capacity - 1));
     const uint64_t parity = ((pos >> size_log2) & 1) ^ 1;

@@ -566,13 +566,7 @@ impl LowLatencyPath for LlNet {
     unsafe fn combine_packed(&self, stream: &CudaStream, call: &PackedCombine) -> Result<()> {
         self.prep()?;
         let mut send_args = None;
-        if let Some((y, h)) = call.send {
-            if y % 16 != 0 || y == 0 || h.layout_range % 8 != 0 || h.layout_range == 0 {
-                return Err(Error::invalid(
-                    "combine",
-                    "x 16-byte aligned, the handle's layout_range 8-byte",
-                ));
-            }
+        if let Some((y, h)) = call.checked_send()? {
             let log = self.log();
             if log.combine_in_flight {
                 return Err(Error::invalid(
@@ -603,23 +597,9 @@ impl LowLatencyPath for LlNet {
             });
         }
         let mut recv_args = None;
-        if let Some((topk_idx, topk_weights, num_tokens, out)) = call.recv {
-            let max = self.base.max_tokens as usize;
-            let id_align = if call.ids_i64 { 8 } else { 4 };
-            if num_tokens > max
-                || topk_idx % id_align != 0
-                || topk_weights % 4 != 0
-                || out % 16 != 0
-                || (num_tokens > 0 && (topk_idx == 0 || topk_weights == 0 || out == 0))
-            {
-                return Err(Error::invalid(
-                    "combine",
-                    format!(
-                        "{num_tokens} tokens (at most {max}), topk_idx {id_align}-byte, \
-                         topk_weights 4-byte and out 16-byte aligned"
-                    ),
-                ));
-            }
+        if let Some((topk_idx, topk_weights, num_tokens, out)) =
+            call.checked_recv(self.base.max_tokens as usize)?
+        {
             if send_args.is_none() && !self.log().combine_in_flight {
                 return Err(Error::invalid(
                     "combine receive",

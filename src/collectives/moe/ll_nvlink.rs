@@ -751,40 +751,14 @@ impl LowLatencyPath for LlNvlink {
             ticket: call.ticket,
             ..self.base
         };
-        if let Some((y, h)) = call.send {
-            if y % 16 != 0
-                || y == 0
-                || h.src_info % 4 != 0
-                || h.src_info == 0
-                || h.layout_range % 8 != 0
-                || h.layout_range == 0
-            {
-                return Err(Error::invalid(
-                    "combine",
-                    "x 16-byte aligned, the handle's src_info 4-byte and layout_range 8-byte",
-                ));
-            }
+        if let Some((y, h)) = call.checked_send()? {
             args.y = y;
             args.packed_src = h.src_info;
             args.packed_range = h.layout_range;
         }
-        if let Some((topk_idx, topk_weights, num_tokens, out)) = call.recv {
-            let id_align = if call.ids_i64 { 8 } else { 4 };
-            if num_tokens > self.cfg.max_tokens
-                || topk_idx % id_align != 0
-                || topk_weights % 4 != 0
-                || out % 16 != 0
-                || (num_tokens > 0 && (topk_idx == 0 || topk_weights == 0 || out == 0))
-            {
-                return Err(Error::invalid(
-                    "combine",
-                    format!(
-                        "{num_tokens} tokens (at most {}), topk_idx and topk_weights 4-byte and \
-                         out 16-byte aligned",
-                        self.cfg.max_tokens
-                    ),
-                ));
-            }
+        if let Some((topk_idx, topk_weights, num_tokens, out)) =
+            call.checked_recv(self.cfg.max_tokens)?
+        {
             args.topk_idx = topk_idx;
             args.topk_weights = topk_weights;
             args.num_tokens = num_tokens as u32;

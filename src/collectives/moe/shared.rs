@@ -382,6 +382,54 @@ pub(super) struct PackedCombine {
     pub recv: Option<(u64, u64, usize, u64)>,
 }
 
+impl PackedCombine {
+    /// Checks the send half's arguments (both paths read `x` and the handle's arrays): `x`
+    /// 16-byte aligned, `src_info` 4-byte and `layout_range` 8-byte, all given.
+    pub(super) fn checked_send(&self) -> Result<Option<(u64, PackedHandle)>> {
+        match self.send {
+            Some((y, h))
+                if y % 16 != 0
+                    || y == 0
+                    || h.src_info % 4 != 0
+                    || h.src_info == 0
+                    || h.layout_range % 8 != 0
+                    || h.layout_range == 0 =>
+            {
+                Err(Error::invalid(
+                    "combine",
+                    "x 16-byte aligned, the handle's src_info 4-byte and layout_range 8-byte",
+                ))
+            }
+            send => Ok(send),
+        }
+    }
+
+    /// Checks the receive half's arguments against a buffer of `max_tokens` tokens a rank:
+    /// `topk_idx` aligned to its id width, `topk_weights` 4-byte, `out` 16-byte, each given
+    /// when there are tokens.
+    pub(super) fn checked_recv(&self, max_tokens: usize) -> Result<Option<(u64, u64, usize, u64)>> {
+        let Some((topk_idx, topk_weights, num_tokens, out)) = self.recv else {
+            return Ok(None);
+        };
+        let id_align = if self.ids_i64 { 8 } else { 4 };
+        if num_tokens > max_tokens
+            || topk_idx % id_align != 0
+            || topk_weights % 4 != 0
+            || out % 16 != 0
+            || (num_tokens > 0 && (topk_idx == 0 || topk_weights == 0 || out == 0))
+        {
+            return Err(Error::invalid(
+                "combine",
+                format!(
+                    "{num_tokens} tokens (at most {max_tokens}), topk_idx {id_align}-byte, \
+                     topk_weights 4-byte and out 16-byte aligned"
+                ),
+            ));
+        }
+        Ok(self.recv)
+    }
+}
+
 /// What the kernel of a fused dispatch receives ([`super::MoeLowLatency::begin_fused_send`]): the
 /// arguments of `doorbell::moe_ll::put_token` (NVLink path) or `doorbell::moe_net::put_token`
 /// (node-spanning path), from `cuda/include/doorbell/`.
@@ -542,6 +590,66 @@ pub(super) fn agree_shape(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn packed_combine_halves_refuse_misaligned_or_missing_arrays() {
+        let handle = PackedHandle {
+            src_info: 0x1000,
+            layout_range: 0x2000,
+        };
+        let call = |send, recv, ids_i64| PackedCombine {
+            ticket: 0,
+            ids_i64,
+            send,
+            recv,
+        };
+        // Good halves pass through unchanged; absent halves are None.
+        let good = call(
+            Some((0x4000, handle)),
+            Some((0x5000, 0x6000, 128, 0x7000)),
+            true,
+        );
+        assert!(matches!(good.checked_send(), Ok(Some((0x4000, _)))));
+        assert_eq!(
+            good.checked_recv(128).unwrap(),
+            Some((0x5000, 0x6000, 128, 0x7000))
+        );
+        assert!(call(None, None, false).checked_send().unwrap().is_none());
+        assert!(call(None, None, false).checked_recv(1).unwrap().is_none());
+        // Send half: x 16-byte, src_info 4-byte, layout_range 8-byte, all given.
+        for (y, src_info, layout_range) in [
+            (0x4008, 0x1000, 0x2000),
+            (0, 0x1000, 0x2000),
+            (0x4000, 0x1002, 0x2000),
+            (0x4000, 0x1000, 0x2004),
+            (0x4000, 0x1000, 0),
+        ] {
+            let h = PackedHandle {
+                src_info,
+                layout_range,
+            };
+            let e = call(Some((y, h)), None, false)
+                .checked_send()
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains("x 16-byte aligned"), "{e}");
+        }
+        // Receive half: too many tokens, int64 ids 4-byte aligned, weights, out, missing arrays.
+        let recv = |idx, w, n, out, i64| call(None, Some((idx, w, n, out)), i64).checked_recv(128);
+        let e = recv(0x5000, 0x6000, 129, 0x7000, false)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("129 tokens (at most 128)"), "{e}");
+        let e = recv(0x5004, 0x6000, 1, 0x7000, true)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("topk_idx 8-byte"), "{e}");
+        assert!(recv(0x5004, 0x6000, 1, 0x7000, false).is_ok());
+        assert!(recv(0x5000, 0x6002, 1, 0x7000, false).is_err());
+        assert!(recv(0x5000, 0x6000, 1, 0x7008, false).is_err());
+        assert!(recv(0, 0x6000, 1, 0x7000, false).is_err());
+        assert!(recv(0, 0, 0, 0, false).is_ok(), "no tokens need no arrays");
+    }
 
     #[test]
     fn a_shape_that_differs_is_named_with_both_shapes() {
