@@ -1,0 +1,280 @@
+use super::*;
+use crate::abi::{NcclConfig, CONFIG_UNDEF_INT};
+use crate::error::last_error_text;
+use crate::id::{answers, rendezvous, RegInfo, UniqueId};
+use std::ffi::CStr;
+use std::net::{IpAddr, Ipv6Addr, SocketAddr};
+
+#[test]
+fn the_version_is_nccl_2_28_9s_code_and_null_is_refused() {
+    let mut v = 0;
+    // SAFETY: a writable int.
+    assert_eq!(unsafe { ncclGetVersion(&mut v) }, abi::SUCCESS);
+    assert_eq!(v, 22809);
+    assert_eq!(
+        abi::version_code(2, 8, 4),
+        2804,
+        "one digit of minor version before 2.9"
+    );
+    // SAFETY: NULL is checked.
+    assert_eq!(
+        unsafe { ncclGetVersion(std::ptr::null_mut()) },
+        abi::INVALID_ARGUMENT
+    );
+    assert!(
+        last_error_text().contains("ncclGetVersion"),
+        "{}",
+        last_error_text()
+    );
+}
+
+#[test]
+fn every_result_code_has_its_own_text_and_unknown_ones_say_so() {
+    let texts: Vec<String> = (0..8)
+        .map(|c| {
+            let p = ncclGetErrorString(c);
+            assert!(!p.is_null());
+            // SAFETY: a static C string.
+            unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned()
+        })
+        .collect();
+    let mut unique = texts.clone();
+    unique.sort();
+    unique.dedup();
+    assert_eq!(unique.len(), 8, "{texts:?}");
+    assert_eq!(texts[0], "no error");
+    for c in [-1, 8, 1000] {
+        // SAFETY: a static C string.
+        let t = unsafe { CStr::from_ptr(ncclGetErrorString(c)) };
+        assert_eq!(t.to_str().unwrap(), "unknown result code");
+    }
+}
+
+#[test]
+fn the_last_error_is_cut_at_a_character_boundary_and_its_pointer_stays() {
+    let before = ncclGetLastError(std::ptr::null_mut());
+    let long = "é".repeat(2000); // 4000 bytes of 2-byte characters
+    let code = error::record(&error::ShimError::new(abi::REMOTE_ERROR, long));
+    assert_eq!(code, abi::REMOTE_ERROR);
+    assert_eq!(
+        ncclGetLastError(std::ptr::null_mut()),
+        before,
+        "a stable pointer"
+    );
+    let text = last_error_text();
+    // Other tests may record errors concurrently; this one's text, if still there, is whole
+    // characters.
+    if text.starts_with('é') {
+        assert_eq!(
+            text.len(),
+            1022,
+            "1023 bytes of room, cut back to an even count"
+        );
+        assert!(text.chars().all(|c| c == 'é'));
+    }
+}
+
+#[test]
+fn doorbells_errors_map_onto_nccls_codes() {
+    use doorbell::Error as E;
+    let peer = E::PeerFailed {
+        me: 1,
+        rank: 3,
+        cause: "killed".into(),
+    };
+    assert_eq!(
+        error::ShimError::from_doorbell(&peer).code,
+        abi::REMOTE_ERROR
+    );
+    let bad = E::invalid("count", "at least 1");
+    let e = error::ShimError::from_doorbell(&bad);
+    assert_eq!(e.code, abi::INVALID_ARGUMENT);
+    assert!(e.message.contains("count"), "{}", e.message);
+}
+
+fn parse(c: &NcclConfig) -> Result<config::CommConfig, error::ShimError> {
+    // SAFETY: a whole config, commName NULL or a C string.
+    unsafe { config::parse(c) }
+}
+
+#[test]
+fn a_config_is_read_as_far_as_its_size_says_and_checked() {
+    if std::env::var_os("NCCL_COMM_BLOCKING").is_some() {
+        return; // the setting overrides `blocking`; this test is about the struct
+    }
+    // SAFETY: NULL means every default.
+    assert_eq!(
+        unsafe { config::parse(std::ptr::null()) }.unwrap(),
+        config::CommConfig::default()
+    );
+    let init = NcclConfig::initializer();
+    assert_eq!(parse(&init).unwrap(), config::CommConfig::default());
+    let name = c"tp-group";
+    let c = NcclConfig {
+        blocking: 0,
+        min_ctas: 4,
+        max_ctas: 16,
+        split_share: 1,
+        comm_name: name.as_ptr(),
+        ..init
+    };
+    let got = parse(&c).unwrap();
+    assert!(!got.blocking && got.split_share);
+    assert_eq!((got.min_ctas, got.max_ctas), (Some(4), Some(16)));
+    assert_eq!(got.name.as_deref(), Some("tp-group"));
+    // Headers older than the field: bytes past `size` are not the caller's and are not read.
+    let short = NcclConfig {
+        size: 32,                 // through maxCTAs
+        comm_name: 8 as *const _, // garbage past the size
+        split_share: 99,
+        ..c
+    };
+    let got = parse(&short).unwrap();
+    assert_eq!(
+        (got.name, got.split_share, got.max_ctas),
+        (None, false, Some(16))
+    );
+    for (bad, what) in [
+        (
+            NcclConfig {
+                magic: 0x1234,
+                ..init
+            },
+            "magic",
+        ),
+        (
+            NcclConfig {
+                blocking: 2,
+                ..init
+            },
+            "blocking 2",
+        ),
+        (
+            NcclConfig {
+                min_ctas: 0,
+                ..init
+            },
+            "minCTAs 0",
+        ),
+        (
+            NcclConfig {
+                min_ctas: 8,
+                max_ctas: 4,
+                ..init
+            },
+            "above maxCTAs",
+        ),
+        (NcclConfig { size: 8, ..init }, "not a config"),
+    ] {
+        let e = parse(&bad).unwrap_err();
+        assert_eq!(e.code, abi::INVALID_ARGUMENT);
+        assert!(e.message.contains(what), "{what}: {}", e.message);
+    }
+    assert_eq!(init.blocking, CONFIG_UNDEF_INT);
+}
+
+#[test]
+fn a_unique_id_round_trips_and_a_foreign_one_is_refused() {
+    for ip in [IpAddr::from([10, 1, 2, 3]), IpAddr::V6(Ipv6Addr::LOCALHOST)] {
+        let id = UniqueId {
+            server: SocketAddr::new(ip, 40123),
+            secret: [7; 32],
+        };
+        assert_eq!(UniqueId::decode(&id.encode()).unwrap(), id);
+    }
+    let mut b = [0u8; 128];
+    b[0] = 0x02; // a real NCCL id starts with its own magic
+    let e = UniqueId::decode(&abi::NcclUniqueId::from_bytes(&b)).unwrap_err();
+    assert_eq!(e.code, abi::INVALID_ARGUMENT);
+    assert!(e.message.contains("ncclGetUniqueId"), "{}", e.message);
+    // SAFETY: NULL is checked.
+    assert_eq!(
+        unsafe { ncclGetUniqueId(std::ptr::null_mut()) },
+        abi::INVALID_ARGUMENT
+    );
+}
+
+fn info(rank: u32, nranks: u32, host: &str) -> RegInfo {
+    RegInfo {
+        rank,
+        nranks,
+        host: host.into(),
+        addr: if rank == 0 {
+            "10.0.0.1".into()
+        } else {
+            String::new()
+        },
+        port: if rank == 0 { 5000 } else { 0 },
+    }
+}
+
+#[test]
+fn the_rendezvous_gives_each_rank_its_place_on_its_host_and_rank_0s_address() {
+    let regs = [
+        info(2, 4, "b"),
+        info(0, 4, "a"),
+        info(3, 4, "a"),
+        info(1, 4, "b"),
+    ];
+    let a = answers(&regs).unwrap();
+    let want = |l, n| (l, n, "10.0.0.1".to_string(), 5000);
+    assert_eq!(a, vec![want(1, 2), want(0, 2), want(1, 2), want(0, 2)]);
+    let e = answers(&[info(0, 2, "a"), info(0, 2, "a")]).unwrap_err();
+    assert!(e.contains("registered twice"), "{e}");
+    let e = answers(&[info(0, 2, "a"), info(1, 3, "a")]).unwrap_err();
+    assert!(e.contains("3 ranks"), "{e}");
+    let e = answers(&[info(0, 2, "a"), info(2, 2, "a")]).unwrap_err();
+    assert!(e.contains("rank 2 of 2"), "{e}");
+}
+
+#[test]
+fn ranks_that_initialize_with_one_id_meet_and_connect_doorbells_bootstrap() {
+    let mut raw = std::mem::MaybeUninit::<abi::NcclUniqueId>::uninit();
+    // SAFETY: 128 writable bytes.
+    assert_eq!(unsafe { ncclGetUniqueId(raw.as_mut_ptr()) }, abi::SUCCESS);
+    // SAFETY: written by the successful call.
+    let id = UniqueId::decode(&unsafe { raw.assume_init() }).unwrap();
+    let hosts = ["h0", "h0", "h1", "h1"];
+    let joined: Vec<(usize, usize, usize)> = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..4)
+            .map(|r| {
+                let id = id.clone();
+                let host = hosts[r];
+                s.spawn(move || {
+                    let cfg = rendezvous(&id, r, 4, Some(host)).unwrap();
+                    assert_eq!(cfg.secret, id.secret.to_vec());
+                    let (local, count) = (cfg.local_rank, cfg.local_world_size);
+                    let b = doorbell::job::bootstrap::Bootstrap::connect(cfg).unwrap();
+                    b.barrier().unwrap();
+                    let all = b.all_gather(&[r as u8]).unwrap();
+                    assert_eq!(all, (0..4).map(|q| vec![q as u8]).collect::<Vec<_>>());
+                    (b.rank(), local, count)
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    assert_eq!(joined, vec![(0, 0, 2), (1, 1, 2), (2, 0, 2), (3, 1, 2)]);
+    // A rank outside the count is refused before anything is sent.
+    let e = rendezvous(&id, 4, 4, None).unwrap_err();
+    assert_eq!(e.code, abi::INVALID_ARGUMENT);
+}
+
+#[test]
+fn a_rank_registered_twice_ends_the_rendezvous_with_invalid_usage_on_both() {
+    let id = id::create().unwrap();
+    let results: Vec<_> = std::thread::scope(|s| {
+        let hs: Vec<_> = (0..2)
+            .map(|_| {
+                let id = id.clone();
+                s.spawn(move || rendezvous(&id, 1, 2, None))
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    for r in results {
+        let e = r.unwrap_err();
+        assert_eq!(e.code, abi::INVALID_USAGE);
+        assert!(e.message.contains("registered twice"), "{}", e.message);
+    }
+}
