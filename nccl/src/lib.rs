@@ -3,23 +3,32 @@
 //! nccl-tests). Issue 28; under construction: what it exports today is listed below, and
 //! `docs/nccl-abi-notes.md` says what the whole ABI needs.
 //!
-//! Exported so far (each tested on the CPU):
+//! Exported so far (tested on the CPU up to where a GPU is needed):
 //! - `ncclGetVersion`: NCCL 2.28.9's code (22809), the ABI these declarations follow.
 //! - `ncclGetErrorString`, `ncclGetLastError`: a description of each result code, and the last
 //!   failure's text (doorbell's message where doorbell failed).
 //! - `ncclGetUniqueId`: an id whose maker serves the rendezvous of the ranks that initialize
-//!   with it ([`id`]); [`id::rendezvous`] turns it into doorbell's bootstrap settings for
-//!   `ncclCommInitRank`, which is not exported yet.
+//!   with it ([`id`]).
+//! - `ncclCommInitRank`, `ncclCommInitRankConfig` ([`config::parse`] reads `ncclConfig_t`):
+//!   the rendezvous, doorbell's bootstrap, then doorbell's communicator on the thread's current
+//!   GPU ([`comm`]); inside a group, at its end, side by side ([`group`]).
+//! - `ncclCommDestroy`, `ncclCommAbort`, `ncclCommCount`, `ncclCommCuDevice`,
+//!   `ncclCommUserRank`, `ncclCommGetAsyncError`, `ncclGroupStart`, `ncclGroupEnd`.
 //!
-//! [`config::parse`] reads `ncclConfig_t` as `ncclCommInitRankConfig` will.
+//! No collective yet, and nothing is forwarded to a real NCCL yet.
 
 pub mod abi;
+pub mod comm;
 pub mod config;
 pub mod error;
+pub mod group;
 pub mod id;
 
-use abi::{NcclResult, NcclUniqueId};
+use abi::{NcclConfig, NcclResult, NcclUniqueId};
+use comm::Comm;
+use error::ShimError;
 use std::ffi::{c_char, c_int, c_void};
+use std::sync::Arc;
 
 /// `ncclGetVersion(int* version)`.
 ///
@@ -70,6 +79,215 @@ pub unsafe extern "C" fn ncclGetUniqueId(unique_id: *mut NcclUniqueId) -> NcclRe
         }
         Err(e) => error::record(&e),
     }
+}
+
+/// `ncclComm_t`: an `Arc<Comm>` handed out raw.
+pub type NcclComm = *const Comm;
+
+/// The communicator behind a handle, or an invalid-argument error naming the call.
+///
+/// # Safety
+/// `comm` is NULL or a handle this library returned and that was not destroyed.
+unsafe fn handle<'a>(comm: NcclComm, call: &str) -> Result<&'a Comm, ShimError> {
+    // SAFETY: a live handle points to a live Comm (the contract).
+    unsafe { comm.as_ref() }
+        .ok_or_else(|| ShimError::invalid_argument(format!("{call}: comm is NULL")))
+}
+
+/// Writes `v` through `out`, or an invalid-argument error naming the call and the argument.
+///
+/// # Safety
+/// `out` is NULL or writable.
+unsafe fn put<T>(out: *mut T, v: T, call: &str, what: &str) -> Result<(), ShimError> {
+    if out.is_null() {
+        return Err(ShimError::invalid_argument(format!(
+            "{call}: {what} is NULL"
+        )));
+    }
+    // SAFETY: non-NULL and writable (the contract).
+    unsafe { out.write(v) };
+    Ok(())
+}
+
+/// # Safety
+/// `out` is NULL or writable; `config` as [`config::parse`] requires.
+unsafe fn init(
+    out: *mut NcclComm,
+    nranks: c_int,
+    id: &NcclUniqueId,
+    rank: c_int,
+    config: *const NcclConfig,
+    call: &str,
+) -> NcclResult {
+    let r = (|| {
+        if out.is_null() {
+            return Err(ShimError::invalid_argument(format!("{call}: comm is NULL")));
+        }
+        // SAFETY: as this function's contract says.
+        let cfg = unsafe { config::parse(config) }?;
+        let device = comm::current_device()?;
+        let c = comm::init_rank(id, rank, nranks, cfg, device)?;
+        // SAFETY: non-NULL, writable (the contract).
+        unsafe { out.write(Arc::into_raw(c)) };
+        Ok(())
+    })();
+    error::result(r)
+}
+
+/// `ncclCommInitRank(ncclComm_t* comm, int nranks, ncclUniqueId commId, int rank)`.
+///
+/// # Safety
+/// `comm` is NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn ncclCommInitRank(
+    comm: *mut NcclComm,
+    nranks: c_int,
+    comm_id: NcclUniqueId,
+    rank: c_int,
+) -> NcclResult {
+    // SAFETY: forwarded contract; a NULL config is every default.
+    unsafe {
+        init(
+            comm,
+            nranks,
+            &comm_id,
+            rank,
+            std::ptr::null(),
+            "ncclCommInitRank",
+        )
+    }
+}
+
+/// `ncclCommInitRankConfig(ncclComm_t* comm, int nranks, ncclUniqueId commId, int rank,
+/// ncclConfig_t* config)`.
+///
+/// # Safety
+/// `comm` is NULL or writable; `config` is NULL or an `ncclConfig_t` of its stated size.
+#[no_mangle]
+pub unsafe extern "C" fn ncclCommInitRankConfig(
+    comm: *mut NcclComm,
+    nranks: c_int,
+    comm_id: NcclUniqueId,
+    rank: c_int,
+    config: *const NcclConfig,
+) -> NcclResult {
+    // SAFETY: forwarded contract.
+    unsafe {
+        init(
+            comm,
+            nranks,
+            &comm_id,
+            rank,
+            config,
+            "ncclCommInitRankConfig",
+        )
+    }
+}
+
+/// `ncclCommDestroy(ncclComm_t comm)`: releases this rank's handle.
+///
+/// # Safety
+/// `comm` is NULL or a live handle, not used again.
+#[no_mangle]
+pub unsafe extern "C" fn ncclCommDestroy(comm: NcclComm) -> NcclResult {
+    if comm.is_null() {
+        return error::record(&ShimError::invalid_argument(
+            "ncclCommDestroy: comm is NULL",
+        ));
+    }
+    // SAFETY: a live handle from Arc::into_raw, given up by the caller.
+    drop(unsafe { Arc::from_raw(comm) });
+    abi::SUCCESS
+}
+
+/// `ncclCommAbort(ncclComm_t comm)`: stops doorbell's work (every peer learns of it), then
+/// releases the handle.
+///
+/// # Safety
+/// `comm` is NULL or a live handle, not used again.
+#[no_mangle]
+pub unsafe extern "C" fn ncclCommAbort(comm: NcclComm) -> NcclResult {
+    if comm.is_null() {
+        return error::record(&ShimError::invalid_argument("ncclCommAbort: comm is NULL"));
+    }
+    // SAFETY: a live handle from Arc::into_raw, given up by the caller.
+    let c = unsafe { Arc::from_raw(comm) };
+    c.abort();
+    abi::SUCCESS
+}
+
+/// `ncclCommCount(const ncclComm_t comm, int* count)`.
+///
+/// # Safety
+/// `comm` is NULL or a live handle; `count` NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn ncclCommCount(comm: NcclComm, count: *mut c_int) -> NcclResult {
+    // SAFETY: the contract.
+    error::result(unsafe {
+        handle(comm, "ncclCommCount")
+            .and_then(|c| put(count, c.nranks as c_int, "ncclCommCount", "count"))
+    })
+}
+
+/// `ncclCommCuDevice(const ncclComm_t comm, int* device)`.
+///
+/// # Safety
+/// `comm` is NULL or a live handle; `device` NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn ncclCommCuDevice(comm: NcclComm, device: *mut c_int) -> NcclResult {
+    // SAFETY: the contract.
+    error::result(unsafe {
+        handle(comm, "ncclCommCuDevice")
+            .and_then(|c| put(device, c.device as c_int, "ncclCommCuDevice", "device"))
+    })
+}
+
+/// `ncclCommUserRank(const ncclComm_t comm, int* rank)`.
+///
+/// # Safety
+/// `comm` is NULL or a live handle; `rank` NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn ncclCommUserRank(comm: NcclComm, rank: *mut c_int) -> NcclResult {
+    // SAFETY: the contract.
+    error::result(unsafe {
+        handle(comm, "ncclCommUserRank")
+            .and_then(|c| put(rank, c.rank as c_int, "ncclCommUserRank", "rank"))
+    })
+}
+
+/// `ncclCommGetAsyncError(ncclComm_t comm, ncclResult_t* asyncError)`.
+///
+/// # Safety
+/// `comm` is NULL or a live handle; `async_error` NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn ncclCommGetAsyncError(
+    comm: NcclComm,
+    async_error: *mut NcclResult,
+) -> NcclResult {
+    // SAFETY: the contract.
+    error::result(unsafe {
+        handle(comm, "ncclCommGetAsyncError").and_then(|c| {
+            put(
+                async_error,
+                c.async_error(),
+                "ncclCommGetAsyncError",
+                "asyncError",
+            )
+        })
+    })
+}
+
+/// `ncclGroupStart()`.
+#[no_mangle]
+pub extern "C" fn ncclGroupStart() -> NcclResult {
+    group::start();
+    abi::SUCCESS
+}
+
+/// `ncclGroupEnd()`: at the outermost end, what the group held runs.
+#[no_mangle]
+pub extern "C" fn ncclGroupEnd() -> NcclResult {
+    error::result(group::end())
 }
 
 #[cfg(test)]

@@ -1,0 +1,161 @@
+//! The communicator behind `ncclComm_t`: doorbell's [`Communicator`] on the GPU that was
+//! current when the rank initialized, built through the unique id's rendezvous
+//! ([`crate::id`]).
+
+use crate::abi::{self, NcclResult};
+use crate::config::CommConfig;
+use crate::error::ShimError;
+use crate::id::{self, UniqueId};
+use doorbell::communicator::Communicator;
+use doorbell::job::bootstrap::Bootstrap;
+use std::ffi::c_int;
+use std::sync::atomic::{AtomicI32, Ordering};
+use std::sync::{Arc, OnceLock};
+
+/// What an `ncclComm_t` points to. Inside a group the handle exists before its communicator:
+/// `inner` is set when the group ends.
+pub struct Comm {
+    pub rank: usize,
+    pub nranks: usize,
+    pub device: usize,
+    pub config: CommConfig,
+    inner: OnceLock<Arc<Communicator>>,
+    /// The communicator's asynchronous error (`ncclCommGetAsyncError`): an init that failed
+    /// after its call returned (inside a group), or a fault doorbell found.
+    async_error: AtomicI32,
+}
+
+impl Comm {
+    /// doorbell's communicator, or why there is none.
+    pub fn communicator(&self) -> Result<&Arc<Communicator>, ShimError> {
+        self.inner.get().ok_or_else(|| {
+            ShimError::new(
+                abi::INVALID_USAGE,
+                format!(
+                    "rank {} of {}: the communicator is not initialized (its init failed, or \
+                     its group has not ended)",
+                    self.rank, self.nranks
+                ),
+            )
+        })
+    }
+
+    /// `ncclCommGetAsyncError`: an init's failure, else doorbell's health (a dead or mismatched
+    /// peer, a stopped proxy), else success. A communicator whose group has not ended is in
+    /// progress.
+    pub fn async_error(&self) -> NcclResult {
+        let e = self.async_error.load(Ordering::Acquire);
+        if e != abi::SUCCESS {
+            return e;
+        }
+        match self.inner.get() {
+            None => abi::IN_PROGRESS,
+            Some(c) => match c.check_health() {
+                Ok(()) => abi::SUCCESS,
+                Err(e) => {
+                    let code = crate::error::record(&ShimError::from_doorbell(&e));
+                    self.async_error.store(code, Ordering::Release);
+                    code
+                }
+            },
+        }
+    }
+
+    /// `ncclCommAbort`: ends doorbell's work on every rank's side (peers learn of it).
+    pub fn abort(&self) {
+        if let Some(c) = self.inner.get() {
+            c.abort();
+        }
+    }
+}
+
+/// The CUDA device current on this thread (NCCL binds a communicator to it): the device of the
+/// current context, or 0 when there is none (as `cudaGetDevice` says before any).
+pub fn current_device() -> Result<usize, ShimError> {
+    use cudarc::driver::sys;
+    let no_driver = |why: String| ShimError::new(abi::UNHANDLED_CUDA_ERROR, why);
+    // SAFETY: only probes whether libcuda can be loaded (cudarc panics on a call without it).
+    if !unsafe { sys::is_culib_present() } {
+        return Err(no_driver(
+            "libcuda.so could not be loaded: no NVIDIA driver here, or not on the library path"
+                .into(),
+        ));
+    }
+    // SAFETY: cuInit takes a flags word; the others write into locals that outlive the calls.
+    unsafe {
+        let r = sys::cuInit(0);
+        if r != sys::CUresult::CUDA_SUCCESS {
+            return Err(no_driver(format!("cuInit: {r:?}")));
+        }
+        let mut ctx = std::ptr::null_mut();
+        let r = sys::cuCtxGetCurrent(&mut ctx);
+        if r != sys::CUresult::CUDA_SUCCESS || ctx.is_null() {
+            return Ok(0);
+        }
+        let mut dev = 0;
+        let r = sys::cuCtxGetDevice(&mut dev);
+        if r != sys::CUresult::CUDA_SUCCESS {
+            return Err(no_driver(format!("cuCtxGetDevice: {r:?}")));
+        }
+        Ok(dev as usize)
+    }
+}
+
+/// Joins rank `rank` of `nranks` on `uid` and builds its communicator on `device`: the
+/// rendezvous, doorbell's bootstrap, then the communicator (collective).
+fn build(
+    uid: &UniqueId,
+    rank: usize,
+    nranks: usize,
+    device: usize,
+) -> Result<Communicator, ShimError> {
+    let cfg = id::rendezvous(uid, rank, nranks, None)?;
+    let boot = Bootstrap::connect(cfg).map_err(|e| ShimError::from_doorbell(&e))?;
+    Communicator::new(boot, device).map_err(|e| ShimError::from_doorbell(&e))
+}
+
+/// `ncclCommInitRank[Config]` with the device already chosen: returns the handle at once, its
+/// communicator built now, or, inside a group, when the group ends (its failure then in the
+/// group's result and the communicator's asynchronous error).
+pub fn init_rank(
+    id: &abi::NcclUniqueId,
+    rank: c_int,
+    nranks: c_int,
+    config: CommConfig,
+    device: usize,
+) -> Result<Arc<Comm>, ShimError> {
+    if nranks < 1 || rank < 0 || rank >= nranks {
+        return Err(ShimError::invalid_argument(format!(
+            "ncclCommInitRank: rank {rank} of {nranks} ranks (0 <= rank < nranks, nranks >= 1)"
+        )));
+    }
+    let uid = UniqueId::decode(id)?;
+    let (rank, nranks) = (rank as usize, nranks as usize);
+    let comm = Arc::new(Comm {
+        rank,
+        nranks,
+        device,
+        config,
+        inner: OnceLock::new(),
+        async_error: AtomicI32::new(abi::SUCCESS),
+    });
+    let run = {
+        let comm = comm.clone();
+        move || match build(&uid, rank, nranks, device) {
+            Ok(c) => {
+                let _ = comm.inner.set(Arc::new(c));
+                Ok(())
+            }
+            Err(e) => {
+                comm.async_error.store(e.code, Ordering::Release);
+                Err(e)
+            }
+        }
+    };
+    if crate::group::inside() {
+        crate::group::hold_init(Box::new(run));
+    } else {
+        run()?;
+    }
+    Ok(comm)
+}

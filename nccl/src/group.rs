@@ -1,0 +1,74 @@
+//! `ncclGroupStart`/`ncclGroupEnd`: per thread, calls made inside a group are held and run at
+//! the outermost end. Initializations held in one group run side by side (one thread may
+//! initialize several ranks of one communicator, as nccl-tests does with `-g`/`-t`: run one
+//! after another they would wait for each other forever).
+
+use crate::error::ShimError;
+use std::cell::RefCell;
+
+type Held = Box<dyn FnOnce() -> Result<(), ShimError> + Send>;
+
+#[derive(Default)]
+struct Group {
+    depth: usize,
+    inits: Vec<Held>,
+}
+
+thread_local! {
+    static GROUP: RefCell<Group> = RefCell::new(Group::default());
+}
+
+/// `ncclGroupStart`.
+pub fn start() {
+    GROUP.with(|g| g.borrow_mut().depth += 1);
+}
+
+/// Whether this thread is inside a group.
+pub fn inside() -> bool {
+    GROUP.with(|g| g.borrow().depth > 0)
+}
+
+/// Holds an initialization until the group ends (only inside a group).
+pub fn hold_init(f: Held) {
+    GROUP.with(|g| g.borrow_mut().inits.push(f));
+}
+
+/// `ncclGroupEnd`: at the outermost end, runs the held initializations side by side and
+/// returns the first failure (every one runs to its end). Without a group: invalid usage.
+pub fn end() -> Result<(), ShimError> {
+    let inits = GROUP.with(|g| {
+        let mut g = g.borrow_mut();
+        if g.depth == 0 {
+            return Err(ShimError::new(
+                crate::abi::INVALID_USAGE,
+                "ncclGroupEnd without ncclGroupStart",
+            ));
+        }
+        g.depth -= 1;
+        Ok(if g.depth == 0 {
+            std::mem::take(&mut g.inits)
+        } else {
+            Vec::new()
+        })
+    })?;
+    match inits.len() {
+        0 => Ok(()),
+        1 => inits.into_iter().next().expect("one")(),
+        _ => std::thread::scope(|s| {
+            let runs: Vec<_> = inits.into_iter().map(|f| s.spawn(f)).collect();
+            let mut first = Ok(());
+            for r in runs {
+                let r = r.join().unwrap_or_else(|_| {
+                    Err(ShimError::new(
+                        crate::abi::INTERNAL_ERROR,
+                        "an initialization panicked",
+                    ))
+                });
+                if first.is_ok() {
+                    first = r;
+                }
+            }
+            first
+        }),
+    }
+}
