@@ -6,11 +6,21 @@ use crate::abi::{self, NcclResult};
 use crate::config::CommConfig;
 use crate::error::ShimError;
 use crate::id::{self, UniqueId};
+use doorbell::collectives::allreduce::{AllReduce, AllReduceOptions};
+use doorbell::collectives::alltoall::{AllToAll, AllToAllOptions};
 use doorbell::communicator::Communicator;
 use doorbell::job::bootstrap::Bootstrap;
 use std::ffi::c_int;
 use std::sync::atomic::{AtomicI32, Ordering};
 use std::sync::{Arc, OnceLock};
+
+/// doorbell's communicator and the collectives built on it with the communicator (so that a
+/// call only queues work).
+pub struct Built {
+    pub comm: Arc<Communicator>,
+    pub all_reduce: AllReduce,
+    pub all_to_all: AllToAll,
+}
 
 /// What an `ncclComm_t` points to. Inside a group the handle exists before its communicator:
 /// `inner` is set when the group ends.
@@ -19,7 +29,7 @@ pub struct Comm {
     pub nranks: usize,
     pub device: usize,
     pub config: CommConfig,
-    inner: OnceLock<Arc<Communicator>>,
+    inner: OnceLock<Built>,
     /// The communicator's asynchronous error (`ncclCommGetAsyncError`): an init that failed
     /// after its call returned (inside a group), or a fault doorbell found.
     async_error: AtomicI32,
@@ -28,6 +38,35 @@ pub struct Comm {
 impl Comm {
     /// doorbell's communicator, or why there is none.
     pub fn communicator(&self) -> Result<&Arc<Communicator>, ShimError> {
+        self.built().map(|b| &b.comm)
+    }
+
+    /// The communicator and its allreduce.
+    pub fn all_reduce(&self) -> Result<(&Communicator, &AllReduce), ShimError> {
+        self.built().map(|b| (&*b.comm, &b.all_reduce))
+    }
+
+    /// The communicator and its all-to-all.
+    pub fn all_to_all(&self) -> Result<(&Communicator, &AllToAll), ShimError> {
+        self.built().map(|b| (&*b.comm, &b.all_to_all))
+    }
+
+    /// A call's failure as NCCL reports it; a failed peer or a mismatch also becomes the
+    /// communicator's asynchronous error (PyTorch's watchdog polls it).
+    pub fn failed(&self, e: &doorbell::Error) -> ShimError {
+        let s = ShimError::from_doorbell(e);
+        if matches!(s.code, abi::REMOTE_ERROR | abi::INVALID_USAGE) {
+            let _ = self.async_error.compare_exchange(
+                abi::SUCCESS,
+                s.code,
+                Ordering::AcqRel,
+                Ordering::Acquire,
+            );
+        }
+        s
+    }
+
+    fn built(&self) -> Result<&Built, ShimError> {
         self.inner.get().ok_or_else(|| {
             ShimError::new(
                 abi::INVALID_USAGE,
@@ -50,7 +89,7 @@ impl Comm {
         }
         match self.inner.get() {
             None => abi::IN_PROGRESS,
-            Some(c) => match c.check_health() {
+            Some(b) => match b.comm.check_health() {
                 Ok(()) => abi::SUCCESS,
                 Err(e) => {
                     let code = crate::error::record(&ShimError::from_doorbell(&e));
@@ -63,8 +102,8 @@ impl Comm {
 
     /// `ncclCommAbort`: ends doorbell's work on every rank's side (peers learn of it).
     pub fn abort(&self) {
-        if let Some(c) = self.inner.get() {
-            c.abort();
+        if let Some(b) = self.inner.get() {
+            b.comm.abort();
         }
     }
 }
@@ -102,16 +141,20 @@ pub fn current_device() -> Result<usize, ShimError> {
 }
 
 /// Joins rank `rank` of `nranks` on `uid` and builds its communicator on `device`: the
-/// rendezvous, doorbell's bootstrap, then the communicator (collective).
-fn build(
-    uid: &UniqueId,
-    rank: usize,
-    nranks: usize,
-    device: usize,
-) -> Result<Communicator, ShimError> {
+/// rendezvous, doorbell's bootstrap, the communicator, its allreduce and all-to-all
+/// (collective).
+fn build(uid: &UniqueId, rank: usize, nranks: usize, device: usize) -> Result<Built, ShimError> {
+    let doorbell_err = |e: doorbell::Error| ShimError::from_doorbell(&e);
     let cfg = id::rendezvous(uid, rank, nranks, None)?;
-    let boot = Bootstrap::connect(cfg).map_err(|e| ShimError::from_doorbell(&e))?;
-    Communicator::new(boot, device).map_err(|e| ShimError::from_doorbell(&e))
+    let boot = Bootstrap::connect(cfg).map_err(doorbell_err)?;
+    let comm = Arc::new(Communicator::new(boot, device).map_err(doorbell_err)?);
+    let all_reduce = AllReduce::new(&comm, AllReduceOptions::default()).map_err(doorbell_err)?;
+    let all_to_all = AllToAll::new(&comm, AllToAllOptions::default()).map_err(doorbell_err)?;
+    Ok(Built {
+        comm,
+        all_reduce,
+        all_to_all,
+    })
 }
 
 /// `ncclCommInitRank[Config]` with the device already chosen: returns the handle at once, its
@@ -142,8 +185,8 @@ pub fn init_rank(
     let run = {
         let comm = comm.clone();
         move || match build(&uid, rank, nranks, device) {
-            Ok(c) => {
-                let _ = comm.inner.set(Arc::new(c));
+            Ok(b) => {
+                let _ = comm.inner.set(b);
                 Ok(())
             }
             Err(e) => {

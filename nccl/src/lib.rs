@@ -15,9 +15,14 @@
 //! - `ncclCommDestroy`, `ncclCommAbort`, `ncclCommCount`, `ncclCommCuDevice`,
 //!   `ncclCommUserRank`, `ncclCommGetAsyncError`, `ncclGroupStart`, `ncclGroupEnd`.
 //!
-//! No collective yet, and nothing is forwarded to a real NCCL yet.
+//! - `ncclAllReduce` (sum of bf16, f16, f32) and `ncclAlltoAll` on doorbell's kernels
+//!   ([`colls`]); other types and ops fail with `ncclInvalidUsage` naming them.
+//!
+//! Nothing is forwarded to a real NCCL yet, and the collectives have not run on a GPU through
+//! this library yet.
 
 pub mod abi;
+pub mod colls;
 pub mod comm;
 pub mod config;
 pub mod error;
@@ -275,6 +280,62 @@ pub unsafe extern "C" fn ncclCommGetAsyncError(
             )
         })
     })
+}
+
+/// `ncclAllReduce(const void* sendbuff, void* recvbuff, size_t count, ncclDataType_t datatype,
+/// ncclRedOp_t op, ncclComm_t comm, cudaStream_t stream)`.
+///
+/// # Safety
+/// `comm` is NULL or a live handle; the buffers and stream as NCCL requires.
+#[no_mangle]
+pub unsafe extern "C" fn ncclAllReduce(
+    sendbuff: *const c_void,
+    recvbuff: *mut c_void,
+    count: usize,
+    datatype: c_int,
+    op: c_int,
+    comm: NcclComm,
+    stream: *mut c_void,
+) -> NcclResult {
+    // SAFETY: the contract.
+    error::result(unsafe { handle(comm, "ncclAllReduce") }.and_then(|c| {
+        colls::all_reduce(
+            c,
+            sendbuff as u64,
+            recvbuff as u64,
+            count,
+            datatype,
+            op,
+            stream as u64,
+        )
+    }))
+}
+
+/// `ncclAlltoAll(const void* sendbuff, void* recvbuff, size_t count, ncclDataType_t datatype,
+/// ncclComm_t comm, cudaStream_t stream)`: `count` elements to and from each rank.
+///
+/// # Safety
+/// `comm` is NULL or a live handle; the buffers and stream as NCCL requires.
+#[no_mangle]
+pub unsafe extern "C" fn ncclAlltoAll(
+    sendbuff: *const c_void,
+    recvbuff: *mut c_void,
+    count: usize,
+    datatype: c_int,
+    comm: NcclComm,
+    stream: *mut c_void,
+) -> NcclResult {
+    // SAFETY: the contract.
+    error::result(unsafe { handle(comm, "ncclAlltoAll") }.and_then(|c| {
+        colls::all_to_all(
+            c,
+            sendbuff as u64,
+            recvbuff as u64,
+            count,
+            datatype,
+            stream as u64,
+        )
+    }))
 }
 
 /// `ncclGroupStart()`.

@@ -388,3 +388,86 @@ fn one_thread_initializes_two_ranks_in_a_group_and_both_reach_the_gpu_step() {
     }
     assert_eq!((n, rank, dev), (2, 1, 0));
 }
+
+/// A one-rank communicator; without a GPU (CI) its init fails at the GPU step and it stays
+/// unbuilt.
+fn one_rank_comm() -> Arc<comm::Comm> {
+    let id = id::create().unwrap().encode();
+    group::start();
+    let c = comm::init_rank(&id, 0, 1, config::CommConfig::default(), 0).unwrap();
+    let _ = group::end();
+    c
+}
+
+#[test]
+fn collectives_check_their_arguments_and_name_what_is_not_native() {
+    use abi::{dtype, op};
+    let c = one_rank_comm();
+    let code = |r: Result<(), error::ShimError>| r.map_err(|e| (e.code, e.message)).err();
+    let ar = |t, o, n, s: u64, r: u64| code(colls::all_reduce(&c, s, r, n, t, o, 0));
+    // Checked before anything else, GPU or not.
+    let (k, m) = ar(12, op::SUM, 4, 16, 32).unwrap();
+    assert_eq!(k, abi::INVALID_ARGUMENT);
+    assert!(m.contains("no NCCL type"), "{m}");
+    assert_eq!(
+        ar(dtype::FLOAT32, -1, 4, 16, 32).unwrap().0,
+        abi::INVALID_ARGUMENT
+    );
+    let (k, m) = ar(dtype::FLOAT32, op::SUM, 4, 0, 32).unwrap();
+    assert_eq!(k, abi::INVALID_ARGUMENT);
+    assert!(m.contains("sendbuff is NULL"), "{m}");
+    assert_eq!(
+        ar(dtype::FLOAT64, op::SUM, usize::MAX / 4, 16, 32)
+            .unwrap()
+            .0,
+        abi::INVALID_ARGUMENT
+    );
+    // Not doorbell's: named, not run.
+    let (k, m) = ar(dtype::INT64, op::PROD, 4, 16, 32).unwrap();
+    assert_eq!(k, abi::INVALID_USAGE);
+    assert!(m.contains("int64") && m.contains("forward"), "{m}");
+    let (k, m) = ar(dtype::BFLOAT16, op::MAX, 4, 16, 32).unwrap();
+    assert_eq!(k, abi::INVALID_USAGE);
+    assert!(m.contains("max"), "{m}");
+    let a2a = |n, s: u64, r: u64| code(colls::all_to_all(&c, s, r, n, dtype::FLOAT32, 0));
+    let (k, m) = a2a(4, 64, 64).unwrap();
+    assert_eq!(k, abi::INVALID_ARGUMENT);
+    assert!(m.contains("in place"), "{m}");
+    assert_eq!(
+        a2a(usize::MAX / 2, 64, 128).unwrap().0,
+        abi::INVALID_ARGUMENT
+    );
+    if comm::current_device().is_err() {
+        // A valid call on a communicator whose init failed: invalid usage, named.
+        let (k, m) = ar(dtype::FLOAT32, op::SUM, 4, 16, 32).unwrap();
+        assert_eq!(k, abi::INVALID_USAGE);
+        assert!(m.contains("not initialized"), "{m}");
+        assert_eq!(a2a(4, 64, 128).unwrap().0, abi::INVALID_USAGE);
+    }
+    // Through the C entry points: a NULL communicator.
+    // SAFETY: NULL comm is checked first.
+    let r = unsafe {
+        ncclAllReduce(
+            16 as *const _,
+            32 as *mut _,
+            4,
+            dtype::FLOAT32,
+            op::SUM,
+            std::ptr::null(),
+            std::ptr::null_mut(),
+        )
+    };
+    assert_eq!(r, abi::INVALID_ARGUMENT);
+    // SAFETY: as above.
+    let r = unsafe {
+        ncclAlltoAll(
+            16 as *const _,
+            32 as *mut _,
+            4,
+            dtype::FLOAT32,
+            std::ptr::null(),
+            std::ptr::null_mut(),
+        )
+    };
+    assert_eq!(r, abi::INVALID_ARGUMENT);
+}

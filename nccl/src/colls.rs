@@ -1,0 +1,162 @@
+//! The collectives doorbell runs itself: `ncclAllReduce` (sum of bf16, f16 or f32) and
+//! `ncclAlltoAll`. Their doorbell objects are built with the communicator, so a call only
+//! queues work (one thread may drive several ranks, as nccl-tests does). Every other type or op
+//! is for the real NCCL this library will forward to; until it does, such a call fails with
+//! `ncclInvalidUsage` naming what it asked for.
+
+use crate::abi::{self, dtype, op};
+use crate::comm::Comm;
+use crate::error::ShimError;
+use cudarc::driver::sys;
+use doorbell::collectives::DataType;
+use std::ffi::c_int;
+use std::sync::Arc;
+
+fn type_name(t: c_int) -> String {
+    match t {
+        dtype::INT8 => "int8".into(),
+        dtype::UINT8 => "uint8".into(),
+        dtype::INT32 => "int32".into(),
+        dtype::UINT32 => "uint32".into(),
+        dtype::INT64 => "int64".into(),
+        dtype::UINT64 => "uint64".into(),
+        dtype::FLOAT16 => "float16".into(),
+        dtype::FLOAT32 => "float32".into(),
+        dtype::FLOAT64 => "float64".into(),
+        dtype::BFLOAT16 => "bfloat16".into(),
+        dtype::FLOAT8_E4M3 => "float8e4m3".into(),
+        dtype::FLOAT8_E5M2 => "float8e5m2".into(),
+        other => format!("type {other}"),
+    }
+}
+
+fn op_name(o: c_int) -> String {
+    match o {
+        op::SUM => "sum".into(),
+        op::PROD => "prod".into(),
+        op::MAX => "max".into(),
+        op::MIN => "min".into(),
+        op::AVG => "avg".into(),
+        other => format!("op {other}"),
+    }
+}
+
+/// The element size of a valid type, or an invalid-argument error naming the call.
+pub fn element(call: &str, t: c_int) -> Result<usize, ShimError> {
+    dtype::size(t).ok_or_else(|| {
+        ShimError::invalid_argument(format!(
+            "{call}: datatype {t} is no NCCL type (0..{})",
+            dtype::COUNT
+        ))
+    })
+}
+
+fn not_native(call: &str, what: String) -> ShimError {
+    ShimError::new(
+        abi::INVALID_USAGE,
+        format!(
+            "{call} {what}: doorbell runs this only through the real NCCL, and this library does \
+             not forward to it yet (issue 28)"
+        ),
+    )
+}
+
+/// Checks buffers of `bytes` bytes: given (non-NULL) when there is anything to move.
+fn buffers(call: &str, bytes: usize, bufs: &[(&str, u64)]) -> Result<(), ShimError> {
+    if bytes == 0 {
+        return Ok(());
+    }
+    match bufs.iter().find(|(_, p)| *p == 0) {
+        Some((what, _)) => Err(ShimError::invalid_argument(format!(
+            "{call}: {what} is NULL with {bytes} bytes to move"
+        ))),
+        None => Ok(()),
+    }
+}
+
+/// The caller's stream as doorbell takes it (not owned; NULL is the legacy default stream).
+fn stream(
+    c: &doorbell::communicator::Communicator,
+    s: u64,
+) -> Result<Arc<cudarc::driver::CudaStream>, ShimError> {
+    c.gpu().bind().map_err(|e| ShimError::from_doorbell(&e))?;
+    // SAFETY: NCCL's contract: a stream of the communicator's device (or NULL).
+    Ok(unsafe { c.gpu().context().wrap_borrowed_stream(s as sys::CUstream) })
+}
+
+/// `ncclAllReduce`.
+#[allow(clippy::too_many_arguments)]
+pub fn all_reduce(
+    comm: &Comm,
+    send: u64,
+    recv: u64,
+    count: usize,
+    t: c_int,
+    o: c_int,
+    s: u64,
+) -> Result<(), ShimError> {
+    const CALL: &str = "ncclAllReduce";
+    let size = element(CALL, t)?;
+    if o < 0 {
+        return Err(ShimError::invalid_argument(format!(
+            "{CALL}: op {o} is no NCCL op"
+        )));
+    }
+    let bytes = count
+        .checked_mul(size)
+        .ok_or_else(|| ShimError::invalid_argument(format!("{CALL}: {count} elements overflow")))?;
+    buffers(CALL, bytes, &[("sendbuff", send), ("recvbuff", recv)])?;
+    let dt = match t {
+        dtype::BFLOAT16 => DataType::Bf16,
+        dtype::FLOAT16 => DataType::F16,
+        dtype::FLOAT32 => DataType::F32,
+        _ => {
+            return Err(not_native(
+                CALL,
+                format!("of {} ({})", type_name(t), op_name(o)),
+            ))
+        }
+    };
+    if o != op::SUM {
+        return Err(not_native(
+            CALL,
+            format!("with {} ({})", op_name(o), type_name(t)),
+        ));
+    }
+    let (c, ar) = comm.all_reduce()?;
+    let st = stream(c, s)?;
+    // SAFETY: NCCL's contract: the buffers hold `count` elements on this device, valid until the
+    // stream's work completes.
+    unsafe { ar.run_raw(&st, send, recv, count, dt) }.map_err(|e| comm.failed(&e))
+}
+
+/// `ncclAlltoAll`: `count` elements to and from each rank.
+pub fn all_to_all(
+    comm: &Comm,
+    send: u64,
+    recv: u64,
+    count: usize,
+    t: c_int,
+    s: u64,
+) -> Result<(), ShimError> {
+    const CALL: &str = "ncclAlltoAll";
+    let size = element(CALL, t)?;
+    let per_peer = count
+        .checked_mul(size)
+        .filter(|b| b.checked_mul(comm.nranks).is_some())
+        .ok_or_else(|| {
+            ShimError::invalid_argument(format!("{CALL}: {count} elements per rank overflow"))
+        })?;
+    buffers(CALL, per_peer, &[("sendbuff", send), ("recvbuff", recv)])?;
+    if per_peer > 0 && send == recv {
+        return Err(ShimError::invalid_argument(format!(
+            "{CALL}: in place (sendbuff == recvbuff) is not supported; NCCL does not promise it either"
+        )));
+    }
+    let (c, a2a) = comm.all_to_all()?;
+    let st = stream(c, s)?;
+    // SAFETY: NCCL's contract: `nranks * count` elements each, on this device, valid until the
+    // stream's work completes; not overlapping (checked above for the common case of equal
+    // pointers).
+    unsafe { a2a.run_raw(&st, send, recv, per_peer) }.map_err(|e| comm.failed(&e))
+}
