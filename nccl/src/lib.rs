@@ -26,6 +26,7 @@ pub mod colls;
 pub mod comm;
 pub mod config;
 pub mod error;
+pub mod forward;
 pub mod group;
 pub mod id;
 

@@ -471,3 +471,53 @@ fn collectives_check_their_arguments_and_name_what_is_not_native() {
     };
     assert_eq!(r, abi::INVALID_ARGUMENT);
 }
+
+#[test]
+fn the_real_nccl_is_the_setting_or_the_first_one_found_that_is_not_this_library() {
+    let root = std::env::temp_dir().join(format!("doorbell-nccl-forward-{}", std::process::id()));
+    let (a, b, c) = (root.join("a"), root.join("b"), root.join("c"));
+    for d in [&a, &b, &c] {
+        std::fs::create_dir_all(d).unwrap();
+    }
+    // a: this library installed as libnccl.so.2 (a link to it); b: a real one; c: another.
+    let me = root.join("libdoorbell_nccl.so");
+    std::fs::write(&me, b"me").unwrap();
+    let _ = std::fs::remove_file(a.join(forward::SONAME));
+    std::os::unix::fs::symlink(&me, a.join(forward::SONAME)).unwrap();
+    std::fs::write(b.join(forward::SONAME), b"real").unwrap();
+    std::fs::write(c.join(forward::SONAME), b"other").unwrap();
+    let dirs = vec![root.join("missing"), a.clone(), b.clone(), c.clone()];
+    let got = forward::choose(None, &dirs, Some(&me)).unwrap();
+    assert_eq!(
+        got,
+        b.join(forward::SONAME),
+        "itself skipped, the first real one taken"
+    );
+    // The setting wins, and must be a real file that is not this library.
+    let set = c.join(forward::SONAME);
+    assert_eq!(
+        forward::choose(set.to_str(), &dirs, Some(&me)).unwrap(),
+        set
+    );
+    let e = forward::choose(a.join(forward::SONAME).to_str(), &dirs, Some(&me)).unwrap_err();
+    assert!(e.message.contains("this library itself"), "{}", e.message);
+    let e = forward::choose(Some("/nonexistent/libnccl.so.2"), &dirs, Some(&me)).unwrap_err();
+    assert!(e.message.contains("no such file"), "{}", e.message);
+    // None at all: the error says how to name one.
+    let e = forward::choose(None, std::slice::from_ref(&a), Some(&me)).unwrap_err();
+    assert_eq!(e.code, abi::SYSTEM_ERROR);
+    assert!(e.message.contains("DOORBELL_NCCL_REAL"), "{}", e.message);
+    let dirs = forward::search_dirs(Some("/x::/y"));
+    assert_eq!(
+        &dirs[..2],
+        &[
+            std::path::PathBuf::from("/x"),
+            std::path::PathBuf::from("/y")
+        ]
+    );
+    assert!(
+        forward::own_path().is_some(),
+        "the loader knows this object's file"
+    );
+    let _ = std::fs::remove_dir_all(&root);
+}
