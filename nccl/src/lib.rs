@@ -131,6 +131,7 @@ unsafe fn init(
         }
         // SAFETY: as this function's contract says.
         let cfg = unsafe { config::parse(config) }?;
+        id::UniqueId::decode(id)?; // a foreign or damaged id is refused before anything else
         let device = comm::current_device()?;
         let c = comm::init_rank(id, rank, nranks, cfg, device)?;
         // SAFETY: non-NULL, writable (the contract).
