@@ -1,5 +1,5 @@
-//! The collectives doorbell runs itself: `ncclAllReduce` (sum of bf16, f16 or f32) and
-//! `ncclAlltoAll`. Their doorbell objects are built with the communicator, so a call only
+//! The collectives doorbell runs itself: `ncclAllReduce` (sum of bf16, f16 or f32),
+//! `ncclAlltoAll`, and a group's sends and receives that form an all-to-all(v) ([`crate::p2p`]). Their doorbell objects are built with the communicator, so a call only
 //! queues work (one thread may drive several ranks, as nccl-tests does). Every other type or op
 //! is for the real NCCL this library will forward to; until it does, such a call fails with
 //! `ncclInvalidUsage` naming what it asked for.
@@ -159,4 +159,86 @@ pub fn all_to_all(
     // stream's work completes; not overlapping (checked above for the common case of equal
     // pointers).
     unsafe { a2a.run_raw(&st, send, recv, per_peer) }.map_err(|e| comm.failed(&e))
+}
+
+/// `ncclSend` / `ncclRecv` checked and held in the group (outside a group they are not doorbell's
+/// to run).
+#[allow(clippy::too_many_arguments)]
+pub fn p2p(
+    comm: Arc<Comm>,
+    send: bool,
+    buf: u64,
+    count: usize,
+    t: c_int,
+    peer: c_int,
+    s: u64,
+) -> Result<(), ShimError> {
+    let call = if send { "ncclSend" } else { "ncclRecv" };
+    let size = element(call, t)?;
+    if peer < 0 || peer as usize >= comm.nranks {
+        return Err(ShimError::invalid_argument(format!(
+            "{call}: peer {peer} of {} ranks",
+            comm.nranks
+        )));
+    }
+    let bytes = count
+        .checked_mul(size)
+        .ok_or_else(|| ShimError::invalid_argument(format!("{call}: {count} elements overflow")))?;
+    buffers(
+        call,
+        bytes,
+        &[(if send { "sendbuff" } else { "recvbuff" }, buf)],
+    )?;
+    if !crate::group::inside() {
+        return Err(not_native(
+            call,
+            "outside a group (doorbell runs grouped sends and receives that form an all-to-all)"
+                .into(),
+        ));
+    }
+    crate::group::hold_p2p(
+        comm,
+        crate::p2p::P2pOp {
+            send,
+            peer: peer as usize,
+            ptr: buf,
+            bytes,
+            stream: s,
+        },
+    );
+    Ok(())
+}
+
+/// A communicator's sends and receives of one group, at its end: one doorbell all-to-all(v).
+pub fn grouped_p2p(comm: &Comm, ops: &[crate::p2p::P2pOp]) -> Result<(), ShimError> {
+    const CALL: &str = "ncclGroupEnd (ncclSend/ncclRecv)";
+    let plan = crate::p2p::plan(ops, comm.nranks, comm.rank)
+        .map_err(|why| not_native(CALL, format!("of this pattern ({why})")))?;
+    let (c, a2a) = comm.all_to_all()?;
+    let st = stream(c, plan.stream)?;
+    if doorbell::gpu::signature::capturing(&st) {
+        // The counts go to the device by a copy from host memory, which a graph cannot hold.
+        return Err(not_native(CALL, "under CUDA graph capture".into()));
+    }
+    let counts = st.clone_htod(&plan.counts).map_err(|e| {
+        ShimError::new(
+            abi::UNHANDLED_CUDA_ERROR,
+            format!("{CALL}: copying the counts: {e}"),
+        )
+    })?;
+    let (at, _guard) = cudarc::driver::DevicePtr::device_ptr(&counts, &st);
+    // SAFETY: the plan's regions are the caller's send and receive buffers (NCCL's contract:
+    // valid until the stream's work completes) and do not overlap (checked); `counts` holds
+    // 4 x world values and is freed in stream order after the kernel.
+    unsafe {
+        a2a.run_v_raw(
+            &st,
+            plan.input,
+            plan.input_bytes,
+            plan.output,
+            plan.output_bytes,
+            at,
+        )
+    }
+    .map_err(|e| comm.failed(&e))
 }

@@ -3,8 +3,11 @@
 //! initialize several ranks of one communicator, as nccl-tests does with `-g`/`-t`: run one
 //! after another they would wait for each other forever).
 
+use crate::comm::Comm;
 use crate::error::ShimError;
+use crate::p2p::P2pOp;
 use std::cell::RefCell;
+use std::sync::Arc;
 
 type Held = Box<dyn FnOnce() -> Result<(), ShimError> + Send>;
 
@@ -12,6 +15,8 @@ type Held = Box<dyn FnOnce() -> Result<(), ShimError> + Send>;
 struct Group {
     depth: usize,
     inits: Vec<Held>,
+    /// Sends and receives, by communicator, in call order.
+    p2p: Vec<(Arc<Comm>, P2pOp)>,
 }
 
 thread_local! {
@@ -33,10 +38,15 @@ pub fn hold_init(f: Held) {
     GROUP.with(|g| g.borrow_mut().inits.push(f));
 }
 
+/// Holds a send or receive until the group ends (only inside a group).
+pub fn hold_p2p(comm: Arc<Comm>, op: P2pOp) {
+    GROUP.with(|g| g.borrow_mut().p2p.push((comm, op)));
+}
+
 /// `ncclGroupEnd`: at the outermost end, runs the held initializations side by side and
 /// returns the first failure (every one runs to its end). Without a group: invalid usage.
 pub fn end() -> Result<(), ShimError> {
-    let inits = GROUP.with(|g| {
+    let (inits, p2p) = GROUP.with(|g| {
         let mut g = g.borrow_mut();
         if g.depth == 0 {
             return Err(ShimError::new(
@@ -46,11 +56,30 @@ pub fn end() -> Result<(), ShimError> {
         }
         g.depth -= 1;
         Ok(if g.depth == 0 {
-            std::mem::take(&mut g.inits)
+            (std::mem::take(&mut g.inits), std::mem::take(&mut g.p2p))
         } else {
-            Vec::new()
+            (Vec::new(), Vec::new())
         })
     })?;
+    let inited = run_inits(inits);
+    // Then each communicator's sends and receives, as one all-to-all(v) each.
+    let mut first = inited;
+    let mut left = p2p;
+    while let Some((comm, _)) = left.first().cloned() {
+        let (mine, rest): (Vec<_>, Vec<_>) =
+            left.into_iter().partition(|(c, _)| Arc::ptr_eq(c, &comm));
+        left = rest;
+        let ops: Vec<P2pOp> = mine.into_iter().map(|(_, o)| o).collect();
+        let r = crate::colls::grouped_p2p(&comm, &ops);
+        if first.is_ok() {
+            first = r;
+        }
+    }
+    first
+}
+
+/// Runs held initializations side by side; the first failure.
+fn run_inits(inits: Vec<Held>) -> Result<(), ShimError> {
     match inits.len() {
         0 => Ok(()),
         1 => inits.into_iter().next().expect("one")(),

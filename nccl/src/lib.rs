@@ -17,6 +17,8 @@
 //!
 //! - `ncclAllReduce` (sum of bf16, f16, f32) and `ncclAlltoAll` on doorbell's kernels
 //!   ([`colls`]); other types and ops fail with `ncclInvalidUsage` naming them.
+//! - `ncclSend`/`ncclRecv` in a group that form an all-to-all(v), as PyTorch's
+//!   `all_to_all_single` makes ([`p2p`]): one doorbell all-to-all(v) at the group's end.
 //!
 //! Nothing is forwarded to a real NCCL yet, and the collectives have not run on a GPU through
 //! this library yet.
@@ -29,6 +31,7 @@ pub mod error;
 pub mod forward;
 pub mod group;
 pub mod id;
+pub mod p2p;
 
 use abi::{NcclConfig, NcclResult, NcclUniqueId};
 use comm::Comm;
@@ -335,6 +338,77 @@ pub unsafe extern "C" fn ncclAlltoAll(
             recvbuff as u64,
             count,
             datatype,
+            stream as u64,
+        )
+    }))
+}
+
+/// A new owner of the communicator behind a live handle.
+///
+/// # Safety
+/// `comm` is a live handle (from `Arc::into_raw`).
+unsafe fn shared(comm: &Comm) -> Arc<Comm> {
+    let p = comm as *const Comm;
+    // SAFETY: `p` came from Arc::into_raw and is alive (the contract): one more owner.
+    unsafe {
+        Arc::increment_strong_count(p);
+        Arc::from_raw(p)
+    }
+}
+
+/// `ncclSend(const void* sendbuff, size_t count, ncclDataType_t datatype, int peer, ncclComm_t
+/// comm, cudaStream_t stream)`: inside a group, held until its end (see [`p2p`]).
+///
+/// # Safety
+/// `comm` is NULL or a live handle; the buffer and stream as NCCL requires.
+#[no_mangle]
+pub unsafe extern "C" fn ncclSend(
+    sendbuff: *const c_void,
+    count: usize,
+    datatype: c_int,
+    peer: c_int,
+    comm: NcclComm,
+    stream: *mut c_void,
+) -> NcclResult {
+    // SAFETY: the contract.
+    error::result(unsafe { handle(comm, "ncclSend") }.and_then(|c| {
+        // SAFETY: `c` is behind a live handle.
+        colls::p2p(
+            unsafe { shared(c) },
+            true,
+            sendbuff as u64,
+            count,
+            datatype,
+            peer,
+            stream as u64,
+        )
+    }))
+}
+
+/// `ncclRecv(void* recvbuff, size_t count, ncclDataType_t datatype, int peer, ncclComm_t comm,
+/// cudaStream_t stream)`: inside a group, held until its end (see [`p2p`]).
+///
+/// # Safety
+/// `comm` is NULL or a live handle; the buffer and stream as NCCL requires.
+#[no_mangle]
+pub unsafe extern "C" fn ncclRecv(
+    recvbuff: *mut c_void,
+    count: usize,
+    datatype: c_int,
+    peer: c_int,
+    comm: NcclComm,
+    stream: *mut c_void,
+) -> NcclResult {
+    // SAFETY: the contract.
+    error::result(unsafe { handle(comm, "ncclRecv") }.and_then(|c| {
+        // SAFETY: `c` is behind a live handle.
+        colls::p2p(
+            unsafe { shared(c) },
+            false,
+            recvbuff as u64,
+            count,
+            datatype,
+            peer,
             stream as u64,
         )
     }))

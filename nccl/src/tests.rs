@@ -521,3 +521,80 @@ fn the_real_nccl_is_the_setting_or_the_first_one_found_that_is_not_this_library(
     );
     let _ = std::fs::remove_dir_all(&root);
 }
+
+#[test]
+fn sends_and_receives_are_held_in_a_group_and_checked_at_its_end() {
+    use abi::dtype;
+    let c = one_rank_comm();
+    let h = Arc::into_raw(c.clone());
+    let f32s = dtype::FLOAT32;
+    // SAFETY: a live handle (kept by `c`), buffers never touched without a built communicator.
+    unsafe {
+        // Outside a group: not doorbell's to run.
+        assert_eq!(
+            ncclSend(64 as *const _, 4, f32s, 0, h, std::ptr::null_mut()),
+            abi::INVALID_USAGE
+        );
+        // A peer outside the communicator, a NULL buffer: invalid arguments.
+        assert_eq!(ncclGroupStart(), abi::SUCCESS);
+        assert_eq!(
+            ncclRecv(128 as *mut _, 4, f32s, 1, h, std::ptr::null_mut()),
+            abi::INVALID_ARGUMENT
+        );
+        assert_eq!(
+            ncclRecv(std::ptr::null_mut(), 4, f32s, 0, h, std::ptr::null_mut()),
+            abi::INVALID_ARGUMENT
+        );
+        // An all-to-all of one rank: held, then run at the end (without a GPU the communicator
+        // is not built, which the end reports).
+        assert_eq!(
+            ncclSend(64 as *const _, 4, f32s, 0, h, std::ptr::null_mut()),
+            abi::SUCCESS
+        );
+        assert_eq!(
+            ncclRecv(128 as *mut _, 4, f32s, 0, h, std::ptr::null_mut()),
+            abi::SUCCESS
+        );
+        let r = ncclGroupEnd();
+        if comm::current_device().is_err() {
+            assert_eq!(r, abi::INVALID_USAGE);
+        }
+        // A pattern that is no all-to-all (two sends to one rank): named at the end.
+        assert_eq!(ncclGroupStart(), abi::SUCCESS);
+        assert_eq!(
+            ncclSend(64 as *const _, 4, f32s, 0, h, std::ptr::null_mut()),
+            abi::SUCCESS
+        );
+        assert_eq!(
+            ncclSend(96 as *const _, 4, f32s, 0, h, std::ptr::null_mut()),
+            abi::SUCCESS
+        );
+        assert_eq!(ncclGroupEnd(), abi::INVALID_USAGE);
+        let e = colls::grouped_p2p(
+            &c,
+            &[
+                p2p::P2pOp {
+                    send: true,
+                    peer: 0,
+                    ptr: 64,
+                    bytes: 16,
+                    stream: 0,
+                },
+                p2p::P2pOp {
+                    send: true,
+                    peer: 0,
+                    ptr: 96,
+                    bytes: 16,
+                    stream: 0,
+                },
+            ],
+        )
+        .unwrap_err();
+        assert!(
+            e.message.contains("more than one send to rank 0"),
+            "{}",
+            e.message
+        );
+        assert_eq!(ncclCommDestroy(h), abi::SUCCESS);
+    }
+}
