@@ -9,7 +9,8 @@
 #                                     GPU test (--ignored) and the benchmarks from .gpu-bundle/,
 #                                     writing logs to DIR (default $OUT, else ./gpu-logs)
 #
-# Environment for run: SUITE=tests|bench|all|python|perf (default all; python: the wheel that build
+# Environment for run: SUITE=tests|bench|all|python|perf|nccl (default all; nccl: libdoorbell_nccl.so
+# through NCCL's C ABI from ctypes, nccl/gpu/abi_check.py, at DOORBELL_TEST_RANKS ranks; python: the wheel that build
 # packed, from scripts/python-wheel.sh, installed beside the machine's torch, and its GPU tests;
 # perf: the performance check, below, not part of all); TESTS="gpu allreduce" runs only those
 # test binaries; BENCHES="pingpong allreduce" picks the examples, PINGPONG_ARGS / ALLREDUCE_ARGS
@@ -62,6 +63,10 @@ for line in sys.stdin:
     print("test binary", name)
 ' "$bundle/tests"
   cp target/release/doorbell-info "$bundle/examples/"
+  # libdoorbell_nccl.so (NCCL's C ABI on doorbell, issue 28) for SUITE=nccl.
+  cargo build --release -p doorbell-nccl
+  mkdir -p "$bundle/lib"
+  cp target/release/libdoorbell_nccl.so "$bundle/lib/"
   for ex in target/release/examples/*; do
     [ -f "$ex" ] && [ -x "$ex" ] && case "$ex" in *-*) ;; *) cp "$ex" "$bundle/examples/" ;; esac
   done
@@ -135,6 +140,22 @@ run() {
       failed=1
     fi
     grep -E "^(PASS|FAIL)" "$logs/python.log"
+  fi
+  if [ "$suite" = nccl ]; then
+    # NCCL's C ABI through libdoorbell_nccl.so, called from ctypes under torchrun (ranks share
+    # the GPUs when there are more than GPUs): nccl/gpu/abi_check.py, at DOORBELL_TEST_RANKS
+    # (default "2").
+    for n in ${DOORBELL_TEST_RANKS:-2}; do
+      local start=$SECONDS
+      if DOORBELL_NCCL_LIB="$bundle/lib/libdoorbell_nccl.so" timeout "${NCCL_LIMIT:-300}" \
+          "${PYTHON:-python3}" -m torch.distributed.run --nproc-per-node "$n" \
+          "$root/nccl/gpu/abi_check.py" >> "$logs/nccl.log" 2>&1; then
+        echo "PASS nccl abi at $n ranks ($((SECONDS - start)) s)" | tee -a "$summary"
+      else
+        echo "FAIL nccl abi at $n ranks ($((SECONDS - start)) s)" | tee -a "$summary"
+        failed=1
+      fi
+    done
   fi
   if [ "$suite" = perf ]; then
     perf "$logs" "$summary" || failed=1
