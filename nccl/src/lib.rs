@@ -9,7 +9,8 @@
 //!   failure's text (doorbell's message where doorbell failed).
 //! - `ncclGetUniqueId`: an id whose maker serves the rendezvous of the ranks that initialize
 //!   with it ([`id`]).
-//! - `ncclCommInitRank`, `ncclCommInitRankConfig` ([`config::parse`] reads `ncclConfig_t`):
+//! - `ncclCommInitRank`, `ncclCommInitRankConfig` ([`config::parse`] reads `ncclConfig_t`),
+//!   `ncclCommInitAll` (one process, several GPUs):
 //!   the rendezvous, doorbell's bootstrap, then doorbell's communicator on the thread's current
 //!   GPU ([`comm`]); inside a group, at its end, side by side ([`group`]).
 //! - `ncclCommDestroy`, `ncclCommAbort`, `ncclCommCount`, `ncclCommCuDevice`,
@@ -192,6 +193,59 @@ pub unsafe extern "C" fn ncclCommInitRankConfig(
             "ncclCommInitRankConfig",
         )
     }
+}
+
+/// `ncclCommInitAll(ncclComm_t* comms, int ndev, const int* devlist)`: one process's
+/// communicator over `ndev` GPUs (`devlist`, or 0..ndev), rank `i` on `devlist[i]`, its ranks
+/// initialized side by side. On failure no handle is left in `comms`.
+///
+/// # Safety
+/// `comms` is NULL or has room for `ndev` handles; `devlist` is NULL or holds `ndev` ints.
+#[no_mangle]
+pub unsafe extern "C" fn ncclCommInitAll(
+    comms: *mut NcclComm,
+    ndev: c_int,
+    devlist: *const c_int,
+) -> NcclResult {
+    let r = (|| {
+        if comms.is_null() || ndev < 1 {
+            return Err(ShimError::invalid_argument(format!(
+                "ncclCommInitAll: comms {} and ndev {ndev} (at least 1)",
+                if comms.is_null() { "NULL" } else { "given" }
+            )));
+        }
+        let n = ndev as usize;
+        let devices: Vec<usize> = if devlist.is_null() {
+            (0..n).collect()
+        } else {
+            // SAFETY: `devlist` holds `ndev` ints (the contract).
+            let d = unsafe { std::slice::from_raw_parts(devlist, n) };
+            if let Some(bad) = d.iter().find(|&&x| x < 0) {
+                return Err(ShimError::invalid_argument(format!(
+                    "ncclCommInitAll: device {bad}"
+                )));
+            }
+            d.iter().map(|&x| x as usize).collect()
+        };
+        let id = id::create()?.encode();
+        group::start();
+        let made: Result<Vec<Arc<Comm>>, ShimError> = devices
+            .iter()
+            .enumerate()
+            .map(|(rank, &dev)| {
+                comm::init_rank(&id, rank as c_int, ndev, config::CommConfig::default(), dev)
+            })
+            .collect();
+        let ended = group::end();
+        let made = made?;
+        ended?;
+        for (i, c) in made.into_iter().enumerate() {
+            // SAFETY: `comms` has room for `ndev` handles (the contract).
+            unsafe { comms.add(i).write(Arc::into_raw(c)) };
+        }
+        Ok(())
+    })();
+    error::result(r)
 }
 
 /// `ncclCommDestroy(ncclComm_t comm)`: releases this rank's handle.

@@ -598,3 +598,42 @@ fn sends_and_receives_are_held_in_a_group_and_checked_at_its_end() {
         assert_eq!(ncclCommDestroy(h), abi::SUCCESS);
     }
 }
+
+#[test]
+fn init_all_makes_every_rank_of_one_process_side_by_side_or_leaves_no_handle() {
+    let mut comms: [NcclComm; 3] = [std::ptr::null(); 3];
+    // SAFETY: room for 3 handles; a NULL devlist.
+    unsafe {
+        assert_eq!(
+            ncclCommInitAll(std::ptr::null_mut(), 3, std::ptr::null()),
+            abi::INVALID_ARGUMENT
+        );
+        assert_eq!(
+            ncclCommInitAll(comms.as_mut_ptr(), 0, std::ptr::null()),
+            abi::INVALID_ARGUMENT
+        );
+        let bad = [0, -1, 2];
+        assert_eq!(
+            ncclCommInitAll(comms.as_mut_ptr(), 3, bad.as_ptr()),
+            abi::INVALID_ARGUMENT
+        );
+        let started = std::time::Instant::now();
+        let r = ncclCommInitAll(comms.as_mut_ptr(), 3, std::ptr::null());
+        assert!(
+            started.elapsed() < std::time::Duration::from_secs(20),
+            "side by side"
+        );
+        if comm::current_device().is_err() {
+            // Without a GPU all three meet and stop at the GPU step: no handle left.
+            assert_eq!(r, abi::UNHANDLED_CUDA_ERROR);
+            assert!(comms.iter().all(|c| c.is_null()));
+        } else if r == abi::SUCCESS {
+            for (i, &c) in comms.iter().enumerate() {
+                let mut rank = -1;
+                assert_eq!(ncclCommUserRank(c, &mut rank), abi::SUCCESS);
+                assert_eq!(rank, i as i32);
+                assert_eq!(ncclCommDestroy(c), abi::SUCCESS);
+            }
+        }
+    }
+}
