@@ -51,6 +51,14 @@ pub fn element(call: &str, t: c_int) -> Result<usize, ShimError> {
     })
 }
 
+/// Bytes of `count` elements of type `t`, or an invalid-argument error naming the call (no
+/// such type, or a count that overflows).
+fn bytes_of(call: &str, count: usize, t: c_int) -> Result<usize, ShimError> {
+    count
+        .checked_mul(element(call, t)?)
+        .ok_or_else(|| ShimError::invalid_argument(format!("{call}: {count} elements overflow")))
+}
+
 fn not_native(call: &str, what: String) -> ShimError {
     ShimError::new(
         abi::INVALID_USAGE,
@@ -96,15 +104,12 @@ pub fn all_reduce(
     s: u64,
 ) -> Result<(), ShimError> {
     const CALL: &str = "ncclAllReduce";
-    let size = element(CALL, t)?;
+    let bytes = bytes_of(CALL, count, t)?;
     if o < 0 {
         return Err(ShimError::invalid_argument(format!(
             "{CALL}: op {o} is no NCCL op"
         )));
     }
-    let bytes = count
-        .checked_mul(size)
-        .ok_or_else(|| ShimError::invalid_argument(format!("{CALL}: {count} elements overflow")))?;
     buffers(CALL, bytes, &[("sendbuff", send), ("recvbuff", recv)])?;
     let dt = match t {
         dtype::BFLOAT16 => DataType::Bf16,
@@ -140,13 +145,12 @@ pub fn all_to_all(
     s: u64,
 ) -> Result<(), ShimError> {
     const CALL: &str = "ncclAlltoAll";
-    let size = element(CALL, t)?;
-    let per_peer = count
-        .checked_mul(size)
-        .filter(|b| b.checked_mul(comm.nranks).is_some())
-        .ok_or_else(|| {
-            ShimError::invalid_argument(format!("{CALL}: {count} elements per rank overflow"))
-        })?;
+    let per_peer = bytes_of(CALL, count, t)?;
+    if per_peer.checked_mul(comm.nranks).is_none() {
+        return Err(ShimError::invalid_argument(format!(
+            "{CALL}: {count} elements per rank overflow"
+        )));
+    }
     buffers(CALL, per_peer, &[("sendbuff", send), ("recvbuff", recv)])?;
     if per_peer > 0 && send == recv {
         return Err(ShimError::invalid_argument(format!(
@@ -174,16 +178,13 @@ pub fn p2p(
     s: u64,
 ) -> Result<(), ShimError> {
     let call = if send { "ncclSend" } else { "ncclRecv" };
-    let size = element(call, t)?;
+    let bytes = bytes_of(call, count, t)?;
     if peer < 0 || peer as usize >= comm.nranks {
         return Err(ShimError::invalid_argument(format!(
             "{call}: peer {peer} of {} ranks",
             comm.nranks
         )));
     }
-    let bytes = count
-        .checked_mul(size)
-        .ok_or_else(|| ShimError::invalid_argument(format!("{call}: {count} elements overflow")))?;
     buffers(
         call,
         bytes,

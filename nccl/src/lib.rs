@@ -410,6 +410,36 @@ unsafe fn shared(comm: &Comm) -> Arc<Comm> {
     }
 }
 
+/// `ncclSend` and `ncclRecv`: the handle's communicator, then [`colls::p2p`].
+///
+/// # Safety
+/// `comm` is NULL or a live handle.
+#[allow(clippy::too_many_arguments)]
+unsafe fn p2p_call(
+    call: &str,
+    send: bool,
+    buf: u64,
+    count: usize,
+    datatype: c_int,
+    peer: c_int,
+    comm: NcclComm,
+    stream: *mut c_void,
+) -> NcclResult {
+    // SAFETY: the contract.
+    error::result(unsafe { handle(comm, call) }.and_then(|c| {
+        // SAFETY: `c` is behind a live handle.
+        colls::p2p(
+            unsafe { shared(c) },
+            send,
+            buf,
+            count,
+            datatype,
+            peer,
+            stream as u64,
+        )
+    }))
+}
+
 /// `ncclSend(const void* sendbuff, size_t count, ncclDataType_t datatype, int peer, ncclComm_t
 /// comm, cudaStream_t stream)`: inside a group, held until its end (see [`p2p`]).
 ///
@@ -424,19 +454,19 @@ pub unsafe extern "C" fn ncclSend(
     comm: NcclComm,
     stream: *mut c_void,
 ) -> NcclResult {
-    // SAFETY: the contract.
-    error::result(unsafe { handle(comm, "ncclSend") }.and_then(|c| {
-        // SAFETY: `c` is behind a live handle.
-        colls::p2p(
-            unsafe { shared(c) },
+    // SAFETY: forwarded contract.
+    unsafe {
+        p2p_call(
+            "ncclSend",
             true,
             sendbuff as u64,
             count,
             datatype,
             peer,
-            stream as u64,
+            comm,
+            stream,
         )
-    }))
+    }
 }
 
 /// `ncclRecv(void* recvbuff, size_t count, ncclDataType_t datatype, int peer, ncclComm_t comm,
@@ -453,19 +483,19 @@ pub unsafe extern "C" fn ncclRecv(
     comm: NcclComm,
     stream: *mut c_void,
 ) -> NcclResult {
-    // SAFETY: the contract.
-    error::result(unsafe { handle(comm, "ncclRecv") }.and_then(|c| {
-        // SAFETY: `c` is behind a live handle.
-        colls::p2p(
-            unsafe { shared(c) },
+    // SAFETY: forwarded contract.
+    unsafe {
+        p2p_call(
+            "ncclRecv",
             false,
             recvbuff as u64,
             count,
             datatype,
             peer,
-            stream as u64,
+            comm,
+            stream,
         )
-    }))
+    }
 }
 
 /// `ncclGroupStart()`.
