@@ -163,6 +163,28 @@ fn expert_factor(ids: &[i32], w: &[f32], r: usize, per_rank: usize) -> f32 {
         .sum()
 }
 
+/// Prints the rows whose origin names no source (rank or token out of range): which token's
+/// values and ids they hold, to tell a misplaced row from an empty one.
+fn report_strange_origins(
+    me: usize,
+    what: &str,
+    origins: &[(usize, usize)],
+    rx: &[bf16],
+    ri: &[i32],
+    world: usize,
+) {
+    for (j, &(src, t)) in origins.iter().enumerate() {
+        if src >= world || t >= MAX_TOKENS {
+            eprintln!(
+                "rank {me}, {what}: row {j} names ({}, {t}); values {:?}, ids {:?}",
+                src as i64,
+                &rx[j * HIDDEN..j * HIDDEN + 4],
+                &ri[j * TOPK..(j + 1) * TOPK]
+            );
+        }
+    }
+}
+
 fn exchange(comm: &Arc<Communicator>, s: &Arc<CudaStream>) {
     let (me, world) = (comm.rank(), comm.world_size());
     let experts = 8 * world;
@@ -211,7 +233,8 @@ fn exchange(comm: &Arc<Communicator>, s: &Arc<CudaStream>) {
     let x: CudaSlice<bf16> = s.alloc_zeros(MAX_TOKENS * HIDDEN).unwrap();
     let idx: CudaSlice<i32> = s.alloc_zeros(MAX_TOKENS * TOPK).unwrap();
     let w: CudaSlice<f32> = s.alloc_zeros(MAX_TOKENS * TOPK).unwrap();
-    let y: CudaSlice<bf16> = s.alloc_zeros(world * MAX_TOKENS * HIDDEN).unwrap();
+    // Every row a dispatch can leave: world x the buffer's tokens.
+    let y: CudaSlice<bf16> = s.alloc_zeros(world * buffer_tokens * HIDDEN).unwrap();
     let mut out: CudaSlice<bf16> = s.alloc_zeros(MAX_TOKENS * HIDDEN).unwrap();
     let (xp, ip, wp, yp, op) = (
         x.device_ptr(s).0,
@@ -268,6 +291,9 @@ fn exchange(comm: &Arc<Communicator>, s: &Arc<CudaStream>) {
                 let (mut got, mut want) = (origins.clone(), expected.clone());
                 got.sort_unstable();
                 want.sort_unstable();
+                if got != want {
+                    report_strange_origins(me, what, &origins, &rx, &ri, world);
+                }
                 assert_eq!(got, want, "rank {me}, {what}: rows' origins");
                 // Each token crossed the network once to this node, from its rail peer.
                 let (rows_at, nodes) = moe.network_rows().expect("node-spanning");
@@ -617,7 +643,7 @@ fn exchange(comm: &Arc<Communicator>, s: &Arc<CudaStream>) {
         upload(7);
         // SAFETY: as above.
         unsafe { moe.dispatch_raw(s, xp, ip, wp, routing(me, 7, experts).tokens) }.unwrap();
-        let y2: CudaSlice<bf16> = s.alloc_zeros(world * MAX_TOKENS * HIDDEN).unwrap();
+        let y2: CudaSlice<bf16> = s.alloc_zeros(world * buffer_tokens * HIDDEN).unwrap();
         let y2p = y2.device_ptr(s).0;
         check_dispatch(&moe.results(), 7, "round 7, receive slot 0", y2p);
         moe.set_receive_slot(1).unwrap();
@@ -808,8 +834,10 @@ fn high_throughput_across_nodes_in_every_posting_mode() {
 
 /// The node-spanning high-throughput path with the buffer `doorbell.deep_ep` builds across nodes
 /// (about 46,000 tokens a rank from `num_nvl_bytes` = 1e8 at hidden 256, 20 blocks, the library's
-/// receive ring): its first GPU run through the adapter found negative origins in `recv_src`
-/// (docs/deep_ep.md, "Next", item 2); this tells a native cause from the adapter's.
+/// receive ring). Its first run found the adapter's negative origins native: from about 16,000
+/// tokens a rank, with one rank per node the node's dispatch read token positions its layout
+/// block had not written yet (its wait on the own GPU's count used a site with no time budget,
+/// which gave up after 64 polls), and an empty slot overwrote row 0.
 /// `DOORBELL_TEST_VARIANTS` keeps variants by name.
 #[test]
 #[ignore = "needs GPU"]

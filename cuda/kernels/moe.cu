@@ -101,11 +101,10 @@ DOORBELL_DEVICE_INLINE uint64_t block_call(const MoeArgs& a, uint32_t slots) {
 // The number of the last dispatch, read by the combine (this block's dispatch count).
 DOORBELL_DEVICE_INLINE uint64_t last_dispatch(const MoeArgs& a) { return a.calls[kDispatchCalls + blockIdx.x]; }
 
-// Waits (bounded) until the GPU-wide count at `slot` reached `target` (this GPU's own blocks).
+// Waits (bounded) until the GPU-wide count at `slot` reached `target` (this GPU's own blocks),
+// at my own entry's site (a site and no semaphore: with one rank it is the only entry).
 DOORBELL_DEVICE_INLINE void wait_own(const MoeArgs& a, uint32_t slot, uint64_t target) {
-  WaitSite site = a.sems[checked_peer(a.world) % a.world].site;
-  site.peer = static_cast<int32_t>(a.rank);
-  spin_until(site, kWaitSemaphore, target, [&](uint64_t& seen) {
+  spin_until(a.sems[a.rank].site, kWaitSemaphore, target, [&](uint64_t& seen) {
     seen = load_acquire_gpu(a.calls + slot);
     return seen >= target;
   });

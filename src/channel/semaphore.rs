@@ -52,7 +52,8 @@ impl TokenPool {
 }
 
 /// Semaphores to every peer, in `sets` independent sets (collective kernels give each block its
-/// own set). `handle(set, peer)`; the entry for this rank is zeroed and must not be used.
+/// own set). `handle(set, peer)`; the entry for this rank has no semaphore (its tokens are zero:
+/// never signal or wait on it), only a wait site for waits on this GPU's own counts.
 pub struct Semaphores {
     pub(crate) handles: Vec<SemaphoreHandle>,
     pub(crate) world: usize,

@@ -653,8 +653,18 @@ impl Communicator {
         let channel = self.next_channel.fetch_add(1, Ordering::Relaxed);
         let mut handles = vec![SemaphoreHandle::default(); sets * world];
         for set in 0..sets {
-            for peer in (0..world).filter(|&p| p != self.rank()) {
-                handles[set * world + peer] = self.semaphore(base + set * world, peer, channel)?;
+            for peer in 0..world {
+                handles[set * world + peer] = if peer == self.rank() {
+                    // No semaphore to myself, but a wait site: kernels wait on their own GPU's
+                    // counts through it (with one rank there is no other), and a site without
+                    // a budget would give up after its first polls and let them run on.
+                    SemaphoreHandle {
+                        site: self.diagnostics.site(peer as i32, channel),
+                        ..SemaphoreHandle::default()
+                    }
+                } else {
+                    self.semaphore(base + set * world, peer, channel)?
+                };
             }
         }
         Ok(Semaphores {
