@@ -10,7 +10,8 @@
 #                                     writing logs to DIR (default $OUT, else ./gpu-logs)
 #
 # Environment for run: SUITE=tests|bench|all|python|perf|nccl (default all; nccl: libdoorbell_nccl.so
-# through NCCL's C ABI from ctypes, nccl/gpu/abi_check.py, at DOORBELL_TEST_RANKS ranks; python: the wheel that build
+# through NCCL's C ABI from ctypes, nccl/gpu/abi_check.py, alone and forwarding to torch's NCCL,
+# then under torch's "nccl" backend preloaded (nccl/gpu/torch_check.py), at DOORBELL_TEST_RANKS ranks; python: the wheel that build
 # packed, from scripts/python-wheel.sh, installed beside the machine's torch, and its GPU tests;
 # perf: the performance check, below, not part of all); TESTS="gpu allreduce" runs only those
 # test binaries; BENCHES="pingpong allreduce" picks the examples, PINGPONG_ARGS / ALLREDUCE_ARGS
@@ -145,16 +146,33 @@ run() {
     # NCCL's C ABI through libdoorbell_nccl.so, called from ctypes under torchrun (ranks share
     # the GPUs when there are more than GPUs): nccl/gpu/abi_check.py, at DOORBELL_TEST_RANKS
     # (default "2").
+    # Then the same with forwarding to the real NCCL (the one torch loads, found beside it),
+    # and nccl/gpu/torch_check.py: torch's "nccl" backend with the library preloaded in place of
+    # NCCL.
+    local lib="$bundle/lib/libdoorbell_nccl.so" real
+    real=$("${PYTHON:-python3}" -c 'import os, torch; print(os.path.realpath(os.path.join(os.path.dirname(torch.__file__), "..", "nvidia", "nccl", "lib", "libnccl.so.2")))')
     for n in ${DOORBELL_TEST_RANKS:-2}; do
-      local start=$SECONDS
-      if DOORBELL_NCCL_LIB="$bundle/lib/libdoorbell_nccl.so" timeout "${NCCL_LIMIT:-300}" \
-          "${PYTHON:-python3}" -m torch.distributed.run --nproc-per-node "$n" \
-          "$root/nccl/gpu/abi_check.py" >> "$logs/nccl.log" 2>&1; then
-        echo "PASS nccl abi at $n ranks ($((SECONDS - start)) s)" | tee -a "$summary"
-      else
-        echo "FAIL nccl abi at $n ranks ($((SECONDS - start)) s)" | tee -a "$summary"
-        failed=1
-      fi
+      local what
+      for what in "abi" "abi forwarding" "torch"; do
+        local start=$SECONDS rc=0
+        case $what in
+          abi) DOORBELL_NCCL_LIB="$lib" timeout "${NCCL_LIMIT:-300}" \
+                 "${PYTHON:-python3}" -m torch.distributed.run --nproc-per-node "$n" \
+                 "$root/nccl/gpu/abi_check.py" >> "$logs/nccl.log" 2>&1 || rc=$? ;;
+          "abi forwarding") DOORBELL_NCCL_LIB="$lib" DOORBELL_NCCL_FORWARD=1 DOORBELL_NCCL_REAL="$real" \
+                 timeout "${NCCL_LIMIT:-300}" "${PYTHON:-python3}" -m torch.distributed.run \
+                 --nproc-per-node "$n" "$root/nccl/gpu/abi_check.py" >> "$logs/nccl.log" 2>&1 || rc=$? ;;
+          torch) LD_PRELOAD="$lib" DOORBELL_NCCL_REAL="$real" DOORBELL_NCCL_LOG=1 \
+                 timeout "${NCCL_LIMIT:-300}" "${PYTHON:-python3}" -m torch.distributed.run \
+                 --nproc-per-node "$n" "$root/nccl/gpu/torch_check.py" >> "$logs/nccl.log" 2>&1 || rc=$? ;;
+        esac
+        if [ $rc = 0 ]; then
+          echo "PASS nccl $what at $n ranks ($((SECONDS - start)) s)" | tee -a "$summary"
+        else
+          echo "FAIL nccl $what at $n ranks ($((SECONDS - start)) s)" | tee -a "$summary"
+          failed=1
+        fi
+      done
     done
   fi
   if [ "$suite" = perf ]; then

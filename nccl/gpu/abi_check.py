@@ -1,8 +1,9 @@
 """libdoorbell_nccl.so on a GPU, through NCCL's C ABI as ctypes calls it (pynccl's way): one
 process per rank (torchrun), ranks may share a GPU. The unique id is made by rank 0 and passed
 over a gloo group; then allreduce (sum of bf16, f16, f32, several sizes), all-to-all, a group of
-sends and receives forming an uneven all-to-all(v) (as torch's all_to_all_single), and the
-refusal of what is not native, each result checked against a reference.
+sends and receives forming an uneven all-to-all(v) (as torch's all_to_all_single), and what is
+not doorbell's (an int64 product): refused by name, or with DOORBELL_NCCL_FORWARD=1 run by the
+real NCCL (DOORBELL_NCCL_REAL); each result checked against a reference.
 
     torchrun --nproc-per-node N nccl/gpu/abi_check.py  (DOORBELL_NCCL_LIB: the library's path)
 """
@@ -23,6 +24,9 @@ def main() -> None:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     torch.cuda.set_device(rank % torch.cuda.device_count())
     dist.init_process_group("gloo")
+    # doorbell alone unless told to forward (then DOORBELL_NCCL_REAL names the real NCCL).
+    os.environ.setdefault("DOORBELL_NCCL_FORWARD", "0")
+    forwarding = os.environ["DOORBELL_NCCL_FORWARD"] != "0"
     lib = ctypes.CDLL(os.environ["DOORBELL_NCCL_LIB"])
     vp, i, sz = ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t
     lib.ncclGetErrorString.restype = ctypes.c_char_p
@@ -103,10 +107,20 @@ def main() -> None:
         parts.append(torch.arange(off, off + recv_counts[p], dtype=torch.float32) + p * 1e6)
     assert torch.equal(y.cpu(), torch.cat(parts)), f"rank {rank}: all-to-all(v)"
 
-    # Not native yet: refused by name, nothing run.
-    x = torch.ones(8, dtype=torch.int64, device="cuda")
+    # Not doorbell's: with forwarding off refused by name, nothing run; with it on, the real
+    # NCCL's product (DOORBELL_NCCL_FORWARD=1 and DOORBELL_NCCL_REAL set).
+    x = torch.full((8,), 2, dtype=torch.int64, device="cuda")
     r = lib.ncclAllReduce(vp(x.data_ptr()), vp(x.data_ptr()), 8, 4, 1, comm, s)
-    assert r == 5 and b"int64" in lib.ncclGetLastError(None), (r, lib.ncclGetLastError(None))
+    # The real NCCL needs a GPU per rank: with ranks sharing one there is no real communicator.
+    sharing = world > torch.cuda.device_count()
+    if forwarding and not sharing:
+        ok(r, "allreduce int64 prod (forwarded)")
+        stream.synchronize()
+        assert torch.equal(x.cpu(), torch.full((8,), 2**world, dtype=torch.int64)), f"rank {rank}: forwarded prod"
+    elif forwarding:
+        assert r == 5 and b"share a GPU" in lib.ncclGetLastError(None), (r, lib.ncclGetLastError(None))
+    else:
+        assert r == 5 and b"int64" in lib.ncclGetLastError(None), (r, lib.ncclGetLastError(None))
     ok(lib.ncclCommDestroy(comm), "ncclCommDestroy")
     dist.barrier()
     print(f"rank {rank}: nccl abi ok", flush=True)

@@ -12,7 +12,7 @@ use doorbell::collectives::DataType;
 use std::ffi::c_int;
 use std::sync::Arc;
 
-fn type_name(t: c_int) -> String {
+pub fn type_name(t: c_int) -> String {
     match t {
         dtype::INT8 => "int8".into(),
         dtype::UINT8 => "uint8".into(),
@@ -30,7 +30,7 @@ fn type_name(t: c_int) -> String {
     }
 }
 
-fn op_name(o: c_int) -> String {
+pub fn op_name(o: c_int) -> String {
     match o {
         op::SUM => "sum".into(),
         op::PROD => "prod".into(),
@@ -53,7 +53,7 @@ pub fn element(call: &str, t: c_int) -> Result<usize, ShimError> {
 
 /// Bytes of `count` elements of type `t`, or an invalid-argument error naming the call (no
 /// such type, or a count that overflows).
-fn bytes_of(call: &str, count: usize, t: c_int) -> Result<usize, ShimError> {
+pub fn bytes_of(call: &str, count: usize, t: c_int) -> Result<usize, ShimError> {
     count
         .checked_mul(element(call, t)?)
         .ok_or_else(|| ShimError::invalid_argument(format!("{call}: {count} elements overflow")))
@@ -63,8 +63,8 @@ fn not_native(call: &str, what: String) -> ShimError {
     ShimError::new(
         abi::INVALID_USAGE,
         format!(
-            "{call} {what}: doorbell runs this only through the real NCCL, and this library does \
-             not forward to it yet (issue 28)"
+            "{call} {what}: doorbell does not run this itself (the real NCCL does, where the \
+             communicator has one)"
         ),
     )
 }
@@ -90,6 +90,11 @@ fn stream(
     c.gpu().bind().map_err(|e| ShimError::from_doorbell(&e))?;
     // SAFETY: NCCL's contract: a stream of the communicator's device (or NULL).
     Ok(unsafe { c.gpu().context().wrap_borrowed_stream(s as sys::CUstream) })
+}
+
+/// Whether doorbell runs an allreduce of type `t` with op `o` (the sum of bf16, f16 or f32).
+pub fn all_reduce_native(t: c_int, o: c_int) -> bool {
+    matches!(t, dtype::BFLOAT16 | dtype::FLOAT16 | dtype::FLOAT32) && o == op::SUM
 }
 
 /// `ncclAllReduce`.
@@ -208,6 +213,18 @@ pub fn p2p(
         },
     );
     Ok(())
+}
+
+/// Whether doorbell runs this group's sends and receives (an all-to-all(v) pattern, not under
+/// CUDA graph capture).
+pub fn grouped_p2p_native(comm: &Comm, ops: &[crate::p2p::P2pOp]) -> bool {
+    let Ok(plan) = crate::p2p::plan(ops, comm.nranks, comm.rank) else {
+        return false;
+    };
+    let Ok((c, _)) = comm.all_to_all() else {
+        return false;
+    };
+    stream(c, plan.stream).is_ok_and(|st| !doorbell::gpu::signature::capturing(&st))
 }
 
 /// A communicator's sends and receives of one group, at its end: one doorbell all-to-all(v).

@@ -6,13 +6,15 @@ use crate::abi::{self, NcclResult};
 use crate::config::CommConfig;
 use crate::error::ShimError;
 use crate::id::{self, UniqueId};
+use crate::real::{self, RealComm};
 use doorbell::collectives::allreduce::{AllReduce, AllReduceOptions};
 use doorbell::collectives::alltoall::{AllToAll, AllToAllOptions};
 use doorbell::communicator::Communicator;
 use doorbell::job::bootstrap::Bootstrap;
+use std::collections::HashSet;
 use std::ffi::c_int;
 use std::sync::atomic::{AtomicI32, Ordering};
-use std::sync::{Arc, OnceLock};
+use std::sync::{Arc, OnceLock, RwLock};
 
 /// doorbell's communicator and the collectives built on it with the communicator (so that a
 /// call only queues work).
@@ -30,6 +32,10 @@ pub struct Comm {
     pub device: usize,
     pub config: CommConfig,
     inner: OnceLock<Built>,
+    /// The real NCCL's communicator beside doorbell's (`crate::real`), or why there is none.
+    real: OnceLock<Result<RealComm, String>>,
+    /// A communicator of the real NCCL only (a split or a shrink): every call is forwarded.
+    pub forward_only: bool,
     /// The communicator's asynchronous error (`ncclCommGetAsyncError`): an init that failed
     /// after its call returned (inside a group), or a fault doorbell found.
     async_error: AtomicI32,
@@ -49,6 +55,58 @@ impl Comm {
     /// The communicator and its all-to-all.
     pub fn all_to_all(&self) -> Result<(&Communicator, &AllToAll), ShimError> {
         self.built().map(|b| (&*b.comm, &b.all_to_all))
+    }
+
+    /// The real NCCL's communicator, or why `call` cannot be forwarded.
+    pub fn real(&self, call: &str) -> Result<RealComm, ShimError> {
+        match self.real.get() {
+            Some(Ok(c)) => Ok(*c),
+            Some(Err(why)) => Err(ShimError::new(
+                abi::INVALID_USAGE,
+                format!("{call}: doorbell does not run this, and {why}"),
+            )),
+            None => Err(ShimError::new(
+                abi::INVALID_USAGE,
+                format!(
+                    "{call}: rank {} of {}: the communicator is not initialized (its group has \
+                     not ended)",
+                    self.rank, self.nranks
+                ),
+            )),
+        }
+    }
+
+    /// A communicator of the real NCCL only (`ncclCommSplit`, `ncclCommShrink`).
+    pub fn forward_only(real: RealComm, rank: usize, nranks: usize, device: usize) -> Comm {
+        let c = Comm {
+            rank,
+            nranks,
+            device,
+            config: CommConfig::default(),
+            inner: OnceLock::new(),
+            real: OnceLock::new(),
+            forward_only: true,
+            async_error: AtomicI32::new(abi::SUCCESS),
+        };
+        let _ = c.real.set(Ok(real));
+        c
+    }
+
+    /// The real communicator's own end (`ncclCommDestroy` or `ncclCommAbort`), when there is one.
+    pub fn end_real(&self, abort: bool) -> Result<(), ShimError> {
+        type F = unsafe extern "C" fn(*mut std::ffi::c_void) -> NcclResult;
+        let Some(Ok(c)) = self.real.get() else {
+            return Ok(());
+        };
+        let name = if abort {
+            "ncclCommAbort"
+        } else {
+            "ncclCommDestroy"
+        };
+        // SAFETY: ncclCommDestroy/ncclCommAbort(ncclComm_t) with this communicator's handle.
+        let f = unsafe { real::function::<F>(name)? };
+        // SAFETY: as above.
+        real::check(name, real::within(|| unsafe { f(c.0) }))
     }
 
     /// A call's failure as NCCL reports it; a failed peer or a mismatch also becomes the
@@ -87,6 +145,19 @@ impl Comm {
         if e != abi::SUCCESS {
             return e;
         }
+        if let Some(Ok(c)) = self.real.get() {
+            type F = unsafe extern "C" fn(*mut std::ffi::c_void, *mut NcclResult) -> NcclResult;
+            let mut e = abi::SUCCESS;
+            // SAFETY: ncclCommGetAsyncError(ncclComm_t, ncclResult_t*) with a writable result.
+            if let Ok(f) = unsafe { real::function::<F>("ncclCommGetAsyncError") } {
+                if real::within(|| unsafe { f(c.0, &mut e) }) == abi::SUCCESS && e != abi::SUCCESS {
+                    return e;
+                }
+            }
+            if self.forward_only {
+                return abi::SUCCESS;
+            }
+        }
         match self.inner.get() {
             None => abi::IN_PROGRESS,
             Some(b) => match b.comm.check_health() {
@@ -106,6 +177,42 @@ impl Comm {
             b.comm.abort();
         }
     }
+}
+
+/// The handles this library gave out and that are alive.
+fn live() -> &'static RwLock<HashSet<usize>> {
+    static LIVE: OnceLock<RwLock<HashSet<usize>>> = OnceLock::new();
+    LIVE.get_or_init(Default::default)
+}
+
+/// Gives `c` out as an `ncclComm_t` (known as ours until [`retire`]).
+pub fn publish(c: Arc<Comm>) -> *const Comm {
+    let p = Arc::into_raw(c);
+    live()
+        .write()
+        .unwrap_or_else(|e| e.into_inner())
+        .insert(p as usize);
+    p
+}
+
+/// A handle given back (`ncclCommDestroy`, `ncclCommAbort`).
+pub fn retire(p: *const Comm) {
+    live()
+        .write()
+        .unwrap_or_else(|e| e.into_inner())
+        .remove(&(p as usize));
+}
+
+/// Whether `p` is a communicator of the real NCCL rather than one of ours: the real NCCL calling
+/// its own API, which ours interposes when this library is preloaded in its place. Such calls go
+/// to the real function as they are.
+pub fn is_foreign(p: *const Comm) -> bool {
+    !p.is_null()
+        && real::loaded()
+        && !live()
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .contains(&(p as usize))
 }
 
 /// The CUDA device current on this thread (NCCL binds a communicator to it): the device of the
@@ -140,21 +247,69 @@ pub fn current_device() -> Result<usize, ShimError> {
     }
 }
 
+/// This GPU as no other GPU anywhere is named: the host's name and the device's PCI address
+/// (the ordinal where the driver does not say).
+fn gpu_name(device: usize) -> String {
+    use cudarc::driver::sys;
+    let mut host = [0u8; 256];
+    // SAFETY: gethostname writes at most len bytes into the buffer.
+    let h = unsafe { libc::gethostname(host.as_mut_ptr().cast(), host.len() - 1) };
+    let host = if h == 0 {
+        let end = host.iter().position(|&b| b == 0).unwrap_or(host.len());
+        String::from_utf8_lossy(&host[..end]).into_owned()
+    } else {
+        "?".into()
+    };
+    let mut bus = [0i8; 32];
+    let mut dev = 0;
+    // SAFETY: the driver was loaded and initialized (this rank's communicator exists); both calls
+    // write into locals of the sizes given.
+    let pci = unsafe {
+        sys::cuDeviceGet(&mut dev, device as i32) == sys::CUresult::CUDA_SUCCESS
+            && sys::cuDeviceGetPCIBusId(bus.as_mut_ptr(), bus.len() as i32, dev)
+                == sys::CUresult::CUDA_SUCCESS
+    };
+    let gpu = if pci {
+        // SAFETY: the driver wrote a NUL-terminated string.
+        unsafe { std::ffi::CStr::from_ptr(bus.as_ptr()) }
+            .to_string_lossy()
+            .into_owned()
+    } else {
+        format!("device {device}")
+    };
+    format!("{host}/{gpu}")
+}
+
 /// Joins rank `rank` of `nranks` on `uid` and builds its communicator on `device`: the
-/// rendezvous, doorbell's bootstrap, the communicator, its allreduce and all-to-all
-/// (collective).
-fn build(uid: &UniqueId, rank: usize, nranks: usize, device: usize) -> Result<Built, ShimError> {
+/// rendezvous, doorbell's bootstrap, the communicator, its allreduce and all-to-all, and the real
+/// NCCL's communicator beside it (collective).
+fn build(
+    uid: &UniqueId,
+    rank: usize,
+    nranks: usize,
+    device: usize,
+) -> Result<(Built, Result<RealComm, String>), ShimError> {
     let doorbell_err = |e: doorbell::Error| ShimError::from_doorbell(&e);
     let cfg = id::rendezvous(uid, rank, nranks, None)?;
     let boot = Bootstrap::connect(cfg).map_err(doorbell_err)?;
     let comm = Arc::new(Communicator::new(boot, device).map_err(doorbell_err)?);
     let all_reduce = AllReduce::new(&comm, AllReduceOptions::default()).map_err(doorbell_err)?;
     let all_to_all = AllToAll::new(&comm, AllToAllOptions::default()).map_err(doorbell_err)?;
-    Ok(Built {
-        comm,
-        all_reduce,
-        all_to_all,
-    })
+    let real = if real::enabled() {
+        // The real NCCL binds its communicator to the thread's current GPU.
+        comm.gpu().bind().map_err(doorbell_err)?;
+        real::init_comm(comm.bootstrap(), rank, nranks, &gpu_name(device))?
+    } else {
+        Err("forwarding to a real NCCL is off (DOORBELL_NCCL_FORWARD=0)".to_string())
+    };
+    Ok((
+        Built {
+            comm,
+            all_reduce,
+            all_to_all,
+        },
+        real,
+    ))
 }
 
 /// `ncclCommInitRank[Config]` with the device already chosen: returns the handle at once, its
@@ -180,13 +335,16 @@ pub fn init_rank(
         device,
         config,
         inner: OnceLock::new(),
+        real: OnceLock::new(),
+        forward_only: false,
         async_error: AtomicI32::new(abi::SUCCESS),
     });
     let run = {
         let comm = comm.clone();
         move || match build(&uid, rank, nranks, device) {
-            Ok(b) => {
+            Ok((b, r)) => {
                 let _ = comm.inner.set(b);
+                let _ = comm.real.set(r);
                 Ok(())
             }
             Err(e) => {

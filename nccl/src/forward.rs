@@ -1,7 +1,7 @@
 //! Which real NCCL the calls doorbell does not run would go to (`docs/nccl-abi-notes.md`):
 //! `DOORBELL_NCCL_REAL` when set, else the first `libnccl.so.2` in the search order that is not
 //! this library (preloaded, or installed as `libnccl.so.2`, it would otherwise find itself).
-//! Only the choice is made here; loading it and forwarding come next (issue 28).
+//! Loading it and forwarding to it: [`crate::real`].
 
 use crate::error::ShimError;
 use std::path::{Path, PathBuf};

@@ -14,6 +14,8 @@ type Held = Box<dyn FnOnce() -> Result<(), ShimError> + Send>;
 #[derive(Default)]
 struct Group {
     depth: usize,
+    /// For each open level, whether the real NCCL's group was started with it.
+    real_levels: Vec<bool>,
     inits: Vec<Held>,
     /// Sends and receives, by communicator, in call order.
     p2p: Vec<(Arc<Comm>, P2pOp)>,
@@ -25,7 +27,16 @@ thread_local! {
 
 /// `ncclGroupStart`.
 pub fn start() {
-    GROUP.with(|g| g.borrow_mut().depth += 1);
+    start_with(false);
+}
+
+/// `ncclGroupStart`, `real`: the real NCCL's group was started too.
+pub fn start_with(real: bool) {
+    GROUP.with(|g| {
+        let mut g = g.borrow_mut();
+        g.depth += 1;
+        g.real_levels.push(real);
+    });
 }
 
 /// Whether this thread is inside a group.
@@ -43,10 +54,13 @@ pub fn hold_p2p(comm: Arc<Comm>, op: P2pOp) {
     GROUP.with(|g| g.borrow_mut().p2p.push((comm, op)));
 }
 
-/// `ncclGroupEnd`: at the outermost end, runs the held initializations side by side and
-/// returns the first failure (every one runs to its end). Without a group: invalid usage.
-pub fn end() -> Result<(), ShimError> {
-    let (inits, p2p) = GROUP.with(|g| {
+/// `ncclGroupEnd`: at the outermost end, runs the held initializations side by side, then each
+/// communicator's sends and receives (one doorbell all-to-all(v), or, where doorbell does not run
+/// the pattern, the real NCCL's sends and receives, inside its group); returns the first failure
+/// (every one runs to its end; without a group: invalid usage) and whether the real NCCL's group
+/// was started at this level (the caller ends it).
+pub fn end() -> (Result<(), ShimError>, bool) {
+    let ended = GROUP.with(|g| {
         let mut g = g.borrow_mut();
         if g.depth == 0 {
             return Err(ShimError::new(
@@ -55,12 +69,24 @@ pub fn end() -> Result<(), ShimError> {
             ));
         }
         g.depth -= 1;
+        let real = g.real_levels.pop().unwrap_or(false);
         Ok(if g.depth == 0 {
-            (std::mem::take(&mut g.inits), std::mem::take(&mut g.p2p))
+            (
+                std::mem::take(&mut g.inits),
+                std::mem::take(&mut g.p2p),
+                real,
+            )
         } else {
-            (Vec::new(), Vec::new())
+            (Vec::new(), Vec::new(), real)
         })
-    })?;
+    });
+    match ended {
+        Ok((inits, p2p, real)) => (run_held(inits, p2p), real),
+        Err(e) => (Err(e), false),
+    }
+}
+
+fn run_held(inits: Vec<Held>, p2p: Vec<(Arc<Comm>, P2pOp)>) -> Result<(), ShimError> {
     let inited = run_inits(inits);
     // Then each communicator's sends and receives, as one all-to-all(v) each.
     let mut first = inited;
@@ -70,7 +96,21 @@ pub fn end() -> Result<(), ShimError> {
             left.into_iter().partition(|(c, _)| Arc::ptr_eq(c, &comm));
         left = rest;
         let ops: Vec<P2pOp> = mine.into_iter().map(|(_, o)| o).collect();
-        let r = crate::colls::grouped_p2p(&comm, &ops);
+        let forward = if crate::colls::grouped_p2p_native(&comm, &ops) {
+            None
+        } else {
+            comm.real("ncclSend/ncclRecv").ok()
+        };
+        let r = match forward {
+            // As bytes: a send or receive moves them whatever their type.
+            Some(rc) => ops
+                .iter()
+                .try_for_each(|o| crate::forwarded_p2p(rc, o, o.bytes, crate::abi::dtype::UINT8)),
+            None => {
+                crate::real::count(true);
+                crate::colls::grouped_p2p(&comm, &ops)
+            }
+        };
         if first.is_ok() {
             first = r;
         }

@@ -17,12 +17,15 @@
 //!   `ncclCommUserRank`, `ncclCommGetAsyncError`, `ncclGroupStart`, `ncclGroupEnd`.
 //!
 //! - `ncclAllReduce` (sum of bf16, f16, f32) and `ncclAlltoAll` on doorbell's kernels
-//!   ([`colls`]); other types and ops fail with `ncclInvalidUsage` naming them.
+//!   ([`colls`]); other types and ops go to the real NCCL (without one they fail with
+//!   `ncclInvalidUsage` naming them).
 //! - `ncclSend`/`ncclRecv` in a group that form an all-to-all(v), as PyTorch's
 //!   `all_to_all_single` makes ([`p2p`]): one doorbell all-to-all(v) at the group's end.
 //!
-//! Nothing is forwarded to a real NCCL yet, and the collectives have not run on a GPU through
-//! this library yet.
+//! - Everything else PyTorch 2.11 imports is forwarded to a real NCCL ([`real`],
+//!   [`forwarded`]): each communicator has a real twin made with it, and the calls doorbell does
+//!   not run go there (other collectives, types and ops, registration, windows, memory, splits,
+//!   sends and receives of other patterns or outside a group).
 
 pub mod abi;
 pub mod colls;
@@ -30,9 +33,11 @@ pub mod comm;
 pub mod config;
 pub mod error;
 pub mod forward;
+pub mod forwarded;
 pub mod group;
 pub mod id;
 pub mod p2p;
+pub mod real;
 
 use abi::{NcclConfig, NcclResult, NcclUniqueId};
 use comm::Comm;
@@ -91,6 +96,19 @@ pub unsafe extern "C" fn ncclGetUniqueId(unique_id: *mut NcclUniqueId) -> NcclRe
     }
 }
 
+/// A call that carries one of the real NCCL's own handles ([`comm::is_foreign`]: the real NCCL
+/// calling its own API, which these exports interpose when preloaded) goes to its function as it
+/// is.
+macro_rules! foreign {
+    ($comm:expr, $name:literal, fn($($ty:ty),*), ($($arg:expr),*)) => {
+        if comm::is_foreign($comm) {
+            type F = unsafe extern "C" fn($($ty),*) -> NcclResult;
+            // SAFETY: the real NCCL's prototype for its own call, with the arguments it passed.
+            return unsafe { forwarded::pass_through::<F>($name, |f| f($($arg),*)) };
+        }
+    };
+}
+
 /// `ncclComm_t`: an `Arc<Comm>` handed out raw.
 pub type NcclComm = *const Comm;
 
@@ -139,7 +157,7 @@ unsafe fn init(
         let device = comm::current_device()?;
         let c = comm::init_rank(id, rank, nranks, cfg, device)?;
         // SAFETY: non-NULL, writable (the contract).
-        unsafe { out.write(Arc::into_raw(c)) };
+        unsafe { out.write(comm::publish(c)) };
         Ok(())
     })();
     error::result(r)
@@ -236,12 +254,12 @@ pub unsafe extern "C" fn ncclCommInitAll(
                 comm::init_rank(&id, rank as c_int, ndev, config::CommConfig::default(), dev)
             })
             .collect();
-        let ended = group::end();
+        let (ended, _) = group::end();
         let made = made?;
         ended?;
         for (i, c) in made.into_iter().enumerate() {
             // SAFETY: `comms` has room for `ndev` handles (the contract).
-            unsafe { comms.add(i).write(Arc::into_raw(c)) };
+            unsafe { comms.add(i).write(comm::publish(c)) };
         }
         Ok(())
     })();
@@ -254,14 +272,19 @@ pub unsafe extern "C" fn ncclCommInitAll(
 /// `comm` is NULL or a live handle, not used again.
 #[no_mangle]
 pub unsafe extern "C" fn ncclCommDestroy(comm: NcclComm) -> NcclResult {
+    foreign!(comm, "ncclCommDestroy", fn(*const c_void), (comm.cast()));
     if comm.is_null() {
         return error::record(&ShimError::invalid_argument(
             "ncclCommDestroy: comm is NULL",
         ));
     }
+    comm::retire(comm);
     // SAFETY: a live handle from Arc::into_raw, given up by the caller.
-    drop(unsafe { Arc::from_raw(comm) });
-    abi::SUCCESS
+    let c = unsafe { Arc::from_raw(comm) };
+    let r = c.end_real(false);
+    real::log_counts("ncclCommDestroy");
+    drop(c);
+    error::result(r)
 }
 
 /// `ncclCommAbort(ncclComm_t comm)`: stops doorbell's work (every peer learns of it), then
@@ -271,13 +294,17 @@ pub unsafe extern "C" fn ncclCommDestroy(comm: NcclComm) -> NcclResult {
 /// `comm` is NULL or a live handle, not used again.
 #[no_mangle]
 pub unsafe extern "C" fn ncclCommAbort(comm: NcclComm) -> NcclResult {
+    foreign!(comm, "ncclCommAbort", fn(*const c_void), (comm.cast()));
     if comm.is_null() {
         return error::record(&ShimError::invalid_argument("ncclCommAbort: comm is NULL"));
     }
+    comm::retire(comm);
     // SAFETY: a live handle from Arc::into_raw, given up by the caller.
     let c = unsafe { Arc::from_raw(comm) };
     c.abort();
-    abi::SUCCESS
+    let r = c.end_real(true);
+    real::log_counts("ncclCommAbort");
+    error::result(r)
 }
 
 /// `ncclCommCount(const ncclComm_t comm, int* count)`.
@@ -286,6 +313,12 @@ pub unsafe extern "C" fn ncclCommAbort(comm: NcclComm) -> NcclResult {
 /// `comm` is NULL or a live handle; `count` NULL or writable.
 #[no_mangle]
 pub unsafe extern "C" fn ncclCommCount(comm: NcclComm, count: *mut c_int) -> NcclResult {
+    foreign!(
+        comm,
+        "ncclCommCount",
+        fn(*const c_void, *mut c_int),
+        (comm.cast(), count)
+    );
     // SAFETY: the contract.
     error::result(unsafe {
         handle(comm, "ncclCommCount")
@@ -299,6 +332,12 @@ pub unsafe extern "C" fn ncclCommCount(comm: NcclComm, count: *mut c_int) -> Ncc
 /// `comm` is NULL or a live handle; `device` NULL or writable.
 #[no_mangle]
 pub unsafe extern "C" fn ncclCommCuDevice(comm: NcclComm, device: *mut c_int) -> NcclResult {
+    foreign!(
+        comm,
+        "ncclCommCuDevice",
+        fn(*const c_void, *mut c_int),
+        (comm.cast(), device)
+    );
     // SAFETY: the contract.
     error::result(unsafe {
         handle(comm, "ncclCommCuDevice")
@@ -312,6 +351,12 @@ pub unsafe extern "C" fn ncclCommCuDevice(comm: NcclComm, device: *mut c_int) ->
 /// `comm` is NULL or a live handle; `rank` NULL or writable.
 #[no_mangle]
 pub unsafe extern "C" fn ncclCommUserRank(comm: NcclComm, rank: *mut c_int) -> NcclResult {
+    foreign!(
+        comm,
+        "ncclCommUserRank",
+        fn(*const c_void, *mut c_int),
+        (comm.cast(), rank)
+    );
     // SAFETY: the contract.
     error::result(unsafe {
         handle(comm, "ncclCommUserRank")
@@ -328,6 +373,12 @@ pub unsafe extern "C" fn ncclCommGetAsyncError(
     comm: NcclComm,
     async_error: *mut NcclResult,
 ) -> NcclResult {
+    foreign!(
+        comm,
+        "ncclCommGetAsyncError",
+        fn(*const c_void, *mut NcclResult),
+        (comm.cast(), async_error)
+    );
     // SAFETY: the contract.
     error::result(unsafe {
         handle(comm, "ncclCommGetAsyncError").and_then(|c| {
@@ -357,7 +408,50 @@ pub unsafe extern "C" fn ncclAllReduce(
     stream: *mut c_void,
 ) -> NcclResult {
     // SAFETY: the contract.
+    foreign!(
+        comm,
+        "ncclAllReduce",
+        fn(*const c_void, *mut c_void, usize, c_int, c_int, *const c_void, *mut c_void),
+        (sendbuff, recvbuff, count, datatype, op, comm.cast(), stream)
+    );
     error::result(unsafe { handle(comm, "ncclAllReduce") }.and_then(|c| {
+        let native = colls::all_reduce_native(datatype, op);
+        if c.forward_only || !native {
+            let rc = match c.real("ncclAllReduce") {
+                Ok(rc) => Some(rc),
+                // Not doorbell's, and no real NCCL to run it: why not, with what was asked.
+                Err(e) if !native && colls::bytes_of("ncclAllReduce", count, datatype).is_ok() => {
+                    return Err(ShimError::new(
+                        e.code,
+                        format!(
+                            "ncclAllReduce of {} ({}): {}",
+                            colls::type_name(datatype),
+                            colls::op_name(op),
+                            e.message
+                        ),
+                    ));
+                }
+                Err(_) => None,
+            };
+            if let Some(rc) = rc {
+                type F = unsafe extern "C" fn(
+                    *const c_void,
+                    *mut c_void,
+                    usize,
+                    c_int,
+                    c_int,
+                    *mut c_void,
+                    *mut c_void,
+                ) -> NcclResult;
+                // SAFETY: NCCL's contract for the caller's arguments; F is the 2.28 prototype.
+                return unsafe {
+                    forwarded::forward::<F>("ncclAllReduce", |f| {
+                        f(sendbuff, recvbuff, count, datatype, op, rc.0, stream)
+                    })
+                };
+            }
+        }
+        real::count(true);
         colls::all_reduce(
             c,
             sendbuff as u64,
@@ -385,7 +479,31 @@ pub unsafe extern "C" fn ncclAlltoAll(
     stream: *mut c_void,
 ) -> NcclResult {
     // SAFETY: the contract.
+    foreign!(
+        comm,
+        "ncclAlltoAll",
+        fn(*const c_void, *mut c_void, usize, c_int, *const c_void, *mut c_void),
+        (sendbuff, recvbuff, count, datatype, comm.cast(), stream)
+    );
     error::result(unsafe { handle(comm, "ncclAlltoAll") }.and_then(|c| {
+        if c.forward_only {
+            let rc = c.real("ncclAlltoAll")?;
+            type F = unsafe extern "C" fn(
+                *const c_void,
+                *mut c_void,
+                usize,
+                c_int,
+                *mut c_void,
+                *mut c_void,
+            ) -> NcclResult;
+            // SAFETY: NCCL's contract for the caller's arguments; F is the 2.28 prototype.
+            return unsafe {
+                forwarded::forward::<F>("ncclAlltoAll", |f| {
+                    f(sendbuff, recvbuff, count, datatype, rc.0, stream)
+                })
+            };
+        }
+        real::count(true);
         colls::all_to_all(
             c,
             sendbuff as u64,
@@ -425,8 +543,39 @@ unsafe fn p2p_call(
     comm: NcclComm,
     stream: *mut c_void,
 ) -> NcclResult {
+    if comm::is_foreign(comm) {
+        type F = unsafe extern "C" fn(
+            u64,
+            usize,
+            c_int,
+            c_int,
+            *const c_void,
+            *mut c_void,
+        ) -> NcclResult;
+        let name = if send { "ncclSend" } else { "ncclRecv" };
+        // SAFETY: the real NCCL's prototype (the buffer as an address), its own arguments.
+        return unsafe {
+            forwarded::pass_through::<F>(name, |f| {
+                f(buf, count, datatype, peer, comm.cast(), stream)
+            })
+        };
+    }
     // SAFETY: the contract.
     error::result(unsafe { handle(comm, call) }.and_then(|c| {
+        if c.forward_only || !group::inside() {
+            // Not doorbell's to run: a communicator of the real NCCL only, or a send or receive
+            // outside a group (NCCL runs it at once).
+            if let Ok(rc) = c.real(call) {
+                let op = p2p::P2pOp {
+                    send,
+                    peer: peer.max(0) as usize,
+                    ptr: buf,
+                    bytes: 0,
+                    stream: stream as u64,
+                };
+                return forwarded_p2p(rc, &op, count, datatype);
+            }
+        }
         // SAFETY: `c` is behind a live handle.
         colls::p2p(
             unsafe { shared(c) },
@@ -498,17 +647,81 @@ pub unsafe extern "C" fn ncclRecv(
     }
 }
 
-/// `ncclGroupStart()`.
+/// A send or receive run by the real NCCL on `rc` (`count` elements of `datatype`).
+pub(crate) fn forwarded_p2p(
+    rc: real::RealComm,
+    op: &p2p::P2pOp,
+    count: usize,
+    datatype: c_int,
+) -> Result<(), ShimError> {
+    type F = unsafe extern "C" fn(
+        *mut c_void,
+        usize,
+        c_int,
+        c_int,
+        *mut c_void,
+        *mut c_void,
+    ) -> NcclResult;
+    let name = if op.send { "ncclSend" } else { "ncclRecv" };
+    // SAFETY: ncclSend/ncclRecv(buf, count, datatype, peer, comm, stream) with the caller's
+    // arguments (NCCL's contract); F is the 2.28 prototype.
+    unsafe {
+        forwarded::forward::<F>(name, |f| {
+            f(
+                op.ptr as *mut c_void,
+                count,
+                datatype,
+                op.peer as c_int,
+                rc.0,
+                op.stream as *mut c_void,
+            )
+        })
+    }
+}
+
+/// `ncclGroupStart()`. With a real NCCL loaded its group starts too, so the calls forwarded
+/// inside run as its group.
 #[no_mangle]
 pub extern "C" fn ncclGroupStart() -> NcclResult {
-    group::start();
+    if real::inside() {
+        // The real NCCL's own group: its function as it is.
+        type F = unsafe extern "C" fn() -> NcclResult;
+        // SAFETY: ncclGroupStart(void).
+        return unsafe { forwarded::pass_through::<F>("ncclGroupStart", |f| f()) };
+    }
+    let real = real::loaded();
+    if real {
+        type F = unsafe extern "C" fn() -> NcclResult;
+        // SAFETY: ncclGroupStart(void). (Not counted as a forwarded call.)
+        let r = unsafe { real::function::<F>("ncclGroupStart") }
+            .and_then(|f| real::check("ncclGroupStart", real::within(|| unsafe { f() })));
+        if let Err(e) = r {
+            return error::record(&e);
+        }
+    }
+    group::start_with(real);
     abi::SUCCESS
 }
 
-/// `ncclGroupEnd()`: at the outermost end, what the group held runs.
+/// `ncclGroupEnd()`: at the outermost end, what the group held runs (sends and receives doorbell
+/// does not run go to the real NCCL, still inside its group); then the real NCCL's group ends.
 #[no_mangle]
 pub extern "C" fn ncclGroupEnd() -> NcclResult {
-    error::result(group::end())
+    if real::inside() {
+        type F = unsafe extern "C" fn() -> NcclResult;
+        // SAFETY: ncclGroupEnd(void), the real NCCL's own.
+        return unsafe { forwarded::pass_through::<F>("ncclGroupEnd", |f| f()) };
+    }
+    let (ours, real_started) = group::end();
+    let theirs = if real_started {
+        type F = unsafe extern "C" fn() -> NcclResult;
+        // SAFETY: ncclGroupEnd(void), paired with the ncclGroupStart forwarded above.
+        unsafe { real::function::<F>("ncclGroupEnd") }
+            .and_then(|f| real::check("ncclGroupEnd", real::within(|| unsafe { f() })))
+    } else {
+        Ok(())
+    };
+    error::result(ours.and(theirs))
 }
 
 #[cfg(test)]

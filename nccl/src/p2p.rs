@@ -4,8 +4,7 @@
 //! left out, as PyTorch leaves zero counts out), each send a slice of one input region and each
 //! receive a slice of one output region, on one stream. That becomes one doorbell
 //! all-to-all(v) (`AllToAll::run_v_raw`), whose kernel checks on the device that what each rank
-//! sends matches what its peer expects. Other patterns fail by name until the forwarding to a
-//! real NCCL exists.
+//! sends matches what its peer expects. Other patterns go to the real NCCL (`crate::group`).
 
 use std::fmt;
 

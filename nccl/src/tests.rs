@@ -279,7 +279,7 @@ fn group_end_without_start_is_invalid_usage_and_groups_nest() {
     assert_eq!(ncclGroupEnd(), abi::INVALID_USAGE);
     // (The last error is every thread's; tests run side by side, so its text is read from the
     // call's own result.)
-    let e = group::end().unwrap_err();
+    let e = group::end().0.unwrap_err();
     assert!(
         e.message.contains("without ncclGroupStart"),
         "{}",
@@ -369,7 +369,7 @@ fn one_thread_initializes_two_ranks_in_a_group_and_both_reach_the_gpu_step() {
         assert_eq!(r, abi::SUCCESS);
     }
     // The handle's queries work either way.
-    let h = Arc::into_raw(comms[1].clone());
+    let h = comm::publish(comms[1].clone());
     let (mut n, mut rank, mut dev) = (0, 0, -1);
     // SAFETY: a live handle (another Arc keeps it) and writable ints.
     unsafe {
@@ -425,7 +425,7 @@ fn collectives_check_their_arguments_and_name_what_is_not_native() {
     // Not doorbell's: named, not run.
     let (k, m) = ar(dtype::INT64, op::PROD, 4, 16, 32).unwrap();
     assert_eq!(k, abi::INVALID_USAGE);
-    assert!(m.contains("int64") && m.contains("forward"), "{m}");
+    assert!(m.contains("int64") && m.contains("real NCCL"), "{m}");
     let (k, m) = ar(dtype::BFLOAT16, op::MAX, 4, 16, 32).unwrap();
     assert_eq!(k, abi::INVALID_USAGE);
     assert!(m.contains("max"), "{m}");
@@ -526,7 +526,7 @@ fn the_real_nccl_is_the_setting_or_the_first_one_found_that_is_not_this_library(
 fn sends_and_receives_are_held_in_a_group_and_checked_at_its_end() {
     use abi::dtype;
     let c = one_rank_comm();
-    let h = Arc::into_raw(c.clone());
+    let h = comm::publish(c.clone());
     let f32s = dtype::FLOAT32;
     // SAFETY: a live handle (kept by `c`), buffers never touched without a built communicator.
     unsafe {

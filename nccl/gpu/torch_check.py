@@ -1,0 +1,105 @@
+"""libdoorbell_nccl.so under PyTorch's "nccl" backend, preloaded in place of NCCL (LD_PRELOAD),
+the real NCCL (DOORBELL_NCCL_REAL) behind it for what doorbell does not run. One process per rank
+(torchrun); ranks may share a GPU. Every result is checked against a reference computed on the
+host; DOORBELL_NCCL_LOG=1 prints how many calls each side ran when a communicator ends.
+
+    LD_PRELOAD=libdoorbell_nccl.so DOORBELL_NCCL_REAL=.../libnccl.so.2 \\
+        torchrun --nproc-per-node N nccl/gpu/torch_check.py
+"""
+
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+
+def check(ok: bool, what: str) -> None:
+    if not ok:
+        raise AssertionError(what)
+
+
+def main() -> None:
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    dev = rank % torch.cuda.device_count()
+    torch.cuda.set_device(dev)
+    dist.init_process_group("nccl", device_id=torch.device("cuda", dev))
+    total = world * (world + 1) // 2
+
+    # doorbell's: allreduce sums of bf16 and f32 (eager), all-to-all, all-to-all(v).
+    for dtype in (torch.bfloat16, torch.float32):
+        for n in (1, 4096, 1 << 20):
+            x = torch.full((n,), float(rank + 1), dtype=dtype, device="cuda")
+            dist.all_reduce(x)
+            check(torch.equal(x, torch.full_like(x, float(total))), f"all_reduce sum {dtype} {n}")
+    x = torch.arange(world * 1000, dtype=torch.float32, device="cuda") + rank * 1e6
+    y = torch.empty_like(x)
+    dist.all_to_all_single(y, x)
+    want = torch.cat([torch.arange(rank * 1000, (rank + 1) * 1000, dtype=torch.float32) + p * 1e6 for p in range(world)])
+    check(torch.equal(y.cpu(), want), "all_to_all_single (equal)")
+    send = [(rank + p) % 3 * 100 for p in range(world)]
+    recv = [(p + rank) % 3 * 100 for p in range(world)]
+    x = torch.arange(sum(send), dtype=torch.float32, device="cuda") + rank * 1e6
+    y = torch.full((sum(recv),), -1.0, device="cuda")
+    dist.all_to_all_single(y, x, output_split_sizes=recv, input_split_sizes=send)
+    parts = []
+    for p in range(world):
+        off = sum((p + q) % 3 * 100 for q in range(rank))
+        parts.append(torch.arange(off, off + recv[p], dtype=torch.float32) + p * 1e6)
+    check(torch.equal(y.cpu(), torch.cat(parts)), "all_to_all_single (uneven)")
+
+    # The real NCCL's: other ops and types, other collectives, point to point, a subgroup. With
+    # ranks sharing a GPU there is no real communicator (it needs a GPU per rank): refused, naming
+    # why.
+    if world > torch.cuda.device_count():
+        x = torch.full((8,), float(rank), device="cuda")
+        try:
+            dist.all_reduce(x, op=dist.ReduceOp.MAX)
+            torch.cuda.synchronize()
+            raise AssertionError("all_reduce max with ranks sharing a GPU: expected a refusal")
+        except dist.DistBackendError as e:
+            check("share a GPU" in str(e), f"the refusal names why: {e}")
+        print(f"rank {rank}: torch over libdoorbell_nccl ok (doorbell's calls; the real NCCL's refused: ranks share a GPU)", flush=True)
+        return
+    x = torch.full((1000,), float(rank), device="cuda")
+    dist.all_reduce(x, op=dist.ReduceOp.MAX)
+    check(torch.equal(x, torch.full_like(x, float(world - 1))), "all_reduce max")
+    x = torch.full((10,), rank + 1, dtype=torch.int64, device="cuda")
+    dist.all_reduce(x)
+    check(torch.equal(x, torch.full_like(x, total)), "all_reduce int64")
+    x = torch.full((3,), float(rank + 1), device="cuda")
+    dist.all_reduce(x, op=dist.ReduceOp.AVG)
+    check(torch.allclose(x, torch.full_like(x, total / world)), "all_reduce avg")
+    g = torch.empty(world * 5, device="cuda")
+    dist.all_gather_into_tensor(g, torch.full((5,), float(rank), device="cuda"))
+    check(torch.equal(g.cpu(), torch.arange(world).float().repeat_interleave(5)), "all_gather_into_tensor")
+    rs = torch.empty(4, device="cuda")
+    dist.reduce_scatter_tensor(rs, torch.arange(world * 4, dtype=torch.float32, device="cuda"))
+    check(torch.equal(rs.cpu(), (torch.arange(rank * 4, rank * 4 + 4).float() * world)), "reduce_scatter_tensor")
+    b = torch.full((7,), float(rank), device="cuda")
+    dist.broadcast(b, src=world - 1)
+    check(torch.equal(b, torch.full_like(b, float(world - 1))), "broadcast")
+    if world >= 2:
+        ring = torch.full((6,), float(rank), device="cuda")
+        got = torch.empty_like(ring)
+        ops = [dist.P2POp(dist.isend, ring, (rank + 1) % world), dist.P2POp(dist.irecv, got, (rank - 1) % world)]
+        for w in dist.batch_isend_irecv(ops):
+            w.wait()
+        check(torch.equal(got, torch.full_like(got, float((rank - 1) % world))), "batch_isend_irecv ring")
+    sub = dist.new_group([r for r in range(world) if r % 2 == 0])
+    if rank % 2 == 0:
+        s = torch.ones(16, device="cuda")
+        dist.all_reduce(s, group=sub)
+        check(torch.equal(s, torch.full_like(s, float((world + 1) // 2))), "all_reduce in a subgroup")
+    dist.barrier()
+    torch.cuda.synchronize()
+    print(f"rank {rank}: torch over libdoorbell_nccl ok", flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except AssertionError as e:
+        print(f"FAIL rank {os.environ.get('RANK')}: {e}", flush=True)
+        sys.exit(1)

@@ -1,0 +1,368 @@
+//! The exports doorbell answers by forwarding to the real NCCL ([`crate::real`]) with the
+//! communicator's real twin: the collectives doorbell does not run (all-gather, reduce-scatter,
+//! broadcast, reduce, gather, scatter), registration and windows, reduction ops, the device
+//! communicator, memory, split and shrink (communicators of the real NCCL only), finalize and the
+//! group simulation. The prototypes are NCCL 2.28's (`nccl.h`); every one of these is among the
+//! symbols PyTorch 2.11's `libtorch_cuda.so` imports.
+
+use crate::abi::{self, NcclConfig, NcclResult, NcclUniqueId};
+use crate::comm::Comm;
+use crate::error::{self, ShimError};
+use crate::real::{self, RealComm};
+use crate::NcclComm;
+use std::ffi::{c_int, c_void};
+use std::sync::Arc;
+
+type Ptr = *mut c_void;
+type CPtr = *const c_void;
+
+/// The handle's communicator (None for one of the real NCCL's own, [`Comm`]'s `is_foreign`) and
+/// the real communicator the call goes to, or why `call` cannot go there.
+///
+/// # Safety
+/// `comm` is NULL, a live handle of this library or one of the real NCCL's.
+unsafe fn twin<'a>(comm: NcclComm, call: &str) -> Result<(Option<&'a Comm>, RealComm), ShimError> {
+    if crate::comm::is_foreign(comm) {
+        return Ok((None, RealComm(comm as *mut c_void)));
+    }
+    // SAFETY: the caller's contract.
+    let c = unsafe { comm.as_ref() }
+        .ok_or_else(|| ShimError::invalid_argument(format!("{call}: comm is NULL")))?;
+    Ok((Some(c), c.real(call)?))
+}
+
+/// Calls the real `name` of C type `F` through `call_it`, counting it and turning its result
+/// into ours.
+///
+/// # Safety
+/// `F` is `name`'s C type in NCCL 2.28; `call_it` passes arguments valid for it.
+pub unsafe fn forward<F: Copy>(
+    name: &'static str,
+    call_it: impl FnOnce(F) -> NcclResult,
+) -> Result<(), ShimError> {
+    // SAFETY: the caller's contract.
+    let f = unsafe { real::function::<F>(name)? };
+    real::count(false);
+    real::check(name, real::within(|| call_it(f)))
+}
+
+/// A call that belongs to the real NCCL as it is (a handle of its own, or the real NCCL calling
+/// its own API): its function with the same arguments, its result unchanged.
+///
+/// # Safety
+/// As [`forward`].
+pub unsafe fn pass_through<F: Copy>(
+    name: &'static str,
+    call_it: impl FnOnce(F) -> NcclResult,
+) -> NcclResult {
+    // SAFETY: the caller's contract.
+    match unsafe { real::function::<F>(name) } {
+        Ok(f) => real::within(|| call_it(f)),
+        Err(e) => error::record(&e),
+    }
+}
+
+/// Defines exports of the form `(buffers and scalars.., comm, stream)` forwarded as they are,
+/// the handle replaced by its real twin.
+macro_rules! forward_comm_calls {
+    ($( $(#[$doc:meta])* fn $name:ident($($arg:ident: $ty:ty),*) ; )*) => {$(
+        $(#[$doc])*
+        ///
+        /// # Safety
+        /// NCCL's contract for this call; `comm` is NULL or a live handle of this library.
+        #[no_mangle]
+        pub unsafe extern "C" fn $name($($arg: $ty,)* comm: NcclComm, stream: Ptr) -> NcclResult {
+            type F = unsafe extern "C" fn($($ty,)* Ptr, Ptr) -> NcclResult;
+            // SAFETY: the caller's contract; F is the 2.28 prototype.
+            error::result(unsafe { twin(comm, stringify!($name)) }.and_then(|(_, rc)| unsafe {
+                forward::<F>(stringify!($name), |f| f($($arg,)* rc.0, stream))
+            }))
+        }
+    )*};
+}
+
+forward_comm_calls! {
+    /// `ncclAllGather(sendbuff, recvbuff, sendcount, datatype, comm, stream)`.
+    fn ncclAllGather(sendbuff: CPtr, recvbuff: Ptr, sendcount: usize, datatype: c_int);
+    /// `ncclReduceScatter(sendbuff, recvbuff, recvcount, datatype, op, comm, stream)`.
+    fn ncclReduceScatter(sendbuff: CPtr, recvbuff: Ptr, recvcount: usize, datatype: c_int, op: c_int);
+    /// `ncclBroadcast(sendbuff, recvbuff, count, datatype, root, comm, stream)`.
+    fn ncclBroadcast(sendbuff: CPtr, recvbuff: Ptr, count: usize, datatype: c_int, root: c_int);
+    /// `ncclBcast(buff, count, datatype, root, comm, stream)` (in place).
+    fn ncclBcast(buff: Ptr, count: usize, datatype: c_int, root: c_int);
+    /// `ncclReduce(sendbuff, recvbuff, count, datatype, op, root, comm, stream)`.
+    fn ncclReduce(sendbuff: CPtr, recvbuff: Ptr, count: usize, datatype: c_int, op: c_int, root: c_int);
+    /// `ncclGather(sendbuff, recvbuff, count, datatype, root, comm, stream)`.
+    fn ncclGather(sendbuff: CPtr, recvbuff: Ptr, count: usize, datatype: c_int, root: c_int);
+    /// `ncclScatter(sendbuff, recvbuff, count, datatype, root, comm, stream)`.
+    fn ncclScatter(sendbuff: CPtr, recvbuff: Ptr, count: usize, datatype: c_int, root: c_int);
+}
+
+/// Defines exports of the form `(comm, rest..)` forwarded with the real twin.
+macro_rules! forward_comm_first {
+    ($( $(#[$doc:meta])* fn $name:ident($($arg:ident: $ty:ty),*) ; )*) => {$(
+        $(#[$doc])*
+        ///
+        /// # Safety
+        /// NCCL's contract for this call; `comm` is NULL or a live handle of this library.
+        #[no_mangle]
+        pub unsafe extern "C" fn $name(comm: NcclComm $(, $arg: $ty)*) -> NcclResult {
+            type F = unsafe extern "C" fn(Ptr $(, $ty)*) -> NcclResult;
+            // SAFETY: the caller's contract; F is the 2.28 prototype.
+            error::result(unsafe { twin(comm, stringify!($name)) }.and_then(|(_, rc)| unsafe {
+                forward::<F>(stringify!($name), |f| f(rc.0 $(, $arg)*))
+            }))
+        }
+    )*};
+}
+
+forward_comm_first! {
+    /// `ncclCommRegister(comm, buff, size, handle)`.
+    fn ncclCommRegister(buff: Ptr, size: usize, handle: *mut Ptr);
+    /// `ncclCommDeregister(comm, handle)`.
+    fn ncclCommDeregister(handle: Ptr);
+    /// `ncclCommWindowRegister(comm, buff, size, win, winFlags)`.
+    fn ncclCommWindowRegister(buff: Ptr, size: usize, win: *mut Ptr, win_flags: c_int);
+    /// `ncclCommWindowDeregister(comm, win)`.
+    fn ncclCommWindowDeregister(win: Ptr);
+    /// `ncclDevCommCreate(comm, reqs, outDevComm)`.
+    fn ncclDevCommCreate(reqs: CPtr, out_dev_comm: Ptr);
+    /// `ncclDevCommDestroy(comm, devComm)`.
+    fn ncclDevCommDestroy(dev_comm: CPtr);
+}
+
+/// `ncclRedOpCreatePreMulSum(op, scalar, datatype, residence, comm)`: an op of the real NCCL
+/// (an AllReduce given it is forwarded there).
+///
+/// # Safety
+/// NCCL's contract; `comm` is NULL or a live handle of this library.
+#[no_mangle]
+pub unsafe extern "C" fn ncclRedOpCreatePreMulSum(
+    op: *mut c_int,
+    scalar: Ptr,
+    datatype: c_int,
+    residence: c_int,
+    comm: NcclComm,
+) -> NcclResult {
+    type F = unsafe extern "C" fn(*mut c_int, Ptr, c_int, c_int, Ptr) -> NcclResult;
+    const NAME: &str = "ncclRedOpCreatePreMulSum";
+    // SAFETY: the caller's contract; F is the 2.28 prototype.
+    error::result(unsafe { twin(comm, NAME) }.and_then(|(_, rc)| unsafe {
+        forward::<F>(NAME, |f| f(op, scalar, datatype, residence, rc.0))
+    }))
+}
+
+/// `ncclRedOpDestroy(op, comm)`.
+///
+/// # Safety
+/// NCCL's contract; `comm` is NULL or a live handle of this library.
+#[no_mangle]
+pub unsafe extern "C" fn ncclRedOpDestroy(op: c_int, comm: NcclComm) -> NcclResult {
+    type F = unsafe extern "C" fn(c_int, Ptr) -> NcclResult;
+    // SAFETY: as above.
+    error::result(
+        unsafe { twin(comm, "ncclRedOpDestroy") }
+            .and_then(|(_, rc)| unsafe { forward::<F>("ncclRedOpDestroy", |f| f(op, rc.0)) }),
+    )
+}
+
+/// `ncclCommFinalize(comm)`: the real twin's (doorbell's own work is done when its stream's is).
+///
+/// # Safety
+/// `comm` is NULL or a live handle of this library.
+#[no_mangle]
+pub unsafe extern "C" fn ncclCommFinalize(comm: NcclComm) -> NcclResult {
+    type F = unsafe extern "C" fn(Ptr) -> NcclResult;
+    if crate::comm::is_foreign(comm) {
+        // SAFETY: the real NCCL's own handle, as it is.
+        return unsafe { pass_through::<F>("ncclCommFinalize", |f| f(comm as Ptr)) };
+    }
+    // SAFETY: the caller's contract.
+    let r = unsafe { crate::handle(comm, "ncclCommFinalize") }.and_then(|c| {
+        match c.real("ncclCommFinalize") {
+            // SAFETY: ncclCommFinalize(ncclComm_t).
+            Ok(rc) => unsafe { forward::<F>("ncclCommFinalize", |f| f(rc.0)) },
+            Err(_) => Ok(()),
+        }
+    });
+    error::result(r)
+}
+
+/// `ncclMemAlloc(ptr, size)`: the real NCCL's.
+///
+/// # Safety
+/// NCCL's contract.
+#[no_mangle]
+pub unsafe extern "C" fn ncclMemAlloc(ptr: *mut Ptr, size: usize) -> NcclResult {
+    type F = unsafe extern "C" fn(*mut Ptr, usize) -> NcclResult;
+    // SAFETY: the caller's contract; F is the 2.28 prototype.
+    error::result(unsafe { forward::<F>("ncclMemAlloc", |f| f(ptr, size)) })
+}
+
+/// `ncclMemFree(ptr)`: the real NCCL's.
+///
+/// # Safety
+/// NCCL's contract.
+#[no_mangle]
+pub unsafe extern "C" fn ncclMemFree(ptr: Ptr) -> NcclResult {
+    type F = unsafe extern "C" fn(Ptr) -> NcclResult;
+    // SAFETY: as above.
+    error::result(unsafe { forward::<F>("ncclMemFree", |f| f(ptr)) })
+}
+
+/// `ncclGroupSimulateEnd(simInfo)`: the real NCCL's estimate of its own calls in the group
+/// (doorbell's are not in it); nothing to say without one.
+///
+/// # Safety
+/// NCCL's contract.
+#[no_mangle]
+pub unsafe extern "C" fn ncclGroupSimulateEnd(sim_info: Ptr) -> NcclResult {
+    type F = unsafe extern "C" fn(Ptr) -> NcclResult;
+    if !real::loaded() {
+        return abi::SUCCESS;
+    }
+    // SAFETY: as above.
+    error::result(unsafe { forward::<F>("ncclGroupSimulateEnd", |f| f(sim_info)) })
+}
+
+/// A communicator the real NCCL made from `parent` (NULL for a rank left out), as a handle of
+/// ours: every call on it is forwarded. With no parent of ours (the real NCCL splitting its own)
+/// the real handle itself.
+fn adopt(parent: Option<&Comm>, made: Ptr, out: *mut NcclComm) -> Result<(), ShimError> {
+    type Query = unsafe extern "C" fn(Ptr, *mut c_int) -> NcclResult;
+    let Some(parent) = parent else {
+        // SAFETY: `out` was checked non-NULL by the caller.
+        unsafe { out.write(made as NcclComm) };
+        return Ok(());
+    };
+    if made.is_null() {
+        // SAFETY: `out` was checked non-NULL by the caller.
+        unsafe { out.write(std::ptr::null()) };
+        return Ok(());
+    }
+    let (mut rank, mut nranks) = (0, 0);
+    // SAFETY: ncclCommUserRank/ncclCommCount(ncclComm_t, int*) with writable ints.
+    unsafe {
+        forward::<Query>("ncclCommUserRank", |f| f(made, &mut rank))?;
+        forward::<Query>("ncclCommCount", |f| f(made, &mut nranks))?;
+    }
+    let c = Comm::forward_only(
+        RealComm(made),
+        rank as usize,
+        nranks as usize,
+        parent.device,
+    );
+    // SAFETY: as above.
+    unsafe { out.write(crate::comm::publish(Arc::new(c))) };
+    Ok(())
+}
+
+/// `ncclCommSplit(comm, color, key, newcomm, config)`: the real NCCL splits the real twin; the
+/// new communicator is the real NCCL's only (doorbell's collectives stay on the parent).
+///
+/// # Safety
+/// NCCL's contract; `comm` is NULL or a live handle of this library.
+#[no_mangle]
+pub unsafe extern "C" fn ncclCommSplit(
+    comm: NcclComm,
+    color: c_int,
+    key: c_int,
+    newcomm: *mut NcclComm,
+    config: *const NcclConfig,
+) -> NcclResult {
+    type F = unsafe extern "C" fn(Ptr, c_int, c_int, *mut Ptr, *const NcclConfig) -> NcclResult;
+    const NAME: &str = "ncclCommSplit";
+    let r = (|| {
+        if newcomm.is_null() {
+            return Err(ShimError::invalid_argument(format!(
+                "{NAME}: newcomm is NULL"
+            )));
+        }
+        // SAFETY: the caller's contract.
+        let (c, rc) = unsafe { twin(comm, NAME) }?;
+        let mut made: Ptr = std::ptr::null_mut();
+        // SAFETY: F is the 2.28 prototype; `made` is writable.
+        unsafe { forward::<F>(NAME, |f| f(rc.0, color, key, &mut made, config)) }?;
+        adopt(c, made, newcomm)
+    })();
+    error::result(r)
+}
+
+/// `ncclCommShrink(comm, excludeRanksList, excludeRanksCount, newcomm, config, shrinkFlags)`:
+/// as [`ncclCommSplit`].
+///
+/// # Safety
+/// NCCL's contract; `comm` is NULL or a live handle of this library.
+#[no_mangle]
+pub unsafe extern "C" fn ncclCommShrink(
+    comm: NcclComm,
+    exclude: *mut c_int,
+    exclude_count: c_int,
+    newcomm: *mut NcclComm,
+    config: *const NcclConfig,
+    flags: c_int,
+) -> NcclResult {
+    type F = unsafe extern "C" fn(
+        Ptr,
+        *mut c_int,
+        c_int,
+        *mut Ptr,
+        *const NcclConfig,
+        c_int,
+    ) -> NcclResult;
+    const NAME: &str = "ncclCommShrink";
+    let r = (|| {
+        if newcomm.is_null() {
+            return Err(ShimError::invalid_argument(format!(
+                "{NAME}: newcomm is NULL"
+            )));
+        }
+        // SAFETY: the caller's contract.
+        let (c, rc) = unsafe { twin(comm, NAME) }?;
+        let mut made: Ptr = std::ptr::null_mut();
+        // SAFETY: F is the 2.28 prototype; `made` is writable.
+        unsafe {
+            forward::<F>(NAME, |f| {
+                f(rc.0, exclude, exclude_count, &mut made, config, flags)
+            })
+        }?;
+        adopt(c, made, newcomm)
+    })();
+    error::result(r)
+}
+
+/// `ncclCommInitRankScalable(newcomm, nranks, myrank, nId, commIds, config)`: with one id, as
+/// `ncclCommInitRankConfig`; several ids (NCCL's faster bootstrap) are refused by name.
+///
+/// # Safety
+/// NCCL's contract: `comm_ids` holds `n_id` ids.
+#[no_mangle]
+pub unsafe extern "C" fn ncclCommInitRankScalable(
+    newcomm: *mut NcclComm,
+    nranks: c_int,
+    myrank: c_int,
+    n_id: c_int,
+    comm_ids: *const NcclUniqueId,
+    config: *const NcclConfig,
+) -> NcclResult {
+    if n_id != 1 || comm_ids.is_null() {
+        return error::record(&ShimError::new(
+            abi::INVALID_USAGE,
+            format!(
+                "ncclCommInitRankScalable: {n_id} unique ids; doorbell's rendezvous takes one \
+                 (set TORCH_NCCL_RANKS_PER_ROOT high enough for one root)"
+            ),
+        ));
+    }
+    // SAFETY: one readable id (checked non-NULL); the rest as ncclCommInitRankConfig's contract.
+    unsafe {
+        crate::init(
+            newcomm,
+            nranks,
+            &*comm_ids,
+            myrank,
+            config,
+            "ncclCommInitRankScalable",
+        )
+    }
+}
