@@ -64,8 +64,10 @@ for line in sys.stdin:
     print("test binary", name)
 ' "$bundle/tests"
   cp target/release/doorbell-info "$bundle/examples/"
-  # libdoorbell_nccl.so (NCCL's C ABI on doorbell, issue 28) for SUITE=nccl.
+  # libdoorbell_nccl.so (NCCL's C ABI on doorbell, issue 28) and its overhead example for
+  # SUITE=nccl.
   cargo build --release -p doorbell-nccl
+  cargo build --release -p doorbell-nccl --example nccl_overhead
   mkdir -p "$bundle/lib"
   cp target/release/libdoorbell_nccl.so "$bundle/lib/"
   for ex in target/release/examples/*; do
@@ -174,6 +176,18 @@ run() {
         fi
       done
     done
+    # The ABI's overhead over doorbell's own allreduce (at most 1 us a call, 8 B-64 KiB, host,
+    # eager and graph), 2 ranks a GPU each, where there are two GPUs.
+    if [ "$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')" -ge 2 ]; then
+      local start=$SECONDS
+      if timeout 300 "$bundle/examples/nccl_overhead" --nranks 2 > "$logs/nccl-overhead.txt" 2>&1 \
+          && grep -q "within 1 us" "$logs/nccl-overhead.txt"; then
+        echo "PASS nccl overhead at 2 ranks ($((SECONDS - start)) s)" | tee -a "$summary"
+      else
+        echo "FAIL nccl overhead at 2 ranks ($((SECONDS - start)) s)" | tee -a "$summary"
+        failed=1
+      fi
+    fi
   fi
   if [ "$suite" = perf ]; then
     perf "$logs" "$summary" || failed=1

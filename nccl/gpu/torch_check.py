@@ -1,6 +1,7 @@
 """libdoorbell_nccl.so under PyTorch's "nccl" backend, preloaded in place of NCCL (LD_PRELOAD),
 the real NCCL (DOORBELL_NCCL_REAL) behind it for what doorbell does not run. One process per rank
-(torchrun); ranks may share a GPU. Every result is checked against a reference computed on the
+(torchrun); ranks may share a GPU. A CUDA graph of all_reduce is captured and replayed. Every
+result is checked against a reference computed on the
 host; DOORBELL_NCCL_LOG=1 prints how many calls each side ran when a communicator ends.
 
     LD_PRELOAD=libdoorbell_nccl.so DOORBELL_NCCL_REAL=.../libnccl.so.2 \\
@@ -47,6 +48,23 @@ def main() -> None:
         off = sum((p + q) % 3 * 100 for q in range(rank))
         parts.append(torch.arange(off, off + recv[p], dtype=torch.float32) + p * 1e6)
     check(torch.equal(y.cpu(), torch.cat(parts)), "all_to_all_single (uneven)")
+
+    # A CUDA graph of all_reduce (doorbell's under capture), replayed with new inputs each time.
+    gx = torch.zeros(4096, dtype=torch.bfloat16, device="cuda")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        dist.all_reduce(gx)  # the first call outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        dist.all_reduce(gx)
+    for k in range(5):
+        gx.fill_(float(rank + 1 + k))
+        graph.replay()
+        torch.cuda.synchronize()
+        want = float(sum(p + 1 + k for p in range(world)))
+        check(torch.equal(gx, torch.full_like(gx, want)), f"graph replay {k} of all_reduce")
 
     # The real NCCL's: other ops and types, other collectives, point to point, a subgroup. With
     # ranks sharing a GPU there is no real communicator (it needs a GPU per rank): refused, naming
