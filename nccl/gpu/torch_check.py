@@ -66,9 +66,21 @@ def main() -> None:
         want = float(sum(p + 1 + k for p in range(world)))
         check(torch.equal(gx, torch.full_like(gx, want)), f"graph replay {k} of all_reduce")
 
-    # The real NCCL's: other ops and types, other collectives, point to point, a subgroup. With
-    # ranks sharing a GPU there is no real communicator (it needs a GPU per rank): refused, naming
-    # why.
+    # All-gather, reduce-scatter (sum) and broadcast: the real NCCL's where there is one, else
+    # (ranks sharing a GPU, which the real NCCL refuses) doorbell's.
+    g = torch.empty(world * 5, device="cuda")
+    dist.all_gather_into_tensor(g, torch.full((5,), float(rank), device="cuda"))
+    check(torch.equal(g.cpu(), torch.arange(world).float().repeat_interleave(5)), "all_gather_into_tensor")
+    rs = torch.empty(4, device="cuda")
+    dist.reduce_scatter_tensor(rs, torch.arange(world * 4, dtype=torch.float32, device="cuda"))
+    check(torch.equal(rs.cpu(), (torch.arange(rank * 4, rank * 4 + 4).float() * world)), "reduce_scatter_tensor")
+    b = torch.full((7,), float(rank), device="cuda")
+    dist.broadcast(b, src=world - 1)
+    check(torch.equal(b, torch.full_like(b, float(world - 1))), "broadcast")
+    dist.barrier()
+
+    # The real NCCL's only: other ops and types, point to point outside an all-to-all, a
+    # subgroup. With ranks sharing a GPU there is no real communicator: refused, naming why.
     if world > torch.cuda.device_count():
         x = torch.full((8,), float(rank), device="cuda")
         try:
@@ -77,7 +89,7 @@ def main() -> None:
             raise AssertionError("all_reduce max with ranks sharing a GPU: expected a refusal")
         except dist.DistBackendError as e:
             check("share a GPU" in str(e), f"the refusal names why: {e}")
-        print(f"rank {rank}: torch over libdoorbell_nccl ok (doorbell's calls; the real NCCL's refused: ranks share a GPU)", flush=True)
+        print(f"rank {rank}: torch over libdoorbell_nccl ok (doorbell's calls; all_reduce max refused: ranks share a GPU)", flush=True)
         return
     x = torch.full((1000,), float(rank), device="cuda")
     dist.all_reduce(x, op=dist.ReduceOp.MAX)
@@ -88,15 +100,6 @@ def main() -> None:
     x = torch.full((3,), float(rank + 1), device="cuda")
     dist.all_reduce(x, op=dist.ReduceOp.AVG)
     check(torch.allclose(x, torch.full_like(x, total / world)), "all_reduce avg")
-    g = torch.empty(world * 5, device="cuda")
-    dist.all_gather_into_tensor(g, torch.full((5,), float(rank), device="cuda"))
-    check(torch.equal(g.cpu(), torch.arange(world).float().repeat_interleave(5)), "all_gather_into_tensor")
-    rs = torch.empty(4, device="cuda")
-    dist.reduce_scatter_tensor(rs, torch.arange(world * 4, dtype=torch.float32, device="cuda"))
-    check(torch.equal(rs.cpu(), (torch.arange(rank * 4, rank * 4 + 4).float() * world)), "reduce_scatter_tensor")
-    b = torch.full((7,), float(rank), device="cuda")
-    dist.broadcast(b, src=world - 1)
-    check(torch.equal(b, torch.full_like(b, float(world - 1))), "broadcast")
     if world >= 2:
         ring = torch.full((6,), float(rank), device="cuda")
         got = torch.empty_like(ring)

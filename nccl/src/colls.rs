@@ -1,8 +1,9 @@
 //! The collectives doorbell runs itself: `ncclAllReduce` (sum of bf16, f16 or f32),
-//! `ncclAlltoAll`, and a group's sends and receives that form an all-to-all(v) ([`crate::p2p`]). Their doorbell objects are built with the communicator, so a call only
-//! queues work (one thread may drive several ranks, as nccl-tests does). Every other type or op
-//! is for the real NCCL this library will forward to; until it does, such a call fails with
-//! `ncclInvalidUsage` naming what it asked for.
+//! `ncclAlltoAll`, and a group's sends and receives that form an all-to-all(v) ([`crate::p2p`]).
+//! Their doorbell objects are built with the communicator, so a call only queues work (one thread
+//! may drive several ranks, as nccl-tests does). Every other type or op goes to the real NCCL
+//! ([`crate::real`]); without one such a call fails with `ncclInvalidUsage` naming what it asked
+//! for and why there is none.
 
 use crate::abi::{self, dtype, op};
 use crate::comm::Comm;
@@ -83,7 +84,7 @@ fn buffers(call: &str, bytes: usize, bufs: &[(&str, u64)]) -> Result<(), ShimErr
 }
 
 /// The caller's stream as doorbell takes it (not owned; NULL is the legacy default stream).
-fn stream(
+pub(crate) fn stream(
     c: &doorbell::communicator::Communicator,
     s: u64,
 ) -> Result<Arc<cudarc::driver::CudaStream>, ShimError> {

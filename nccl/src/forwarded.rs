@@ -1,6 +1,7 @@
 //! The exports doorbell answers by forwarding to the real NCCL ([`crate::real`]) with the
-//! communicator's real twin: the collectives doorbell does not run (all-gather, reduce-scatter,
-//! broadcast, reduce, gather, scatter), registration and windows, reduction ops, the device
+//! communicator's real twin: the collectives doorbell does not run itself (all-gather,
+//! reduce-scatter and broadcast, which doorbell runs where there is no real twin, see
+//! [`crate::moved`]; reduce, gather, scatter), registration and windows, reduction ops, the device
 //! communicator, memory, split and shrink (communicators of the real NCCL only), finalize and the
 //! group simulation. The prototypes are NCCL 2.28's (`nccl.h`); every one of these is among the
 //! symbols PyTorch 2.11's `libtorch_cuda.so` imports.
@@ -81,15 +82,190 @@ macro_rules! forward_comm_calls {
     )*};
 }
 
+/// A call the real twin runs when there is one; on a communicator of ours without one (ranks
+/// sharing a GPU, or forwarding off) doorbell runs it (`native`), and what doorbell cannot run
+/// says why there is no real NCCL too.
+///
+/// # Safety
+/// `comm` is NULL, a live handle of this library or one of the real NCCL's; `F` is `name`'s
+/// 2.28 prototype and `real_call` passes valid arguments with the communicator given.
+unsafe fn twin_or_doorbell<F: Copy>(
+    comm: NcclComm,
+    name: &'static str,
+    real_call: impl FnOnce(F, Ptr) -> NcclResult,
+    native: impl FnOnce(&Comm) -> Result<(), ShimError>,
+) -> NcclResult {
+    if crate::comm::is_foreign(comm) {
+        // SAFETY: the real NCCL's own handle, as it is.
+        return unsafe { pass_through::<F>(name, |f| real_call(f, comm as Ptr)) };
+    }
+    let r = (|| {
+        // SAFETY: the caller's contract.
+        let c = unsafe { crate::handle(comm, name) }?;
+        match c.real(name) {
+            // SAFETY: the caller's contract.
+            Ok(rc) => unsafe { forward::<F>(name, |f| real_call(f, rc.0)) },
+            Err(why) if !c.forward_only => {
+                real::count(true);
+                native(c).map_err(|e| {
+                    if e.code == abi::INVALID_USAGE {
+                        ShimError::new(e.code, format!("{}; {}", e.message, why.message))
+                    } else {
+                        e
+                    }
+                })
+            }
+            Err(why) => Err(why),
+        }
+    })();
+    error::result(r)
+}
+
+/// `ncclAllGather(sendbuff, recvbuff, sendcount, datatype, comm, stream)`: the real twin's, else
+/// doorbell's ([`crate::moved::all_gather`]).
+///
+/// # Safety
+/// NCCL's contract; `comm` is NULL, a live handle of this library or one of the real NCCL's.
+#[no_mangle]
+pub unsafe extern "C" fn ncclAllGather(
+    sendbuff: CPtr,
+    recvbuff: Ptr,
+    sendcount: usize,
+    datatype: c_int,
+    comm: NcclComm,
+    stream: Ptr,
+) -> NcclResult {
+    type F = unsafe extern "C" fn(CPtr, Ptr, usize, c_int, Ptr, Ptr) -> NcclResult;
+    // SAFETY: the caller's contract; F is the 2.28 prototype.
+    unsafe {
+        twin_or_doorbell::<F>(
+            comm,
+            "ncclAllGather",
+            |f, rc| f(sendbuff, recvbuff, sendcount, datatype, rc, stream),
+            |c| {
+                crate::moved::all_gather(
+                    c,
+                    sendbuff as u64,
+                    recvbuff as u64,
+                    sendcount,
+                    datatype,
+                    stream as u64,
+                )
+            },
+        )
+    }
+}
+
+/// `ncclReduceScatter(sendbuff, recvbuff, recvcount, datatype, op, comm, stream)`: the real
+/// twin's, else doorbell's for sums of bf16, f16 and f32 ([`crate::moved::reduce_scatter`]).
+///
+/// # Safety
+/// NCCL's contract; `comm` is NULL, a live handle of this library or one of the real NCCL's.
+#[no_mangle]
+pub unsafe extern "C" fn ncclReduceScatter(
+    sendbuff: CPtr,
+    recvbuff: Ptr,
+    recvcount: usize,
+    datatype: c_int,
+    op: c_int,
+    comm: NcclComm,
+    stream: Ptr,
+) -> NcclResult {
+    type F = unsafe extern "C" fn(CPtr, Ptr, usize, c_int, c_int, Ptr, Ptr) -> NcclResult;
+    // SAFETY: the caller's contract; F is the 2.28 prototype.
+    unsafe {
+        twin_or_doorbell::<F>(
+            comm,
+            "ncclReduceScatter",
+            |f, rc| f(sendbuff, recvbuff, recvcount, datatype, op, rc, stream),
+            |c| {
+                crate::moved::reduce_scatter(
+                    c,
+                    sendbuff as u64,
+                    recvbuff as u64,
+                    recvcount,
+                    datatype,
+                    op,
+                    stream as u64,
+                )
+            },
+        )
+    }
+}
+
+/// `ncclBroadcast(sendbuff, recvbuff, count, datatype, root, comm, stream)`: the real twin's,
+/// else doorbell's ([`crate::moved::broadcast`]).
+///
+/// # Safety
+/// NCCL's contract; `comm` is NULL, a live handle of this library or one of the real NCCL's.
+#[no_mangle]
+pub unsafe extern "C" fn ncclBroadcast(
+    sendbuff: CPtr,
+    recvbuff: Ptr,
+    count: usize,
+    datatype: c_int,
+    root: c_int,
+    comm: NcclComm,
+    stream: Ptr,
+) -> NcclResult {
+    type F = unsafe extern "C" fn(CPtr, Ptr, usize, c_int, c_int, Ptr, Ptr) -> NcclResult;
+    // SAFETY: the caller's contract; F is the 2.28 prototype.
+    unsafe {
+        twin_or_doorbell::<F>(
+            comm,
+            "ncclBroadcast",
+            |f, rc| f(sendbuff, recvbuff, count, datatype, root, rc, stream),
+            |c| {
+                crate::moved::broadcast(
+                    c,
+                    sendbuff as u64,
+                    recvbuff as u64,
+                    count,
+                    datatype,
+                    root,
+                    stream as u64,
+                )
+            },
+        )
+    }
+}
+
+/// `ncclBcast(buff, count, datatype, root, comm, stream)`: the in-place broadcast.
+///
+/// # Safety
+/// NCCL's contract; `comm` is NULL, a live handle of this library or one of the real NCCL's.
+#[no_mangle]
+pub unsafe extern "C" fn ncclBcast(
+    buff: Ptr,
+    count: usize,
+    datatype: c_int,
+    root: c_int,
+    comm: NcclComm,
+    stream: Ptr,
+) -> NcclResult {
+    type F = unsafe extern "C" fn(Ptr, usize, c_int, c_int, Ptr, Ptr) -> NcclResult;
+    // SAFETY: the caller's contract; F is the 2.28 prototype.
+    unsafe {
+        twin_or_doorbell::<F>(
+            comm,
+            "ncclBcast",
+            |f, rc| f(buff, count, datatype, root, rc, stream),
+            |c| {
+                crate::moved::broadcast(
+                    c,
+                    buff as u64,
+                    buff as u64,
+                    count,
+                    datatype,
+                    root,
+                    stream as u64,
+                )
+            },
+        )
+    }
+}
+
 forward_comm_calls! {
-    /// `ncclAllGather(sendbuff, recvbuff, sendcount, datatype, comm, stream)`.
-    fn ncclAllGather(sendbuff: CPtr, recvbuff: Ptr, sendcount: usize, datatype: c_int);
-    /// `ncclReduceScatter(sendbuff, recvbuff, recvcount, datatype, op, comm, stream)`.
-    fn ncclReduceScatter(sendbuff: CPtr, recvbuff: Ptr, recvcount: usize, datatype: c_int, op: c_int);
-    /// `ncclBroadcast(sendbuff, recvbuff, count, datatype, root, comm, stream)`.
-    fn ncclBroadcast(sendbuff: CPtr, recvbuff: Ptr, count: usize, datatype: c_int, root: c_int);
-    /// `ncclBcast(buff, count, datatype, root, comm, stream)` (in place).
-    fn ncclBcast(buff: Ptr, count: usize, datatype: c_int, root: c_int);
     /// `ncclReduce(sendbuff, recvbuff, count, datatype, op, root, comm, stream)`.
     fn ncclReduce(sendbuff: CPtr, recvbuff: Ptr, count: usize, datatype: c_int, op: c_int, root: c_int);
     /// `ncclGather(sendbuff, recvbuff, count, datatype, root, comm, stream)`.

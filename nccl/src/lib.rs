@@ -36,6 +36,7 @@ pub mod forward;
 pub mod forwarded;
 pub mod group;
 pub mod id;
+pub mod moved;
 pub mod p2p;
 pub mod real;
 
