@@ -75,6 +75,24 @@ fn all_to_all_v(
         .map_err(|e| comm.failed(&e))
 }
 
+/// `send` (`bytes`) as an all-to-all's input beside `output`: itself, or, where it lies inside
+/// the output, a copy aside (the buffer returned keeps it until the stream's work is done).
+fn apart(
+    call: &str,
+    st: &Arc<CudaStream>,
+    send: u64,
+    bytes: usize,
+    output: (u64, usize),
+) -> Result<(u64, Option<CudaSlice<u8>>), ShimError> {
+    if !overlap(send, bytes, output.0, output.1) {
+        return Ok((send, None));
+    }
+    let aside = scratch(call, st, bytes)?;
+    let p = aside.device_ptr(st).0;
+    copy(call, st, p, send, bytes)?;
+    Ok((p, Some(aside)))
+}
+
 /// Whether `[a, a + n)` and `[b, b + m)` overlap.
 pub fn overlap(a: u64, n: usize, b: u64, m: usize) -> bool {
     n > 0 && m > 0 && a < b + m as u64 && b < a + n as u64
@@ -128,16 +146,8 @@ pub fn all_gather(
     let (c, _) = comm.all_to_all()?;
     let st = stream(c, s)?;
     refuse_capture(CALL, &st)?;
-    // An input inside the output (in place: my block at my place) is copied aside first.
-    let aside;
-    let input = if overlap(send, block, recv, total) {
-        aside = scratch(CALL, &st, block)?;
-        let p = aside.device_ptr(&st).0;
-        copy(CALL, &st, p, send, block)?;
-        p
-    } else {
-        send
-    };
+    // In place (my block at my place in the output) the input is copied aside first.
+    let (input, _aside) = apart(CALL, &st, send, block, (recv, total))?;
     // My own block: copied (nothing to do in place).
     if send != recv + (me * block) as u64 {
         copy(CALL, &st, recv + (me * block) as u64, input, block)?;
@@ -174,19 +184,13 @@ pub fn broadcast(
     let st = stream(c, s)?;
     refuse_capture(CALL, &st)?;
     let counts = broadcast_counts(world, me, root, bytes);
-    let aside;
     let mut input = (0u64, 0usize);
+    let mut _aside = None;
     if me == root {
-        input = if overlap(send, bytes, recv, bytes) {
-            aside = scratch(CALL, &st, bytes)?;
-            let p = aside.device_ptr(&st).0;
-            copy(CALL, &st, p, send, bytes)?;
-            (p, bytes)
-        } else {
-            (send, bytes)
-        };
+        let (p, kept) = apart(CALL, &st, send, bytes, (recv, bytes))?;
+        (input, _aside) = ((p, bytes), kept);
         if send != recv {
-            copy(CALL, &st, recv, input.0, bytes)?;
+            copy(CALL, &st, recv, p, bytes)?;
         }
     }
     all_to_all_v(CALL, comm, &st, input, (recv, bytes), &counts)

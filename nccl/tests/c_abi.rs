@@ -2,6 +2,8 @@
 //! documented API), linked against libdoorbell_nccl.so, the unique id passed by value. Needs a C
 //! compiler (`cc`, or `CC`).
 
+mod common;
+
 use std::path::PathBuf;
 use std::process::Command;
 
@@ -69,22 +71,19 @@ fn a_c_program_calls_the_abi_with_the_unique_id_by_value() {
     std::fs::create_dir_all(&dir).unwrap();
     let (src, bin) = (dir.join("abi.c"), dir.join("abi"));
     std::fs::write(&src, PROGRAM).unwrap();
-    let cc = std::env::var("CC").unwrap_or_else(|_| "cc".into());
-    let built = Command::new(&cc)
-        .arg("-std=c11")
-        .arg("-o")
-        .arg(&bin)
-        .arg(&src)
-        .arg(format!("-L{}", deps.display()))
-        .arg("-ldoorbell_nccl")
-        .arg(format!("-Wl,-rpath,{}", deps.display()))
-        .output()
-        .unwrap_or_else(|e| panic!("running {cc}: {e} (a C compiler is needed)"));
-    assert!(
-        built.status.success(),
-        "{}",
-        String::from_utf8_lossy(&built.stderr)
+    let (lib_dir, rpath) = (
+        format!("-L{}", deps.display()),
+        format!("-Wl,-rpath,{}", deps.display()),
     );
+    common::compile(&[
+        "-std=c11".as_ref(),
+        "-o".as_ref(),
+        bin.as_os_str(),
+        src.as_os_str(),
+        lib_dir.as_ref(),
+        "-ldoorbell_nccl".as_ref(),
+        rpath.as_ref(),
+    ]);
     let out = Command::new(&bin).output().unwrap();
     let text = String::from_utf8_lossy(&out.stdout).into_owned();
     assert!(

@@ -4,6 +4,8 @@
 //! the checks read its log. Needs a C compiler (`cc`, or `CC`). One test function: the loaded
 //! library is the process's.
 
+mod common;
+
 use doorbell_nccl::comm::Comm;
 use doorbell_nccl::forwarded::{
     ncclAllGather, ncclCommFinalize, ncclCommSplit, ncclMemAlloc, ncclRedOpCreatePreMulSum,
@@ -17,7 +19,6 @@ use doorbell_nccl::{
 };
 use std::ffi::{c_char, c_int, c_void, CStr};
 use std::path::PathBuf;
-use std::process::Command;
 use std::sync::Arc;
 
 const STAND_IN: &str = r#"
@@ -62,18 +63,14 @@ fn build_stand_in() -> PathBuf {
     std::fs::create_dir_all(&dir).unwrap();
     let (src, lib) = (dir.join("stand_in.c"), dir.join("libnccl.so.2"));
     std::fs::write(&src, STAND_IN).unwrap();
-    let cc = std::env::var("CC").unwrap_or_else(|_| "cc".into());
-    let built = Command::new(&cc)
-        .args(["-std=c11", "-shared", "-fPIC", "-o"])
-        .arg(&lib)
-        .arg(&src)
-        .output()
-        .unwrap_or_else(|e| panic!("running {cc}: {e} (a C compiler is needed)"));
-    assert!(
-        built.status.success(),
-        "{}",
-        String::from_utf8_lossy(&built.stderr)
-    );
+    common::compile(&[
+        "-std=c11".as_ref(),
+        "-shared".as_ref(),
+        "-fPIC".as_ref(),
+        "-o".as_ref(),
+        lib.as_os_str(),
+        src.as_os_str(),
+    ]);
     lib
 }
 
