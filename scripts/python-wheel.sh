@@ -21,6 +21,11 @@ build() {
     "$tools/bin/pip" install -q --disable-pip-version-check maturin==1.9.6 ziglang==0.13.0
   fi
   rm -rf "$root/python/dist"
+  # libdoorbell_nccl.so (NCCL's C ABI on doorbell) ships in the package: doorbell.nccl.library().
+  # It is linked against this machine's glibc, not manylinux's.
+  (cd "$root" && cargo build --release -p doorbell-nccl)
+  mkdir -p "$root/python/py/doorbell/lib"
+  cp "$root/target/release/libdoorbell_nccl.so" "$root/python/py/doorbell/lib/"
   (cd "$root/python" && PATH="$tools/bin:$PATH" maturin build --release --zig \
     --compatibility manylinux_2_28 --out dist --interpreter python3)
   ls -la "$root/python/dist"

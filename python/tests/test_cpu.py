@@ -59,6 +59,25 @@ def test_ships_the_cuda_headers():
         assert (inc / "doorbell" / h).is_file(), h
 
 
+def test_ships_libdoorbell_nccl_and_it_answers_as_nccl_2_28_9():
+    import ctypes
+    import subprocess
+    import sys
+
+    from doorbell import nccl
+
+    path = nccl.library()
+    assert pathlib.Path(path).name == "libdoorbell_nccl.so"
+    printed = subprocess.run([sys.executable, "-m", "doorbell.nccl"], capture_output=True, text=True, check=True)
+    assert printed.stdout.strip() == path
+    lib = ctypes.CDLL(path)
+    v = ctypes.c_int()
+    assert lib.ncclGetVersion(ctypes.byref(v)) == 0 and v.value == 22809
+    lib.ncclGetErrorString.restype = ctypes.c_char_p
+    assert lib.ncclGetErrorString(5).startswith(b"invalid usage")
+    assert nccl.main(["x", "--what"]) == 2
+
+
 def test_the_wheel_is_abi3_for_manylinux_2_28():
     wheel = importlib.metadata.distribution("doorbell").read_text("WHEEL")
     assert "Tag: cp39-abi3-manylinux_2_28_x86_64" in wheel, wheel
