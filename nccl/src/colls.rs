@@ -216,29 +216,36 @@ pub fn p2p(
     Ok(())
 }
 
-/// Whether doorbell runs this group's sends and receives (an all-to-all(v) pattern, not under
-/// CUDA graph capture).
-pub fn grouped_p2p_native(comm: &Comm, ops: &[crate::p2p::P2pOp]) -> bool {
-    let Ok(plan) = crate::p2p::plan(ops, comm.nranks, comm.rank) else {
-        return false;
-    };
-    let Ok((c, _)) = comm.all_to_all() else {
-        return false;
-    };
-    stream(c, plan.stream).is_ok_and(|st| !doorbell::gpu::signature::capturing(&st))
-}
-
-/// A communicator's sends and receives of one group, at its end: one doorbell all-to-all(v).
-pub fn grouped_p2p(comm: &Comm, ops: &[crate::p2p::P2pOp]) -> Result<(), ShimError> {
+/// A group's sends and receives as doorbell runs them: the plan and the stream, or why doorbell
+/// does not run them (another pattern, or CUDA graph capture). Nothing is launched.
+pub fn grouped_plan(
+    comm: &Comm,
+    ops: &[crate::p2p::P2pOp],
+) -> Result<(crate::p2p::AllToAllV, Arc<cudarc::driver::CudaStream>), ShimError> {
     const CALL: &str = "ncclGroupEnd (ncclSend/ncclRecv)";
     let plan = crate::p2p::plan(ops, comm.nranks, comm.rank)
         .map_err(|why| not_native(CALL, format!("of this pattern ({why})")))?;
-    let (c, a2a) = comm.all_to_all()?;
+    let (c, _) = comm.all_to_all()?;
     let st = stream(c, plan.stream)?;
     if doorbell::gpu::signature::capturing(&st) {
         // The counts go to the device by a copy from host memory, which a graph cannot hold.
         return Err(not_native(CALL, "under CUDA graph capture".into()));
     }
+    Ok((plan, st))
+}
+
+/// A communicator's sends and receives of one group, at its end: one doorbell all-to-all(v).
+pub fn grouped_p2p(comm: &Comm, ops: &[crate::p2p::P2pOp]) -> Result<(), ShimError> {
+    grouped_p2p_planned(comm, grouped_plan(comm, ops)?)
+}
+
+/// [`grouped_p2p`] with its plan made.
+pub fn grouped_p2p_planned(
+    comm: &Comm,
+    (plan, st): (crate::p2p::AllToAllV, Arc<cudarc::driver::CudaStream>),
+) -> Result<(), ShimError> {
+    const CALL: &str = "ncclGroupEnd (ncclSend/ncclRecv)";
+    let (_, a2a) = comm.all_to_all()?;
     let counts = st.clone_htod(&plan.counts).map_err(|e| {
         ShimError::new(
             abi::UNHANDLED_CUDA_ERROR,

@@ -121,148 +121,55 @@ unsafe fn twin_or_doorbell<F: Copy>(
     error::result(r)
 }
 
-/// `ncclAllGather(sendbuff, recvbuff, sendcount, datatype, comm, stream)`: the real twin's, else
-/// doorbell's ([`crate::moved::all_gather`]).
-///
-/// # Safety
-/// NCCL's contract; `comm` is NULL, a live handle of this library or one of the real NCCL's.
-#[no_mangle]
-pub unsafe extern "C" fn ncclAllGather(
-    sendbuff: CPtr,
-    recvbuff: Ptr,
-    sendcount: usize,
-    datatype: c_int,
-    comm: NcclComm,
-    stream: Ptr,
-) -> NcclResult {
-    type F = unsafe extern "C" fn(CPtr, Ptr, usize, c_int, Ptr, Ptr) -> NcclResult;
-    // SAFETY: the caller's contract; F is the 2.28 prototype.
-    unsafe {
-        twin_or_doorbell::<F>(
-            comm,
-            "ncclAllGather",
-            |f, rc| f(sendbuff, recvbuff, sendcount, datatype, rc, stream),
-            |c| {
-                crate::moved::all_gather(
-                    c,
-                    sendbuff as u64,
-                    recvbuff as u64,
-                    sendcount,
-                    datatype,
-                    stream as u64,
+/// Defines exports of the form `(buffers and scalars.., comm, stream)` that the real twin runs
+/// when there is one and doorbell (`$native`, given the communicator and the stream as an
+/// address) where there is none ([`twin_or_doorbell`]).
+macro_rules! twin_or_doorbell_calls {
+    ($( $(#[$doc:meta])* fn $name:ident($($arg:ident: $ty:ty),*) => |$c:ident, $s:ident| $native:expr ; )*) => {$(
+        $(#[$doc])*
+        ///
+        /// # Safety
+        /// NCCL's contract; `comm` is NULL, a live handle of this library or one of the real
+        /// NCCL's.
+        #[no_mangle]
+        pub unsafe extern "C" fn $name($($arg: $ty,)* comm: NcclComm, stream: Ptr) -> NcclResult {
+            type F = unsafe extern "C" fn($($ty,)* Ptr, Ptr) -> NcclResult;
+            // SAFETY: the caller's contract; F is the 2.28 prototype.
+            unsafe {
+                twin_or_doorbell::<F>(
+                    comm,
+                    stringify!($name),
+                    |f, rc| f($($arg,)* rc, stream),
+                    |$c| {
+                        let $s = stream as u64;
+                        $native
+                    },
                 )
-            },
-        )
-    }
+            }
+        }
+    )*};
 }
 
-/// `ncclReduceScatter(sendbuff, recvbuff, recvcount, datatype, op, comm, stream)`: the real
-/// twin's, else doorbell's for sums of bf16, f16 and f32 ([`crate::moved::reduce_scatter`]).
-///
-/// # Safety
-/// NCCL's contract; `comm` is NULL, a live handle of this library or one of the real NCCL's.
-#[no_mangle]
-pub unsafe extern "C" fn ncclReduceScatter(
-    sendbuff: CPtr,
-    recvbuff: Ptr,
-    recvcount: usize,
-    datatype: c_int,
-    op: c_int,
-    comm: NcclComm,
-    stream: Ptr,
-) -> NcclResult {
-    type F = unsafe extern "C" fn(CPtr, Ptr, usize, c_int, c_int, Ptr, Ptr) -> NcclResult;
-    // SAFETY: the caller's contract; F is the 2.28 prototype.
-    unsafe {
-        twin_or_doorbell::<F>(
-            comm,
-            "ncclReduceScatter",
-            |f, rc| f(sendbuff, recvbuff, recvcount, datatype, op, rc, stream),
-            |c| {
-                crate::moved::reduce_scatter(
-                    c,
-                    sendbuff as u64,
-                    recvbuff as u64,
-                    recvcount,
-                    datatype,
-                    op,
-                    stream as u64,
-                )
-            },
-        )
-    }
-}
-
-/// `ncclBroadcast(sendbuff, recvbuff, count, datatype, root, comm, stream)`: the real twin's,
-/// else doorbell's ([`crate::moved::broadcast`]).
-///
-/// # Safety
-/// NCCL's contract; `comm` is NULL, a live handle of this library or one of the real NCCL's.
-#[no_mangle]
-pub unsafe extern "C" fn ncclBroadcast(
-    sendbuff: CPtr,
-    recvbuff: Ptr,
-    count: usize,
-    datatype: c_int,
-    root: c_int,
-    comm: NcclComm,
-    stream: Ptr,
-) -> NcclResult {
-    type F = unsafe extern "C" fn(CPtr, Ptr, usize, c_int, c_int, Ptr, Ptr) -> NcclResult;
-    // SAFETY: the caller's contract; F is the 2.28 prototype.
-    unsafe {
-        twin_or_doorbell::<F>(
-            comm,
-            "ncclBroadcast",
-            |f, rc| f(sendbuff, recvbuff, count, datatype, root, rc, stream),
-            |c| {
-                crate::moved::broadcast(
-                    c,
-                    sendbuff as u64,
-                    recvbuff as u64,
-                    count,
-                    datatype,
-                    root,
-                    stream as u64,
-                )
-            },
-        )
-    }
-}
-
-/// `ncclBcast(buff, count, datatype, root, comm, stream)`: the in-place broadcast.
-///
-/// # Safety
-/// NCCL's contract; `comm` is NULL, a live handle of this library or one of the real NCCL's.
-#[no_mangle]
-pub unsafe extern "C" fn ncclBcast(
-    buff: Ptr,
-    count: usize,
-    datatype: c_int,
-    root: c_int,
-    comm: NcclComm,
-    stream: Ptr,
-) -> NcclResult {
-    type F = unsafe extern "C" fn(Ptr, usize, c_int, c_int, Ptr, Ptr) -> NcclResult;
-    // SAFETY: the caller's contract; F is the 2.28 prototype.
-    unsafe {
-        twin_or_doorbell::<F>(
-            comm,
-            "ncclBcast",
-            |f, rc| f(buff, count, datatype, root, rc, stream),
-            |c| {
-                crate::moved::broadcast(
-                    c,
-                    buff as u64,
-                    buff as u64,
-                    count,
-                    datatype,
-                    root,
-                    stream as u64,
-                )
-            },
-        )
-    }
+twin_or_doorbell_calls! {
+    /// `ncclAllGather(sendbuff, recvbuff, sendcount, datatype, comm, stream)`: the real twin's,
+    /// else doorbell's ([`crate::moved::all_gather`]).
+    fn ncclAllGather(sendbuff: CPtr, recvbuff: Ptr, sendcount: usize, datatype: c_int) => |c, s| {
+        crate::moved::all_gather(c, sendbuff as u64, recvbuff as u64, sendcount, datatype, s)
+    };
+    /// `ncclReduceScatter(sendbuff, recvbuff, recvcount, datatype, op, comm, stream)`: the real
+    /// twin's, else doorbell's for sums of bf16, f16 and f32 ([`crate::moved::reduce_scatter`]).
+    fn ncclReduceScatter(sendbuff: CPtr, recvbuff: Ptr, recvcount: usize, datatype: c_int, op: c_int) => |c, s| {
+        crate::moved::reduce_scatter(c, sendbuff as u64, recvbuff as u64, recvcount, datatype, op, s)
+    };
+    /// `ncclBroadcast(sendbuff, recvbuff, count, datatype, root, comm, stream)`: the real twin's,
+    /// else doorbell's ([`crate::moved::broadcast`]).
+    fn ncclBroadcast(sendbuff: CPtr, recvbuff: Ptr, count: usize, datatype: c_int, root: c_int) => |c, s| {
+        crate::moved::broadcast(c, sendbuff as u64, recvbuff as u64, count, datatype, root, s)
+    };
+    /// `ncclBcast(buff, count, datatype, root, comm, stream)`: the in-place broadcast.
+    fn ncclBcast(buff: Ptr, count: usize, datatype: c_int, root: c_int) => |c, s| {
+        crate::moved::broadcast(c, buff as u64, buff as u64, count, datatype, root, s)
+    };
 }
 
 forward_comm_calls! {

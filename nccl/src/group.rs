@@ -96,20 +96,19 @@ fn run_held(inits: Vec<Held>, p2p: Vec<(Arc<Comm>, P2pOp)>) -> Result<(), ShimEr
             left.into_iter().partition(|(c, _)| Arc::ptr_eq(c, &comm));
         left = rest;
         let ops: Vec<P2pOp> = mine.into_iter().map(|(_, o)| o).collect();
-        let forward = if crate::colls::grouped_p2p_native(&comm, &ops) {
-            None
-        } else {
-            comm.real("ncclSend/ncclRecv").ok()
-        };
-        let r = match forward {
-            // As bytes: a send or receive moves them whatever their type.
-            Some(rc) => ops
-                .iter()
-                .try_for_each(|o| crate::forwarded_p2p(rc, o, o.bytes, crate::abi::dtype::UINT8)),
-            None => {
+        let r = match crate::colls::grouped_plan(&comm, &ops) {
+            Ok(planned) => {
                 crate::real::count(true);
-                crate::colls::grouped_p2p(&comm, &ops)
+                crate::colls::grouped_p2p_planned(&comm, planned)
             }
+            // Not doorbell's: the real NCCL's, as bytes (a send or receive moves them whatever
+            // their type), else why not.
+            Err(why) => match comm.real("ncclSend/ncclRecv") {
+                Ok(rc) => ops.iter().try_for_each(|o| {
+                    crate::forwarded_p2p(rc, o, o.bytes, crate::abi::dtype::UINT8)
+                }),
+                Err(_) => Err(why),
+            },
         };
         if first.is_ok() {
             first = r;

@@ -308,23 +308,37 @@ pub unsafe extern "C" fn ncclCommAbort(comm: NcclComm) -> NcclResult {
     error::result(r)
 }
 
+/// One of a communicator's numbers through `out` (`ncclCommCount`, `ncclCommCuDevice`,
+/// `ncclCommUserRank`); for a handle of the real NCCL's own, its function's answer.
+///
+/// # Safety
+/// `comm` is NULL, a live handle or one of the real NCCL's; `out` NULL or writable.
+unsafe fn query(
+    comm: NcclComm,
+    out: *mut c_int,
+    name: &'static str,
+    what: &str,
+    value: impl FnOnce(&Comm) -> usize,
+) -> NcclResult {
+    if comm::is_foreign(comm) {
+        type F = unsafe extern "C" fn(*const c_void, *mut c_int) -> NcclResult;
+        // SAFETY: the real NCCL's prototype for its own call, with the arguments it passed.
+        return unsafe { forwarded::pass_through::<F>(name, |f| f(comm.cast(), out)) };
+    }
+    // SAFETY: the contract.
+    error::result(unsafe {
+        handle(comm, name).and_then(|c| put(out, value(c) as c_int, name, what))
+    })
+}
+
 /// `ncclCommCount(const ncclComm_t comm, int* count)`.
 ///
 /// # Safety
 /// `comm` is NULL or a live handle; `count` NULL or writable.
 #[no_mangle]
 pub unsafe extern "C" fn ncclCommCount(comm: NcclComm, count: *mut c_int) -> NcclResult {
-    foreign!(
-        comm,
-        "ncclCommCount",
-        fn(*const c_void, *mut c_int),
-        (comm.cast(), count)
-    );
     // SAFETY: the contract.
-    error::result(unsafe {
-        handle(comm, "ncclCommCount")
-            .and_then(|c| put(count, c.nranks as c_int, "ncclCommCount", "count"))
-    })
+    unsafe { query(comm, count, "ncclCommCount", "count", |c| c.nranks) }
 }
 
 /// `ncclCommCuDevice(const ncclComm_t comm, int* device)`.
@@ -333,17 +347,8 @@ pub unsafe extern "C" fn ncclCommCount(comm: NcclComm, count: *mut c_int) -> Ncc
 /// `comm` is NULL or a live handle; `device` NULL or writable.
 #[no_mangle]
 pub unsafe extern "C" fn ncclCommCuDevice(comm: NcclComm, device: *mut c_int) -> NcclResult {
-    foreign!(
-        comm,
-        "ncclCommCuDevice",
-        fn(*const c_void, *mut c_int),
-        (comm.cast(), device)
-    );
     // SAFETY: the contract.
-    error::result(unsafe {
-        handle(comm, "ncclCommCuDevice")
-            .and_then(|c| put(device, c.device as c_int, "ncclCommCuDevice", "device"))
-    })
+    unsafe { query(comm, device, "ncclCommCuDevice", "device", |c| c.device) }
 }
 
 /// `ncclCommUserRank(const ncclComm_t comm, int* rank)`.
@@ -352,17 +357,8 @@ pub unsafe extern "C" fn ncclCommCuDevice(comm: NcclComm, device: *mut c_int) ->
 /// `comm` is NULL or a live handle; `rank` NULL or writable.
 #[no_mangle]
 pub unsafe extern "C" fn ncclCommUserRank(comm: NcclComm, rank: *mut c_int) -> NcclResult {
-    foreign!(
-        comm,
-        "ncclCommUserRank",
-        fn(*const c_void, *mut c_int),
-        (comm.cast(), rank)
-    );
     // SAFETY: the contract.
-    error::result(unsafe {
-        handle(comm, "ncclCommUserRank")
-            .and_then(|c| put(rank, c.rank as c_int, "ncclCommUserRank", "rank"))
-    })
+    unsafe { query(comm, rank, "ncclCommUserRank", "rank", |c| c.rank) }
 }
 
 /// `ncclCommGetAsyncError(ncclComm_t comm, ncclResult_t* asyncError)`.
