@@ -178,6 +178,21 @@ impl Comm {
         ids.iter().any(|id| *id != ids[self.comm.rank()])
     }
 
+    /// Each rank's node, numbered from 0 in the order the nodes' first ranks come.
+    #[getter]
+    fn node_of_rank(&self) -> Vec<usize> {
+        let ids = self.comm.node_ids();
+        let mut seen: Vec<u64> = Vec::new();
+        ids.iter()
+            .map(|id| {
+                seen.iter().position(|s| s == id).unwrap_or_else(|| {
+                    seen.push(*id);
+                    seen.len() - 1
+                })
+            })
+            .collect()
+    }
+
     /// Sums `count` elements of `dtype` at `input` over the ranks into `output` (may equal
     /// `input`), on `stream`. The first call builds the allreduce (collective).
     fn all_reduce(

@@ -450,6 +450,150 @@ def deep_ep_normal():
     print(f"rank {r}: deep_ep_normal ok", flush=True)
 
 
+# Emulated nodes of doorbell's node-spanning paths, by variant name (tests/moe.rs's set).
+_ACROSS = {
+    "proxy": {"DOORBELL_IB_EMULATE": "1", "DOORBELL_IB_EMULATE_RELAXED": "8", "DOORBELL_IB_POSTING": "proxy"},
+    "ibgda": {"DOORBELL_IB_EMULATE": "1", "DOORBELL_IB_EMULATE_RELAXED": "8", "DOORBELL_IB_POSTING": "ibgda"},
+    "cpu": {"DOORBELL_IB_EMULATE": "1", "DOORBELL_IB_EMULATE_RELAXED": "8", "DOORBELL_IB_POSTING": "cpu"},
+    "verbs": {"DOORBELL_IB_EMULATE": "1", "DOORBELL_IB_EMULATE_RELAXED": "8", "DOORBELL_IB_POSTING": "verbs"},
+    "proxy-pairs": {"DOORBELL_IB_EMULATE": "1", "DOORBELL_IB_EMULATE_RELAXED": "8", "DOORBELL_IB_POSTING": "proxy", "DOORBELL_NODE_SIZE": "2"},
+    "ethernet-pairs": {"DOORBELL_IB_DISABLE": "1", "DOORBELL_NODE_SIZE": "2"},
+}
+
+
+def deep_ep_normal_across(variant):
+    """doorbell.deep_ep's normal mode when the communicator spans (emulated) nodes: the layout's
+    per-node counts, rows in DeepEP's order (source rank, then token) with local ids, weights 0
+    elsewhere and the internode handle's rank prefix sum, bf16 and FP8, the combine, the async
+    form, the cached dispatch, and the refusals of what is not built across nodes."""
+    import os
+
+    import torch.distributed as dist
+
+    r, w = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    env = _ACROSS[variant]
+    size = int(env.get("DOORBELL_NODE_SIZE", "1"))
+    if w % size or w // size < 2:
+        # The node-spanning high-throughput path needs two or more nodes of one size.
+        print(f"rank {r}: deep_ep_normal_across {variant}: not run, {w} ranks make no two nodes of {size}", flush=True)
+        return
+    os.environ.update(env, DOORBELL_SEPARATE_NODES="1")
+    from doorbell import deep_ep
+
+    torch.cuda.set_device(r % torch.cuda.device_count())
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{os.environ['DOORBELL_MASTER_PORT']}", rank=r, world_size=w
+    )
+    group = dist.group.WORLD
+    T, H, K, E = 64, 256, 4, 4 * w
+    local = E // w
+    buf = deep_ep.Buffer(group, int(1e8))
+    check(buf._comm.spans_nodes, f"{variant}: the communicator spans nodes")
+    node_of = buf._comm.node_of_rank()
+    check(node_of == [p // size for p in range(w)], f"{variant}: nodes {node_of}")
+    torch.manual_seed(r)
+    x = torch.full((T, H), float(r), dtype=torch.bfloat16, device="cuda")
+    x[:, -1] = torch.arange(T, device="cuda").to(torch.bfloat16)
+    topk_idx = torch.topk(torch.rand(T, E, device="cuda"), K, dim=1).indices.to(deep_ep.topk_idx_t)
+    topk_idx[::7, 1] = -1
+    topk_weights = torch.rand(T, K, device="cuda")
+    all_idx = [torch.zeros(T, K, dtype=torch.int64) for _ in range(w)]
+    all_w = [torch.zeros(T, K) for _ in range(w)]
+    dist.all_gather(all_idx, topk_idx.cpu())
+    dist.all_gather(all_w, topk_weights.cpu())
+
+    per_rank, per_node, per_expert, in_rank, _ = buf.get_dispatch_layout(topk_idx, E)
+    idx_cpu = topk_idx.cpu()
+    nodes = w // size
+    check(per_node is not None and per_node.dtype == torch.int32 and tuple(per_node.shape) == (nodes,), "layout: num_tokens_per_rdma_rank [nodes] int32")
+    for nd in range(nodes):
+        want = sum(bool(((idx_cpu[t] >= 0) & (idx_cpu[t] // (local * size) == nd)).any()) for t in range(T))
+        check(int(per_node[nd]) == want, f"num_tokens_per_rdma_rank[{nd}] {int(per_node[nd])} vs {want}")
+
+    rows = [(s, t) for s in range(w) for t in range(T) if bool(((all_idx[s][t] >= 0) & (all_idx[s][t] // local == r)).any())]
+    sent = [sum(1 for (s2, _) in rows if s2 == s) for s in range(w)]
+    args = dict(num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_node, is_token_in_rank=in_rank,
+                num_tokens_per_expert=per_expert, topk_idx=topk_idx, topk_weights=topk_weights)
+
+    def check_dispatch(recv_x, recv_idx, recv_w, listed, handle, what):
+        n = len(rows)
+        check(recv_x.shape == (n, H) and recv_idx.shape == (n, K) and recv_w.shape == (n, K), f"{what}: shapes {tuple(recv_x.shape)}")
+        check(recv_idx.dtype == torch.int64, f"{what}: ids int64")
+        rx, ri, rw = recv_x.float().cpu(), recv_idx.cpu(), recv_w.cpu()
+        counts = [0] * local
+        for j, (s, t) in enumerate(rows):
+            check(rx[j, 0] == s and rx[j, -1] == t, f"{what}: row {j} is ({s}, {t}), got ({rx[j, 0]}, {rx[j, -1]})")
+            for k in range(K):
+                e = int(all_idx[s][t, k])
+                here = e >= 0 and e // local == r
+                check(int(ri[j, k]) == (e % local if here else -1), f"{what}: row {j} id {k}")
+                check(float(rw[j, k]) == (float(all_w[s][t, k]) if here else 0.0), f"{what}: row {j} weight {k}")
+                if here:
+                    counts[e % local] += 1
+        check(len(handle) == 10, f"{what}: DeepEP's internode handle is a 10-tuple")
+        prefix = handle[-4]
+        check(prefix.dtype == torch.int32 and prefix.cpu().tolist() == [sum(sent[: s + 1]) for s in range(w)], f"{what}: recv_gbl_rank_prefix_sum {prefix.tolist()}")
+        check(handle[0] is in_rank, f"{what}: handle[0] is is_token_in_rank")
+        check(listed == counts, f"{what}: per-expert list {listed} vs {counts}")
+
+    times = in_rank.sum(1, keepdim=True).float()
+    for step in range(3):  # more than one call: the order and the combine's rows each time
+        recv_x, recv_idx, recv_w, listed, handle, _ = buf.dispatch(x, **args)
+        check_dispatch(recv_x, recv_idx, recv_w, listed, handle, f"dispatch {step}")
+        y = recv_x * (step + 1)
+        combined, cw, _ = buf.combine(y, handle)
+        check(cw is None, "combine: no weights asked")
+        want = (x.float() * times * (step + 1)).bfloat16()  # exact sums of small ints, rounded once
+        check(torch.equal(combined, want), f"combine {step}: each row times the ranks it went to")
+
+    # FP8 rows: the same order, e4m3 and scales as sent (DeepEP's column-major scales).
+    x8 = (x.float() / 2).to(torch.float8_e4m3fn)
+    sc = (torch.arange(T * (H // 128), device="cuda", dtype=torch.float32).view(H // 128, T).t() + r * 1000)
+    (fx, fs), fi, fw, flisted, fhandle, _ = buf.dispatch((x8, sc), **args)
+    check(fx.dtype == torch.float8_e4m3fn and tuple(fs.shape) == (len(rows), H // 128), "FP8 dispatch: dtypes and shapes")
+    want8 = (recv_x.float() / 2).to(torch.float8_e4m3fn)  # the bf16 rows, cast as the senders did
+    check(torch.equal(fx.view(torch.uint8), want8.view(torch.uint8)), "FP8 dispatch: the rows in DeepEP's order")
+    for j, (s, t) in enumerate(rows):
+        want = [float(s * 1000 + c * T + t) for c in range(H // 128)]
+        check(fs[j].cpu().tolist() == want, f"FP8 dispatch: row {j} scales")
+    check(flisted == listed and torch.equal(fi, recv_idx), "FP8 dispatch: ids and list")
+
+    # Asynchronous, after an event of the current stream.
+    ra = buf.dispatch(x, **args, previous_event=buf.capture(), async_finish=True)
+    ra[5].current_stream_wait()
+    check_dispatch(*ra[:5], "async dispatch")
+    ca, _, ev = buf.combine(ra[0], ra[4], async_finish=True)
+    ev.current_stream_wait()
+    check(torch.equal(ca, (x.float() * times).bfloat16()), "async combine")
+
+    # The cached dispatch: the handle's routing, new rows; then a combine with that handle.
+    cx, c1, c2, c3, c4, _ = buf.dispatch(x * 2, handle=ra[4])
+    check(c1 is None and c2 is None and c3 is None and c4 is None, "cached dispatch: DeepEP's tuple")
+    check(torch.equal(cx, ra[0] * 2), "cached dispatch: the handle's routing, the new rows")
+    cc, _, _ = buf.combine(cx, ra[4])
+    check(torch.equal(cc, ((x * 2).float() * times).bfloat16()), "combine after the cached dispatch")
+
+    # Refused across nodes, by name, before anything is sent.
+    for what, call, exc in (
+        ("num_worst_tokens", lambda: buf.dispatch(x, **args, num_worst_tokens=w * T), ValueError),
+        ("without top-k", lambda: buf.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert), NotImplementedError),
+        ("combined weights", lambda: buf.combine(cx, ra[4], topk_weights=ra[2]), NotImplementedError),
+    ):
+        try:
+            call()
+        except exc as e:
+            check("across nodes" in str(e) or "one node" in str(e), f"{what}: {e}")
+        else:
+            raise AssertionError(f"{what} across nodes was not refused")
+    # Still usable after the refusals.
+    rz = buf.dispatch(x, **args)
+    check_dispatch(*rz[:5], "dispatch after the refusals")
+    buf.destroy()
+    dist.barrier()
+    dist.destroy_process_group()
+    print(f"rank {r}: deep_ep_normal_across {variant} ok", flush=True)
+
+
 def deep_ep_low_latency():
     """doorbell.deep_ep's low-latency mode through DeepEP's calls, on a gloo process group (ranks
     may share a GPU): every expert's rows packed from row 0 in source order (layout_range,
@@ -766,6 +910,9 @@ def main():
     case = sys.argv[1]
     if case == "deep_ep_normal":  # its own process group; doorbell joins through it
         deep_ep_normal()
+        return
+    if case == "deep_ep_normal_across":
+        deep_ep_normal_across(sys.argv[2])
         return
     if case == "deep_ep_low_latency":
         deep_ep_low_latency()

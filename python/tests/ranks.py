@@ -22,6 +22,7 @@ CASES: List[Tuple[str, ...]] = [
     ("bad_arguments",),
     ("moe_graph", "1000"),
     ("deep_ep_normal",),
+] + [("deep_ep_normal_across", v) for v in ("proxy", "ibgda", "cpu", "verbs", "proxy-pairs", "ethernet-pairs")] + [
     ("deep_ep_low_latency",),
     ("deep_ep_low_latency_graph", "1000"),
     ("deep_ep_utils",),

@@ -164,7 +164,23 @@ def _bare_normal_buffer() -> Buffer:
     b._normal = {}
     b._last_normal = (None, None)
     b._last_route = None
+    b._across = False
     return b
+
+
+def test_across_nodes_normal_mode_refuses_what_it_lacks_before_anything_is_sent():
+    b = _bare_normal_buffer()
+    b._across = True
+    x, idx, per_expert = _Shaped(64, 7168), _Shaped(64, 8), _Shaped(16)
+    # DeepEP refuses num_worst_tokens across nodes too; doorbell has no dispatch by ranks there.
+    with pytest.raises(ValueError, match="num_worst_tokens is for one node"):
+        b.dispatch(x, topk_idx=idx, topk_weights=object(), num_tokens_per_expert=per_expert, num_worst_tokens=128)
+    with pytest.raises(NotImplementedError, match="without top-k across nodes"):
+        b.dispatch(x, is_token_in_rank=object(), num_tokens_per_expert=per_expert)
+    # A handle is DeepEP's one-node 6-tuple or internode 10-tuple with doorbell's part last.
+    for bad in ((None,) * 10, (None,) * 6, (None,) * 9):
+        with pytest.raises(TypeError, match="the handle a dispatch of this Buffer returned"):
+            b.dispatch(x, handle=bad)
 
 
 def test_normal_dispatch_refuses_deepeps_invalid_arguments_before_anything_is_sent():

@@ -75,6 +75,11 @@ class Communicator:
     def spans_nodes(self) -> bool:
         return bool(self._native.spans_nodes)
 
+    def node_of_rank(self) -> List[int]:
+        """Each rank's node, numbered from 0 in the order the nodes' first ranks come (ranks on
+        one host are one node, unless ``DOORBELL_SEPARATE_NODES`` emulates several)."""
+        return [int(n) for n in self._native.node_of_rank]
+
     def _stream(self) -> Tuple[Any, int]:
         import torch
 

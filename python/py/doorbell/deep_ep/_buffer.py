@@ -104,11 +104,14 @@ class _NormalHandle:
     """The part of a normal-mode handle only doorbell reads (DeepEP's ``send_head`` slot): the
     buffer, its dispatch, the receive slot that keeps the dispatch's layout (and which dispatch
     into that slot it was), and the routing tensor's key (a later dispatch of the same routing
-    into the slot leaves the same layout)."""
+    into the slot leaves the same layout). Across nodes also the order that put the received
+    rows into DeepEP's (``order[i]``: the row of doorbell's receive that became row ``i``) and
+    the dispatch's top-k routing (a cached dispatch sends by it again)."""
 
     def __init__(
         self, buffer: _moe.Buffer, dispatch: _moe.DispatchHandle, num_tokens: int, hidden: int,
         route: Tuple[Any, int, int], slot: int, serial: int, rows: Optional[int] = None,
+        order: Any = None, topk: Optional[Tuple[Any, Any]] = None,
     ) -> None:
         self.buffer = buffer
         self.dispatch = dispatch
@@ -118,6 +121,16 @@ class _NormalHandle:
         self.slot = slot
         self.serial = serial
         self.rows = rows  # rows the dispatch delivered here, when known on the host
+        self.order = order
+        self.topk = topk
+
+
+def _doorbells_part(handle: Any) -> Optional[_NormalHandle]:
+    """The doorbell part of a normal-mode handle: the last entry of DeepEP's one-node 6-tuple or
+    of its internode 10-tuple."""
+    if isinstance(handle, tuple) and len(handle) in (6, 10) and isinstance(handle[-1], _NormalHandle):
+        return handle[-1]
+    return None
 
 
 def _receive_slots() -> int:
@@ -180,8 +193,10 @@ class _Slots:
 class Buffer:
     """DeepEP's ``Buffer`` on doorbell: the normal kernels (``dispatch``/``combine``) over NVLink
     and the low-latency ones (``low_latency_dispatch``/``low_latency_combine``) on one node or
-    across nodes. Across nodes the normal mode is not built yet (refused by name), and the
-    low-latency calls keep one dispatch and one combine in flight at a time (a second send half
+    across nodes. Across nodes the normal mode runs doorbell's node-spanning dispatch and puts
+    the rows into DeepEP's order on the communication stream (one more copy of the received
+    rows each way); it has no dispatch without top-k, no combined top-k weights and one receive
+    slot (results are copies), and the low-latency calls keep one dispatch and one combine in flight at a time (a second send half
     before the first's hook is refused by name), take a combine's handle from one of the last
     two dispatches, and have no rank mask.
 
@@ -241,6 +256,8 @@ class Buffer:
         # low-latency shape's exchange, including those built later.
         self._masked: Set[int] = set()
         self._comm = doorbell.init(group=group)
+        self._across = bool(self._comm.spans_nodes)
+        self._rank_node: Any = None  # [ranks] int64 node of each rank (across nodes), built once
         self._stream = torch.cuda.Stream(device=self._comm.device)
         self._normal: Dict[Tuple[int, int, int], _moe.Buffer] = {}
         self._slots: Dict[int, _Slots] = {}  # by id() of the _moe.Buffer
@@ -347,7 +364,9 @@ class Buffer:
         key = (hidden, num_experts, topk)
         buf = self._normal.get(key)
         if buf is None:
-            per_token = _normal_bytes_per_token(self.group_size, hidden, topk)
+            # Across nodes doorbell keeps one receive slot (its node-spanning path has no other).
+            slots = 1 if self._across else _receive_slots()
+            per_token = _normal_bytes_per_token(self.group_size, hidden, topk, slots)
             max_tokens = self.num_nvl_bytes // per_token
             if max_tokens == 0:
                 raise ValueError(
@@ -355,14 +374,11 @@ class Buffer:
                     f"at {self.group_size} ranks ({per_token} bytes per token)"
                 )
             sms = max((config or Config(Buffer.num_sms)).num_sms, self.group_size)
-            slots = _receive_slots()
             buf = _moe.Buffer(self._comm, hidden, num_experts, max_tokens, topk, num_sms=sms, receive_slots=slots)
-            if buf._native.spans_nodes:
-                raise _not_yet("the normal mode across nodes (DeepEP's internode layouts)", "step 6")
             self._normal[key] = buf
             self._slots[id(buf)] = _Slots(slots)
         if num_tokens > buf.num_max_tokens:
-            need = num_tokens * _normal_bytes_per_token(self.group_size, hidden, topk)
+            need = num_tokens * _normal_bytes_per_token(self.group_size, hidden, topk, 1 if self._across else None)
             raise ValueError(
                 f"dispatch: {num_tokens} tokens, but num_nvl_bytes={self.num_nvl_bytes} holds "
                 f"{buf.num_max_tokens} of this shape; give the Buffer at least {need} bytes"
@@ -417,8 +433,10 @@ class Buffer:
         async_finish: bool = False,
         allocate_on_comm_stream: bool = False,
     ) -> Tuple[Any, Optional[Any], Any, Any, EventOverlap]:
-        """``(num_tokens_per_rank [ranks] int32, None (one node), num_tokens_per_expert [experts]
-        int32, is_token_in_rank [tokens, ranks] bool, event)`` for ``topk_idx`` (int64, -1: none).
+        """``(num_tokens_per_rank [ranks] int32, num_tokens_per_rdma_rank [nodes] int32 (None on
+        one node), num_tokens_per_expert [experts] int32, is_token_in_rank [tokens, ranks] bool,
+        event)`` for ``topk_idx`` (int64, -1: none); a node counts a token once however many of
+        its ranks it goes to.
         Computed on the communication stream (its tensors are recorded on the current stream
         too, so ``allocate_on_comm_stream`` changes nothing that can be observed)."""
         import torch
@@ -440,8 +458,23 @@ class Buffer:
             is_token_in_rank = in_rank[:, :world].contiguous()
             per_rank = is_token_in_rank.sum(0, dtype=torch.int32)
             per_expert_i32 = per_expert.int()
-        event = self._finish(compute, async_finish, (topk_idx, per_rank, per_expert_i32, is_token_in_rank))
-        return per_rank, None, per_expert_i32, is_token_in_rank, event
+            per_node = None
+            if self._across:
+                rank_node = self._rank_nodes()
+                hits = torch.zeros(idx.shape[0], int(max(self._comm.node_of_rank())) + 1, dtype=torch.int32, device=idx.device)
+                hits.index_add_(1, rank_node, is_token_in_rank.int())
+                per_node = (hits > 0).sum(0, dtype=torch.int32)
+        kept = (topk_idx, per_rank, per_expert_i32, is_token_in_rank) + ((per_node,) if per_node is not None else ())
+        event = self._finish(compute, async_finish, kept)
+        return per_rank, per_node, per_expert_i32, is_token_in_rank, event
+
+    def _rank_nodes(self) -> Any:
+        """``[ranks]`` int64 on this GPU: each rank's node (built on first use)."""
+        if self._rank_node is None:
+            import torch
+
+            self._rank_node = torch.tensor(self._comm.node_of_rank(), dtype=torch.int64, device=f"cuda:{self._comm.device}")
+        return self._rank_node
 
     def dispatch(
         self,
@@ -475,7 +508,7 @@ class Buffer:
             )
         if topk_weights is None:
             raise ValueError("dispatch: topk_weights is required with topk_idx")
-        if num_tokens_per_rdma_rank is not None:
+        if num_tokens_per_rdma_rank is not None and not self._across:
             raise ValueError("dispatch: num_tokens_per_rdma_rank is for the internode kernels; this Buffer is one node")
         if num_tokens_per_expert is None:
             raise ValueError("dispatch: num_tokens_per_expert (from get_dispatch_layout) is required with topk_idx")
@@ -483,6 +516,8 @@ class Buffer:
             raise ValueError(f"dispatch: expert_alignment={expert_alignment!r}; a positive int")
         if isinstance(num_worst_tokens, bool) or not isinstance(num_worst_tokens, int) or num_worst_tokens < 0:
             raise ValueError(f"dispatch: num_worst_tokens={num_worst_tokens!r}; 0 or a row count")
+        if num_worst_tokens and self._across:
+            raise ValueError("dispatch: num_worst_tokens is for one node (DeepEP refuses it across nodes too)")
         fp8 = isinstance(x, tuple)
         rows: Any = x[0] if fp8 else x
         if len(getattr(rows, "shape", ())) != 2:
@@ -491,6 +526,9 @@ class Buffer:
             raise ValueError("dispatch: topk_idx is (num_tokens, num_topk)")
         num_tokens, hidden = int(rows.shape[0]), int(rows.shape[1])
         num_experts, topk = int(num_tokens_per_expert.numel()), int(topk_idx.shape[1])
+        if self._across:
+            buf = self._normal_for(hidden, num_experts, topk, num_tokens, config)
+            return self._dispatch_across(buf, x, topk_idx, topk_weights, is_token_in_rank, expert_alignment, previous_event, async_finish)
         buf = self._normal_for(hidden, num_experts, topk, num_tokens, config)
         cap = buf.num_max_tokens * self.group_size
         if num_worst_tokens > cap:
@@ -543,6 +581,72 @@ class Buffer:
         event = self._finish(compute, async_finish, kept)
         return out_x, out_idx, out_w, listed, handle_out, event
 
+    def _dispatch_across(
+        self,
+        buf: _moe.Buffer,
+        x: Union[Any, Tuple[Any, Any]],
+        topk_idx: Any,
+        topk_weights: Any,
+        is_token_in_rank: Any,
+        expert_alignment: int,
+        previous_event: Optional[EventOverlap],
+        async_finish: bool,
+        cached: Optional[_NormalHandle] = None,
+    ) -> Tuple[Any, Any, Any, Any, Any, EventOverlap]:
+        """The normal dispatch when the communicator spans nodes: doorbell's node-spanning
+        dispatch, whose rows come grouped by forwarding rank, then source node, then source
+        token, gathered on the communication stream into DeepEP's order (source rank, then source
+        token), with their ids (-1 and weight 0 for experts elsewhere), weights and scales.
+        Returns DeepEP's 6-tuple with its internode handle, a 10-tuple: ``is_token_in_rank`` at
+        0, ``recv_gbl_rank_prefix_sum`` (``[ranks]`` int32, inclusive) at 6, doorbell's part at
+        9, None in the places of DeepEP's channel tables. With ``cached`` (a cached dispatch:
+        the handle's routing again) ``(recv_x, None, None, None, None, event)``."""
+        import torch
+
+        fp8 = isinstance(x, tuple)
+        rows: Any = x[0] if fp8 else x
+        num_tokens, hidden = int(rows.shape[0]), int(rows.shape[1])
+        world = self.group_size
+        compute = self._begin(previous_event)
+        slot, lease = self._take_slot(buf)  # slot 0, the only one across nodes: results are copies
+        with torch.cuda.stream(self._stream):
+            scales_in = x[1] if fp8 else None
+            if fp8:
+                x = (x[0], x[1].contiguous())  # DeepEP's column-major scales, as on one node
+            recv_x, recv_idx, recv_w, counts, h, _ = buf.dispatch(x, topk_idx, topk_weights)
+            r = buf._native.results()
+            src = buf._view(r["recv_src"], (int(r["max_rows"]), 2), "int32")
+            host = torch.cat([h.num_recv, counts]).tolist()  # one wait, as DeepEP's
+            n, listed = int(host[0]), [int(c) for c in host[1:]]
+            if n < 0 or any(c < 0 for c in listed):
+                raise RuntimeError("dispatch: cut short by a fault (comm.check_health() names it)")
+            a = expert_alignment
+            listed = [(c + a - 1) // a * a for c in listed]
+            origin = src[:n].long()
+            order = torch.argsort(origin[:, 0] * buf.num_max_tokens + origin[:, 1])
+            out_x: Any = (
+                (recv_x[0][:n].index_select(0, order), recv_x[1][:n].index_select(0, order))
+                if fp8
+                else recv_x[:n].index_select(0, order)
+            )
+            out_idx = recv_idx[:n].index_select(0, order).long()
+            out_w = recv_w[:n].index_select(0, order).masked_fill(out_idx < 0, 0.0)
+            prefix = torch.bincount(origin[:, 0], minlength=world).cumsum(0).int()
+        tensors = tuple(out_x) if fp8 else (out_x,)
+        kept = tensors + (out_idx, out_w, prefix, order, rows, topk_idx, topk_weights) + ((scales_in,) if fp8 else ())
+        event = self._finish(compute, async_finish, kept)
+        del lease  # None: slot 0 is the adapter's own
+        if cached is not None:
+            # The handle's routing again: its combine reads this dispatch's layout, the same one.
+            self._slots[id(buf)].landed(slot, cached.route)
+            cached.dispatch, cached.order = h, order
+            return out_x, None, None, None, None, event
+        route = _route_key(topk_idx)
+        serial = self._slots[id(buf)].landed(slot, route)
+        mine = _NormalHandle(buf, h, num_tokens, hidden, route, slot, serial, n, order, (topk_idx, topk_weights))
+        handle_out = (is_token_in_rank, None, None, None, None, None, prefix, None, None, mine)
+        return out_x, out_idx, out_w, listed, handle_out, event
+
     def _dispatch_by_rank(
         self,
         x: Union[Any, Tuple[Any, Any]],
@@ -566,11 +670,24 @@ class Buffer:
             raise _not_yet("num_worst_tokens without top-k", "step 3")
         cached: Optional[_NormalHandle] = None
         if handle is not None:
-            cached = handle[5] if isinstance(handle, tuple) and len(handle) == 6 else None
-            if not isinstance(cached, _NormalHandle):
+            cached = _doorbells_part(handle)
+            if cached is None:
                 raise TypeError("dispatch: pass the handle a dispatch of this Buffer returned")
+            if cached.topk is not None:
+                # Across nodes: the handle's top-k routing again, in DeepEP's order.
+                rows0: Any = x[0] if isinstance(x, tuple) else x
+                shape = tuple(int(d) for d in getattr(rows0, "shape", ()))
+                if shape != (cached.num_tokens, cached.hidden):
+                    raise ValueError(
+                        f"dispatch: x of {shape}, but the handle's dispatch moved {cached.num_tokens} x {cached.hidden}"
+                    )
+                return self._dispatch_across(
+                    cached.buffer, x, cached.topk[0], cached.topk[1], handle[0], 1, previous_event, async_finish, cached
+                )
             is_token_in_rank = handle[4]
             num_tokens_per_expert = None
+        elif self._across:
+            raise _not_yet("a dispatch without top-k across nodes (routing by is_token_in_rank)", "step 6")
         if is_token_in_rank is None:
             raise ValueError("dispatch: without topk_idx, is_token_in_rank (get_dispatch_layout) routes the tokens")
         if cached is None and num_tokens_per_expert is None:
@@ -644,8 +761,8 @@ class Buffer:
         self._alive()
         if bias is not None:
             raise _not_yet("the combine's bias", "step 3")
-        mine = handle[5] if isinstance(handle, tuple) and len(handle) == 6 else None
-        if not isinstance(mine, _NormalHandle):
+        mine = _doorbells_part(handle)
+        if mine is None:
             raise TypeError("combine: pass the handle the matching dispatch of this Buffer returned")
         slots = self._slots.get(id(mine.buffer))
         if slots is None or not any(b is mine.buffer for b in self._normal.values()):
@@ -664,12 +781,18 @@ class Buffer:
             raise ValueError(f"combine: x has {int(x.shape[0])} rows; the handle's dispatch delivered {mine.rows}")
         import torch
 
+        if mine.order is not None and topk_weights is not None:
+            raise _not_yet("the combined top-k weights across nodes (combine's topk_weights)", "step 6")
         compute = self._begin(previous_event)
         # The combine follows the layout kept in the handle's receive slot.
         mine.buffer._native.set_receive_slot(mine.slot)
         with torch.cuda.stream(self._stream):
-            out, weights, _ = mine.buffer.combine(x, mine.dispatch, topk_weights=topk_weights)
-        event = self._finish(compute, async_finish, (x, out, weights, topk_weights))
+            y = x
+            if mine.order is not None:
+                # Across nodes: the rows back into the order of doorbell's receive.
+                y = torch.empty_like(x).index_copy_(0, mine.order, x)
+            out, weights, _ = mine.buffer.combine(y, mine.dispatch, topk_weights=topk_weights)
+        event = self._finish(compute, async_finish, (x, y, out, weights, topk_weights))
         return out, weights, event
 
     # ---- low-latency mode ----
