@@ -544,7 +544,9 @@ def deep_ep_normal_across(variant):
         combined, cw, _ = buf.combine(y, handle)
         check(cw is None, "combine: no weights asked")
         want = (x.float() * times * (step + 1)).bfloat16()  # exact sums of small ints, rounded once
-        check(torch.equal(combined, want), f"combine {step}: each row times the ranks it went to")
+        bad = (combined != want).nonzero()[:4].tolist()
+        detail = [(t, c, float(combined[t, c]), float(want[t, c]), int(times[t, 0])) for t, c in bad]
+        check(not bad, f"combine {step}: each row times the ranks it went to; (token, column, got, want, ranks): {detail}")
 
     # FP8 rows: the same order, e4m3 and scales as sent (DeepEP's column-major scales).
     x8 = (x.float() / 2).to(torch.float8_e4m3fn)
