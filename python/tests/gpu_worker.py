@@ -458,6 +458,7 @@ _ACROSS = {
     "verbs": {"DOORBELL_IB_EMULATE": "1", "DOORBELL_IB_EMULATE_RELAXED": "8", "DOORBELL_IB_POSTING": "verbs"},
     "proxy-pairs": {"DOORBELL_IB_EMULATE": "1", "DOORBELL_IB_EMULATE_RELAXED": "8", "DOORBELL_IB_POSTING": "proxy", "DOORBELL_NODE_SIZE": "2"},
     "ethernet-pairs": {"DOORBELL_IB_DISABLE": "1", "DOORBELL_NODE_SIZE": "2"},
+    "proxy-strict": {"DOORBELL_IB_EMULATE": "1", "DOORBELL_IB_POSTING": "proxy"},
 }
 
 
@@ -487,7 +488,7 @@ def deep_ep_normal_across(variant):
     group = dist.group.WORLD
     T, H, K, E = 64, 256, 4, 4 * w
     local = E // w
-    buf = deep_ep.Buffer(group, int(1e8))
+    buf = deep_ep.Buffer(group, int(os.environ.get("DOORBELL_TEST_NVL_BYTES", "100000000")))
     check(buf._comm.spans_nodes, f"{variant}: the communicator spans nodes")
     node_of = buf._comm.node_of_rank()
     check(node_of == [p // size for p in range(w)], f"{variant}: nodes {node_of}")
@@ -541,11 +542,22 @@ def deep_ep_normal_across(variant):
         recv_x, recv_idx, recv_w, listed, handle, _ = buf.dispatch(x, **args)
         check_dispatch(recv_x, recv_idx, recv_w, listed, handle, f"dispatch {step}")
         y = recv_x * (step + 1)
+        if os.environ.get("DOORBELL_TEST_TRACE"):
+            import time
+            torch.cuda.synchronize()
+            print(f"rank {r}: combine {step} enters at {time.time():.3f}", flush=True)
         combined, cw, _ = buf.combine(y, handle)
         check(cw is None, "combine: no weights asked")
         want = (x.float() * times * (step + 1)).bfloat16()  # exact sums of small ints, rounded once
         bad = (combined != want).nonzero()[:4].tolist()
         detail = [(t, c, float(combined[t, c]), float(want[t, c]), int(times[t, 0])) for t, c in bad]
+        if bad:
+            try:
+                buf._comm.synchronize()
+                health = "the communicator reports nothing"
+            except Exception as e:  # the wait report that cut the combine short, if one did
+                health = f"{type(e).__name__}: {e}"
+            detail.append(health)
         check(not bad, f"combine {step}: each row times the ranks it went to; (token, column, got, want, ranks): {detail}")
 
     # FP8 rows: the same order, e4m3 and scales as sent (DeepEP's column-major scales).
