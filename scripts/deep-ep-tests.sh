@@ -17,6 +17,10 @@ root=$(cd "$(dirname "$0")/.." && pwd)
 src=${1:?usage: scripts/deep-ep-tests.sh DEEPEP_TESTS [LOGDIR]}
 logs=${2:-${OUT:-$root/deep-ep-logs}}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+# Emulated nodes (DOORBELL_SEPARATE_NODES=1): the emulated NIC copies on host threads with CUDA
+# calls, which a kernel PyTorch loads lazily while doorbell's kernels wait holds back until the
+# waits give up; load modules eagerly there unless told otherwise.
+if [ "${DOORBELL_SEPARATE_NODES:-0}" = 1 ]; then export CUDA_MODULE_LOADING=${CUDA_MODULE_LOADING:-EAGER}; fi
 mkdir -p "$logs"
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT

@@ -231,6 +231,36 @@ impl From<cudarc::driver::DriverError> for Error {
     }
 }
 
+/// Whose CUDA calls on host threads kernels' waits depend on in this process, set when modules
+/// load lazily (see [`crate::gpu::cuda::note_host_cuda_calls`]); the first one noted is named.
+static LAZY_LOADING: std::sync::OnceLock<&'static str> = std::sync::OnceLock::new();
+
+/// Notes that `what` (host threads' CUDA calls that device waits depend on) runs in a process that
+/// loads CUDA modules lazily; warns once.
+pub(crate) fn note_lazy_loading(what: &'static str) {
+    if LAZY_LOADING.set(what).is_ok() {
+        tracing::warn!("{}", lazy_loading_text(what));
+    }
+}
+
+/// The cause and remedy a timeout names when [`note_lazy_loading`] was called in this process:
+/// a kernel launched for the first time loads its module, loading synchronizes the context,
+/// which waits for doorbell's waiting kernels, and the host threads' CUDA calls those kernels
+/// wait for are held behind it until the waits give up.
+pub fn lazy_loading_hint() -> Option<String> {
+    LAZY_LOADING.get().map(|what| lazy_loading_text(what))
+}
+
+fn lazy_loading_text(what: &str) -> String {
+    format!(
+        "this process loads CUDA modules lazily (CUDA_MODULE_LOADING=LAZY, PyTorch's default) and \
+         {what} run as CUDA calls on host threads: a kernel launched for the first time while \
+         doorbell's kernels wait for them loads its module, which waits for every running \
+         kernel, and holds those calls back until the waits give up; set \
+         CUDA_MODULE_LOADING=EAGER before CUDA starts"
+    )
+}
+
 /// Whether a device report's field holds a "none" sentinel rather than a value.
 fn unset(v: u64) -> bool {
     v == u64::MAX || v == u64::from(u32::MAX)
@@ -240,6 +270,15 @@ impl Error {
     /// [`Error::Timeout`]'s text: fields that hold a sentinel (no peer, no channel, no value, no
     /// block) are left out instead of printed as numbers like 4294967295.
     fn timeout_text(&self) -> String {
+        let mut t = self.timeout_facts();
+        if let Some(hint) = lazy_loading_hint() {
+            t += &format!(" (likely cause: {hint})");
+        }
+        t
+    }
+
+    /// [`Error::Timeout`]'s facts, without the lazy-loading hint.
+    fn timeout_facts(&self) -> String {
         let Error::Timeout {
             rank,
             peer,
@@ -282,6 +321,20 @@ impl Error {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_lazy_loading_hint_names_whose_calls_and_the_remedy() {
+        let t = lazy_loading_text("the emulated NIC's copies");
+        assert!(t.contains("CUDA_MODULE_LOADING=LAZY"), "{t}");
+        assert!(
+            t.contains("the emulated NIC's copies run as CUDA calls"),
+            "{t}"
+        );
+        assert!(
+            t.ends_with("set CUDA_MODULE_LOADING=EAGER before CUDA starts"),
+            "{t}"
+        );
+    }
 
     #[test]
     fn timeouts_print_no_sentinels() {

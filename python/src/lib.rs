@@ -63,6 +63,13 @@ fn cuda_driver_present() -> bool {
 
 /// A TCP port free a moment ago, below the kernel's ephemeral range where there is room (so no
 /// outgoing connection takes it before rank 0 listens on it; `doorbell::job::launch::free_port`).
+/// The cause and remedy every timeout names when this process loads CUDA modules lazily while
+/// host threads of doorbell make CUDA calls that kernels wait for; None otherwise.
+#[pyfunction]
+fn lazy_loading_hint() -> Option<String> {
+    doorbell::error::lazy_loading_hint()
+}
+
 #[pyfunction]
 fn free_port() -> PyResult<u16> {
     doorbell::job::launch::free_port().map_err(py_err)
@@ -876,6 +883,7 @@ fn _doorbell(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(cuda_driver_present, m)?)?;
     m.add_function(wrap_pyfunction!(device_count, m)?)?;
     m.add_function(wrap_pyfunction!(free_port, m)?)?;
+    m.add_function(wrap_pyfunction!(lazy_loading_hint, m)?)?;
     m.add_class::<Comm>()?;
     m.add_class::<MoeHt>()?;
     m.add_class::<MoeLl>()?;

@@ -53,6 +53,12 @@ def test_calls_without_a_driver_raise_no_gpu_error():
         doorbell.init()
 
 
+def test_no_lazy_loading_hint_before_anything_copies_on_a_host_thread():
+    # Set only once a communicator starts the emulated NIC, the Ethernet transport or a
+    # copy-engine proxy in a process that loads CUDA modules lazily.
+    assert doorbell._doorbell.lazy_loading_hint() is None
+
+
 def test_ships_the_cuda_headers():
     inc = pathlib.Path(doorbell.get_include())
     for h in ("doorbell.cuh", "moe.cuh", "moe_net.cuh", "port_channel.cuh", "ibgda.cuh", "collective_args.cuh"):

@@ -334,6 +334,16 @@ impl ProxyBuilder {
 
     /// Starts the proxy thread.
     pub fn start(self) -> Result<ProxyService> {
+        if self
+            .tables
+            .connections
+            .iter()
+            .any(|c| c.net.is_none() && c.ib.is_none())
+        {
+            crate::gpu::cuda::note_host_cuda_calls(
+                "the proxy's copy-engine transfers between GPUs of one host",
+            );
+        }
         let stop = Arc::new(AtomicBool::new(false));
         let failure = self.failure.clone();
         let mut worker = Worker {

@@ -120,6 +120,33 @@ pub fn device_count() -> Result<usize> {
     Ok(n as usize)
 }
 
+/// Whether this process loads CUDA modules lazily (`CUDA_MODULE_LOADING=LAZY`, the driver's and
+/// PyTorch's default): a kernel's first launch then loads its module, and loading synchronizes
+/// the context, which waits for every running kernel, doorbell's waiting ones included. Asked
+/// once; false when the driver cannot say.
+pub fn loads_lazily() -> bool {
+    static LAZY: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *LAZY.get_or_init(|| {
+        if init_driver().is_err() {
+            return false;
+        }
+        let mut mode = sys::CUmoduleLoadingMode::CU_MODULE_EAGER_LOADING;
+        // SAFETY: the driver is initialized; `mode` outlives the call.
+        let r = unsafe { sys::cuModuleGetLoadingMode(&mut mode) };
+        r == sys::CUresult::CUDA_SUCCESS && mode == sys::CUmoduleLoadingMode::CU_MODULE_LAZY_LOADING
+    })
+}
+
+/// Records that host threads of this process make CUDA calls that kernels' waits depend on
+/// (`what`: whose calls), when modules load lazily: a module loaded while doorbell's kernels wait
+/// then holds those calls back until the waits give up, so every timeout's text names the cause
+/// and the remedy (see [`crate::error::lazy_loading_hint`]).
+pub fn note_host_cuda_calls(what: &'static str) {
+    if loads_lazily() {
+        crate::error::note_lazy_loading(what);
+    }
+}
+
 /// One GPU of this process: its cudarc context (the device's primary context) and doorbell's
 /// kernels, loaded once on first use.
 pub struct Gpu {

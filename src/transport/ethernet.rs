@@ -163,6 +163,7 @@ struct ThreadCuda {
 impl ThreadCuda {
     fn new(gpu: &Arc<Gpu>) -> Result<Arc<ThreadCuda>> {
         gpu.bind()?;
+        crate::gpu::cuda::note_host_cuda_calls("the Ethernet transport's copies");
         Ok(Arc::new(ThreadCuda {
             stream: gpu.new_stream()?,
             staging: HostArray::new(gpu, CHUNK)?,

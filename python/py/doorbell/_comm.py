@@ -366,4 +366,9 @@ def init(group: Any = None, device: Optional[int] = None, timeout: float = 300.0
                     stacklevel=2,
                 )
     native = _doorbell.Comm.connect(rank, world, local_rank, local_world, addr, port, secret, device, timeout)
+    hint = _doorbell.lazy_loading_hint()
+    if hint is not None:
+        # The emulated NIC or the Ethernet transport copies on host threads, which a kernel
+        # loaded lazily while doorbell's kernels wait holds back (every timeout says so too).
+        warnings.warn(hint, stacklevel=2)
     return Communicator(native)

@@ -39,6 +39,7 @@ pub struct CudaDma {
 impl CudaDma {
     /// Access through `gpu`'s context (bound on the NIC's thread at each call).
     pub fn new(gpu: &Arc<Gpu>) -> CudaDma {
+        crate::gpu::cuda::note_host_cuda_calls("the emulated NIC's copies");
         CudaDma {
             gpu: gpu.clone(),
             stream: std::sync::Mutex::new(None),
