@@ -557,12 +557,7 @@ class Buffer:
             if num_worst_tokens:
                 n, listed = num_worst_tokens, []
             else:
-                host = torch.cat([h.num_recv, counts]).tolist()  # one wait, as DeepEP's
-                n, listed = int(host[0]), [int(c) for c in host[1:]]
-                if n < 0 or any(c < 0 for c in listed):
-                    raise RuntimeError("dispatch: cut short by a fault (comm.check_health() names it)")
-                a = expert_alignment
-                listed = [(c + a - 1) // a * a for c in listed]
+                n, listed = self._received(h, counts, expert_alignment)
             # DeepEP's tensors outlive the next call: a leased slot's are (the slot stays taken
             # while they live); the adapter's own slot is copied out of.
             if lease is not None:
@@ -580,6 +575,22 @@ class Buffer:
         kept = tensors + (out_idx, out_w, prefix, rows, topk_idx, topk_weights) + ((scales_in,) if fp8 else ())
         event = self._finish(compute, async_finish, kept)
         return out_x, out_idx, out_w, listed, handle_out, event
+
+    def _received(self, h: _moe.DispatchHandle, counts: Any, alignment: int) -> Tuple[int, List[int]]:
+        """A normal dispatch's one host wait, as DeepEP's: the rows delivered here and the
+        per-local-expert counts rounded up to ``alignment``. A dispatch that a fault cut short
+        raises the communicator's error: its counts are negative, or (across nodes, where the
+        exchange between nodes can give up while the node's own dispatch of what did arrive
+        finishes) the communicator has failed."""
+        import torch
+
+        host = torch.cat([h.num_recv, counts]).tolist()
+        n, listed = int(host[0]), [int(c) for c in host[1:]]
+        if n < 0 or any(c < 0 for c in listed) or self._across:
+            self._comm.check_health()
+        if n < 0 or any(c < 0 for c in listed):
+            raise RuntimeError("dispatch: cut short by a fault (comm.check_health() names it)")
+        return n, [(c + alignment - 1) // alignment * alignment for c in listed]
 
     def _dispatch_across(
         self,
@@ -616,12 +627,7 @@ class Buffer:
             recv_x, recv_idx, recv_w, counts, h, _ = buf.dispatch(x, topk_idx, topk_weights)
             r = buf._native.results()
             src = buf._view(r["recv_src"], (int(r["max_rows"]), 2), "int32")
-            host = torch.cat([h.num_recv, counts]).tolist()  # one wait, as DeepEP's
-            n, listed = int(host[0]), [int(c) for c in host[1:]]
-            if n < 0 or any(c < 0 for c in listed):
-                raise RuntimeError("dispatch: cut short by a fault (comm.check_health() names it)")
-            a = expert_alignment
-            listed = [(c + a - 1) // a * a for c in listed]
+            n, listed = self._received(h, counts, expert_alignment)
             origin = src[:n].long()
             order = torch.argsort(origin[:, 0] * buf.num_max_tokens + origin[:, 1])
             out_x: Any = (
@@ -723,12 +729,7 @@ class Buffer:
             recv_x, _, _, prefix = self._slot_results(buf, lease, fp8, False)
             if lease is None:
                 prefix = prefix.clone()
-            host = torch.cat([h.num_recv, counts]).tolist()  # one wait, as DeepEP's
-            n, listed = int(host[0]), [int(c) for c in host[1:]]
-            if n < 0 or any(c < 0 for c in listed):
-                raise RuntimeError("dispatch: cut short by a fault (comm.check_health() names it)")
-            a = expert_alignment
-            listed = [(c + a - 1) // a * a for c in listed]
+            n, listed = self._received(h, counts, expert_alignment)
             if lease is not None:
                 out_x: Any = (recv_x[0][:n], recv_x[1][:n]) if fp8 else recv_x[:n]
             else:
