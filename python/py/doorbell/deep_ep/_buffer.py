@@ -554,8 +554,9 @@ class Buffer:
             if lease is None:
                 prefix = prefix.clone()
             ids = recv_idx.long()
+            listed: List[int] = []
             if num_worst_tokens:
-                n, listed = num_worst_tokens, []
+                n = num_worst_tokens
             else:
                 n, listed = self._received(h, counts, expert_alignment)
             # DeepEP's tensors outlive the next call: a leased slot's are (the slot stays taken
