@@ -103,11 +103,23 @@ DOORBELL_DEVICE_INLINE uint64_t last_dispatch(const MoeArgs& a) { return a.calls
 
 // Waits (bounded) until the GPU-wide count at `slot` reached `target` (this GPU's own blocks),
 // at my own entry's site (a site and no semaphore: with one rank it is the only entry).
-DOORBELL_DEVICE_INLINE void wait_own(const MoeArgs& a, uint32_t slot, uint64_t target) {
-  spin_until(a.sems[a.rank].site, kWaitSemaphore, target, [&](uint64_t& seen) {
+DOORBELL_DEVICE_INLINE bool wait_own(const MoeArgs& a, uint32_t slot, uint64_t target) {
+  return spin_until(a.sems[a.rank].site, kWaitSemaphore, target, [&](uint64_t& seen) {
     seen = load_acquire_gpu(a.calls + slot);
     return seen >= target;
   });
+}
+
+// wait_own for this grid's own blocks before results are marked cut short: after an abort too,
+// since every block still reaches its count (its own waits leave at the abort) and a block still
+// writing rows would overwrite the marks. Bounded by kOwnBlocksAfterAbortNs (the communicator
+// has failed already: nothing more to report).
+constexpr uint64_t kOwnBlocksAfterAbortNs = 1000000000ull;
+DOORBELL_DEVICE_INLINE void wait_own_blocks(const MoeArgs& a, uint32_t slot, uint64_t target) {
+  if (wait_own(a, slot, target)) return;
+  const uint64_t start = global_timer_ns();
+  while (load_acquire_gpu(a.calls + slot) < target && global_timer_ns() - start < kOwnBlocksAfterAbortNs) {
+  }
 }
 
 // Adds one to the GPU-wide count at `slot`, after this thread's writes (one thread per block,
@@ -494,7 +506,7 @@ extern "C" __global__ void __launch_bounds__(512) moe_dispatch(MoeArgs a) {
   __shared__ bool cut;
   if (threadIdx.x == 0) {
     bool ok = wait_all_peers(a, kSetRows, d, a.blocks);
-    wait_own(a, kSentBlocks, d * a.blocks);
+    wait_own_blocks(a, kSentBlocks, d * a.blocks);
     uint32_t n = 0;
     for (uint32_t s = 0; s < a.world; ++s) n += wait_count(a, d, s, a.rank);
     cut = !ok || failed(a.sems[checked_peer(a.world) % a.world].site);
