@@ -289,6 +289,65 @@ def bad_arguments(comm):
         raise AssertionError("all_reduce took int32")
 
 
+def _gloo_group(r, w):
+    """This rank's GPU (ranks may share them) and a gloo process group over DOORBELL_MASTER_PORT,
+    as the DeepEP-API cases use (doorbell joins through it)."""
+    import os
+
+    import torch.distributed as dist
+
+    torch.cuda.set_device(r % torch.cuda.device_count())
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{os.environ['DOORBELL_MASTER_PORT']}", rank=r, world_size=w)
+
+
+def _normal_inputs(r, w, T, H, K, E):
+    """A normal-mode case's inputs on rank r: rows holding the rank in every column but the last
+    (the token), random top-K of E experts with every 7th token's second id -1, random weights;
+    and every rank's ids and weights (all_gather over the process group)."""
+    import torch.distributed as dist
+
+    from doorbell import deep_ep
+
+    torch.manual_seed(r)
+    x = torch.full((T, H), float(r), dtype=torch.bfloat16, device="cuda")
+    x[:, -1] = torch.arange(T, device="cuda").to(torch.bfloat16)
+    topk_idx = torch.topk(torch.rand(T, E, device="cuda"), K, dim=1).indices.to(deep_ep.topk_idx_t)
+    topk_idx[::7, 1] = -1
+    topk_weights = torch.rand(T, K, device="cuda")
+    all_idx = [torch.zeros(T, K, dtype=torch.int64) for _ in range(w)]
+    all_w = [torch.zeros(T, K) for _ in range(w)]
+    dist.all_gather(all_idx, topk_idx.cpu())
+    dist.all_gather(all_w, topk_weights.cpu())
+    return x, topk_idx, topk_weights, all_idx, all_w
+
+
+def _rows_for(r, all_idx, local):
+    """The (source rank, token) of every row rank r receives in a normal dispatch, in DeepEP's
+    order (source rank, then token): tokens with an expert on r, given every rank's ids."""
+    return [(s, t) for s, ids in enumerate(all_idx) for t in range(ids.shape[0]) if bool(((ids[t] >= 0) & (ids[t] // local == r)).any())]
+
+
+def _check_rows_in_deep_eps_order(recv_x, recv_idx, recv_w, rows, all_idx, all_w, r, local, hidden, what):
+    """Checks a normal dispatch's rows against `rows` (from _rows_for): row j holds its source
+    rank in column 0 and its token in the last column, local expert ids (-1 elsewhere) and the
+    source's weights (0 elsewhere). Returns the rows per local expert."""
+    n, topk = len(rows), int(all_idx[0].shape[1])
+    check(recv_x.shape == (n, hidden) and recv_idx.shape == (n, topk) and recv_w.shape == (n, topk), f"{what}: shapes {tuple(recv_x.shape)}, {n} rows expected")
+    check(recv_idx.dtype == torch.int64, f"{what}: ids int64")
+    rx, ri, rw = recv_x.float().cpu(), recv_idx.cpu(), recv_w.cpu()
+    counts = [0] * local
+    for j, (s, t) in enumerate(rows):
+        check(rx[j, 0] == s and rx[j, -1] == t, f"{what}: row {j} is ({s}, {t}), got ({rx[j, 0]}, {rx[j, -1]})")
+        for k in range(topk):
+            e = int(all_idx[s][t, k])
+            here = e >= 0 and e // local == r
+            check(int(ri[j, k]) == (e % local if here else -1), f"{what}: row {j} id {k}")
+            check(float(rw[j, k]) == (float(all_w[s][t, k]) if here else 0.0), f"{what}: row {j} weight {k}")
+            if here:
+                counts[e % local] += 1
+    return counts
+
+
 def deep_ep_normal():
     """doorbell.deep_ep's normal mode through DeepEP's calls, on a gloo process group (ranks may
     share a GPU): layout, dispatch (rows in source-rank order, local ids, weights 0 elsewhere,
@@ -301,25 +360,12 @@ def deep_ep_normal():
     from doorbell import deep_ep
 
     r, w = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    torch.cuda.set_device(r % torch.cuda.device_count())
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{os.environ['DOORBELL_MASTER_PORT']}", rank=r, world_size=w
-    )
+    _gloo_group(r, w)
     group = dist.group.WORLD
     T, H, K, E = 64, 256, 4, 4 * w
     local = E // w
     buf = deep_ep.Buffer(group, int(1e8))
-    torch.manual_seed(r)
-    x = torch.full((T, H), float(r), dtype=torch.bfloat16, device="cuda")
-    x[:, -1] = torch.arange(T, device="cuda").to(torch.bfloat16)
-    scores = torch.rand(T, E, device="cuda")
-    topk_idx = torch.topk(scores, K, dim=1).indices.to(deep_ep.topk_idx_t)
-    topk_idx[::7, 1] = -1
-    topk_weights = torch.rand(T, K, device="cuda")
-    all_idx = [torch.zeros(T, K, dtype=torch.int64) for _ in range(w)]
-    all_w = [torch.zeros(T, K) for _ in range(w)]
-    dist.all_gather(all_idx, topk_idx.cpu())
-    dist.all_gather(all_w, topk_weights.cpu())
+    x, topk_idx, topk_weights, all_idx, all_w = _normal_inputs(r, w, T, H, K, E)
 
     per_rank, rdma, per_expert, in_rank, ev = buf.get_dispatch_layout(topk_idx, E)
     check(rdma is None and isinstance(ev, deep_ep.EventOverlap) and ev.event is None, "layout: one node, synchronous")
@@ -332,24 +378,11 @@ def deep_ep_normal():
         check(int(per_expert[e]) == int((idx_cpu == e).sum()), f"num_tokens_per_expert[{e}]")
 
     # What rank r receives, in source-rank order.
-    rows = [(s, t) for s in range(w) for t in range(T) if bool(((all_idx[s][t] >= 0) & (all_idx[s][t] // local == r)).any())]
+    rows = _rows_for(r, all_idx, local)
     args = dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert, topk_idx=topk_idx, topk_weights=topk_weights)
 
     def check_dispatch(recv_x, recv_idx, recv_w, listed, handle, what):
-        n = len(rows)
-        check(recv_x.shape == (n, H) and recv_idx.shape == (n, K) and recv_w.shape == (n, K), f"{what}: shapes {tuple(recv_x.shape)}")
-        check(recv_idx.dtype == torch.int64, f"{what}: ids int64")
-        rx, ri, rw = recv_x.float().cpu(), recv_idx.cpu(), recv_w.cpu()
-        counts = [0] * local
-        for j, (s, t) in enumerate(rows):
-            check(rx[j, 0] == s and rx[j, -1] == t, f"{what}: row {j} is ({s}, {t}), got ({rx[j, 0]}, {rx[j, -1]})")
-            for k in range(K):
-                e = int(all_idx[s][t, k])
-                here = e >= 0 and e // local == r
-                check(int(ri[j, k]) == (e % local if here else -1), f"{what}: row {j} id {k}")
-                check(float(rw[j, k]) == (float(all_w[s][t, k]) if here else 0.0), f"{what}: row {j} weight {k}")
-                if here:
-                    counts[e % local] += 1
+        counts = _check_rows_in_deep_eps_order(recv_x, recv_idx, recv_w, rows, all_idx, all_w, r, local, H, what)
         prefix = handle[0].cpu()
         sent = [sum(1 for (s2, _) in rows if s2 == s) for s in range(w)]
         check([int(prefix[s, r]) for s in range(w)] == [sum(sent[: s + 1]) for s in range(w)], f"{what}: rank_prefix_matrix column {r}: {prefix[:, r].tolist()}")
@@ -484,10 +517,7 @@ def deep_ep_normal_across(variant):
     os.environ.update(env, DOORBELL_SEPARATE_NODES="1")
     from doorbell import deep_ep
 
-    torch.cuda.set_device(r % torch.cuda.device_count())
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{os.environ['DOORBELL_MASTER_PORT']}", rank=r, world_size=w
-    )
+    _gloo_group(r, w)
     group = dist.group.WORLD
     T, H, K, E = 64, 256, 4, 4 * w
     local = E // w
@@ -495,16 +525,7 @@ def deep_ep_normal_across(variant):
     check(buf._comm.spans_nodes, f"{variant}: the communicator spans nodes")
     node_of = buf._comm.node_of_rank()
     check(node_of == [p // size for p in range(w)], f"{variant}: nodes {node_of}")
-    torch.manual_seed(r)
-    x = torch.full((T, H), float(r), dtype=torch.bfloat16, device="cuda")
-    x[:, -1] = torch.arange(T, device="cuda").to(torch.bfloat16)
-    topk_idx = torch.topk(torch.rand(T, E, device="cuda"), K, dim=1).indices.to(deep_ep.topk_idx_t)
-    topk_idx[::7, 1] = -1
-    topk_weights = torch.rand(T, K, device="cuda")
-    all_idx = [torch.zeros(T, K, dtype=torch.int64) for _ in range(w)]
-    all_w = [torch.zeros(T, K) for _ in range(w)]
-    dist.all_gather(all_idx, topk_idx.cpu())
-    dist.all_gather(all_w, topk_weights.cpu())
+    x, topk_idx, topk_weights, all_idx, all_w = _normal_inputs(r, w, T, H, K, E)
 
     per_rank, per_node, per_expert, in_rank, _ = buf.get_dispatch_layout(topk_idx, E)
     idx_cpu = topk_idx.cpu()
@@ -514,26 +535,13 @@ def deep_ep_normal_across(variant):
         want = sum(bool(((idx_cpu[t] >= 0) & (idx_cpu[t] // (local * size) == nd)).any()) for t in range(T))
         check(int(per_node[nd]) == want, f"num_tokens_per_rdma_rank[{nd}] {int(per_node[nd])} vs {want}")
 
-    rows = [(s, t) for s in range(w) for t in range(T) if bool(((all_idx[s][t] >= 0) & (all_idx[s][t] // local == r)).any())]
+    rows = _rows_for(r, all_idx, local)
     sent = [sum(1 for (s2, _) in rows if s2 == s) for s in range(w)]
     args = dict(num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_node, is_token_in_rank=in_rank,
                 num_tokens_per_expert=per_expert, topk_idx=topk_idx, topk_weights=topk_weights)
 
     def check_dispatch(recv_x, recv_idx, recv_w, listed, handle, what):
-        n = len(rows)
-        check(recv_x.shape == (n, H) and recv_idx.shape == (n, K) and recv_w.shape == (n, K), f"{what}: shapes {tuple(recv_x.shape)}")
-        check(recv_idx.dtype == torch.int64, f"{what}: ids int64")
-        rx, ri, rw = recv_x.float().cpu(), recv_idx.cpu(), recv_w.cpu()
-        counts = [0] * local
-        for j, (s, t) in enumerate(rows):
-            check(rx[j, 0] == s and rx[j, -1] == t, f"{what}: row {j} is ({s}, {t}), got ({rx[j, 0]}, {rx[j, -1]})")
-            for k in range(K):
-                e = int(all_idx[s][t, k])
-                here = e >= 0 and e // local == r
-                check(int(ri[j, k]) == (e % local if here else -1), f"{what}: row {j} id {k}")
-                check(float(rw[j, k]) == (float(all_w[s][t, k]) if here else 0.0), f"{what}: row {j} weight {k}")
-                if here:
-                    counts[e % local] += 1
+        counts = _check_rows_in_deep_eps_order(recv_x, recv_idx, recv_w, rows, all_idx, all_w, r, local, H, what)
         check(len(handle) == 10, f"{what}: DeepEP's internode handle is a 10-tuple")
         prefix = handle[-4]
         check(prefix.dtype == torch.int32 and prefix.cpu().tolist() == [sum(sent[: s + 1]) for s in range(w)], f"{what}: recv_gbl_rank_prefix_sum {prefix.tolist()}")
@@ -621,10 +629,7 @@ def deep_ep_low_latency():
     from doorbell.deep_ep.utils.math import calc_diff, per_token_cast_back
 
     r, w = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    torch.cuda.set_device(r % torch.cuda.device_count())
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{os.environ['DOORBELL_MASTER_PORT']}", rank=r, world_size=w
-    )
+    _gloo_group(r, w)
     group = dist.group.WORLD
     T, H, K, E = 48, 512, 4, 4 * w
     local = E // w
@@ -769,10 +774,7 @@ def deep_ep_masks(steps):
     from doorbell import deep_ep
 
     r, w = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    torch.cuda.set_device(r % torch.cuda.device_count())
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{os.environ['DOORBELL_MASTER_PORT']}", rank=r, world_size=w
-    )
+    _gloo_group(r, w)
     T, H, E, victim = 32, 256, 4 * w, w - 1
     buf = deep_ep.Buffer(dist.group.WORLD, 0, deep_ep.Buffer.get_low_latency_rdma_size_hint(T, H, w, E),
                          low_latency_mode=True, enable_shrink=True)
@@ -807,10 +809,7 @@ def deep_ep_shrink(steps):
     from doorbell import deep_ep
 
     r, w = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    torch.cuda.set_device(r % torch.cuda.device_count())
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{os.environ['DOORBELL_MASTER_PORT']}", rank=r, world_size=w
-    )
+    _gloo_group(r, w)
     victim = w - 1
     survivors = dist.new_group(list(range(victim)))  # every rank makes it, before the kill
     T, H, E = 32, 256, 4 * w
@@ -848,10 +847,7 @@ def deep_ep_low_latency_graph(replays):
     from doorbell.deep_ep.utils.math import calc_diff, per_token_cast_back
 
     r, w = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    torch.cuda.set_device(r % torch.cuda.device_count())
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{os.environ['DOORBELL_MASTER_PORT']}", rank=r, world_size=w
-    )
+    _gloo_group(r, w)
     group = dist.group.WORLD
     T, H, K, E = 32, 256, 4, 4 * w
     buf = deep_ep.Buffer(group, 0, deep_ep.Buffer.get_low_latency_rdma_size_hint(T, H, w, E), low_latency_mode=True)
