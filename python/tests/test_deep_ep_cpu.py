@@ -7,6 +7,7 @@ import types
 
 import pytest
 
+import doorbell
 import doorbell.deep_ep as deep_ep
 from doorbell.deep_ep import Buffer, Config, EventOverlap
 
@@ -181,6 +182,35 @@ def test_across_nodes_normal_mode_refuses_what_it_lacks_before_anything_is_sent(
     for bad in ((None,) * 10, (None,) * 6, (None,) * 9):
         with pytest.raises(TypeError, match="the handle a dispatch of this Buffer returned"):
             b.dispatch(x, handle=bad)
+
+
+def test_a_normal_dispatchs_host_read_raises_what_cut_it_short():
+    class Comm:
+        def __init__(self, error=None):
+            self.error, self.asked = error, 0
+
+        def check_health(self):
+            self.asked += 1
+            if self.error is not None:
+                raise self.error
+
+    b = _bare_normal_buffer()
+    b._comm = Comm()
+    # One node: counts that are results are not checked further; rounded up to the alignment.
+    assert b._checked_counts([7, 3, 4], 4) == (7, [4, 4]) and b._comm.asked == 0
+    # Marked counts raise, naming the communicator's error where it has one.
+    with pytest.raises(RuntimeError, match="cut short by a fault"):
+        b._checked_counts([-1, 3], 1)
+    b._comm = Comm(doorbell.DoorbellError("rank 1 failed: timeout"))
+    with pytest.raises(doorbell.DoorbellError, match="rank 1 failed"):
+        b._checked_counts([5, -2147483648], 1)
+    # Across nodes the exchange between nodes can give up while the node's dispatch of what did
+    # arrive finishes: counts that look whole still raise when the communicator failed.
+    b._across = True
+    with pytest.raises(doorbell.DoorbellError, match="rank 1 failed"):
+        b._checked_counts([5, 2, 3], 1)
+    b._comm = Comm()
+    assert b._checked_counts([5, 2, 3], 1) == (5, [2, 3]) and b._comm.asked == 1
 
 
 def test_normal_dispatch_refuses_deepeps_invalid_arguments_before_anything_is_sent():

@@ -585,7 +585,10 @@ class Buffer:
         finishes) the communicator has failed."""
         import torch
 
-        host = torch.cat([h.num_recv, counts]).tolist()
+        return self._checked_counts(torch.cat([h.num_recv, counts]).tolist(), alignment)
+
+    def _checked_counts(self, host: List[Any], alignment: int) -> Tuple[int, List[int]]:
+        """``_received`` once the host has the values: ``[rows, count per local expert...]``."""
         n, listed = int(host[0]), [int(c) for c in host[1:]]
         if n < 0 or any(c < 0 for c in listed) or self._across:
             self._comm.check_health()
