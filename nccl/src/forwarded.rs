@@ -340,6 +340,34 @@ fn adopt(parent: Option<&Comm>, made: Ptr, out: *mut NcclComm) -> Result<(), Shi
     Ok(())
 }
 
+/// A communicator the real NCCL derives from `comm`'s twin (`ncclCommSplit`, `ncclCommShrink`):
+/// `call(f, twin, place)` forwards with the twin's handle and the place for the new one, which
+/// is then adopted into `newcomm` (see [`adopt`]).
+///
+/// # Safety
+/// NCCL's contract; `comm` is NULL or a live handle of this library; `F` is `name`'s prototype.
+unsafe fn derive<F: Copy>(
+    comm: NcclComm,
+    newcomm: *mut NcclComm,
+    name: &'static str,
+    call: impl FnOnce(F, Ptr, *mut Ptr) -> NcclResult,
+) -> NcclResult {
+    let r = (|| {
+        if newcomm.is_null() {
+            return Err(ShimError::invalid_argument(format!(
+                "{name}: newcomm is NULL"
+            )));
+        }
+        // SAFETY: the caller's contract.
+        let (c, rc) = unsafe { twin(comm, name) }?;
+        let mut made: Ptr = std::ptr::null_mut();
+        // SAFETY: the caller's contract; `made` is writable.
+        unsafe { forward::<F>(name, |f| call(f, rc.0, &mut made)) }?;
+        adopt(c, made, newcomm)
+    })();
+    error::result(r)
+}
+
 /// `ncclCommSplit(comm, color, key, newcomm, config)`: the real NCCL splits the real twin; the
 /// new communicator is the real NCCL's only (doorbell's collectives stay on the parent).
 ///
@@ -354,21 +382,12 @@ pub unsafe extern "C" fn ncclCommSplit(
     config: *const NcclConfig,
 ) -> NcclResult {
     type F = unsafe extern "C" fn(Ptr, c_int, c_int, *mut Ptr, *const NcclConfig) -> NcclResult;
-    const NAME: &str = "ncclCommSplit";
-    let r = (|| {
-        if newcomm.is_null() {
-            return Err(ShimError::invalid_argument(format!(
-                "{NAME}: newcomm is NULL"
-            )));
-        }
-        // SAFETY: the caller's contract.
-        let (c, rc) = unsafe { twin(comm, NAME) }?;
-        let mut made: Ptr = std::ptr::null_mut();
-        // SAFETY: F is the 2.28 prototype; `made` is writable.
-        unsafe { forward::<F>(NAME, |f| f(rc.0, color, key, &mut made, config)) }?;
-        adopt(c, made, newcomm)
-    })();
-    error::result(r)
+    // SAFETY: the caller's contract; F is the 2.28 prototype.
+    unsafe {
+        derive::<F>(comm, newcomm, "ncclCommSplit", |f, real, made| {
+            f(real, color, key, made, config)
+        })
+    }
 }
 
 /// `ncclCommShrink(comm, excludeRanksList, excludeRanksCount, newcomm, config, shrinkFlags)`:
@@ -393,25 +412,12 @@ pub unsafe extern "C" fn ncclCommShrink(
         *const NcclConfig,
         c_int,
     ) -> NcclResult;
-    const NAME: &str = "ncclCommShrink";
-    let r = (|| {
-        if newcomm.is_null() {
-            return Err(ShimError::invalid_argument(format!(
-                "{NAME}: newcomm is NULL"
-            )));
-        }
-        // SAFETY: the caller's contract.
-        let (c, rc) = unsafe { twin(comm, NAME) }?;
-        let mut made: Ptr = std::ptr::null_mut();
-        // SAFETY: F is the 2.28 prototype; `made` is writable.
-        unsafe {
-            forward::<F>(NAME, |f| {
-                f(rc.0, exclude, exclude_count, &mut made, config, flags)
-            })
-        }?;
-        adopt(c, made, newcomm)
-    })();
-    error::result(r)
+    // SAFETY: the caller's contract; F is the 2.28 prototype.
+    unsafe {
+        derive::<F>(comm, newcomm, "ncclCommShrink", |f, real, made| {
+            f(real, exclude, exclude_count, made, config, flags)
+        })
+    }
 }
 
 /// `ncclCommInitRankScalable(newcomm, nranks, myrank, nId, commIds, config)`: with one id, as

@@ -39,8 +39,12 @@ fn scratch(call: &str, st: &Arc<CudaStream>, bytes: usize) -> Result<CudaSlice<u
     unsafe { st.alloc::<u8>(bytes.max(16)) }.map_err(|e| cuda(call, "a scratch buffer", e))
 }
 
-fn refuse_capture(call: &str, st: &CudaStream) -> Result<(), ShimError> {
-    if doorbell::gpu::signature::capturing(st) {
+/// The caller's stream `s` in the all-to-all communicator's context, for a call moved onto
+/// doorbell's all-to-all(v): refused under CUDA graph capture.
+fn uncaptured_stream(comm: &Comm, call: &str, s: u64) -> Result<Arc<CudaStream>, ShimError> {
+    let (c, _) = comm.all_to_all()?;
+    let st = stream(c, s)?;
+    if doorbell::gpu::signature::capturing(&st) {
         return Err(ShimError::new(
             abi::INVALID_USAGE,
             format!(
@@ -49,7 +53,7 @@ fn refuse_capture(call: &str, st: &CudaStream) -> Result<(), ShimError> {
             ),
         ));
     }
-    Ok(())
+    Ok(st)
 }
 
 /// One all-to-all(v) of `counts` (send counts, send offsets, receive counts, receive offsets,
@@ -143,9 +147,7 @@ pub fn all_gather(
     if block == 0 {
         return Ok(());
     }
-    let (c, _) = comm.all_to_all()?;
-    let st = stream(c, s)?;
-    refuse_capture(CALL, &st)?;
+    let st = uncaptured_stream(comm, CALL, s)?;
     // In place (my block at my place in the output) the input is copied aside first.
     let (input, _aside) = apart(CALL, &st, send, block, (recv, total))?;
     // My own block: copied (nothing to do in place).
@@ -180,9 +182,7 @@ pub fn broadcast(
         return Ok(());
     }
     let root = root as usize;
-    let (c, _) = comm.all_to_all()?;
-    let st = stream(c, s)?;
-    refuse_capture(CALL, &st)?;
+    let st = uncaptured_stream(comm, CALL, s)?;
     let counts = broadcast_counts(world, me, root, bytes);
     let mut input = (0u64, 0usize);
     let mut _aside = None;
