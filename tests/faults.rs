@@ -1624,6 +1624,22 @@ fn an_abort_leaves_the_tile_paths_and_combines_outputs_marked() {
     }
 }
 
+/// Across nodes the high-throughput dispatch's exchange between nodes gives up first, and the
+/// node's own dispatch (its own communicator) then runs over what had arrived; its results come
+/// back marked all the same (`moe_ht_remap`): ranks as separate nodes on the emulated NIC.
+#[test]
+#[ignore = "needs GPU"]
+fn an_abort_across_nodes_leaves_the_high_throughput_dispatch_marked() {
+    for n in rank_counts() {
+        let env = [
+            ("DOORBELL_SEPARATE_NODES", "1".to_string()),
+            ("DOORBELL_IB_EMULATE", "1".into()),
+        ];
+        let exits = gpu_case("abort_moe_ht_dispatch", n, &env);
+        assert_exits("abort_moe_ht_dispatch across nodes", &exits, None);
+    }
+}
+
 #[test]
 #[ignore = "needs GPU"]
 fn mismatched_calls_are_named_on_every_rank() {

@@ -196,6 +196,11 @@ __device__ int32_t source_of(uint32_t world, uint32_t i, uint32_t lane, Range ra
   return -1;
 }
 
+// Adds the cycles since `start` to source `src`'s wait (MoeLlArgs::wait_cycles, given).
+__device__ void add_wait_cycles(const MoeLlArgs& a, uint32_t src, long long start) {
+  atomicAdd(reinterpret_cast<unsigned long long*>(a.wait_cycles + src), static_cast<unsigned long long>(clock64() - start));
+}
+
 // Where the scale of group `g` of packed row (`le`, `pos`) goes (column-major, as DeepEP's).
 __device__ void store_scale(const MoeLlArgs& a, uint32_t le, uint32_t g, uint32_t pos, float scale_inv) {
   const uint64_t cap = packed_cap(a);
@@ -219,6 +224,7 @@ __device__ void pack_rows(const MoeLlArgs& a, uint64_t epoch) {
   const uint32_t half = uint32_t(epoch & 1);
   const uint32_t world = a.world, local = a.experts_per_rank, pairs = local * world, cap = packed_cap(a);
   bool gave_up = false;
+  const long long start = clock64();
   for (uint32_t q = threadIdx.x; q < pairs; q += blockDim.x) {
     const uint32_t src = q % world;
     const uint64_t* word = moe_ll::count_word(a, a.rank, half, q / world, src);
@@ -235,6 +241,7 @@ __device__ void pack_rows(const MoeLlArgs& a, uint64_t epoch) {
       if (!peer_lost(moe_ll::site(a, src))) gave_up = true;
     }
     rows_of[q] = min(uint32_t(got), a.max_tokens);  // a sender reserves at most max_tokens
+    if (a.wait_cycles != nullptr && blockIdx.x == 0) add_wait_cycles(a, src, start);
   }
   const bool cut = __syncthreads_or(gave_up || (threadIdx.x == 0 && failed(moe_ll::site(a, a.rank))));
   for (uint32_t le = threadIdx.x; le < local; le += blockDim.x) {
@@ -300,9 +307,11 @@ __device__ void pack_rows(const MoeLlArgs& a, uint64_t epoch) {
 
 // Waits until every peer signalled combine `call` and this rank's own send grid finished it (a
 // fused combine's blocks read rows other blocks of the same grid wrote: the send's last block
-// stores the call only after every block's rows). False when a wait gave up. One thread per rank.
-__device__ bool combine_arrived(const MoeLlArgs& a, uint64_t call, uint32_t* lost = nullptr) {
+// stores the call only after every block's rows). False when a wait gave up. One thread per rank;
+// with `timed`, block 0 adds each rank's wait to MoeLlArgs::wait_cycles (when given).
+__device__ bool combine_arrived(const MoeLlArgs& a, uint64_t call, uint32_t* lost = nullptr, bool timed = false) {
   bool ok = true;
+  const long long start = clock64();
   if (threadIdx.x < a.world && threadIdx.x != a.rank && !moe_ll::masked(a, threadIdx.x)) {
     const SemaphoreHandle& h = a.ready[threadIdx.x];
     ok = spin_until(h.site, kWaitSemaphore, call, [&](uint64_t& seen) {
@@ -319,6 +328,9 @@ __device__ bool combine_arrived(const MoeLlArgs& a, uint64_t call, uint32_t* los
       seen = load_acquire_gpu(a.epochs + 1);
       return seen >= call;
     });
+  }
+  if (timed && a.wait_cycles != nullptr && blockIdx.x == 0 && threadIdx.x < a.world && !moe_ll::masked(a, threadIdx.x)) {
+    add_wait_cycles(a, threadIdx.x, start);
   }
   return ok;
 }
@@ -378,7 +390,7 @@ __device__ void combine_recv_packed(const MoeLlArgs& a, uint64_t call) {
   __shared__ uint32_t lost;  // peers found dead while waiting (every block waits for every peer)
   if (threadIdx.x == 0) lost = 0;
   __syncthreads();
-  const bool cut = __syncthreads_or(!combine_arrived(a, call, &lost));
+  const bool cut = __syncthreads_or(!combine_arrived(a, call, &lost, true));
   const uint32_t words = a.hidden / 8, experts = a.experts_per_rank * a.world, half = uint32_t(call & 1);
   const uint32_t n_items = a.num_tokens * words;
   const uint32_t first = blockIdx.x * blockDim.x + threadIdx.x, stride = gridDim.x * blockDim.x;

@@ -953,6 +953,24 @@ extern "C" __global__ void __launch_bounds__(512) moe_ht_exchange(MoeNetArgs a, 
 }
 
 extern "C" __global__ void moe_ht_remap(MoeNetArgs a, MoeHtArgs h) {
+  // The exchange between nodes gave up (or the communicator failed since): the node's dispatch
+  // ran over what had arrived, on the node's own communicator, so its results look whole. Mark
+  // them as a dispatch cut short marks its own: the row count kCutCount, kCutBit into every
+  // expert count, all ones (NaN) over this block's share of the row slots.
+  const bool cut = __syncthreads_or(threadIdx.x == 0 && (failed(a.sites[a.rank]) || aborted(a.sites[a.rank])));
+  if (cut) {
+    if (blockIdx.x == 0) {
+      if (threadIdx.x == 0) *h.node_num_recv = kCutCount;
+      for (uint32_t e = threadIdx.x; e < a.experts_per_rank; e += blockDim.x) atomicOr(&h.node_counts[e], kCutBit);
+    }
+    const uint64_t row_bytes = a.fp8 != 0 ? a.hidden : uint64_t(a.hidden) * 2;
+    const uint64_t words = h.node_max_rows * row_bytes / 16;
+    int4* rows = reinterpret_cast<int4*>(h.node_rows);
+    for (uint64_t i = blockIdx.x * uint64_t(blockDim.x) + threadIdx.x; i < words; i += uint64_t(gridDim.x) * blockDim.x) {
+      rows[i] = make_int4(-1, -1, -1, -1);
+    }
+    return;
+  }
   const uint32_t rows = *h.node_num_recv;
   if (rows == kCutCount) return;  // the node's dispatch was cut short and marked its results
   for (uint32_t i = blockIdx.x * blockDim.x + threadIdx.x; i < rows; i += gridDim.x * blockDim.x) {

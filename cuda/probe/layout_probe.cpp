@@ -253,6 +253,7 @@ int main() {
   FIELD(MoeLlArgs, packed_pad);
   FIELD(MoeLlArgs, ticket);
   FIELD(MoeLlArgs, rank_mask);
+  FIELD(MoeLlArgs, wait_cycles);
 
   STRUCT(MoeNetArgs);
   FIELD(MoeNetArgs, x);
@@ -337,6 +338,9 @@ int main() {
   FIELD(MoeHtArgs, sent_chunks);
   FIELD(MoeHtArgs, recv_chunks);
   FIELD(MoeHtArgs, list);
+  FIELD(MoeHtArgs, node_counts);
+  FIELD(MoeHtArgs, node_rows);
+  FIELD(MoeHtArgs, node_max_rows);
 
   STRUCT(HtChunkDesc);
   FIELD(HtChunkDesc, epoch);

@@ -732,8 +732,9 @@ impl MoeLl {
 
     /// DeepEP's layout: a dispatch (both halves, or with `send_only` the send half), its outputs
     /// at the addresses given (`scales` 0: bf16 rows; `stats` 0: none; `ticket` two u64 that
-    /// pairs the receive half with this send, or 0).
-    #[pyo3(signature = (x, topk_idx, num_tokens, out_x, scales, round_scale, ue8m0, src_info, layout_range, count, stats, ticket, send_only, stream, ids_i64=false))]
+    /// pairs the receive half with this send, or 0; `wait_cycles` `[world]` i64 the receive half
+    /// adds each source's wait to, or 0).
+    #[pyo3(signature = (x, topk_idx, num_tokens, out_x, scales, round_scale, ue8m0, src_info, layout_range, count, stats, ticket, send_only, stream, ids_i64=false, wait_cycles=0))]
     #[allow(clippy::too_many_arguments)]
     fn dispatch_packed(
         &self,
@@ -753,13 +754,15 @@ impl MoeLl {
         send_only: bool,
         stream: u64,
         ids_i64: bool,
+        wait_cycles: u64,
     ) -> PyResult<()> {
         let s = self.comm.get().stream(stream)?;
         let out = PackedOutputs::new(out_x, src_info, layout_range, count)
             .with_fp8(scales, round_scale, ue8m0)
             .with_stats(stats)
             .with_ticket(ticket)
-            .with_i64_ids(ids_i64);
+            .with_i64_ids(ids_i64)
+            .with_wait_cycles(wait_cycles);
         // SAFETY: checked by the package (shapes, dtypes, device, alignment); the tensors are
         // kept until the stream has run the call.
         py.allow_threads(|| unsafe {
@@ -775,6 +778,7 @@ impl MoeLl {
     }
 
     /// DeepEP's layout: a dispatch's receive half (after `dispatch_packed(.., send_only=True)`).
+    #[pyo3(signature = (out_x, scales, round_scale, ue8m0, src_info, layout_range, count, stats, ticket, stream, wait_cycles=0))]
     #[allow(clippy::too_many_arguments)]
     fn dispatch_packed_recv(
         &self,
@@ -789,12 +793,14 @@ impl MoeLl {
         stats: u64,
         ticket: u64,
         stream: u64,
+        wait_cycles: u64,
     ) -> PyResult<()> {
         let s = self.comm.get().stream(stream)?;
         let out = PackedOutputs::new(out_x, src_info, layout_range, count)
             .with_fp8(scales, round_scale, ue8m0)
             .with_stats(stats)
-            .with_ticket(ticket);
+            .with_ticket(ticket)
+            .with_wait_cycles(wait_cycles);
         // SAFETY: as in dispatch_packed.
         py.allow_threads(|| unsafe { self.inner.dispatch_packed_recv_raw(&s, &out) })
             .map_err(py_err)
@@ -803,8 +809,8 @@ impl MoeLl {
     /// DeepEP's layout: a combine's halves (`send`: `y` and the handle's `src_info` and
     /// `layout_range` go out; `recv`: `out [num_tokens, hidden]` from `topk_idx` and
     /// `topk_weights`, int64 ids with `ids_i64`; `ticket` pairs a receive half with its send,
-    /// or 0).
-    #[pyo3(signature = (y, src_info, layout_range, topk_idx, topk_weights, num_tokens, out, ticket, send, recv, stream, ids_i64=false))]
+    /// or 0; `wait_cycles` `[world]` i64 the receive half adds each source's wait to, or 0).
+    #[pyo3(signature = (y, src_info, layout_range, topk_idx, topk_weights, num_tokens, out, ticket, send, recv, stream, ids_i64=false, wait_cycles=0))]
     #[allow(clippy::too_many_arguments)]
     fn combine_packed(
         &self,
@@ -821,6 +827,7 @@ impl MoeLl {
         recv: bool,
         stream: u64,
         ids_i64: bool,
+        wait_cycles: u64,
     ) -> PyResult<()> {
         let s = self.comm.get().stream(stream)?;
         let handle = PackedHandle {
@@ -830,7 +837,7 @@ impl MoeLl {
         // SAFETY: checked by the package (shapes, dtypes, device, alignment).
         py.allow_threads(|| unsafe {
             match (send, recv) {
-                (true, true) => self.inner.combine_packed_ids_raw(
+                (true, true) => self.inner.combine_packed_timed_raw(
                     &s,
                     y,
                     &handle,
@@ -838,15 +845,17 @@ impl MoeLl {
                     topk_weights,
                     num_tokens,
                     out,
+                    wait_cycles,
                 ),
                 (true, false) => self.inner.combine_packed_send_raw(&s, y, &handle, ticket),
-                (false, true) => self.inner.combine_packed_recv_ids_raw(
+                (false, true) => self.inner.combine_packed_recv_timed_raw(
                     &s,
                     (topk_idx, ids_i64),
                     topk_weights,
                     num_tokens,
                     out,
                     ticket,
+                    wait_cycles,
                 ),
                 (false, false) => Ok(()),
             }

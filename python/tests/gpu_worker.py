@@ -3,6 +3,7 @@ uses GPU 0 unless DOORBELL_TEST_GPUS says how many to spread over). Exits non-ze
 reason on a mismatch."""
 
 import sys
+import warnings
 
 import torch
 
@@ -707,13 +708,42 @@ def deep_ep_low_latency():
                     part = recv[le, b:b + c, :-128].float()
                     check(bool((part == factor * (j - 8)).all()),
                           f"two in flight, hooks {order}: batch x{factor} expert {le} rows from {j}")
-    # Not built yet: refused by name, nothing sent.
-    try:
-        buf.low_latency_combine(gemm, topk_idx, topk_weights, handle, use_logfmt=True)
-    except NotImplementedError as e:
-        check("not built yet" in str(e), str(e))
-    else:
-        raise AssertionError("use_logfmt was not refused")
+    # DeepEP's wait statistics: [ranks] int64 cycles each receive waited for each source, added
+    # up. The last rank holds its sends back about 20 ms (a GPU sleep before both calls), so on
+    # every other rank its entry is the largest, in the dispatch's and in the combine's.
+    for hook_mode in (False, True):
+        waits_d = torch.zeros(w, dtype=torch.int64, device="cuda")
+        waits_c = torch.zeros(w, dtype=torch.int64, device="cuda")
+        dist.barrier()
+        late = r == w - 1
+        if late:
+            torch.cuda._sleep(40_000_000)
+        recv, count, handle, ev, hook = buf.low_latency_dispatch(
+            x, topk_idx, T, E, use_fp8=False, dispatch_wait_recv_cost_stats=waits_d,
+            async_finish=not hook_mode, return_recv_hook=hook_mode,
+        )
+        hook() if hook_mode else ev.current_stream_wait()
+        if late:
+            torch.cuda._sleep(40_000_000)
+        out, ev2, hook2 = buf.low_latency_combine(
+            recv.clone(), topk_idx, topk_weights, handle, combine_wait_recv_cost_stats=waits_c,
+            async_finish=not hook_mode, return_recv_hook=hook_mode,
+        )
+        hook2() if hook_mode else ev2.current_stream_wait()
+        torch.cuda.synchronize()
+        for name, waits in (("dispatch", waits_d), ("combine", waits_c)):
+            got = waits.cpu().tolist()
+            check(all(v > 0 for v in got), f"hook={hook_mode}: {name} wait cycles {got}: every source waited for")
+            if not late:
+                check(max(range(w), key=lambda j: got[j]) == w - 1 and got[w - 1] > 5_000_000,
+                      f"hook={hook_mode}: {name} wait cycles {got}: the late rank {w - 1} the largest")
+    # use_logfmt: accepted with a warning, the rows as bf16: the same sums as without it.
+    plain, _, _ = buf.low_latency_combine(gemm, topk_idx, topk_weights, handle)
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        logfmt, _, _ = buf.low_latency_combine(gemm, topk_idx, topk_weights, handle, use_logfmt=True)
+    check(bool(torch.equal(plain, logfmt)), "use_logfmt's combine equals the bf16 one")
+    check(deep_ep.Buffer._logfmt_warned, "use_logfmt warned")
     buf.destroy()
     dist.barrier()
     dist.destroy_process_group()

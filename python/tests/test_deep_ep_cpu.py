@@ -87,10 +87,10 @@ def test_low_latency_calls_refuse_deepeps_invalid_flag_mixes_before_anything_is_
         b.low_latency_dispatch(None, None, 128, 16, use_ue8m0=True)
     with pytest.raises(ValueError, match="round_scale and use_ue8m0 are for use_fp8=True"):
         b.low_latency_dispatch(None, None, 128, 16, use_fp8=False, round_scale=True)
-    with pytest.raises(NotImplementedError, match="dispatch_wait_recv_cost_stats .*nothing was sent"):
-        b.low_latency_dispatch(None, None, 128, 16, dispatch_wait_recv_cost_stats=object())
-    with pytest.raises(NotImplementedError, match="use_logfmt .*nothing was sent"):
-        b.low_latency_combine(None, None, None, None, use_logfmt=True)
+    # use_logfmt is accepted (rows as bf16), with one warning a process; the arguments are checked.
+    with pytest.warns(UserWarning, match="LogFMT-10's compression is not built"):
+        with pytest.raises(TypeError, match="pass the handle low_latency_dispatch returned"):
+            b.low_latency_combine(None, None, None, None, use_logfmt=True)
     with pytest.raises(ValueError, match="a multiple of 2"):
         b.clean_low_latency_buffer(128, 7168, 3)
     with pytest.raises(ValueError, match="hidden"):
@@ -332,3 +332,20 @@ def test_bench_kineto_sums_a_calls_kernels_per_part_and_names_a_wrong_count():
         with pytest.raises(AssertionError, match=r"kernels named \*x\* in 2 calls; expected a multiple of 2"):
             _period_means(spans, 2, 2, "*x*")
 
+
+def test_the_wait_statistics_are_ranks_int64_on_the_communicators_gpu():
+    """DeepEP's dispatch/combine_wait_recv_cost_stats: [ranks] int64 on the communicator's GPU,
+    8-byte aligned; None passes nothing."""
+    from test_cpu import FakeTensor
+
+    b = _bare_low_latency_buffer()
+    b._comm = types.SimpleNamespace(device=0)
+    assert b._wait_stats("dispatch_wait_recv_cost_stats", None) == 0
+    good = FakeTensor((2,), dtype="int64", ptr=0x20000, size=8)
+    assert b._wait_stats("dispatch_wait_recv_cost_stats", good) == 0x20000
+    with pytest.raises(ValueError, match=r"combine_wait_recv_cost_stats: .*expected shape \(2\)"):
+        b._wait_stats("combine_wait_recv_cost_stats", FakeTensor((4,), dtype="int64", size=8))
+    with pytest.raises(TypeError, match="expected int64"):
+        b._wait_stats("combine_wait_recv_cost_stats", FakeTensor((2,), dtype="int32", size=4))
+    with pytest.raises(ValueError, match="move it to the GPU"):
+        b._wait_stats("dispatch_wait_recv_cost_stats", FakeTensor((2,), dtype="int64", cuda=False, size=8))

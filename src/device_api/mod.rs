@@ -519,6 +519,7 @@ pub struct MoeLlArgs {
     pub packed_pad: u32,
     pub ticket: u64,
     pub rank_mask: u64,
+    pub wait_cycles: u64,
 }
 
 /// `MoeLlArgs::packed` bits (`collective_args.cuh`): DeepEP's low-latency layout; e4m3 rows;
@@ -629,6 +630,9 @@ pub struct MoeHtArgs {
     pub sent_chunks: u64,
     pub recv_chunks: u64,
     pub list: u64,
+    pub node_counts: u64,
+    pub node_rows: u64,
+    pub node_max_rows: u64,
 }
 
 /// What a chunk of the high-throughput network stream holds (`collective_args.cuh`), written
@@ -950,7 +954,8 @@ mod layout {
                     packed,
                     packed_pad,
                     ticket,
-                    rank_mask
+                    rank_mask,
+                    wait_cycles
                 ]
             ),
             layout!(
@@ -1043,6 +1048,9 @@ mod layout {
                     sent_chunks,
                     recv_chunks,
                     list,
+                    node_counts,
+                    node_rows,
+                    node_max_rows,
                 ]
             ),
             layout!("HtChunkDesc", HtChunkDesc, [epoch, messages, last]),

@@ -216,8 +216,12 @@ struct MoeLlArgs {
                                 //   low_latency_update_mask_buffer): nothing goes to it, nothing is
                                 //   waited for from it, its experts add nothing to a combine; read
                                 //   at each call (set between calls, on the stream)
+  int64_t* wait_cycles;         // [world], or null: a receive half (DeepEP's layout) adds here, for
+                                //   each source rank, the SM cycles (clock64) it waited for that
+                                //   rank's counts (dispatch, per local expert) or its rows (combine)
+                                //   from its start: DeepEP's dispatch/combine_wait_recv_cost_stats
 };
-DOORBELL_CHECK_SIZE(MoeLlArgs, 400);
+DOORBELL_CHECK_SIZE(MoeLlArgs, 408);
 
 // MoeLlArgs::packed bits: DeepEP's layout; e4m3 rows cast per 128 values by the receive half
 // (scale amax / 448, amax at least 1e-4); scales rounded up to powers of two; scales stored as
@@ -349,7 +353,7 @@ struct MoeHtArgs {
   const uint16_t* fwd_out;        // [nodes * max_tokens][hidden] bf16: my node's combine of each slot
   uint32_t* net_rows;             // [nodes] rows each node's rail peer sent here, last dispatch
   const int32_t* node_src;        // the node dispatch's recv_src [rows][2] (node rank, slot)
-  const uint32_t* node_num_recv;  // the node dispatch's row count
+  uint32_t* node_num_recv;        // the node dispatch's row count
   const uint64_t* origin_of;      // [ranks of my node] each one's fwd_origin, mapped here
   int32_t* recv_src;              // [rows][2] the rows' origin (rank, token)
   // The network stream with receiver-driven admission (moe_net.cu, "High throughput"): each
@@ -364,8 +368,13 @@ struct MoeHtArgs {
   uint64_t* sent_chunks;          // mine: [nodes] chunks sent to each node so far (all calls)
   uint64_t* recv_chunks;          // mine: [nodes] chunks received from each node so far
   uint32_t* list;                 // mine: [nodes][max_tokens] tokens sent to each node, this call
+  // The node dispatch's results, marked by moe_ht_remap when the exchange between nodes gave up
+  // (the node's own dispatch then ran over what arrived, and would not mark them itself).
+  uint32_t* node_counts;          // the node dispatch's per-expert counts
+  uint8_t* node_rows;             // the node dispatch's row slots
+  uint64_t node_max_rows;         // how many
 };
-DOORBELL_CHECK_SIZE(MoeHtArgs, 184);
+DOORBELL_CHECK_SIZE(MoeHtArgs, 208);
 
 // Messages per chunk of the high-throughput network stream (one warp posts a chunk).
 constexpr uint32_t kHtChunk = 32;

@@ -8,14 +8,25 @@ the checks run (and are tested) without a GPU. Every message says what to change
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, Iterable, Optional, Sequence, Tuple, Union
 
 DTypes = Union[str, Iterable[str]]
 
 
+_DTYPE_NAMES: Dict[Any, str] = {}
+
+
 def dtype_name(t: Any) -> str:
-    """``torch.bfloat16`` -> ``"bfloat16"``."""
-    return str(t.dtype).rsplit(".", 1)[-1]
+    """``torch.bfloat16`` -> ``"bfloat16"`` (each dtype's name worked out once)."""
+    dt = t.dtype
+    try:
+        name = _DTYPE_NAMES.get(dt)
+    except TypeError:  # an unhashable stand-in
+        return str(dt).rsplit(".", 1)[-1]
+    if name is None:
+        name = str(dt).rsplit(".", 1)[-1]
+        _DTYPE_NAMES[dt] = name
+    return name
 
 
 def describe(t: Any) -> str:
@@ -34,7 +45,22 @@ def check_tensor(
 ) -> None:
     """Raises TypeError / ValueError unless ``t`` is a contiguous CUDA tensor of GPU ``device``
     with one of ``dtypes`` (None: any), ``ndim`` dimensions, the given ``shape`` (None entries: any size),
-    and a data pointer aligned to ``align`` bytes."""
+    and a data pointer aligned to ``align`` bytes. The common case (everything right) is
+    checked first in one pass, since the calls on the decode path pay it per call; any miss goes
+    through the checks below one by one, for the message."""
+    try:
+        if (
+            t.is_cuda
+            and (device is None or t.device.index == device)
+            and (dtypes is None or (dtype_name(t) == dtypes if isinstance(dtypes, str) else isinstance(dtypes, tuple) and dtype_name(t) in dtypes))
+            and (ndim is None or len(t.shape) == ndim)
+            and (shape is None or _shape_is(t.shape, shape))
+            and t.is_contiguous()
+            and (align <= 1 or t.data_ptr() % align == 0)
+        ):
+            return
+    except (AttributeError, TypeError):
+        pass  # not a tensor: said below
     if not all(hasattr(t, a) for a in ("is_cuda", "dtype", "shape", "data_ptr", "is_contiguous")):
         raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
     allowed = None if dtypes is None else [dtypes] if isinstance(dtypes, str) else list(dtypes)
@@ -63,6 +89,10 @@ def check_tensor(
             f"{name}: its data starts at {t.data_ptr():#x}, not {align}-byte aligned; "
             f"pass a fresh tensor (or {name}.clone()) rather than an offset view"
         )
+
+
+def _shape_is(have: Any, want: Sequence[Optional[int]]) -> bool:
+    return len(have) == len(want) and all(w is None or int(s) == w for s, w in zip(have, want))
 
 
 def nbytes(t: Any) -> int:

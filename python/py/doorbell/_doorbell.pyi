@@ -126,6 +126,7 @@ class MoeLowLatency:
         send_only: bool,
         stream: int,
         ids_i64: bool = False,
+        wait_cycles: int = 0,
     ) -> None: ...
     def dispatch_packed_recv(
         self,
@@ -139,6 +140,7 @@ class MoeLowLatency:
         stats: int,
         ticket: int,
         stream: int,
+        wait_cycles: int = 0,
     ) -> None: ...
     def combine_packed(
         self,
@@ -154,4 +156,5 @@ class MoeLowLatency:
         recv: bool,
         stream: int,
         ids_i64: bool = False,
+        wait_cycles: int = 0,
     ) -> None: ...

@@ -178,6 +178,9 @@ impl HtNet {
             sent_chunks: p(11),
             recv_chunks: p(12),
             list: p(13),
+            node_counts: res.expert_counts,
+            node_rows: res.recv_x,
+            node_max_rows: res.max_rows as u64,
         };
         stream
             .synchronize()
@@ -212,6 +215,12 @@ impl HtNet {
     fn launch(&self, stream: &CudaStream, k: usize, grid: u32, a: &MoeNetArgs) -> Result<()> {
         self.landing.proxy_alive()?;
         self.comm.check_health()?;
+        self.launch_local(stream, k, grid, a)
+    }
+
+    /// Launches kernel `k` without asking the communicator's health first: for the remap, which
+    /// touches this GPU's memory only and marks the results when the exchange failed.
+    fn launch_local(&self, stream: &CudaStream, k: usize, grid: u32, a: &MoeNetArgs) -> Result<()> {
         let mut b = stream.launch_builder(&self.kernels[k]);
         b.arg(a).arg(&self.ht);
         let cfg = LaunchConfig {
@@ -279,15 +288,18 @@ impl HtNet {
         let slots = self.nodes * max;
         let (fx, fi, fw) = (self.ht.fwd_x, self.ht.fwd_idx, self.ht.fwd_w);
         // SAFETY: the forwarding slots are this exchange's own buffers, sized for `slots` tokens.
-        unsafe {
+        let node = unsafe {
             if scales == 0 {
-                self.node.dispatch(stream, fx, fi, fw, slots)?;
+                self.node.dispatch(stream, fx, fi, fw, slots)
             } else {
                 self.node
-                    .dispatch_fp8(stream, fx, self.ht.fwd_scales, fi, fw, slots)?;
+                    .dispatch_fp8(stream, fx, self.ht.fwd_scales, fi, fw, slots)
             }
-        }
-        self.launch(stream, 2, self.landing.blocks, &a)
+        };
+        // The remap runs even when the exchange failed by now: it then marks the results the
+        // node's dispatch left (moe_ht_remap), so they never pass for a whole dispatch.
+        let remap = self.launch_local(stream, 2, self.landing.blocks, &a);
+        node.and(remap)
     }
 }
 

@@ -490,6 +490,7 @@ impl LowLatencyPath for LlNet {
     ) -> Result<()> {
         let prep = *self.prep()?;
         let bits = out.bits(self.base.hidden as usize)?;
+        untimed(out.wait_cycles, "dispatch")?;
         let max = self.base.max_tokens as usize;
         let id_align = if out.ids_i64 { 8 } else { 4 };
         if num_tokens > max
@@ -557,6 +558,7 @@ impl LowLatencyPath for LlNet {
     unsafe fn dispatch_packed_recv(&self, stream: &CudaStream, out: &PackedOutputs) -> Result<()> {
         self.prep()?;
         let bits = out.bits(self.base.hidden as usize)?;
+        untimed(out.wait_cycles, "dispatch")?;
         self.packed_recv(stream, out, bits)
     }
 
@@ -565,6 +567,7 @@ impl LowLatencyPath for LlNet {
     /// applies the combine's weights. One combine in flight at a time.
     unsafe fn combine_packed(&self, stream: &CudaStream, call: &PackedCombine) -> Result<()> {
         self.prep()?;
+        untimed(call.wait_cycles, "combine")?;
         let mut send_args = None;
         if let Some((y, h)) = call.checked_send()? {
             let log = self.log();
@@ -633,4 +636,17 @@ impl LowLatencyPath for LlNet {
         }
         Ok(())
     }
+}
+
+/// Refuses a wait-statistics array (`PackedOutputs::wait_cycles`, the combine's): the
+/// node-spanning kernels do not keep them yet.
+fn untimed(wait_cycles: u64, call: &str) -> Result<()> {
+    if wait_cycles == 0 {
+        return Ok(());
+    }
+    Err(Error::invalid(
+        call,
+        "across nodes the receive waits are not added up per source yet (DeepEP's \
+         wait_recv_cost_stats); pass none",
+    ))
 }

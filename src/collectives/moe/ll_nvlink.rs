@@ -489,6 +489,7 @@ impl LlNvlink {
             packed_stats: out.stats,
             packed: bits,
             ticket: out.ticket,
+            wait_cycles: out.wait_cycles,
             ..args
         })
     }
@@ -743,12 +744,16 @@ impl LowLatencyPath for LlNvlink {
     /// DeepEP's layout: a combine's send half, receive half, or both in one kernel.
     unsafe fn combine_packed(&self, stream: &CudaStream, call: &PackedCombine) -> Result<()> {
         self.packed_built()?;
-        if call.ticket % 8 != 0 {
-            return Err(Error::invalid("combine", "the ticket 8-byte aligned"));
+        if call.ticket % 8 != 0 || call.wait_cycles % 8 != 0 {
+            return Err(Error::invalid(
+                "combine",
+                "the ticket and wait_cycles 8-byte aligned",
+            ));
         }
         let mut args = crate::device_api::MoeLlArgs {
             packed: packed::PACKED | if call.ids_i64 { packed::IDS64 } else { 0 },
             ticket: call.ticket,
+            wait_cycles: call.wait_cycles,
             ..self.base
         };
         if let Some((y, h)) = call.checked_send()? {

@@ -788,6 +788,68 @@ impl MoeLowLatency {
             ids_i64,
             send: Some((y, *handle)),
             recv: Some((topk_idx, topk_weights, num_tokens, out)),
+            wait_cycles: 0,
+        };
+        // SAFETY: as documented.
+        unsafe { self.path.combine_packed(stream, &call) }
+    }
+
+    /// [`MoeLowLatency::combine_packed_ids_raw`] that also adds, for each source rank, the SM
+    /// cycles (`clock64`) the receive waited for that rank's rows to `wait_cycles` (`[world]`
+    /// i64, 8-byte aligned; DeepEP's `combine_wait_recv_cost_stats`; one node only): a rank slow
+    /// to return its rows shows as a large entry.
+    ///
+    /// # Safety
+    /// As for [`MoeLowLatency::combine_packed_ids_raw`]; `wait_cycles` valid until the work on
+    /// `stream` completes.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn combine_packed_timed_raw(
+        &self,
+        stream: &CudaStream,
+        y: u64,
+        handle: &PackedHandle,
+        topk_idx: (u64, bool),
+        topk_weights: u64,
+        num_tokens: usize,
+        out: u64,
+        wait_cycles: u64,
+    ) -> Result<()> {
+        let (topk_idx, ids_i64) = topk_idx;
+        let call = PackedCombine {
+            ticket: 0,
+            ids_i64,
+            send: Some((y, *handle)),
+            recv: Some((topk_idx, topk_weights, num_tokens, out)),
+            wait_cycles,
+        };
+        // SAFETY: as documented.
+        unsafe { self.path.combine_packed(stream, &call) }
+    }
+
+    /// [`MoeLowLatency::combine_packed_recv_ids_raw`] that also adds each source rank's wait to
+    /// `wait_cycles` (see [`MoeLowLatency::combine_packed_timed_raw`]).
+    ///
+    /// # Safety
+    /// As for [`MoeLowLatency::combine_packed_recv_ids_raw`]; `wait_cycles` as for
+    /// [`MoeLowLatency::combine_packed_timed_raw`].
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn combine_packed_recv_timed_raw(
+        &self,
+        stream: &CudaStream,
+        topk_idx: (u64, bool),
+        topk_weights: u64,
+        num_tokens: usize,
+        out: u64,
+        ticket: u64,
+        wait_cycles: u64,
+    ) -> Result<()> {
+        let (topk_idx, ids_i64) = topk_idx;
+        let call = PackedCombine {
+            ticket,
+            ids_i64,
+            send: None,
+            recv: Some((topk_idx, topk_weights, num_tokens, out)),
+            wait_cycles,
         };
         // SAFETY: as documented.
         unsafe { self.path.combine_packed(stream, &call) }
@@ -813,6 +875,7 @@ impl MoeLowLatency {
             ids_i64: false,
             send: Some((y, *handle)),
             recv: None,
+            wait_cycles: 0,
         };
         // SAFETY: as documented.
         unsafe { self.path.combine_packed(stream, &call) }
@@ -865,6 +928,7 @@ impl MoeLowLatency {
             ids_i64,
             send: None,
             recv: Some((topk_idx, topk_weights, num_tokens, out)),
+            wait_cycles: 0,
         };
         // SAFETY: as documented.
         unsafe { self.path.combine_packed(stream, &call) }

@@ -194,6 +194,11 @@ pub struct PackedOutputs {
     /// The dispatch's `topk_idx` holds int64 ids (DeepEP's `topk_idx_t`; 8-byte aligned) instead
     /// of i32: read as such, no conversion needed (an id outside -1..experts selects nothing).
     pub ids_i64: bool,
+    /// `[world]` i64 (8-byte aligned) the receive half adds to, for each source rank, the SM
+    /// cycles (`clock64`) it waited for that rank's counts, once per local expert (DeepEP's
+    /// `dispatch_wait_recv_cost_stats`: a rank slow to send shows as a large entry), or 0.
+    /// On one node only (refused by name across nodes).
+    pub wait_cycles: u64,
     /// Two u64 of device memory (8-byte aligned) where the send half leaves its epoch and its
     /// call-check ordinal for the receive half, so that the receive half still pairs with its own
     /// send when another send came between them (two dispatches in flight, as DeepEP allows; their
@@ -233,6 +238,12 @@ impl PackedOutputs {
         self
     }
 
+    /// The receive half's waits added up per source (see [`PackedOutputs::wait_cycles`]).
+    pub fn with_wait_cycles(mut self, wait_cycles: u64) -> PackedOutputs {
+        self.wait_cycles = wait_cycles;
+        self
+    }
+
     /// The dispatch's ids are int64 (see [`PackedOutputs::ids_i64`]).
     pub fn with_i64_ids(mut self, on: bool) -> PackedOutputs {
         self.ids_i64 = on;
@@ -254,12 +265,13 @@ impl PackedOutputs {
             && self.count != 0
             && self.stats % 4 == 0
             && self.ticket % 8 == 0
+            && self.wait_cycles % 8 == 0
             && self.scales % 4 == 0;
         if !aligned {
             return Err(Error::invalid(
                 "packed outputs",
-                "x 16-byte aligned, src_info, count, stats and scales 4-byte, layout_range and \
-                 ticket 8-byte; x, src_info, layout_range and count given",
+                "x 16-byte aligned, src_info, count, stats and scales 4-byte, layout_range, \
+                 ticket and wait_cycles 8-byte; x, src_info, layout_range and count given",
             ));
         }
         if (self.round_scale || self.ue8m0) && !fp8 {
@@ -380,6 +392,8 @@ pub(super) struct PackedCombine {
     pub send: Option<(u64, PackedHandle)>,
     /// `(topk_idx, topk_weights, num_tokens, out)`.
     pub recv: Option<(u64, u64, usize, u64)>,
+    /// `[world]` i64 the receive half adds each source's wait to (cycles), or 0.
+    pub wait_cycles: u64,
 }
 
 impl PackedCombine {
@@ -602,6 +616,7 @@ mod tests {
             ids_i64,
             send,
             recv,
+            wait_cycles: 0,
         };
         // Good halves pass through unchanged; absent halves are None.
         let good = call(
@@ -731,7 +746,12 @@ mod tests {
         let e = |o: PackedOutputs, hidden| o.bits(hidden).unwrap_err().to_string();
         assert!(e(PackedOutputs::new(0x1008, 0x2000, 0x3000, 0x4000), 512).contains("16-byte"));
         assert!(e(PackedOutputs::new(0x1000, 0, 0x3000, 0x4000), 512).contains("given"));
-        assert!(e(ok.with_ticket(0x6004), 512).contains("ticket 8-byte"));
+        assert!(e(ok.with_ticket(0x6004), 512).contains("ticket and wait_cycles 8-byte"));
+        assert!(e(ok.with_wait_cycles(0x7004), 512).contains("ticket and wait_cycles 8-byte"));
+        assert_eq!(
+            ok.with_wait_cycles(0x7000).bits(512).unwrap(),
+            packed::PACKED
+        );
         let mut no_scales = ok;
         no_scales.round_scale = true;
         assert!(e(no_scales, 512).contains("for FP8 rows"));

@@ -4,6 +4,7 @@ MoE kernels (see ``docs/deep_ep.md`` for what is built and what is not yet)."""
 from __future__ import annotations
 
 import os
+import warnings
 import weakref
 from typing import Any, Callable, Dict, List, Optional, Set, Tuple, Union
 
@@ -11,6 +12,23 @@ from .. import moe as _moe
 from .._check import check_tensor, device_view
 
 _PLAN = "docs/deep_ep.md"
+
+
+_raw_stream: Optional[Callable[[int], int]] = None
+
+
+def _current_raw_stream(device: int) -> int:
+    """The handle of PyTorch's current stream on ``device`` as an int: PyTorch's own
+    ``torch._C._cuda_getCurrentRawStream`` (what its compiled code calls; no Stream object is
+    built, about 5 us less a call), or the public ``torch.cuda.current_stream`` where it is
+    missing."""
+    global _raw_stream
+    if _raw_stream is None:
+        import torch
+
+        raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+        _raw_stream = raw if raw is not None else (lambda d: int(torch.cuda.current_stream(d).cuda_stream))
+    return int(_raw_stream(device))
 
 
 def _not_yet(what: str, step: str) -> NotImplementedError:
@@ -215,6 +233,7 @@ class Buffer:
     communicator instead of ``group``) is not built yet."""
 
     num_sms: int = 20
+    _logfmt_warned: bool = False  # use_logfmt's warning, once a process
 
     def __init__(
         self,
@@ -805,6 +824,10 @@ class Buffer:
     def _ll_for(self, hidden: int, num_experts: int, m: int, topk: int) -> Any:
         """doorbell's low-latency exchange in DeepEP's layout for this shape, built on the shape's
         first call (every rank makes it: collective)."""
+        key = (hidden, num_experts, m, topk)
+        native = self._ll.get(key)
+        if native is not None:
+            return native
         from .. import _doorbell
 
         if not self.low_latency_mode:
@@ -816,58 +839,48 @@ class Buffer:
             raise ValueError(f"num_max_dispatch_tokens_per_rank={m}; a positive int")
         if hidden <= 0 or hidden % 128 != 0:
             raise ValueError(f"hidden={hidden}; a positive multiple of 128")
-        key = (hidden, num_experts, m, topk)
-        native = self._ll.get(key)
-        if native is None:
-            need = Buffer.get_low_latency_rdma_size_hint(m, hidden, world, num_experts)
-            if need > self.num_rdma_bytes:
-                raise ValueError(
-                    f"low-latency calls of hidden {hidden}, {num_experts} experts and {m} tokens per "
-                    f"rank need num_rdma_bytes >= {need} (Buffer.get_low_latency_rdma_size_hint); "
-                    f"the Buffer has {self.num_rdma_bytes}"
-                )
-            native = _doorbell.MoeLowLatency(self._comm._native, hidden, topk, num_experts, m, None, True, self.enable_shrink)
-            stream = self._current_stream_handle()
-            for r in sorted(self._masked):
-                native.set_rank_masked(r, True, stream)
-            self._ll[key] = native
+        need = Buffer.get_low_latency_rdma_size_hint(m, hidden, world, num_experts)
+        if need > self.num_rdma_bytes:
+            raise ValueError(
+                f"low-latency calls of hidden {hidden}, {num_experts} experts and {m} tokens per "
+                f"rank need num_rdma_bytes >= {need} (Buffer.get_low_latency_rdma_size_hint); "
+                f"the Buffer has {self.num_rdma_bytes}"
+            )
+        native = _doorbell.MoeLowLatency(self._comm._native, hidden, topk, num_experts, m, None, True, self.enable_shrink)
+        stream = self._current_stream_handle()
+        for r in sorted(self._masked):
+            native.set_rank_masked(r, True, stream)
+        self._ll[key] = native
         return native
 
-    def _ll_streams(self, async_finish: bool, return_recv_hook: bool) -> Tuple[Any, Any]:
-        """The streams of a low-latency call: ``(compute, launch)``. DeepEP runs the call on its
+    def _ll_launch(self, async_finish: bool, return_recv_hook: bool) -> int:
+        """The stream a low-latency call launches on, as a handle. DeepEP runs the call on its
         communication stream unless a hook is asked for, and without ``async_finish`` makes the
         current stream wait for it at once; so here only an ``async_finish`` call goes to the
-        communication stream, the others run on the current stream (the same order as seen from
-        every stream the caller has, without two event waits of host time per call). The caller
-        makes its tensors on the current stream first, then calls :meth:`_ll_launch_after`."""
-        import torch
+        communication stream (after what the current stream queued: the inputs and the outputs'
+        allocation), the others run on the current stream (the same order as seen from every
+        stream the caller has, without two event waits, or a Stream object, of host time per
+        call). The caller makes its tensors on the current stream first."""
+        if async_finish:
+            if return_recv_hook:
+                raise ValueError("async_finish and return_recv_hook cannot both be set")
+            import torch
 
-        if async_finish and return_recv_hook:
-            raise ValueError("async_finish and return_recv_hook cannot both be set")
-        compute = torch.cuda.current_stream()
-        return compute, (self._stream if async_finish else compute)
+            self._stream.wait_stream(torch.cuda.current_stream(self._comm.device))
+            return int(self._stream.cuda_stream)
+        return _current_raw_stream(self._comm.device)
 
-    @staticmethod
-    def _ll_launch_after(compute: Any, launch: Any) -> None:
-        """The launch stream waits for what the current stream queued (the inputs, the outputs'
-        allocation, the id conversion)."""
-        if launch is not compute:
-            launch.wait_stream(compute)
-
-    def _ll_finish(self, compute: Any, launch: Any, async_finish: bool, tensors: Tuple[Any, ...]) -> EventOverlap:
+    def _ll_finish(self, async_finish: bool, tensors: Tuple[Any, ...]) -> EventOverlap:
         """The event DeepEP returns: with ``async_finish`` one on the communication stream (the
         tensors, made on the current stream, recorded on it as well, since the current stream
-        goes on without waiting); else the current stream waits and the event is empty (nothing
-        to record: the current stream is ordered after every use, so CUDA-graph capture works)."""
-        if launch is compute:
+        goes on without waiting); else empty (the call ran on the current stream, which is
+        ordered after every use, so CUDA-graph capture works)."""
+        if not async_finish:
             return EventOverlap(None)
-        if async_finish:
-            for t in tensors:
-                if t is not None:
-                    t.record_stream(launch)
-            return EventOverlap(self._stream.record_event(), tensors)
-        compute.wait_stream(launch)
-        return EventOverlap(None)
+        for t in tensors:
+            if t is not None:
+                t.record_stream(self._stream)
+        return EventOverlap(self._stream.record_event(), tensors)
 
     def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:
         """Nothing to clean: doorbell tags every count and signal with its call's epoch, so what an
@@ -900,14 +913,14 @@ class Buffer:
         expert's rows packed from row 0, source rank 0's first; ``recv_count`` int32 per local
         expert; ``handle = (src_info, layout_range, M, hidden, num_experts)``. With
         ``return_recv_hook`` the send half runs on the current stream and ``hook()`` runs the
-        receive half. Fresh output tensors each call, as DeepEP's."""
+        receive half. ``dispatch_wait_recv_cost_stats`` (``[ranks]`` int64, one node): the
+        receive half adds the SM cycles it waited for each source rank's counts, per local
+        expert, as DeepEP's. Fresh output tensors each call, as DeepEP's."""
         self._alive()
         if use_ue8m0 and not round_scale:
             raise ValueError("low_latency_dispatch: use_ue8m0 needs round_scale=True")
         if (round_scale or use_ue8m0) and not use_fp8:
             raise ValueError("low_latency_dispatch: round_scale and use_ue8m0 are for use_fp8=True")
-        if dispatch_wait_recv_cost_stats is not None:
-            raise _not_yet("dispatch_wait_recv_cost_stats (per-rank receive wait times)", "step 4")
         dev = self._comm.device
         if len(getattr(x, "shape", ())) != 2:
             raise ValueError("low_latency_dispatch: x is (num_tokens, hidden) bf16")
@@ -927,40 +940,41 @@ class Buffer:
         local, cap = num_experts // world, world * m
         if cumulative_local_expert_recv_stats is not None:
             check_tensor("cumulative_local_expert_recv_stats", cumulative_local_expert_recv_stats, device=dev, dtypes="int32", shape=(local,), align=4)
+        waits = self._wait_stats("dispatch_wait_recv_cost_stats", dispatch_wait_recv_cost_stats)
         import torch
 
-        compute, launch = self._ll_streams(async_finish, return_recv_hook)
         # The outputs on the current stream, as DeepEP's; int64 ids are read as they are.
         idx = topk_idx
         ids_i64 = topk_idx.dtype == torch.int64
         scales_store: Optional[Any] = None
+        on = x.device
         if use_fp8:
-            packed_x = torch.empty((local, cap, hidden), dtype=torch.float8_e4m3fn, device=x.device)
+            packed_x = torch.empty((local, cap, hidden), dtype=torch.float8_e4m3fn, device=on)
             if use_ue8m0:
-                scales_store = torch.empty((local, hidden // 512, cap), dtype=torch.int32, device=x.device)
+                scales_store = torch.empty((local, hidden // 512, cap), dtype=torch.int32, device=on)
             else:
-                scales_store = torch.empty((local, hidden // 128, cap), dtype=torch.float32, device=x.device)
+                scales_store = torch.empty((local, hidden // 128, cap), dtype=torch.float32, device=on)
         else:
-            packed_x = torch.empty((local, cap, hidden), dtype=torch.bfloat16, device=x.device)
-        count = torch.empty(local, dtype=torch.int32, device=x.device)
-        src_info = torch.empty((local, cap), dtype=torch.int32, device=x.device)
-        layout_range = torch.empty((local, world), dtype=torch.int64, device=x.device)
+            packed_x = torch.empty((local, cap, hidden), dtype=torch.bfloat16, device=on)
+        count = torch.empty(local, dtype=torch.int32, device=on)
+        src_info = torch.empty((local, cap), dtype=torch.int32, device=on)
+        layout_range = torch.empty((local, world), dtype=torch.int64, device=on)
         # With the hook: where the send half leaves its epoch for this call's receive half (another
         # dispatch may be sent before the hook runs: two in flight, as DeepEP allows). Both halves
         # in one kernel need none (the receive half pairs with the send of its own launch).
-        ticket = torch.empty(2, dtype=torch.int64, device=x.device) if return_recv_hook else None
+        ticket = torch.empty(2, dtype=torch.int64, device=on) if return_recv_hook else None
         stats = cumulative_local_expert_recv_stats
         outputs = (
             packed_x.data_ptr(), 0 if scales_store is None else scales_store.data_ptr(), round_scale, use_ue8m0,
             src_info.data_ptr(), layout_range.data_ptr(), count.data_ptr(), 0 if stats is None else stats.data_ptr(),
             0 if ticket is None else ticket.data_ptr(),
         )
-        self._ll_launch_after(compute, launch)
-        native.dispatch_packed(x.data_ptr(), idx.data_ptr(), num_tokens, *outputs, return_recv_hook, int(launch.cuda_stream), ids_i64)
+        launch = self._ll_launch(async_finish, return_recv_hook)
+        native.dispatch_packed(x.data_ptr(), idx.data_ptr(), num_tokens, *outputs, return_recv_hook, launch, ids_i64, waits)
         recv_x: Any = (packed_x, scales_store.transpose(1, 2)) if scales_store is not None else packed_x
-        kept = (x, topk_idx, idx, packed_x, scales_store, count, src_info, layout_range, stats, ticket)
+        kept = (x, topk_idx, idx, packed_x, scales_store, count, src_info, layout_range, stats, ticket, dispatch_wait_recv_cost_stats)
         handle = (src_info, layout_range, m, hidden, num_experts)
-        event = self._ll_finish(compute, launch, async_finish, kept)
+        event = self._ll_finish(async_finish, kept)
         if not return_recv_hook:
             return recv_x, count, handle, event, None
 
@@ -968,7 +982,7 @@ class Buffer:
             # On the stream of the send half, as DeepEP's hook: ordered after it whatever stream
             # is current when the hook is called. The hook holds the call's tensors (the ticket
             # above all, which the send wrote and this half reads) until it is dropped.
-            native.dispatch_packed_recv(*outputs, int(compute.cuda_stream))
+            native.dispatch_packed_recv(*outputs, launch, waits)
 
         return recv_x, count, handle, event, hook
 
@@ -1024,12 +1038,19 @@ class Buffer:
         dispatch goes back to its token's rank, where ``combined_x[t] = sum_k topk_weights[t, k]
         x row(t, k)`` (f32 in top-k order, ids of -1 add nothing). ``x`` is the experts' outputs
         in the dispatch's layout (with ``zero_copy``, the tensor from
-        ``get_next_low_latency_combine_buffer`` is read instead)."""
+        ``get_next_low_latency_combine_buffer`` is read instead). ``combine_wait_recv_cost_stats``
+        (``[ranks]`` int64, one node): the SM cycles the receive waited for each rank's rows are
+        added to it. ``use_logfmt`` is accepted with a warning: the rows travel as bf16."""
         self._alive()
-        if use_logfmt:
-            raise _not_yet("use_logfmt (LogFMT-10 rows in the combine)", "step 4")
-        if combine_wait_recv_cost_stats is not None:
-            raise _not_yet("combine_wait_recv_cost_stats", "step 4")
+        if use_logfmt and not Buffer._logfmt_warned:
+            # Accepted, not built: the rows travel as bf16 (at least LogFMT-10's precision, the
+            # same sums as without it), so code written with it runs; its bytes are bf16's.
+            Buffer._logfmt_warned = True
+            warnings.warn(
+                "doorbell.deep_ep: use_logfmt=True is accepted, but LogFMT-10's compression is not "
+                "built: the combine's rows travel as bf16 (results at least as precise, bf16's bytes)",
+                stacklevel=2,
+            )
         src_info, layout_range, m, hidden, num_experts = self._ll_handle(handle)
         dev, world = self._comm.device, self.group_size
         check_tensor("topk_idx", topk_idx, device=dev, dtypes=("int64", "int32"), ndim=2, align=4)
@@ -1038,6 +1059,7 @@ class Buffer:
             raise ValueError(f"low_latency_combine: {num_tokens} tokens; the handle's dispatch allows {m}")
         check_tensor("topk_weights", topk_weights, device=dev, dtypes="float32", shape=(num_tokens, topk), align=4)
         native = self._ll_for(hidden, num_experts, m, topk)
+        waits = self._wait_stats("combine_wait_recv_cost_stats", combine_wait_recv_cost_stats)
         if zero_copy:
             x = self._ll_combine_buffer(handle, advance=True)
         check_tensor("x", x, device=dev, dtypes="bfloat16", shape=(num_experts // world, world * m, hidden))
@@ -1045,7 +1067,6 @@ class Buffer:
             check_tensor("out", out, device=dev, dtypes="bfloat16", shape=(num_tokens, hidden))
         import torch
 
-        compute, launch = self._ll_streams(async_finish, return_recv_hook)
         # The output on the current stream, as DeepEP's; int64 ids are read as they are.
         idx = topk_idx
         ids_i64 = topk_idx.dtype == torch.int64
@@ -1053,14 +1074,14 @@ class Buffer:
             out = torch.empty((num_tokens, hidden), dtype=torch.bfloat16, device=x.device)
         # The hook's pairing word, as in low_latency_dispatch (none when one kernel does both).
         ticket = torch.empty(2, dtype=torch.int64, device=x.device) if return_recv_hook else None
-        self._ll_launch_after(compute, launch)
+        launch = self._ll_launch(async_finish, return_recv_hook)
         native.combine_packed(
             x.data_ptr(), src_info.data_ptr(), layout_range.data_ptr(), idx.data_ptr(), topk_weights.data_ptr(),
             num_tokens, out.data_ptr(), 0 if ticket is None else ticket.data_ptr(), True, not return_recv_hook,
-            int(launch.cuda_stream), ids_i64,
+            launch, ids_i64, 0 if return_recv_hook else waits,
         )
-        kept = (x, topk_idx, idx, topk_weights, src_info, layout_range, out, ticket)
-        event = self._ll_finish(compute, launch, async_finish, kept)
+        kept = (x, topk_idx, idx, topk_weights, src_info, layout_range, out, ticket, combine_wait_recv_cost_stats)
+        event = self._ll_finish(async_finish, kept)
         if not return_recv_hook:
             return out, event, None
         assert ticket is not None  # made above whenever there is a hook
@@ -1070,17 +1091,24 @@ class Buffer:
             # On the stream of the send half, as DeepEP's hook; it holds the call's tensors.
             native.combine_packed(
                 0, 0, 0, idx.data_ptr(), topk_weights.data_ptr(), num_tokens, result.data_ptr(), pairing,
-                False, True, int(compute.cuda_stream), ids_i64,
+                False, True, launch, ids_i64, waits,
             )
 
         return out, event, hook
 
+    def _wait_stats(self, name: str, t: Optional[Any]) -> int:
+        """The address of DeepEP's ``dispatch/combine_wait_recv_cost_stats`` (``[ranks]`` int64,
+        to which the receive half adds, for each source rank, the SM cycles it waited for that
+        rank), checked; 0 for None. One node only (the node-spanning kernels refuse it)."""
+        if t is None:
+            return 0
+        check_tensor(name, t, device=self._comm.device, dtypes="int64", shape=(self.group_size,), align=8)
+        return int(t.data_ptr())
+
     # ---- rank masks (enable_shrink) ----
 
     def _current_stream_handle(self) -> int:
-        import torch
-
-        return int(torch.cuda.current_stream(self._comm.device).cuda_stream)
+        return _current_raw_stream(self._comm.device)
 
     def _need_shrink(self, what: str) -> None:
         self._alive()
