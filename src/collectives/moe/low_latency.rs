@@ -782,16 +782,19 @@ impl MoeLowLatency {
         num_tokens: usize,
         out: u64,
     ) -> Result<()> {
-        let (topk_idx, ids_i64) = topk_idx;
-        let call = PackedCombine {
-            ticket: 0,
-            ids_i64,
-            send: Some((y, *handle)),
-            recv: Some((topk_idx, topk_weights, num_tokens, out)),
-            wait_cycles: 0,
-        };
-        // SAFETY: as documented.
-        unsafe { self.path.combine_packed(stream, &call) }
+        // SAFETY: as documented (no wait statistics).
+        unsafe {
+            self.combine_packed_timed_raw(
+                stream,
+                y,
+                handle,
+                topk_idx,
+                topk_weights,
+                num_tokens,
+                out,
+                0,
+            )
+        }
     }
 
     /// [`MoeLowLatency::combine_packed_ids_raw`] that also adds, for each source rank, the SM
@@ -922,15 +925,17 @@ impl MoeLowLatency {
         out: u64,
         ticket: u64,
     ) -> Result<()> {
-        let (topk_idx, ids_i64) = topk_idx;
-        let call = PackedCombine {
-            ticket,
-            ids_i64,
-            send: None,
-            recv: Some((topk_idx, topk_weights, num_tokens, out)),
-            wait_cycles: 0,
-        };
-        // SAFETY: as documented.
-        unsafe { self.path.combine_packed(stream, &call) }
+        // SAFETY: as documented (no wait statistics).
+        unsafe {
+            self.combine_packed_recv_timed_raw(
+                stream,
+                topk_idx,
+                topk_weights,
+                num_tokens,
+                out,
+                ticket,
+                0,
+            )
+        }
     }
 }
