@@ -357,10 +357,98 @@ __device__ void finish_combine_send(const MoeLlArgs& a, uint64_t call) {
   }
 }
 
+// ---- Log rows (kPackedLogFmt: DeepEP's use_logfmt, in a format of doorbell's own) ----
+// Each group of 128 values of a returned row travels in the first 176 of its 256 bytes: 128
+// codes of 10 bits (bytes 0-159; value j at bits 10j..10j+9, little-endian), then two f32: `lo`,
+// the log2 magnitude of code 1, and `step`, the log2 distance between codes, then 8 bytes of
+// padding. Code 0 is zero; otherwise bit 9 is the sign and m = bits 0-8 (1..511) gives
+// |x| = 2^(lo + (m - 1) step): the group's magnitudes from its largest down kLogRange octaves
+// in 510 steps (relative error at most 2^(step / 2) - 1, 0.5% for a group spanning 7 octaves);
+// smaller ones go as zero. A group holding a NaN or an infinity goes as NaN throughout.
+constexpr float kLogRange = 16.0f;
+constexpr uint32_t kLogGroupBytes = 176;
+
+// Encodes `hidden` bf16 values at `src` into log rows at `dst` (a peer's return slot). One warp;
+// `stage` is the warp's kLogGroupBytes of shared memory (16-byte aligned).
+__device__ void push_log_row(int4* dst, const int4* src, uint32_t hidden, uint32_t lane, uint8_t* stage) {
+  for (uint32_t g = 0; g < hidden / 128; ++g) {
+    const uint2 raw = reinterpret_cast<const uint2*>(src)[g * 32 + lane];  // values 4 lane .. 4 lane + 3
+    const __nv_bfloat162 h0 = *reinterpret_cast<const __nv_bfloat162*>(&raw.x);
+    const __nv_bfloat162 h1 = *reinterpret_cast<const __nv_bfloat162*>(&raw.y);
+    const float v[4] = {__low2float(h0), __high2float(h0), __low2float(h1), __high2float(h1)};
+    float l[4], hi = -INFINITY, lo = INFINITY;
+    bool bad = false;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      bad |= !isfinite(v[i]);
+      l[i] = v[i] != 0.0f ? __log2f(fabsf(v[i])) : -INFINITY;
+      if (v[i] != 0.0f) {
+        hi = fmaxf(hi, l[i]);
+        lo = fminf(lo, l[i]);
+      }
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+      hi = fmaxf(hi, __shfl_xor_sync(0xffffffffu, hi, o));
+      lo = fminf(lo, __shfl_xor_sync(0xffffffffu, lo, o));
+    }
+    bad = __any_sync(0xffffffffu, bad);
+    lo = fmaxf(lo, hi - kLogRange);
+    const float step = hi > lo ? (hi - lo) / 510.0f : 0.0f;
+    const float inv = step > 0.0f ? 1.0f / step : 0.0f;
+    uint64_t bits = 0;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      uint32_t code = 0;
+      if (bad) {
+        code = 1;  // decodes to NaN with lo NaN
+      } else if (v[i] != 0.0f && l[i] >= lo - 0.5f * step) {
+        const float q = fminf(fmaxf(rintf((l[i] - lo) * inv), 0.0f), 510.0f);
+        code = (uint32_t(q) + 1u) | (v[i] < 0.0f ? 0x200u : 0u);
+      }
+      bits |= uint64_t(code) << (10 * i);
+    }
+#pragma unroll
+    for (int b = 0; b < 5; ++b) stage[5 * lane + b] = uint8_t(bits >> (8 * b));
+    if (lane == 0) {
+      reinterpret_cast<float*>(stage + 160)[0] = bad || hi == -INFINITY ? (bad ? __int_as_float(0x7fc00000) : 0.0f) : lo;
+      reinterpret_cast<float*>(stage + 160)[1] = step;
+      reinterpret_cast<uint64_t*>(stage + 168)[0] = 0;
+    }
+    __syncwarp();
+    if (lane < kLogGroupBytes / 16) dst[g * 16 + lane] = reinterpret_cast<const int4*>(stage)[lane];
+    __syncwarp();
+  }
+}
+
+// Adds `w` x the eight values of chunk `c` (values 8c .. 8c + 7) of the log row at `row` to
+// `acc`.
+__device__ void fma_log_chunk(float* acc, float w, const uint8_t* row, uint32_t c) {
+  const uint8_t* group = row + uint64_t(c / 16) * 256;
+  const uint16_t* p = reinterpret_cast<const uint16_t*>(group + 10 * (c % 16));
+  const uint64_t w0 = uint64_t(p[0]) | uint64_t(p[1]) << 16 | uint64_t(p[2]) << 32 | uint64_t(p[3]) << 48;
+  const uint32_t w1 = p[4];
+  const float lo = reinterpret_cast<const float*>(group + 160)[0];
+  const float step = reinterpret_cast<const float*>(group + 160)[1];
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    const uint32_t code = j < 6 ? uint32_t(w0 >> (10 * j)) & 0x3ffu
+                          : j == 6 ? (uint32_t(w0 >> 60) | (w1 << 4)) & 0x3ffu
+                                   : (w1 >> 6) & 0x3ffu;
+    const uint32_t m = code & 0x1ffu;
+    if (m == 0) continue;
+    const float mag = exp2f(lo + float(m - 1) * step);
+    acc[j] += w * ((code & 0x200u) != 0 ? -mag : mag);
+  }
+}
+
 // DeepEP's combine, send half: every row of the handle's dispatch (`packed_range`, `packed_src`),
 // read from the caller's `y [local expert][cap][hidden]`, goes back unweighted to its token's
-// rank, into that rank's return slot for (this expert, token).
+// rank, into that rank's return slot for (this expert, token): as it is, or as a log row
+// (kPackedLogFmt).
 __device__ void combine_send_packed(const MoeLlArgs& a, uint64_t call) {
+  __shared__ __align__(16) uint8_t log_stage[512 / kWarp][kLogGroupBytes];
+  const bool log_rows = (a.packed & kPackedLogFmt) != 0;
   const uint32_t half = uint32_t(call & 1), cap = packed_cap(a), lane = threadIdx.x % kWarp;
   const uint32_t words = a.hidden / 8, experts = a.experts_per_rank * a.world;
   const uint32_t warps = gridDim.x * (blockDim.x / kWarp);
@@ -378,7 +466,11 @@ __device__ void combine_send_packed(const MoeLlArgs& a, uint64_t call) {
     if (t < 0 || uint32_t(t) >= a.max_tokens) continue;  // not a row a dispatch wrote
     const uint32_t e = a.rank * a.experts_per_rank + le;
     int4* dst = reinterpret_cast<int4*>(a.area[src] + a.off_ret) + ((uint64_t(half) * experts + e) * a.max_tokens + t) * words;
-    copy_words_batched<int4, 8>(dst, y + p * words, words, lane, kWarp);
+    if (log_rows) {
+      push_log_row(dst, y + p * words, a.hidden, lane, log_stage[threadIdx.x / kWarp]);
+    } else {
+      copy_words_batched<int4, 8>(dst, y + p * words, words, lane, kWarp);
+    }
   }
   finish_combine_send(a, call);
 }
@@ -400,6 +492,7 @@ __device__ void combine_recv_packed(const MoeLlArgs& a, uint64_t call) {
     return;
   }
   const int4* ret = reinterpret_cast<const int4*>(a.area[a.rank] + a.off_ret);
+  const bool log_rows = (a.packed & kPackedLogFmt) != 0;
   for (uint32_t i = first; i < n_items; i += stride) {
     const uint32_t t = i / words, c = i % words;
     float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
@@ -408,8 +501,13 @@ __device__ void combine_recv_packed(const MoeLlArgs& a, uint64_t call) {
       if (e < 0 || uint32_t(e) >= experts) continue;
       const uint32_t owner = uint32_t(e) / a.experts_per_rank;
       if (moe_ll::masked(a, owner) || ((lost >> owner) & 1u) != 0u) continue;
-      fma_bf16x8(acc, a.topk_weights[uint64_t(t) * a.topk + k],
-                 ret[((uint64_t(half) * experts + uint32_t(e)) * a.max_tokens + t) * words + c]);
+      const uint64_t row = ((uint64_t(half) * experts + uint32_t(e)) * a.max_tokens + t) * words;
+      const float w = a.topk_weights[uint64_t(t) * a.topk + k];
+      if (log_rows) {
+        fma_log_chunk(acc, w, reinterpret_cast<const uint8_t*>(ret + row), c);
+      } else {
+        fma_bf16x8(acc, w, ret[row + c]);
+      }
     }
     out[i] = to_bf16x8(acc);
   }

@@ -14,7 +14,7 @@ use doorbell::channel::memory_channel::{MemoryChannels, RegisteredMemory};
 use doorbell::collectives::allreduce::{AllReduce, AllReduceOptions};
 use doorbell::collectives::alltoall::{AllToAll, AllToAllOptions};
 use doorbell::collectives::moe::{
-    MoeConfig, MoeHighThroughput, MoeLowLatency, PackedHandle, PackedOutputs,
+    MoeConfig, MoeHighThroughput, MoeLowLatency, PackedCombineOptions, PackedHandle, PackedOutputs,
 };
 use doorbell::collectives::DataType;
 use doorbell::communicator::Communicator;
@@ -809,8 +809,9 @@ impl MoeLl {
     /// DeepEP's layout: a combine's halves (`send`: `y` and the handle's `src_info` and
     /// `layout_range` go out; `recv`: `out [num_tokens, hidden]` from `topk_idx` and
     /// `topk_weights`, int64 ids with `ids_i64`; `ticket` pairs a receive half with its send,
-    /// or 0; `wait_cycles` `[world]` i64 the receive half adds each source's wait to, or 0).
-    #[pyo3(signature = (y, src_info, layout_range, topk_idx, topk_weights, num_tokens, out, ticket, send, recv, stream, ids_i64=false, wait_cycles=0))]
+    /// or 0; `wait_cycles` `[world]` i64 the receive half adds each source's wait to, or 0;
+    /// `logfmt`: the rows go back as 10-bit log rows, both halves alike).
+    #[pyo3(signature = (y, src_info, layout_range, topk_idx, topk_weights, num_tokens, out, ticket, send, recv, stream, ids_i64=false, wait_cycles=0, logfmt=false))]
     #[allow(clippy::too_many_arguments)]
     fn combine_packed(
         &self,
@@ -828,8 +829,12 @@ impl MoeLl {
         stream: u64,
         ids_i64: bool,
         wait_cycles: u64,
+        logfmt: bool,
     ) -> PyResult<()> {
         let s = self.comm.get().stream(stream)?;
+        let options = PackedCombineOptions::new()
+            .with_wait_cycles(wait_cycles)
+            .with_logfmt(logfmt);
         let handle = PackedHandle {
             src_info,
             layout_range,
@@ -837,7 +842,7 @@ impl MoeLl {
         // SAFETY: checked by the package (shapes, dtypes, device, alignment).
         py.allow_threads(|| unsafe {
             match (send, recv) {
-                (true, true) => self.inner.combine_packed_timed_raw(
+                (true, true) => self.inner.combine_packed_with_raw(
                     &s,
                     y,
                     &handle,
@@ -845,17 +850,19 @@ impl MoeLl {
                     topk_weights,
                     num_tokens,
                     out,
-                    wait_cycles,
+                    &options,
                 ),
-                (true, false) => self.inner.combine_packed_send_raw(&s, y, &handle, ticket),
-                (false, true) => self.inner.combine_packed_recv_timed_raw(
+                (true, false) => self
+                    .inner
+                    .combine_packed_send_with_raw(&s, y, &handle, ticket, &options),
+                (false, true) => self.inner.combine_packed_recv_with_raw(
                     &s,
                     (topk_idx, ids_i64),
                     topk_weights,
                     num_tokens,
                     out,
                     ticket,
-                    wait_cycles,
+                    &options,
                 ),
                 (false, false) => Ok(()),
             }

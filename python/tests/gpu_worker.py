@@ -3,7 +3,6 @@ uses GPU 0 unless DOORBELL_TEST_GPUS says how many to spread over). Exits non-ze
 reason on a mismatch."""
 
 import sys
-import warnings
 
 import torch
 
@@ -737,13 +736,31 @@ def deep_ep_low_latency():
             if not late:
                 check(max(range(w), key=lambda j: got[j]) == w - 1 and got[w - 1] > 5_000_000,
                       f"hook={hook_mode}: {name} wait cycles {got}: the late rank {w - 1} the largest")
-    # use_logfmt: accepted with a warning, the rows as bf16: the same sums as without it.
-    plain, _, _ = buf.low_latency_combine(gemm, topk_idx, topk_weights, handle)
-    with warnings.catch_warnings(record=True) as said:
-        warnings.simplefilter("always")
-        logfmt, _, _ = buf.low_latency_combine(gemm, topk_idx, topk_weights, handle, use_logfmt=True)
-    check(bool(torch.equal(plain, logfmt)), "use_logfmt's combine equals the bf16 one")
-    check(deep_ep.Buffer._logfmt_warned, "use_logfmt warned")
+    # use_logfmt: the rows go back as 10-bit log rows: close to the bf16 combine (DeepEP's test
+    # allows 1e-5 after a bf16 dispatch), not the same bytes; a NaN in a row shows in the output.
+    rough = torch.randn_like(gemm) * 0.5
+    plain, _, _ = buf.low_latency_combine(rough, topk_idx, topk_weights, handle)
+    for hook_mode in (False, True):
+        logfmt, ev3, hook3 = buf.low_latency_combine(
+            rough, topk_idx, topk_weights, handle, use_logfmt=True,
+            async_finish=not hook_mode, return_recv_hook=hook_mode,
+        )
+        hook3() if hook_mode else ev3.current_stream_wait()
+        diff = calc_diff(plain.float(), logfmt.float())
+        check(diff < 1e-5 and not bool(logfmt.isnan().any()), f"log rows (hook={hook_mode}): diff {diff} from bf16")
+        check(not torch.equal(plain, logfmt), "log rows differ from bf16 rows somewhere (they were encoded)")
+    hit = torch.tensor([1 if r == 0 and int(handle[1][0, 0]) & 0xFFFFFFFF > 0 else 0])
+    if int(hit):
+        rough[0, int(handle[1][0, 0]) >> 32, 3] = float("nan")
+    dist.all_reduce(hit)
+    nans = []
+    for log_rows in (False, True):
+        got, _, _ = buf.low_latency_combine(rough, topk_idx, topk_weights, handle, use_logfmt=log_rows)
+        n = torch.tensor([int(got.isnan().sum())])
+        dist.all_reduce(n)
+        nans.append(int(n))
+    check(nans[1] >= nans[0] > 0 if int(hit) else nans == [0, 0],
+          f"a NaN row value: {nans[0]} NaN outputs with bf16 rows, {nans[1]} with log rows")
     buf.destroy()
     dist.barrier()
     dist.destroy_process_group()

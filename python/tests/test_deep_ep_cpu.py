@@ -87,10 +87,15 @@ def test_low_latency_calls_refuse_deepeps_invalid_flag_mixes_before_anything_is_
         b.low_latency_dispatch(None, None, 128, 16, use_ue8m0=True)
     with pytest.raises(ValueError, match="round_scale and use_ue8m0 are for use_fp8=True"):
         b.low_latency_dispatch(None, None, 128, 16, use_fp8=False, round_scale=True)
-    # use_logfmt is accepted (rows as bf16), with one warning a process; the arguments are checked.
-    with pytest.warns(UserWarning, match="LogFMT-10's compression is not built"):
-        with pytest.raises(TypeError, match="pass the handle low_latency_dispatch returned"):
-            b.low_latency_combine(None, None, None, None, use_logfmt=True)
+    # use_logfmt: log rows on one node; across nodes bf16, with one warning a process.
+    b._across = False
+    assert b._log_rows(True) and not b._log_rows(False)
+    b._across = True
+    Buffer._logfmt_warned = False
+    with pytest.warns(UserWarning, match="across nodes: the combine's rows travel as bf16"):
+        assert not b._log_rows(True)
+    with pytest.raises(TypeError, match="pass the handle low_latency_dispatch returned"):
+        b.low_latency_combine(None, None, None, None, use_logfmt=True)
     with pytest.raises(ValueError, match="a multiple of 2"):
         b.clean_low_latency_buffer(128, 7168, 3)
     with pytest.raises(ValueError, match="hidden"):

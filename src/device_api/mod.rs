@@ -535,6 +535,8 @@ pub mod packed {
     pub const UE8M0: u32 = 8;
     /// `topk_idx` holds int64 ids.
     pub const IDS64: u32 = 16;
+    /// A packed combine's rows go back as 10-bit log rows (one node).
+    pub const LOGFMT: u32 = 32;
 }
 
 /// Launch arguments of the node-spanning MoE kernels (`collective_args.cuh`, `moe_net.cuh`; field

@@ -230,6 +230,9 @@ constexpr uint32_t kPacked = 1, kPackedFp8 = 2, kPackedRound = 4, kPackedUe8m0 =
 // MoeLlArgs::packed bit: topk_idx holds int64 ids (DeepEP's topk_idx_t), read as such (an id
 // outside -1..experts selects nothing), so callers with int64 ids need no conversion kernel.
 constexpr uint32_t kIds64 = 16;
+// MoeLlArgs::packed bit (a packed combine, one node): the rows go back in doorbell's 10-bit log
+// format (moe_ll.cu, "Log rows"), 176 of each 128 values' 256 bytes (DeepEP's use_logfmt).
+constexpr uint32_t kPackedLogFmt = 32;
 
 // Launch arguments of the node-spanning MoE kernels (cuda/kernels/moe_net.cu, doorbell/moe_net.cuh):
 // the low-latency exchange for any mix of same-node peers (NVLink stores) and peers on other

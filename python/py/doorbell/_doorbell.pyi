@@ -157,4 +157,5 @@ class MoeLowLatency:
         stream: int,
         ids_i64: bool = False,
         wait_cycles: int = 0,
+        logfmt: bool = False,
     ) -> None: ...

@@ -567,7 +567,13 @@ impl LowLatencyPath for LlNet {
     /// applies the combine's weights. One combine in flight at a time.
     unsafe fn combine_packed(&self, stream: &CudaStream, call: &PackedCombine) -> Result<()> {
         self.prep()?;
-        untimed(call.wait_cycles, "combine")?;
+        untimed(call.options.wait_cycles, "combine")?;
+        if call.options.logfmt {
+            return Err(Error::invalid(
+                "combine",
+                "across nodes the rows go back as bf16 only (no log rows yet); pass logfmt off",
+            ));
+        }
         let mut send_args = None;
         if let Some((y, h)) = call.checked_send()? {
             let log = self.log();

@@ -744,18 +744,24 @@ impl LowLatencyPath for LlNvlink {
     /// DeepEP's layout: a combine's send half, receive half, or both in one kernel.
     unsafe fn combine_packed(&self, stream: &CudaStream, call: &PackedCombine) -> Result<()> {
         self.packed_built()?;
-        if call.ticket % 8 != 0 || call.wait_cycles % 8 != 0 {
+        let options = call.options;
+        if call.ticket % 8 != 0 || options.wait_cycles % 8 != 0 {
             return Err(Error::invalid(
                 "combine",
                 "the ticket and wait_cycles 8-byte aligned",
             ));
         }
         let mut args = crate::device_api::MoeLlArgs {
-            packed: packed::PACKED | if call.ids_i64 { packed::IDS64 } else { 0 },
+            packed: packed::PACKED
+                | if call.ids_i64 { packed::IDS64 } else { 0 }
+                | if options.logfmt { packed::LOGFMT } else { 0 },
             ticket: call.ticket,
-            wait_cycles: call.wait_cycles,
+            wait_cycles: options.wait_cycles,
             ..self.base
         };
+        // The call word carries the row format: a rank decoding log rows another sent as bf16
+        // (or the reverse) is named at once.
+        let variant = if options.logfmt { 3 } else { 1 };
         if let Some((y, h)) = call.checked_send()? {
             args.y = y;
             args.packed_src = h.src_info;
@@ -771,11 +777,11 @@ impl LowLatencyPath for LlNvlink {
         }
         match (call.send.is_some(), call.recv.is_some()) {
             (true, true) => {
-                args.call = self.next_call(CallKind::MoeLlCombine, 1, Some(stream));
+                args.call = self.next_call(CallKind::MoeLlCombine, variant, Some(stream));
                 self.launch(stream, 5, self.base.blocks, 512, &args)
             }
             (true, false) => {
-                args.call = self.next_call(CallKind::MoeLlCombine, 1, Some(stream));
+                args.call = self.next_call(CallKind::MoeLlCombine, variant, Some(stream));
                 self.launch(stream, 3, self.base.blocks, 512, &args)
             }
             (false, true) => {

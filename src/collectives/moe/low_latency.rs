@@ -7,7 +7,7 @@ use super::ll_nvlink::LlNvlink;
 use super::path::LowLatencyPath;
 use super::shared::{
     agree_shape, FusedSend, LowLatencyResults, MoeConfig, PackedBuffers, PackedCombine,
-    PackedFormat, PackedHandle, PackedOutputs,
+    PackedCombineOptions, PackedFormat, PackedHandle, PackedOutputs,
 };
 use crate::communicator::Communicator;
 use crate::error::{Error, Result};
@@ -782,9 +782,9 @@ impl MoeLowLatency {
         num_tokens: usize,
         out: u64,
     ) -> Result<()> {
-        // SAFETY: as documented (no wait statistics).
+        // SAFETY: as documented (no options).
         unsafe {
-            self.combine_packed_timed_raw(
+            self.combine_packed_with_raw(
                 stream,
                 y,
                 handle,
@@ -792,21 +792,19 @@ impl MoeLowLatency {
                 topk_weights,
                 num_tokens,
                 out,
-                0,
+                &PackedCombineOptions::new(),
             )
         }
     }
 
-    /// [`MoeLowLatency::combine_packed_ids_raw`] that also adds, for each source rank, the SM
-    /// cycles (`clock64`) the receive waited for that rank's rows to `wait_cycles` (`[world]`
-    /// i64, 8-byte aligned; DeepEP's `combine_wait_recv_cost_stats`; one node only): a rank slow
-    /// to return its rows shows as a large entry.
+    /// [`MoeLowLatency::combine_packed_ids_raw`] with `options`: wait statistics and log rows
+    /// (see [`PackedCombineOptions`]).
     ///
     /// # Safety
-    /// As for [`MoeLowLatency::combine_packed_ids_raw`]; `wait_cycles` valid until the work on
-    /// `stream` completes.
+    /// As for [`MoeLowLatency::combine_packed_ids_raw`]; `options.wait_cycles` 0 or `[world]`
+    /// i64 valid until the work on `stream` completes.
     #[allow(clippy::too_many_arguments)]
-    pub unsafe fn combine_packed_timed_raw(
+    pub unsafe fn combine_packed_with_raw(
         &self,
         stream: &CudaStream,
         y: u64,
@@ -815,7 +813,7 @@ impl MoeLowLatency {
         topk_weights: u64,
         num_tokens: usize,
         out: u64,
-        wait_cycles: u64,
+        options: &PackedCombineOptions,
     ) -> Result<()> {
         let (topk_idx, ids_i64) = topk_idx;
         let call = PackedCombine {
@@ -823,20 +821,44 @@ impl MoeLowLatency {
             ids_i64,
             send: Some((y, *handle)),
             recv: Some((topk_idx, topk_weights, num_tokens, out)),
-            wait_cycles,
+            options: *options,
         };
         // SAFETY: as documented.
         unsafe { self.path.combine_packed(stream, &call) }
     }
 
-    /// [`MoeLowLatency::combine_packed_recv_ids_raw`] that also adds each source rank's wait to
-    /// `wait_cycles` (see [`MoeLowLatency::combine_packed_timed_raw`]).
+    /// [`MoeLowLatency::combine_packed_send_raw`] with `options` (its `logfmt` must be the
+    /// receive half's).
     ///
     /// # Safety
-    /// As for [`MoeLowLatency::combine_packed_recv_ids_raw`]; `wait_cycles` as for
-    /// [`MoeLowLatency::combine_packed_timed_raw`].
+    /// As for [`MoeLowLatency::combine_packed_send_raw`].
+    pub unsafe fn combine_packed_send_with_raw(
+        &self,
+        stream: &CudaStream,
+        y: u64,
+        handle: &PackedHandle,
+        ticket: u64,
+        options: &PackedCombineOptions,
+    ) -> Result<()> {
+        let call = PackedCombine {
+            ticket,
+            ids_i64: false,
+            send: Some((y, *handle)),
+            recv: None,
+            options: *options,
+        };
+        // SAFETY: as documented.
+        unsafe { self.path.combine_packed(stream, &call) }
+    }
+
+    /// [`MoeLowLatency::combine_packed_recv_ids_raw`] with `options` (its `logfmt` must be the
+    /// send half's).
+    ///
+    /// # Safety
+    /// As for [`MoeLowLatency::combine_packed_recv_ids_raw`]; `options.wait_cycles` as for
+    /// [`MoeLowLatency::combine_packed_with_raw`].
     #[allow(clippy::too_many_arguments)]
-    pub unsafe fn combine_packed_recv_timed_raw(
+    pub unsafe fn combine_packed_recv_with_raw(
         &self,
         stream: &CudaStream,
         topk_idx: (u64, bool),
@@ -844,7 +866,7 @@ impl MoeLowLatency {
         num_tokens: usize,
         out: u64,
         ticket: u64,
-        wait_cycles: u64,
+        options: &PackedCombineOptions,
     ) -> Result<()> {
         let (topk_idx, ids_i64) = topk_idx;
         let call = PackedCombine {
@@ -852,7 +874,7 @@ impl MoeLowLatency {
             ids_i64,
             send: None,
             recv: Some((topk_idx, topk_weights, num_tokens, out)),
-            wait_cycles,
+            options: *options,
         };
         // SAFETY: as documented.
         unsafe { self.path.combine_packed(stream, &call) }
@@ -873,15 +895,16 @@ impl MoeLowLatency {
         handle: &PackedHandle,
         ticket: u64,
     ) -> Result<()> {
-        let call = PackedCombine {
-            ticket,
-            ids_i64: false,
-            send: Some((y, *handle)),
-            recv: None,
-            wait_cycles: 0,
-        };
-        // SAFETY: as documented.
-        unsafe { self.path.combine_packed(stream, &call) }
+        // SAFETY: as documented (no options).
+        unsafe {
+            self.combine_packed_send_with_raw(
+                stream,
+                y,
+                handle,
+                ticket,
+                &PackedCombineOptions::new(),
+            )
+        }
     }
 
     /// The receive half of [`MoeLowLatency::combine_packed_raw`] (after its send half, whose
@@ -925,16 +948,16 @@ impl MoeLowLatency {
         out: u64,
         ticket: u64,
     ) -> Result<()> {
-        // SAFETY: as documented (no wait statistics).
+        // SAFETY: as documented (no options).
         unsafe {
-            self.combine_packed_recv_timed_raw(
+            self.combine_packed_recv_with_raw(
                 stream,
                 topk_idx,
                 topk_weights,
                 num_tokens,
                 out,
                 ticket,
-                0,
+                &PackedCombineOptions::new(),
             )
         }
     }

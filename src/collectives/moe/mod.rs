@@ -27,7 +27,7 @@ pub use high_throughput::MoeHighThroughput;
 pub use low_latency::MoeLowLatency;
 pub use shared::{
     reference_layout, DispatchResults, FusedSend, LowLatencyResults, MoeConfig, PackedBuffers,
-    PackedFormat, PackedHandle, PackedOutputs,
+    PackedCombineOptions, PackedFormat, PackedHandle, PackedOutputs,
 };
 
 /// The high-throughput mode's former name.

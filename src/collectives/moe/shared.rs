@@ -392,8 +392,47 @@ pub(super) struct PackedCombine {
     pub send: Option<(u64, PackedHandle)>,
     /// `(topk_idx, topk_weights, num_tokens, out)`.
     pub recv: Option<(u64, u64, usize, u64)>,
-    /// `[world]` i64 the receive half adds each source's wait to (cycles), or 0.
+    /// What else the call does (wait statistics, log rows).
+    pub options: PackedCombineOptions,
+}
+
+/// What a DeepEP-layout combine does beyond moving and summing its rows (see
+/// [`super::MoeLowLatency::combine_packed_with_raw`]). Built with [`PackedCombineOptions::new`]
+/// and the `with_` setters; the default is neither.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct PackedCombineOptions {
+    /// `[world]` i64 (8-byte aligned) the receive half adds to, for each source rank, the SM
+    /// cycles (`clock64`) it waited for that rank's rows (DeepEP's
+    /// `combine_wait_recv_cost_stats`: a rank slow to return its rows shows as a large entry),
+    /// or 0. One node only (refused by name across nodes).
     pub wait_cycles: u64,
+    /// The rows go back in doorbell's 10-bit log format (DeepEP's `use_logfmt`, a format of
+    /// doorbell's own: each 128 values in 176 bytes instead of 256, magnitudes to within
+    /// 2^(step / 2) - 1 relative, `step` the group's log2 range / 510; values more than 16
+    /// octaves below a group's largest go as zero; a group with a NaN or an infinity as NaN).
+    /// Both halves of a combine, and every rank, must agree (the call check names a mix). One
+    /// node only (refused by name across nodes).
+    pub logfmt: bool,
+}
+
+impl PackedCombineOptions {
+    /// Neither wait statistics nor log rows.
+    pub fn new() -> PackedCombineOptions {
+        PackedCombineOptions::default()
+    }
+
+    /// Adds the receive's waits to `wait_cycles` (see the field).
+    pub fn with_wait_cycles(mut self, wait_cycles: u64) -> PackedCombineOptions {
+        self.wait_cycles = wait_cycles;
+        self
+    }
+
+    /// Log rows on or off (see the field).
+    pub fn with_logfmt(mut self, on: bool) -> PackedCombineOptions {
+        self.logfmt = on;
+        self
+    }
 }
 
 impl PackedCombine {
@@ -616,7 +655,7 @@ mod tests {
             ids_i64,
             send,
             recv,
-            wait_cycles: 0,
+            options: PackedCombineOptions::new(),
         };
         // Good halves pass through unchanged; absent halves are None.
         let good = call(

@@ -1040,17 +1040,12 @@ class Buffer:
         in the dispatch's layout (with ``zero_copy``, the tensor from
         ``get_next_low_latency_combine_buffer`` is read instead). ``combine_wait_recv_cost_stats``
         (``[ranks]`` int64, one node): the SM cycles the receive waited for each rank's rows are
-        added to it. ``use_logfmt`` is accepted with a warning: the rows travel as bf16."""
+        added to it. ``use_logfmt``: the rows go back in doorbell's 10-bit log format (each 128
+        values in 176 bytes instead of 256, magnitudes to within half a log step of the group's
+        range, DeepEP's LogFMT-10 in purpose, not in bytes); across nodes as bf16, with a
+        warning."""
         self._alive()
-        if use_logfmt and not Buffer._logfmt_warned:
-            # Accepted, not built: the rows travel as bf16 (at least LogFMT-10's precision, the
-            # same sums as without it), so code written with it runs; its bytes are bf16's.
-            Buffer._logfmt_warned = True
-            warnings.warn(
-                "doorbell.deep_ep: use_logfmt=True is accepted, but LogFMT-10's compression is not "
-                "built: the combine's rows travel as bf16 (results at least as precise, bf16's bytes)",
-                stacklevel=2,
-            )
+        log_rows = self._log_rows(use_logfmt)
         src_info, layout_range, m, hidden, num_experts = self._ll_handle(handle)
         dev, world = self._comm.device, self.group_size
         check_tensor("topk_idx", topk_idx, device=dev, dtypes=("int64", "int32"), ndim=2, align=4)
@@ -1078,7 +1073,7 @@ class Buffer:
         native.combine_packed(
             x.data_ptr(), src_info.data_ptr(), layout_range.data_ptr(), idx.data_ptr(), topk_weights.data_ptr(),
             num_tokens, out.data_ptr(), 0 if ticket is None else ticket.data_ptr(), True, not return_recv_hook,
-            launch, ids_i64, 0 if return_recv_hook else waits,
+            launch, ids_i64, 0 if return_recv_hook else waits, log_rows,
         )
         kept = (x, topk_idx, idx, topk_weights, src_info, layout_range, out, ticket, combine_wait_recv_cost_stats)
         event = self._ll_finish(async_finish, kept)
@@ -1091,10 +1086,27 @@ class Buffer:
             # On the stream of the send half, as DeepEP's hook; it holds the call's tensors.
             native.combine_packed(
                 0, 0, 0, idx.data_ptr(), topk_weights.data_ptr(), num_tokens, result.data_ptr(), pairing,
-                False, True, launch, ids_i64, waits,
+                False, True, launch, ids_i64, waits, log_rows,
             )
 
         return out, event, hook
+
+    def _log_rows(self, use_logfmt: bool) -> bool:
+        """Whether the combine's rows go back as doorbell's 10-bit log rows (``use_logfmt`` on
+        one node). Across nodes they go as bf16 (the node-spanning kernels have no log rows
+        yet): accepted with a warning, once a process (the sums at least as precise)."""
+        if not use_logfmt:
+            return False
+        if not self._across:
+            return True
+        if not Buffer._logfmt_warned:
+            Buffer._logfmt_warned = True
+            warnings.warn(
+                "doorbell.deep_ep: use_logfmt=True across nodes: the combine's rows travel as bf16 "
+                "there (no log rows on the node-spanning path yet; the sums at least as precise)",
+                stacklevel=3,
+            )
+        return False
 
     def _wait_stats(self, name: str, t: Optional[Any]) -> int:
         """The address of DeepEP's ``dispatch/combine_wait_recv_cost_stats`` (``[ranks]`` int64,
