@@ -366,11 +366,13 @@ __device__ void finish_combine_send(const MoeLlArgs& a, uint64_t call) {
 // in 510 steps (relative error at most 2^(step / 2) - 1, 0.5% for a group spanning 7 octaves);
 // smaller ones go as zero. A group holding a NaN or an infinity goes as NaN throughout.
 constexpr float kLogRange = 16.0f;
-constexpr uint32_t kLogGroupBytes = 176;
 
-// Encodes `hidden` bf16 values at `src` into log rows at `dst` (a peer's return slot). One warp;
-// `stage` is the warp's kLogGroupBytes of shared memory (16-byte aligned).
-__device__ void push_log_row(int4* dst, const int4* src, uint32_t hidden, uint32_t lane, uint8_t* stage) {
+// Encodes `hidden` bf16 values at `src` into log rows at `dst` (a peer's return slot). One warp,
+// a group at a time: lane l codes values 4l .. 4l + 3 (40 bits of the group's 1280), lanes 0-9
+// gather the 128 bits of their 16 bytes from the lanes holding them (shuffles: no shared memory
+// and no warp barrier, whose memory ordering would wait for the stores to the peer), lane 10
+// stores lo and step.
+__device__ void push_log_row(int4* dst, const int4* src, uint32_t hidden, uint32_t lane) {
   for (uint32_t g = 0; g < hidden / 128; ++g) {
     const uint2 raw = reinterpret_cast<const uint2*>(src)[g * 32 + lane];  // values 4 lane .. 4 lane + 3
     const __nv_bfloat162 h0 = *reinterpret_cast<const __nv_bfloat162*>(&raw.x);
@@ -408,16 +410,21 @@ __device__ void push_log_row(int4* dst, const int4* src, uint32_t hidden, uint32
       }
       bits |= uint64_t(code) << (10 * i);
     }
+    // Lane l < 10 stores code bits [128 l, 128 l + 128): 40-bit words j0 .. j0 + 3 from bit o.
+    const uint32_t j0 = min(lane, 9u) * 128 / 40, o = min(lane, 9u) * 128 % 40;
+    uint64_t w[4];
 #pragma unroll
-    for (int b = 0; b < 5; ++b) stage[5 * lane + b] = uint8_t(bits >> (8 * b));
-    if (lane == 0) {
-      reinterpret_cast<float*>(stage + 160)[0] = bad || hi == -INFINITY ? (bad ? __int_as_float(0x7fc00000) : 0.0f) : lo;
-      reinterpret_cast<float*>(stage + 160)[1] = step;
-      reinterpret_cast<uint64_t*>(stage + 168)[0] = 0;
+    for (uint32_t i = 0; i < 4; ++i) w[i] = __shfl_sync(0xffffffffu, bits, j0 + i);
+    const unsigned __int128 low = static_cast<unsigned __int128>(w[0]) | static_cast<unsigned __int128>(w[1]) << 40 |
+                                  static_cast<unsigned __int128>(w[2]) << 80;
+    const unsigned __int128 out = (low >> o) | static_cast<unsigned __int128>(w[3]) << (120 - o);
+    if (lane < 10) {
+      dst[g * 16 + lane] = make_int4(int(uint32_t(out)), int(uint32_t(out >> 32)), int(uint32_t(out >> 64)),
+                                     int(uint32_t(out >> 96)));
+    } else if (lane == 10) {
+      const float base = bad ? __int_as_float(0x7fc00000) : hi == -INFINITY ? 0.0f : lo;
+      dst[g * 16 + 10] = make_int4(__float_as_int(base), __float_as_int(step), 0, 0);
     }
-    __syncwarp();
-    if (lane < kLogGroupBytes / 16) dst[g * 16 + lane] = reinterpret_cast<const int4*>(stage)[lane];
-    __syncwarp();
   }
 }
 
@@ -447,7 +454,6 @@ __device__ void fma_log_chunk(float* acc, float w, const uint8_t* row, uint32_t 
 // rank, into that rank's return slot for (this expert, token): as it is, or as a log row
 // (kPackedLogFmt).
 __device__ void combine_send_packed(const MoeLlArgs& a, uint64_t call) {
-  __shared__ __align__(16) uint8_t log_stage[512 / kWarp][kLogGroupBytes];
   const bool log_rows = (a.packed & kPackedLogFmt) != 0;
   const uint32_t half = uint32_t(call & 1), cap = packed_cap(a), lane = threadIdx.x % kWarp;
   const uint32_t words = a.hidden / 8, experts = a.experts_per_rank * a.world;
@@ -467,7 +473,7 @@ __device__ void combine_send_packed(const MoeLlArgs& a, uint64_t call) {
     const uint32_t e = a.rank * a.experts_per_rank + le;
     int4* dst = reinterpret_cast<int4*>(a.area[src] + a.off_ret) + ((uint64_t(half) * experts + e) * a.max_tokens + t) * words;
     if (log_rows) {
-      push_log_row(dst, y + p * words, a.hidden, lane, log_stage[threadIdx.x / kWarp]);
+      push_log_row(dst, y + p * words, a.hidden, lane);
     } else {
       copy_words_batched<int4, 8>(dst, y + p * words, words, lane, kWarp);
     }
