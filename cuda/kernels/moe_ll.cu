@@ -367,63 +367,78 @@ __device__ void finish_combine_send(const MoeLlArgs& a, uint64_t call) {
 // smaller ones go as zero. A group holding a NaN or an infinity goes as NaN throughout.
 constexpr float kLogRange = 16.0f;
 
-// Encodes `hidden` bf16 values at `src` into log rows at `dst` (a peer's return slot). One warp,
-// a group at a time: lane l codes values 4l .. 4l + 3 (40 bits of the group's 1280), lanes 0-9
-// gather the 128 bits of their 16 bytes from the lanes holding them (shuffles: no shared memory
-// and no warp barrier, whose memory ordering would wait for the stores to the peer), lane 10
-// stores lo and step.
+// Encodes one group of 128 values (`raw`: this lane's four, values 4 lane .. 4 lane + 3) into
+// the log row group at `dst` (16 int4 of a peer's return slot; 11 written). One warp: lanes 0-9
+// gather the 128 code bits of their 16 bytes from the lanes holding them (shuffles: no shared
+// memory, no warp barrier), lane 10 stores lo and step.
+__device__ void push_log_group(int4* dst, uint2 raw, uint32_t lane) {
+  const __nv_bfloat162 h0 = *reinterpret_cast<const __nv_bfloat162*>(&raw.x);
+  const __nv_bfloat162 h1 = *reinterpret_cast<const __nv_bfloat162*>(&raw.y);
+  const float v[4] = {__low2float(h0), __high2float(h0), __low2float(h1), __high2float(h1)};
+  float l[4], hi = -INFINITY, lo = INFINITY;
+  bool bad = false;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    bad |= !isfinite(v[i]);
+    l[i] = v[i] != 0.0f ? __log2f(fabsf(v[i])) : -INFINITY;
+    if (v[i] != 0.0f) {
+      hi = fmaxf(hi, l[i]);
+      lo = fminf(lo, l[i]);
+    }
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    hi = fmaxf(hi, __shfl_xor_sync(0xffffffffu, hi, o));
+    lo = fminf(lo, __shfl_xor_sync(0xffffffffu, lo, o));
+  }
+  bad = __any_sync(0xffffffffu, bad);
+  lo = fmaxf(lo, hi - kLogRange);
+  const float step = hi > lo ? (hi - lo) / 510.0f : 0.0f;
+  const float inv = step > 0.0f ? 1.0f / step : 0.0f;
+  uint64_t bits = 0;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    uint32_t code = 0;
+    if (bad) {
+      code = 1;  // decodes to NaN with lo NaN
+    } else if (v[i] != 0.0f && l[i] >= lo - 0.5f * step) {
+      const float q = fminf(fmaxf(rintf((l[i] - lo) * inv), 0.0f), 510.0f);
+      code = (uint32_t(q) + 1u) | (v[i] < 0.0f ? 0x200u : 0u);
+    }
+    bits |= uint64_t(code) << (10 * i);
+  }
+  // Lane l < 10 stores code bits [128 l, 128 l + 128): 40-bit words j0 .. j0 + 3 from bit o.
+  const uint32_t j0 = min(lane, 9u) * 128 / 40, o = min(lane, 9u) * 128 % 40;
+  uint64_t w[4];
+#pragma unroll
+  for (uint32_t i = 0; i < 4; ++i) w[i] = __shfl_sync(0xffffffffu, bits, j0 + i);
+  const unsigned __int128 low = static_cast<unsigned __int128>(w[0]) | static_cast<unsigned __int128>(w[1]) << 40 |
+                                static_cast<unsigned __int128>(w[2]) << 80;
+  const unsigned __int128 out = (low >> o) | static_cast<unsigned __int128>(w[3]) << (120 - o);
+  if (lane < 10) {
+    dst[lane] = make_int4(int(uint32_t(out)), int(uint32_t(out >> 32)), int(uint32_t(out >> 64)), int(uint32_t(out >> 96)));
+  } else if (lane == 10) {
+    const float base = bad ? __int_as_float(0x7fc00000) : hi == -INFINITY ? 0.0f : lo;
+    dst[10] = make_int4(__float_as_int(base), __float_as_int(step), 0, 0);
+  }
+}
+
+// Encodes `hidden` bf16 values at `src` into log rows at `dst` (a peer's return slot). One warp.
 __device__ void push_log_row(int4* dst, const int4* src, uint32_t hidden, uint32_t lane) {
-  for (uint32_t g = 0; g < hidden / 128; ++g) {
-    const uint2 raw = reinterpret_cast<const uint2*>(src)[g * 32 + lane];  // values 4 lane .. 4 lane + 3
-    const __nv_bfloat162 h0 = *reinterpret_cast<const __nv_bfloat162*>(&raw.x);
-    const __nv_bfloat162 h1 = *reinterpret_cast<const __nv_bfloat162*>(&raw.y);
-    const float v[4] = {__low2float(h0), __high2float(h0), __low2float(h1), __high2float(h1)};
-    float l[4], hi = -INFINITY, lo = INFINITY;
-    bool bad = false;
+  // Eight groups' loads in flight at a time (a row is 56 groups at hidden 7168): with one load
+  // per group waited for before its codes, the send half took 9 x the bf16 copy's time on 2 x
+  // H200, most likely those loads' round trips one after another.
+  constexpr uint32_t kBatch = 8;
+  const uint32_t groups = hidden / 128;
+  for (uint32_t g0 = 0; g0 < groups; g0 += kBatch) {
+    uint2 batch[kBatch];
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      bad |= !isfinite(v[i]);
-      l[i] = v[i] != 0.0f ? __log2f(fabsf(v[i])) : -INFINITY;
-      if (v[i] != 0.0f) {
-        hi = fmaxf(hi, l[i]);
-        lo = fminf(lo, l[i]);
-      }
+    for (uint32_t b = 0; b < kBatch; ++b) {
+      if (g0 + b < groups) batch[b] = __ldg(reinterpret_cast<const uint2*>(src) + (g0 + b) * 32 + lane);
     }
 #pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-      hi = fmaxf(hi, __shfl_xor_sync(0xffffffffu, hi, o));
-      lo = fminf(lo, __shfl_xor_sync(0xffffffffu, lo, o));
-    }
-    bad = __any_sync(0xffffffffu, bad);
-    lo = fmaxf(lo, hi - kLogRange);
-    const float step = hi > lo ? (hi - lo) / 510.0f : 0.0f;
-    const float inv = step > 0.0f ? 1.0f / step : 0.0f;
-    uint64_t bits = 0;
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      uint32_t code = 0;
-      if (bad) {
-        code = 1;  // decodes to NaN with lo NaN
-      } else if (v[i] != 0.0f && l[i] >= lo - 0.5f * step) {
-        const float q = fminf(fmaxf(rintf((l[i] - lo) * inv), 0.0f), 510.0f);
-        code = (uint32_t(q) + 1u) | (v[i] < 0.0f ? 0x200u : 0u);
-      }
-      bits |= uint64_t(code) << (10 * i);
-    }
-    // Lane l < 10 stores code bits [128 l, 128 l + 128): 40-bit words j0 .. j0 + 3 from bit o.
-    const uint32_t j0 = min(lane, 9u) * 128 / 40, o = min(lane, 9u) * 128 % 40;
-    uint64_t w[4];
-#pragma unroll
-    for (uint32_t i = 0; i < 4; ++i) w[i] = __shfl_sync(0xffffffffu, bits, j0 + i);
-    const unsigned __int128 low = static_cast<unsigned __int128>(w[0]) | static_cast<unsigned __int128>(w[1]) << 40 |
-                                  static_cast<unsigned __int128>(w[2]) << 80;
-    const unsigned __int128 out = (low >> o) | static_cast<unsigned __int128>(w[3]) << (120 - o);
-    if (lane < 10) {
-      dst[g * 16 + lane] = make_int4(int(uint32_t(out)), int(uint32_t(out >> 32)), int(uint32_t(out >> 64)),
-                                     int(uint32_t(out >> 96)));
-    } else if (lane == 10) {
-      const float base = bad ? __int_as_float(0x7fc00000) : hi == -INFINITY ? 0.0f : lo;
-      dst[g * 16 + 10] = make_int4(__float_as_int(base), __float_as_int(step), 0, 0);
+    for (uint32_t b = 0; b < kBatch; ++b) {
+      if (g0 + b < groups) push_log_group(dst + (g0 + b) * 16, batch[b], lane);
     }
   }
 }
