@@ -736,8 +736,10 @@ def deep_ep_low_latency():
             if not late:
                 check(max(range(w), key=lambda j: got[j]) == w - 1 and got[w - 1] > 5_000_000,
                       f"hook={hook_mode}: {name} wait cycles {got}: the late rank {w - 1} the largest")
-    # use_logfmt: the rows go back as 10-bit log rows: close to the bf16 combine (DeepEP's test
-    # allows 1e-5 after a bf16 dispatch), not the same bytes; a NaN in a row shows in the output.
+    # use_logfmt with DOORBELL_DEEP_EP_LOG_ROWS=1: the rows go back as 10-bit log rows: close to
+    # the bf16 combine (DeepEP's test allows 1e-5 after a bf16 dispatch), not the same bytes; a
+    # NaN in a row shows in the output.
+    os.environ["DOORBELL_DEEP_EP_LOG_ROWS"] = "1"
     rough = torch.randn_like(gemm) * 0.5
     plain, _, _ = buf.low_latency_combine(rough, topk_idx, topk_weights, handle)
     for hook_mode in (False, True):

@@ -3,6 +3,7 @@ imports, DeepEP's static helpers and Config, argument refusals before anything i
 names of what is not built yet."""
 
 import importlib
+import os
 import types
 
 import pytest
@@ -87,13 +88,21 @@ def test_low_latency_calls_refuse_deepeps_invalid_flag_mixes_before_anything_is_
         b.low_latency_dispatch(None, None, 128, 16, use_ue8m0=True)
     with pytest.raises(ValueError, match="round_scale and use_ue8m0 are for use_fp8=True"):
         b.low_latency_dispatch(None, None, 128, 16, use_fp8=False, round_scale=True)
-    # use_logfmt: log rows on one node; across nodes bf16, with one warning a process.
+    # use_logfmt: bf16 rows, with one warning a process; log rows on one node when asked for.
     b._across = False
-    assert b._log_rows(True) and not b._log_rows(False)
-    b._across = True
+    assert not b._log_rows(False)
     Buffer._logfmt_warned = False
-    with pytest.warns(UserWarning, match="across nodes: the combine's rows travel as bf16"):
+    with pytest.warns(UserWarning, match="slower than bf16; DOORBELL_DEEP_EP_LOG_ROWS=1 sends them"):
         assert not b._log_rows(True)
+    os.environ["DOORBELL_DEEP_EP_LOG_ROWS"] = "1"
+    try:
+        assert b._log_rows(True)
+        b._across = True
+        Buffer._logfmt_warned = False
+        with pytest.warns(UserWarning, match="across nodes there are no log rows yet"):
+            assert not b._log_rows(True)
+    finally:
+        del os.environ["DOORBELL_DEEP_EP_LOG_ROWS"]
     with pytest.raises(TypeError, match="pass the handle low_latency_dispatch returned"):
         b.low_latency_combine(None, None, None, None, use_logfmt=True)
     with pytest.raises(ValueError, match="a multiple of 2"):
