@@ -816,15 +816,9 @@ impl MoeLowLatency {
         options: &PackedCombineOptions,
     ) -> Result<()> {
         let (topk_idx, ids_i64) = topk_idx;
-        let call = PackedCombine {
-            ticket: 0,
-            ids_i64,
-            send: Some((y, *handle)),
-            recv: Some((topk_idx, topk_weights, num_tokens, out)),
-            options: *options,
-        };
+        let recv = (topk_idx, topk_weights, num_tokens, out);
         // SAFETY: as documented.
-        unsafe { self.path.combine_packed(stream, &call) }
+        unsafe { self.combine_call(stream, 0, ids_i64, Some((y, *handle)), Some(recv), options) }
     }
 
     /// [`MoeLowLatency::combine_packed_send_raw`] with `options` (its `logfmt` must be the
@@ -840,15 +834,8 @@ impl MoeLowLatency {
         ticket: u64,
         options: &PackedCombineOptions,
     ) -> Result<()> {
-        let call = PackedCombine {
-            ticket,
-            ids_i64: false,
-            send: Some((y, *handle)),
-            recv: None,
-            options: *options,
-        };
         // SAFETY: as documented.
-        unsafe { self.path.combine_packed(stream, &call) }
+        unsafe { self.combine_call(stream, ticket, false, Some((y, *handle)), None, options) }
     }
 
     /// [`MoeLowLatency::combine_packed_recv_ids_raw`] with `options` (its `logfmt` must be the
@@ -869,14 +856,33 @@ impl MoeLowLatency {
         options: &PackedCombineOptions,
     ) -> Result<()> {
         let (topk_idx, ids_i64) = topk_idx;
+        let recv = (topk_idx, topk_weights, num_tokens, out);
+        // SAFETY: as documented.
+        unsafe { self.combine_call(stream, ticket, ids_i64, None, Some(recv), options) }
+    }
+
+    /// Runs a packed combine's halves (`send`: `y` and its handle; `recv`: `(topk_idx,
+    /// topk_weights, num_tokens, out)`) on this exchange's path.
+    ///
+    /// # Safety
+    /// As for the `combine_packed_*_raw` calls that build it.
+    unsafe fn combine_call(
+        &self,
+        stream: &CudaStream,
+        ticket: u64,
+        ids_i64: bool,
+        send: Option<(u64, PackedHandle)>,
+        recv: Option<(u64, u64, usize, u64)>,
+        options: &PackedCombineOptions,
+    ) -> Result<()> {
         let call = PackedCombine {
             ticket,
             ids_i64,
-            send: None,
-            recv: Some((topk_idx, topk_weights, num_tokens, out)),
+            send,
+            recv,
             options: *options,
         };
-        // SAFETY: as documented.
+        // SAFETY: as the caller vouches.
         unsafe { self.path.combine_packed(stream, &call) }
     }
 
