@@ -1094,7 +1094,7 @@ class Buffer:
     def _log_rows(self, use_logfmt: bool) -> bool:
         """Whether the combine's rows go back as doorbell's 10-bit log rows. ``use_logfmt`` asks
         for fewer bytes; over NVLink doorbell's log rows are slower than bf16 (measured: the
-        send half 221 us against 32 at 128 tokens, top-8, hidden 7168 on 2 x H200), so the rows
+        send half 63 us against 35 at 128 tokens, top-8, hidden 7168 on 2 x H100), so the rows
         go as bf16 (at least as precise) unless ``DOORBELL_DEEP_EP_LOG_ROWS=1`` asks for log
         rows on one node; across nodes there are none yet. Said once a process."""
         if not use_logfmt:
