@@ -411,8 +411,10 @@ pub struct PackedCombineOptions {
     /// doorbell's own: each 128 values in 176 bytes instead of 256, magnitudes to within
     /// 2^(step / 2) - 1 relative, `step` the group's log2 range / 510; values more than 16
     /// octaves below a group's largest go as zero; a group with a NaN or an infinity as NaN).
-    /// Both halves of a combine, and every rank, must agree (the call check names a mix). One
-    /// node only (refused by name across nodes).
+    /// Every rank must agree (the call check names a mix across ranks), and so must a combine's
+    /// two halves when called apart: that is not checked yet, and a receive half told the other
+    /// format than its send reads the rows wrongly (`doorbell.deep_ep` always passes both the
+    /// same). One node only (refused by name across nodes).
     pub logfmt: bool,
 }
 
