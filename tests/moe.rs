@@ -1394,7 +1394,9 @@ fn fp8_scale(amax: f32, round: bool) -> f32 {
 /// (not the dispatch's: none travel). Compared exactly with the CPU (the FP8 rows within e4m3's
 /// rounding of exactly computed scales).
 fn deep_ep_layout(comm: &Arc<Communicator>, s: &Arc<CudaStream>) {
-    use doorbell::collectives::moe::{MoeLowLatency, PackedHandle, PackedOutputs};
+    use doorbell::collectives::moe::{
+        MoeLowLatency, PackedCombineOptions, PackedHandle, PackedOutputs,
+    };
     const H: usize = 512;
     let (me, world) = (comm.rank(), comm.world_size());
     let experts = 8 * world;
@@ -1695,6 +1697,15 @@ fn deep_ep_layout(comm: &Arc<Communicator>, s: &Arc<CudaStream>) {
             unsafe { ll.combine_packed_send_raw(s, yp, &handle, tk + 32) }.unwrap();
             // SAFETY: as above; the empty dispatch's handle names no row.
             unsafe { ll.combine_packed_send_raw(s, yp, &handle2, tk + 48) }.unwrap();
+            // A receive half told log rows for a send that wrote bf16 is refused by name
+            // before it launches (it would decode the rows wrongly).
+            let log = PackedCombineOptions::new().with_logfmt(true);
+            // SAFETY: as above; a refused call launches nothing.
+            let e = unsafe {
+                ll.combine_packed_recv_with_raw(s, (ip, false), wp, mine.tokens, op, tk + 32, &log)
+            }
+            .unwrap_err();
+            assert!(e.to_string().contains("wrote bf16 rows"), "rank {me}: {e}");
             let mine_first = round == 1;
             if mine_first {
                 // SAFETY: as above.

@@ -36,7 +36,10 @@ pub(super) struct LlNvlink {
     masked_dead: std::sync::atomic::AtomicU64,
     /// DeepEP's layout: the row format of the last packed sends, `(ticket, FP8)`, newest last
     /// (with FP8 the send half casts, so its receive half must read FP8 too).
-    packed_sends: std::sync::Mutex<std::collections::VecDeque<(u64, bool)>>,
+    packed_sends: std::sync::Mutex<SentFormats>,
+    /// DeepEP's layout: whether the last few combines' send halves wrote log rows, by ticket, so
+    /// a receive half called apart decodes what was sent.
+    combine_sends: std::sync::Mutex<SentFormats>,
     _area: Landing,
     _semaphores: Semaphores,
     _device: Vec<CudaSlice<u8>>,
@@ -210,7 +213,8 @@ impl LlNvlink {
                 comm.bootstrap().call_counter(),
             ),
             last_calls: std::sync::Mutex::new((CallCheck::default(), CallCheck::default())),
-            packed_sends: std::sync::Mutex::new(std::collections::VecDeque::new()),
+            packed_sends: std::sync::Mutex::new(SentFormats::default()),
+            combine_sends: std::sync::Mutex::new(SentFormats::default()),
             rank_mask,
             masked_dead: std::sync::atomic::AtomicU64::new(0),
             _area: area,
@@ -410,10 +414,7 @@ impl LlNvlink {
     /// Records a packed dispatch's row format under its ticket (the last few sends).
     fn note_packed_send(&self, out: &PackedOutputs) {
         let mut sends = self.packed_sends.lock().unwrap_or_else(|p| p.into_inner());
-        if sends.len() == 8 {
-            sends.pop_front();
-        }
-        sends.push_back((out.ticket, out.scales != 0));
+        sends.note(out.ticket, out.scales != 0);
     }
 
     /// A receive half must read the rows in the format its send half wrote them: FP8 rows are
@@ -421,14 +422,9 @@ impl LlNvlink {
     /// The send is the one of `out.ticket`, else the last one.
     fn check_packed_format(&self, out: &PackedOutputs) -> Result<()> {
         let sends = self.packed_sends.lock().unwrap_or_else(|p| p.into_inner());
-        let sent = if out.ticket != 0 {
-            sends.iter().rev().find(|(t, _)| *t == out.ticket)
-        } else {
-            sends.back()
-        };
         let fp8 = out.scales != 0;
-        match sent {
-            Some(&(_, sent_fp8)) if sent_fp8 != fp8 => Err(Error::invalid(
+        match sends.find(out.ticket) {
+            Some(sent_fp8) if sent_fp8 != fp8 => Err(Error::invalid(
                 "dispatch receive",
                 format!(
                     "its send wrote {} rows; give the receive half the same outputs ({})",
@@ -775,21 +771,74 @@ impl LowLatencyPath for LlNvlink {
             args.num_tokens = num_tokens as u32;
             args.out = out;
         }
+        let mut sends = self.combine_sends.lock().unwrap_or_else(|p| p.into_inner());
         match (call.send.is_some(), call.recv.is_some()) {
             (true, true) => {
                 args.call = self.next_call(CallKind::MoeLlCombine, variant, Some(stream));
+                sends.note(call.ticket, options.logfmt);
                 self.launch(stream, 5, self.base.blocks, 512, &args)
             }
             (true, false) => {
                 args.call = self.next_call(CallKind::MoeLlCombine, variant, Some(stream));
+                sends.note(call.ticket, options.logfmt);
                 self.launch(stream, 3, self.base.blocks, 512, &args)
             }
             (false, true) => {
+                check_combine_format(sends.find(call.ticket), options.logfmt)?;
+                drop(sends);
                 args.call = self.last_call().1;
                 self.launch(stream, 4, self.base.blocks, 512, &args)
             }
             (false, false) => Ok(()),
         }
+    }
+}
+
+/// The row format of the last few send halves (a flag: FP8 rows, or log rows), by ticket.
+#[derive(Default)]
+struct SentFormats(std::collections::VecDeque<(u64, bool)>);
+
+impl SentFormats {
+    /// Notes the send of `ticket` (the newest; the oldest of eight is forgotten).
+    fn note(&mut self, ticket: u64, flag: bool) {
+        if self.0.len() == 8 {
+            self.0.pop_front();
+        }
+        self.0.push_back((ticket, flag));
+    }
+
+    /// The flag of `ticket`'s send (ticket 0: the last send), if it is among the last eight.
+    fn find(&self, ticket: u64) -> Option<bool> {
+        let sent = if ticket != 0 {
+            self.0.iter().rev().find(|(t, _)| *t == ticket)
+        } else {
+            self.0.back()
+        };
+        sent.map(|&(_, flag)| flag)
+    }
+}
+
+/// A combine's receive half called apart from its send must decode the rows in the format the
+/// send wrote them: log rows read as bf16 (or the reverse) would sum garbage without an error.
+/// `sent`: its send's format (`None` when not among the last sends: nothing to compare).
+fn check_combine_format(sent: Option<bool>, logfmt: bool) -> Result<()> {
+    let name = |log: bool| {
+        if log {
+            "log rows (logfmt on)"
+        } else {
+            "bf16 rows (logfmt off)"
+        }
+    };
+    match sent {
+        Some(sent) if sent != logfmt => Err(Error::invalid(
+            "combine receive",
+            format!(
+                "its send half wrote {}; pass the receive half the same logfmt, not {}",
+                name(sent),
+                name(logfmt)
+            ),
+        )),
+        _ => Ok(()),
     }
 }
 
@@ -809,4 +858,46 @@ fn set_mask_word(
     }
     .result()
     .map_err(cuda_err("cuMemsetD32Async"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{check_combine_format, SentFormats};
+
+    #[test]
+    fn sent_formats_are_found_by_ticket_and_forget_the_oldest() {
+        let mut sends = SentFormats::default();
+        assert_eq!(sends.find(0), None);
+        sends.note(16, true);
+        sends.note(32, false);
+        assert_eq!(sends.find(16), Some(true));
+        assert_eq!(sends.find(32), Some(false));
+        assert_eq!(sends.find(0), Some(false));
+        for t in 0..7 {
+            sends.note(100 + 8 * t, false);
+        }
+        assert_eq!(sends.find(16), None);
+        assert_eq!(sends.find(32), Some(false));
+    }
+
+    #[test]
+    fn a_combine_receive_must_decode_the_format_its_send_wrote() {
+        assert!(check_combine_format(None, true).is_ok());
+        assert!(check_combine_format(Some(true), true).is_ok());
+        assert!(check_combine_format(Some(false), false).is_ok());
+        let e = check_combine_format(Some(true), false)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("wrote log rows") && e.contains("not bf16 rows"),
+            "{e}"
+        );
+        let e = check_combine_format(Some(false), true)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("wrote bf16 rows") && e.contains("not log rows"),
+            "{e}"
+        );
+    }
 }
