@@ -455,7 +455,7 @@ fn exchange(comm: &Arc<Communicator>, s: &Arc<CudaStream>) {
             }
         }
     };
-    // The combined top-k weights (DeepEP's combined_topk_weights), NVLink path.
+    // The combined top-k weights (DeepEP's combined_topk_weights).
     let out_weights: CudaSlice<f32> = s.alloc_zeros(MAX_TOKENS * TOPK).unwrap();
     let owp = out_weights.device_ptr(s).0;
     // A dispatch routed by ranks (DeepEP's is_token_in_rank) and its per-expert counts.
@@ -512,9 +512,10 @@ fn exchange(comm: &Arc<Communicator>, s: &Arc<CudaStream>) {
             unsafe { moe.combine_raw(s, y_at, op) }.unwrap();
         }
         check_combine(round, &format!("round {round}"));
-        if round == 2 && !spans {
+        if round == 2 {
             // Again, summing each row's received weights too: a token's weight k comes back
-            // from the rank of its expert (0 elsewhere), so the sum is the weight itself.
+            // from the rank of its expert (0 elsewhere), so the sum is the weight itself (across
+            // nodes summed inside each node, then over the nodes).
             // SAFETY: recv_weights holds the dispatch's rows; out_weights MAX_TOKENS x TOPK.
             unsafe { moe.combine_with_weights_raw(s, y_at, op, res.recv_weights, owp) }.unwrap();
             check_combine(round, "round 2, with weights");
@@ -537,15 +538,21 @@ fn exchange(comm: &Arc<Communicator>, s: &Arc<CudaStream>) {
                 }
             }
         }
-        if round == 2 && !spans {
+        if round == 2 {
             // The same routing given as ranks per token: the same rows, origins, prefix matrix
-            // and per-expert counts (from the sources' own counts), and the combine on top.
+            // (one node: across nodes there is none) and per-expert counts (from the sources'
+            // own counts, across nodes carried to each node with its first chunk), and the
+            // combine on top.
             let n = u32::from_le_bytes(dtoh(res.num_recv, 4).try_into().unwrap()) as usize;
             let snapshot = |r: &doorbell::collectives::moe::DispatchResults| {
                 (
                     dtoh(r.recv_x, n * HIDDEN * 2),
                     dtoh(r.recv_src, n * 8),
-                    dtoh(r.rank_prefix, world * world * 4),
+                    if spans {
+                        Vec::new()
+                    } else {
+                        dtoh(r.rank_prefix, world * world * 4)
+                    },
                     dtoh(r.expert_counts, per_rank * 4),
                 )
             };

@@ -710,10 +710,16 @@ extern "C" __global__ void __launch_bounds__(512) moe_net_combine_recv_packed(Mo
 //   experts; remap (moe_ht_remap) names each received row's origin.
 // Positions are monotonic over calls (chunks sent and received per node, signals on both channel
 // sets), so nothing is reset between calls and a captured graph replays as is.
-// Combine: the node's NVLink combine sums the node's ranks' outputs per slot; combine_send
-// (moe_ht_combine_send) sends each slot's sum back to its origin, one row per (token, node), into
-// the origin's partial rows (which hold exactly its own tokens: nothing to admit); combine_recv
-// (moe_ht_combine_recv) adds the nodes' rows in node order.
+// A dispatch by ranks (DeepEP's without top-k) sends a token to the nodes of the ranks in its
+// in_rank row, its message carrying that row as a rank mask, which fills the slot's row of the
+// node's own dispatch by ranks; each source's counts of a node's experts ride in its first chunk's
+// descriptor to that node, where the rail peer adds them to its own for the node dispatch.
+// Combine: the node's NVLink combine sums the node's ranks' outputs per slot (and, asked, their
+// top-k weights); combine_send (moe_ht_combine_send) sends each slot's sum back to its origin, one
+// row per (token, node), into the origin's partial rows (which hold exactly its own tokens:
+// nothing to admit), the weights beside it in a region of their own; combine_recv
+// (moe_ht_combine_recv) adds the nodes' rows (and weights) in node order, over the nodes the
+// dispatch recorded for each token (tok_nodes).
 
 namespace {
 
@@ -727,14 +733,38 @@ __device__ int32_t node_local_expert(const MoeNetArgs& a, const MoeHtArgs& h, in
   return int32_t(h.local_of[r] * a.experts_per_rank + uint32_t(e) % a.experts_per_rank);
 }
 
-// Whether token t selected an expert on node n.
-__device__ bool goes_to_node(const MoeNetArgs& a, const MoeHtArgs& h, uint32_t t, uint32_t n) {
-  for (uint32_t k = 0; k < a.topk; ++k) {
-    int32_t node;
-    node_local_expert(a, h, a.topk_idx[uint64_t(t) * a.topk + k], node);
-    if (node == int32_t(n)) return true;
+// Ranks of a node (every node the same size).
+__device__ uint32_t node_size(const MoeNetArgs& a, const MoeHtArgs& h) { return a.world / h.nodes; }
+
+// The OR of every lane's `m`.
+__device__ uint64_t warp_or(uint64_t m) {
+  for (uint32_t o = 16; o > 0; o >>= 1) m |= __shfl_xor_sync(0xffffffffu, m, o);
+  return m;
+}
+
+// Token t's ranks in a dispatch by ranks (bit r: rank r), every lane. One warp.
+__device__ uint64_t token_ranks(const MoeNetArgs& a, const MoeHtArgs& h, uint32_t t, uint32_t lane) {
+  uint64_t m = 0;
+  for (uint32_t r = lane; r < a.world; r += kWarp) {
+    if (h.in_rank[uint64_t(t) * a.world + r] != 0) m |= uint64_t(1) << r;
   }
-  return false;
+  return warp_or(m);
+}
+
+// The nodes token t goes to (bit n: node n), every lane: its experts' nodes, or the nodes of the
+// ranks in `ranks` (a dispatch by ranks). One warp.
+__device__ uint64_t token_nodes(const MoeNetArgs& a, const MoeHtArgs& h, uint32_t t, uint64_t ranks, uint32_t lane) {
+  uint64_t m = 0;
+  if (h.by_rank != 0) {
+    for (uint32_t r = lane; r < a.world; r += kWarp) {
+      if (ranks >> r & 1) m |= uint64_t(1) << h.node_of[r];
+    }
+  } else if (lane < a.topk) {
+    int32_t node;
+    node_local_expert(a, h, a.topk_idx[uint64_t(t) * a.topk + lane], node);
+    if (node >= 0) m = uint64_t(1) << node;
+  }
+  return warp_or(m);
 }
 
 // Fills forwarding slot `slot` from a message (header + row; bf16 or e4m3 by `fp8`) of `origin`.
@@ -743,7 +773,14 @@ __device__ bool goes_to_node(const MoeNetArgs& a, const MoeHtArgs& h, uint32_t t
 __device__ void fill_slot(const MoeNetArgs& a, const MoeHtArgs& h, uint64_t slot, const char* m, bool fp8,
                           int32_t origin, uint32_t lane) {
   const volatile int32_t* hd = reinterpret_cast<const volatile int32_t*>(m);
-  if (lane < a.topk) {
+  if (h.by_rank != 0) {
+    // The token's rank mask (see MoeHtArgs): its row of this node's ranks.
+    const uint64_t ranks =
+        uint64_t(uint32_t(hd[moe_net::kHeaderIds])) | uint64_t(uint32_t(hd[moe_net::kHeaderIds + a.topk])) << 32;
+    for (uint32_t r = lane; r < a.world; r += kWarp) {
+      if (h.node_of[r] == h.node) h.fwd_in_rank[slot * node_size(a, h) + h.local_of[r]] = uint8_t(ranks >> r & 1);
+    }
+  } else if (lane < a.topk) {
     int32_t node;
     h.fwd_idx[slot * a.topk + lane] = node_local_expert(a, h, hd[moe_net::kHeaderIds + lane], node);
     h.fwd_w[slot * a.topk + lane] = reinterpret_cast<const volatile float*>(hd)[moe_net::kHeaderIds + a.topk + lane];
@@ -779,6 +816,9 @@ __device__ void fill_slot(const MoeNetArgs& a, const MoeHtArgs& h, uint64_t slot
 // Marks forwarding slot `slot` empty this call. One warp.
 __device__ void empty_slot(const MoeNetArgs& a, const MoeHtArgs& h, uint64_t slot, uint32_t lane) {
   if (lane < a.topk) h.fwd_idx[slot * a.topk + lane] = -1;
+  if (h.by_rank != 0) {
+    for (uint32_t l = lane; l < node_size(a, h); l += kWarp) h.fwd_in_rank[slot * node_size(a, h) + l] = 0;
+  }
   if (lane == 0) h.fwd_origin[2 * slot] = -1;
 }
 
@@ -793,8 +833,14 @@ __device__ uint64_t ring_offset(const MoeNetArgs& a, const MoeHtArgs& h, uint32_
 }
 
 __device__ uint64_t desc_offset(const MoeHtArgs& h, uint32_t src_node, uint32_t chunk) {
-  return h.off_desc + (uint64_t(src_node) * h.chunks + chunk) * sizeof(HtChunkDesc);
+  return h.off_desc + (uint64_t(src_node) * h.chunks + chunk) * h.desc_bytes;
 }
+
+// Experts of a node, and where a dispatch's per-expert counts sit behind a descriptor.
+__device__ uint32_t node_experts(const MoeNetArgs& a, const MoeHtArgs& h) {
+  return a.experts_per_rank * node_size(a, h);
+}
+__device__ uint64_t desc_counts(uint64_t desc) { return desc + sizeof(HtChunkDesc); }
 
 // Sends this dispatch's tokens for node n to its rail peer (see above). One warp.
 __device__ void send_node(const MoeNetArgs& a, const MoeHtArgs& h, uint32_t n, uint64_t epoch, uint32_t lane) {
@@ -804,7 +850,7 @@ __device__ void send_node(const MoeNetArgs& a, const MoeHtArgs& h, uint32_t n, u
   uint32_t m = 0;
   for (uint32_t base = 0; base < a.num_tokens; base += 32) {
     const uint32_t t = base + lane;
-    const bool go = t < a.num_tokens && goes_to_node(a, h, t, n);
+    const bool go = t < a.num_tokens && (h.tok_nodes[t] >> n & 1) != 0;
     const uint32_t mask = __ballot_sync(0xffffffffu, go);
     if (go) list[m + __popc(mask & ((1u << lane) - 1))] = t;
     m += __popc(mask);
@@ -823,7 +869,20 @@ __device__ void send_node(const MoeNetArgs& a, const MoeHtArgs& h, uint32_t n, u
     const uint32_t first = i * kHtChunk;
     const uint32_t rows = m - first < kHtChunk ? m - first : kHtChunk;
     // The descriptor's source is rewritten only after this chunk's credit came back (delivered).
-    const uint64_t desc_src = h.stage_desc + (uint64_t(n) * h.chunks + slot) * sizeof(HtChunkDesc);
+    const uint64_t desc_src = h.stage_desc + (uint64_t(n) * h.chunks + slot) * h.desc_bytes;
+    // The first chunk carries this rank's counts of node n's experts (a dispatch by ranks).
+    const bool counts = i == 0 && h.tokens_per_expert != nullptr;
+    if (counts) {
+      int32_t* to = reinterpret_cast<int32_t*>(a.stage + desc_counts(desc_src));
+      for (uint32_t r = 0; r < a.world; ++r) {
+        if (h.node_of[r] != n) continue;
+        for (uint32_t j = lane; j < a.experts_per_rank; j += kWarp) {
+          to[h.local_of[r] * a.experts_per_rank + j] = h.tokens_per_expert[uint64_t(r) * a.experts_per_rank + j];
+        }
+      }
+      __threadfence_system();
+      __syncwarp();
+    }
     if (lane == 0) {
       volatile HtChunkDesc* d = reinterpret_cast<volatile HtChunkDesc*>(a.stage + desc_src);
       d->epoch = epoch;
@@ -833,7 +892,7 @@ __device__ void send_node(const MoeNetArgs& a, const MoeHtArgs& h, uint32_t n, u
     }
     const uint32_t t = lane < rows ? list[first + lane] : 0;
     c.put_warp(rows, ring_offset(a, h, h.node, slot, lane), moe_net::stage_offset(a, half, t), moe_net::used_bytes(a),
-               desc_offset(h, h.node, slot), desc_src, sizeof(HtChunkDesc), true, lane);
+               desc_offset(h, h.node, slot), desc_src, counts ? h.desc_bytes : sizeof(HtChunkDesc), true, lane);
   }
   if (lane == 0) {
     h.sent_chunks[n] = sent + chunks;
@@ -852,6 +911,7 @@ __device__ void receive_node(const MoeNetArgs& a, const MoeHtArgs& h, uint32_t n
   __shared__ uint32_t rows, last, ok;
   uint64_t g = *reinterpret_cast<volatile uint64_t*>(&h.recv_chunks[n]);
   uint32_t total = 0;
+  bool first = true;
   __syncthreads();  // the empty slots before any message fills one
   for (;;) {
     if (threadIdx.x == 0) {
@@ -870,6 +930,13 @@ __device__ void receive_node(const MoeNetArgs& a, const MoeHtArgs& h, uint32_t n
     }
     __syncthreads();
     if (!ok) break;
+    if (first && h.tokens_per_expert != nullptr) {
+      // The source's counts of this node's experts, in its first chunk's descriptor.
+      const volatile int32_t* from =
+          reinterpret_cast<const volatile int32_t*>(a.area + desc_counts(desc_offset(h, n, uint32_t(g % h.chunks))));
+      for (uint32_t e = threadIdx.x; e < node_experts(a, h); e += blockDim.x) atomicAdd(&h.fwd_tpe[e], from[e]);
+    }
+    first = false;
     for (uint32_t i = warp; i < rows; i += warps) {
       const char* m = a.area + ring_offset(a, h, n, uint32_t(g % h.chunks), i);
       const volatile int32_t* hd = reinterpret_cast<const volatile int32_t*>(m);
@@ -899,26 +966,45 @@ extern "C" __global__ void __launch_bounds__(512) moe_ht_stage(MoeNetArgs a, Moe
   const uint32_t warps = gridDim.x * (blockDim.x / kWarp);
   const uint32_t scales = a.hidden / 128;
   const uint32_t half = uint32_t(moe_net::send_epoch(a) & 1);
+  if (blockIdx.x == 0 && h.tokens_per_expert != nullptr) {
+    // The node dispatch's per-expert counts start from mine of the node's experts; the receive
+    // of each other node's first chunk adds its source's (moe_ht_exchange, after this kernel).
+    for (uint32_t r = 0; r < a.world; ++r) {
+      if (h.node_of[r] != h.node) continue;
+      for (uint32_t j = threadIdx.x; j < a.experts_per_rank; j += blockDim.x) {
+        h.fwd_tpe[h.local_of[r] * a.experts_per_rank + j] = h.tokens_per_expert[uint64_t(r) * a.experts_per_rank + j];
+      }
+    }
+  }
   for (uint32_t t = blockIdx.x * (blockDim.x / kWarp) + threadIdx.x / kWarp; t < a.max_tokens; t += warps) {
     const uint64_t slot = uint64_t(h.node) * a.max_tokens + t;
     if (t >= a.num_tokens) {
       empty_slot(a, h, slot, lane);
       continue;
     }
+    char* staged = a.stage + moe_net::stage_offset(a, half, t);
     moe_net::stage_token(a, t, a.x + uint64_t(t) * moe_net::row_bytes(a),
                          a.fp8 ? a.scales + uint64_t(t) * scales : nullptr, lane);
     __syncwarp();
-    int32_t node = -1;
-    if (lane < a.topk) {
+    uint64_t ranks = 0;
+    if (h.by_rank != 0) {
+      ranks = token_ranks(a, h, t, lane);
+      // The rank mask in the header's first id and first weight words (see MoeHtArgs).
+      int32_t* hd = reinterpret_cast<int32_t*>(staged);
+      if (lane == 0) hd[moe_net::kHeaderIds] = int32_t(uint32_t(ranks));
+      if (lane == 1) hd[moe_net::kHeaderIds + a.topk] = int32_t(uint32_t(ranks >> 32));
+    } else if (lane < a.topk) {
       const int32_t e = a.topk_idx[uint64_t(t) * a.topk + lane];
       if (e >= int32_t(a.experts_per_rank * a.world)) {
         report_failure(a.sites[a.rank], kWaitBadInput, a.experts_per_rank * a.world, uint64_t(e), 0);
       }
-      node_local_expert(a, h, e, node);
     }
+    const uint64_t nodes = token_nodes(a, h, t, ranks, lane);
+    if (lane == 0) h.tok_nodes[t] = nodes;
+    __syncwarp();
     // This node's slot: the token itself, forwarded by this rank.
-    if (__ballot_sync(0xffffffffu, node == int32_t(h.node)) != 0) {
-      fill_slot(a, h, slot, a.stage + moe_net::stage_offset(a, half, t), a.fp8 != 0, int32_t(a.rank), lane);
+    if ((nodes >> h.node & 1) != 0) {
+      fill_slot(a, h, slot, staged, a.fp8 != 0, int32_t(a.rank), lane);
     } else {
       empty_slot(a, h, slot, lane);
     }
@@ -999,12 +1085,22 @@ extern "C" __global__ void __launch_bounds__(512) moe_ht_combine_send(MoeNetArgs
     int4* dst = mapped != 0 ? reinterpret_cast<int4*>(mapped + a.off_part) + part_row
                             : reinterpret_cast<int4*>(a.stage + a.stage_part) + stage_row;
     copy_words_batched<int4, 8>(dst, row, words, lane, 32);
+    // The slot's top-k weights beside its row (their own region: the rows' stride is shared
+    // with the low-latency path).
+    const uint64_t part_w = (uint64_t(a.rank) * a.max_tokens + t) * a.topk;
+    const uint64_t stage_w = (uint64_t(src) * a.max_tokens + t) * a.topk;
+    if (h.weights != 0 && lane < a.topk) {
+      float* wdst = mapped != 0 ? reinterpret_cast<float*>(mapped + h.off_part_w) + part_w
+                                : reinterpret_cast<float*>(a.stage + h.stage_part_w) + stage_w;
+      wdst[lane] = h.fwd_wout[q * a.topk + lane];
+    }
     if (mapped == 0) {
       __syncwarp();
       if (lane == 0) {
         __threadfence_system();
-        moe_net::channel(a, uint32_t(src)).put(a.off_part + part_row * 16, a.stage_part + stage_row * 16,
-                                               uint64_t(words) * 16);
+        const PortChannelHandle& c = moe_net::channel(a, uint32_t(src));
+        c.put(a.off_part + part_row * 16, a.stage_part + stage_row * 16, uint64_t(words) * 16);
+        if (h.weights != 0) c.put(h.off_part_w + part_w * 4, h.stage_part_w + stage_w * 4, uint64_t(a.topk) * 4);
       }
     }
   }
@@ -1018,19 +1114,16 @@ extern "C" __global__ void __launch_bounds__(512) moe_ht_combine_recv(MoeNetArgs
   const uint32_t words = a.hidden / 8;
   const uint64_t items = uint64_t(a.num_tokens) * words;
   const uint64_t first = blockIdx.x * blockDim.x + threadIdx.x, stride = uint64_t(gridDim.x) * blockDim.x;
+  const uint64_t wts = h.weights != 0 ? uint64_t(a.num_tokens) * a.topk : 0;
   if (!in) {  // cut short: marked (all ones, NaN in bf16), as moe_net_combine_recv
     for (uint64_t i = first; i < items; i += stride) reinterpret_cast<int4*>(a.out)[i] = make_int4(-1, -1, -1, -1);
+    for (uint64_t i = first; i < wts; i += stride) h.w_out[i] = __int_as_float(-1);
     return;
   }
   const int4* part = reinterpret_cast<const int4*>(a.area + a.off_part);
   for (uint64_t i = first; i < items; i += stride) {
     const uint32_t t = uint32_t(i / words), c = uint32_t(i % words);
-    uint64_t nodes = 0;
-    for (uint32_t k = 0; k < a.topk; ++k) {
-      int32_t n;
-      node_local_expert(a, h, a.topk_idx[uint64_t(t) * a.topk + k], n);
-      if (n >= 0) nodes |= uint64_t(1) << n;
-    }
+    const uint64_t nodes = h.tok_nodes[t];  // the dispatch's (moe_ht_stage)
     float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
     for (uint32_t n = 0; n < h.nodes; ++n) {
       if (!(nodes >> n & 1)) continue;
@@ -1038,6 +1131,17 @@ extern "C" __global__ void __launch_bounds__(512) moe_ht_combine_recv(MoeNetArgs
       add_bf16x8(acc, v);
     }
     reinterpret_cast<int4*>(a.out)[uint64_t(t) * words + c] = to_bf16x8(acc);
+  }
+  // A thread per (token, k): the weights of every node the token went to, in node order, f32.
+  const float* part_w = reinterpret_cast<const float*>(a.area + h.off_part_w);
+  for (uint64_t i = first; i < wts; i += stride) {
+    const uint32_t t = uint32_t(i / a.topk);
+    const uint64_t nodes = h.tok_nodes[t];
+    float acc = 0.0f;
+    for (uint32_t n = 0; n < h.nodes; ++n) {
+      if (nodes >> n & 1) acc += part_w[(uint64_t(h.rail[n]) * a.max_tokens + t) * a.topk + i % a.topk];
+    }
+    h.w_out[i] = acc;
   }
 }
 

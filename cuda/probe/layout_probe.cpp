@@ -330,7 +330,7 @@ int main() {
   FIELD(MoeHtArgs, origin_of);
   FIELD(MoeHtArgs, recv_src);
   FIELD(MoeHtArgs, chunks);
-  FIELD(MoeHtArgs, reserved);
+  FIELD(MoeHtArgs, weights);
   FIELD(MoeHtArgs, off_ring);
   FIELD(MoeHtArgs, off_desc);
   FIELD(MoeHtArgs, stage_desc);
@@ -341,6 +341,17 @@ int main() {
   FIELD(MoeHtArgs, node_counts);
   FIELD(MoeHtArgs, node_rows);
   FIELD(MoeHtArgs, node_max_rows);
+  FIELD(MoeHtArgs, fwd_wout);
+  FIELD(MoeHtArgs, w_out);
+  FIELD(MoeHtArgs, off_part_w);
+  FIELD(MoeHtArgs, stage_part_w);
+  FIELD(MoeHtArgs, in_rank);
+  FIELD(MoeHtArgs, fwd_in_rank);
+  FIELD(MoeHtArgs, tokens_per_expert);
+  FIELD(MoeHtArgs, fwd_tpe);
+  FIELD(MoeHtArgs, tok_nodes);
+  FIELD(MoeHtArgs, desc_bytes);
+  FIELD(MoeHtArgs, by_rank);
 
   STRUCT(HtChunkDesc);
   FIELD(HtChunkDesc, epoch);

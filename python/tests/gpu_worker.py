@@ -501,8 +501,10 @@ _ACROSS = {
 def deep_ep_normal_across(variant):
     """doorbell.deep_ep's normal mode when the communicator spans (emulated) nodes: the layout's
     per-node counts, rows in DeepEP's order (source rank, then token) with local ids, weights 0
-    elsewhere and the internode handle's rank prefix sum, bf16 and FP8, the combine, the async
-    form, the cached dispatch, and the refusals of what is not built across nodes."""
+    elsewhere and the internode handle's rank prefix sum, bf16 and FP8, the combine and its
+    combined top-k weights, the async form, the cached dispatch, the dispatch without top-k (by
+    is_token_in_rank) with its combine and cached form, and the refusals of what is not built
+    across nodes."""
     import os
 
     import torch.distributed as dist
@@ -567,6 +569,14 @@ def deep_ep_normal_across(variant):
             detail.append(health)
         check(not bad, f"combine {step}: each row times the ranks it went to; (token, column, got, want, ranks): {detail}")
 
+    # The combined top-k weights: the combine's (here 3 x the dispatch's), summed inside each
+    # node and then over the nodes; only the expert's own rank holds a nonzero weight for it.
+    combined, cw, _ = buf.combine(recv_x, handle, topk_weights=recv_w * 3)
+    check(torch.equal(combined, (x.float() * times).bfloat16()), "combine with weights: the rows")
+    check(cw is not None and cw.dtype == torch.float32 and tuple(cw.shape) == (T, K), "combined_topk_weights [tokens, topk] f32")
+    want_w = (topk_weights * 3).masked_fill(topk_idx < 0, 0.0)
+    check(torch.equal(cw, want_w), f"combined_topk_weights: {(cw - want_w).abs().max().item()} off")
+
     # FP8 rows: the same order, e4m3 and scales as sent (DeepEP's column-major scales).
     x8 = (x.float() / 2).to(torch.float8_e4m3fn)
     sc = (torch.arange(T * (H // 128), device="cuda", dtype=torch.float32).view(H // 128, T).t() + r * 1000)
@@ -594,11 +604,27 @@ def deep_ep_normal_across(variant):
     cc, _, _ = buf.combine(cx, ra[4])
     check(torch.equal(cc, ((x * 2).float() * times).bfloat16()), "combine after the cached dispatch")
 
+    # Without top-k (routed by is_token_in_rank): the same rows in the same order, no ids or
+    # weights, the per-expert list from the sources' counts, the same prefix sum; its combine;
+    # its cached dispatch; FP8.
+    by_rank = dict(num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_node, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert)
+    bx, bi, bw, blisted, bhandle, _ = buf.dispatch(x, **by_rank)
+    check(bi is None and bw is None, "without top-k: no ids or weights")
+    check(torch.equal(bx, recv_x), "without top-k: the rows of the top-k dispatch, in DeepEP's order")
+    check(blisted == listed, f"without top-k: per-expert list {blisted} vs {listed}")
+    check(len(bhandle) == 10 and torch.equal(bhandle[-4], handle[-4]) and bhandle[0] is in_rank, "without top-k: the internode handle")
+    bc, _, _ = buf.combine(bx * 3, bhandle)
+    check(torch.equal(bc, (x.float() * times * 3).bfloat16()), "without top-k: the combine")
+    cbx, *rest = buf.dispatch(x * 2, handle=bhandle)
+    check(all(v is None for v in rest[:4]) and torch.equal(cbx, bx * 2), "without top-k: the cached dispatch")
+    cbc, _, _ = buf.combine(cbx, bhandle)
+    check(torch.equal(cbc, ((x * 2).float() * times).bfloat16()), "without top-k: the combine after the cached dispatch")
+    (bfx, bfs), *_ = buf.dispatch((x8, sc), **by_rank)
+    check(torch.equal(bfx.view(torch.uint8), fx.view(torch.uint8)) and torch.equal(bfs, fs), "without top-k: FP8 rows and scales")
+
     # Refused across nodes, by name, before anything is sent.
     for what, call, exc in (
         ("num_worst_tokens", lambda: buf.dispatch(x, **args, num_worst_tokens=w * T), ValueError),
-        ("without top-k", lambda: buf.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert), NotImplementedError),
-        ("combined weights", lambda: buf.combine(cx, ra[4], topk_weights=ra[2]), NotImplementedError),
     ):
         try:
             call()

@@ -187,11 +187,14 @@ def test_across_nodes_normal_mode_refuses_what_it_lacks_before_anything_is_sent(
     b = _bare_normal_buffer()
     b._across = True
     x, idx, per_expert = _Shaped(64, 7168), _Shaped(64, 8), _Shaped(16)
-    # DeepEP refuses num_worst_tokens across nodes too; doorbell has no dispatch by ranks there.
+    # DeepEP refuses num_worst_tokens across nodes too (with top-k and without).
     with pytest.raises(ValueError, match="num_worst_tokens is for one node"):
         b.dispatch(x, topk_idx=idx, topk_weights=object(), num_tokens_per_expert=per_expert, num_worst_tokens=128)
-    with pytest.raises(NotImplementedError, match="without top-k across nodes"):
-        b.dispatch(x, is_token_in_rank=object(), num_tokens_per_expert=per_expert)
+    with pytest.raises(NotImplementedError, match="num_worst_tokens without top-k"):
+        b.dispatch(x, is_token_in_rank=object(), num_tokens_per_expert=per_expert, num_worst_tokens=128)
+    # Without top-k the layout's outputs are required there as on one node.
+    with pytest.raises(ValueError, match="num_tokens_per_expert"):
+        b.dispatch(x, is_token_in_rank=object())
     # A handle is DeepEP's one-node 6-tuple or internode 10-tuple with doorbell's part last.
     for bad in ((None,) * 10, (None,) * 6, (None,) * 9):
         with pytest.raises(TypeError, match="the handle a dispatch of this Buffer returned"):

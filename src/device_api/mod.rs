@@ -624,7 +624,8 @@ pub struct MoeHtArgs {
     pub origin_of: u64,
     pub recv_src: u64,
     pub chunks: u32,
-    pub reserved: u32,
+    /// Combine: 1 when the rows' top-k weights travel (`w_out` given).
+    pub weights: u32,
     pub off_ring: u64,
     pub off_desc: u64,
     pub stage_desc: u64,
@@ -635,6 +636,28 @@ pub struct MoeHtArgs {
     pub node_counts: u64,
     pub node_rows: u64,
     pub node_max_rows: u64,
+    /// `[nodes * max_tokens][topk]` f32: the node's combine of each slot's top-k weights.
+    pub fwd_wout: u64,
+    /// This combine's `[num_tokens][topk]` f32 output (DeepEP's `combined_topk_weights`).
+    pub w_out: u64,
+    /// Area offset of the partial weights, `[world * max_tokens][topk]` f32.
+    pub off_part_w: u64,
+    /// Staging offset of the same, for network peers.
+    pub stage_part_w: u64,
+    /// A dispatch by ranks: this dispatch's `[num_tokens][world]` bool.
+    pub in_rank: u64,
+    /// `[nodes * max_tokens][ranks of a node]` bool: the forwarding slots' routing.
+    pub fwd_in_rank: u64,
+    /// This rank's `[num_experts]` i32 rows per expert, or 0.
+    pub tokens_per_expert: u64,
+    /// `[experts of a node]` i32: this rank's and its rail peers' counts of the node's experts.
+    pub fwd_tpe: u64,
+    /// `[max_tokens]` u64: the nodes each token of the last dispatch went to (bit per node).
+    pub tok_nodes: u64,
+    /// Bytes of a chunk descriptor slot: [`HtChunkDesc`], then `[experts of a node]` i32.
+    pub desc_bytes: u32,
+    /// 1: this dispatch routes by ranks.
+    pub by_rank: u32,
 }
 
 /// What a chunk of the high-throughput network stream holds (`collective_args.cuh`), written
@@ -1042,7 +1065,7 @@ mod layout {
                     origin_of,
                     recv_src,
                     chunks,
-                    reserved,
+                    weights,
                     off_ring,
                     off_desc,
                     stage_desc,
@@ -1053,6 +1076,17 @@ mod layout {
                     node_counts,
                     node_rows,
                     node_max_rows,
+                    fwd_wout,
+                    w_out,
+                    off_part_w,
+                    stage_part_w,
+                    in_rank,
+                    fwd_in_rank,
+                    tokens_per_expert,
+                    fwd_tpe,
+                    tok_nodes,
+                    desc_bytes,
+                    by_rank,
                 ]
             ),
             layout!("HtChunkDesc", HtChunkDesc, [epoch, messages, last]),

@@ -363,7 +363,7 @@ struct MoeHtArgs {
   // source node's messages land in a ring of `chunks` chunks of kHtChunk messages here; a sender
   // writes a chunk only after the receiver granted its slot (a credit signal per chunk consumed).
   uint32_t chunks;                // ring chunks per source node
-  uint32_t reserved;
+  uint32_t weights;               // combine: 1 when the rows' top-k weights travel (w_out given)
   uint64_t off_ring;              // area: [nodes][chunks][kHtChunk][msg_bytes] messages
   uint64_t off_desc;              // area: [nodes][chunks] HtChunkDesc, written after each chunk
   uint64_t stage_desc;            // staging: [nodes][chunks] HtChunkDesc, their sources
@@ -376,8 +376,28 @@ struct MoeHtArgs {
   uint32_t* node_counts;          // the node dispatch's per-expert counts
   uint8_t* node_rows;             // the node dispatch's row slots
   uint64_t node_max_rows;         // how many
+  // The combine's top-k weights (DeepEP's combined_topk_weights), with `weights`: the node's
+  // combine sums each slot's weights into fwd_wout, combine_send sends them beside the slot's
+  // row into the origin's partial weights, combine_recv adds the nodes' in node order.
+  float* fwd_wout;                // [nodes * max_tokens][topk] f32
+  float* w_out;                   // this call's [num_tokens][topk] f32 output
+  uint64_t off_part_w;            // area: [world * max_tokens][topk] f32 partial weights
+  uint64_t stage_part_w;          // staging: the same, for network peers
+  // A dispatch routed by ranks (DeepEP's without top-k; `by_rank` 1): a token goes to the nodes
+  // of the ranks in its `in_rank` row; its message carries that row as a 64-bit rank mask (in the
+  // first id's and the first weight's words), which fills the slot's `fwd_in_rank` row for the
+  // node's own dispatch by ranks. With `tokens_per_expert` each source's counts of the node's
+  // experts travel in its first chunk's descriptor (`desc_bytes` a descriptor: HtChunkDesc, then
+  // [node experts] int32) and are summed into `fwd_tpe`, the node dispatch's per-expert counts.
+  const uint8_t* in_rank;         // this dispatch's [num_tokens][world] bool, by ranks
+  uint8_t* fwd_in_rank;           // [nodes * max_tokens][ranks of a node] the slots' routing
+  const int32_t* tokens_per_expert;  // this rank's [experts] rows per expert, or null
+  int32_t* fwd_tpe;               // [experts of a node]: mine and my rail peers' counts
+  uint64_t* tok_nodes;            // [max_tokens] the nodes each token of the last dispatch went to
+  uint32_t desc_bytes;            // bytes of a chunk descriptor slot (area and staging)
+  uint32_t by_rank;               // 1: this dispatch routes by ranks
 };
-DOORBELL_CHECK_SIZE(MoeHtArgs, 208);
+DOORBELL_CHECK_SIZE(MoeHtArgs, 288);
 
 // Messages per chunk of the high-throughput network stream (one warp posts a chunk).
 constexpr uint32_t kHtChunk = 32;

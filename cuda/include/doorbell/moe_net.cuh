@@ -175,7 +175,8 @@ struct HeaderLane {
 DOORBELL_DEVICE_INLINE HeaderLane load_header_lane(const MoeNetArgs& a, uint32_t t, uint32_t lane) {
   HeaderLane v{0, 0.0f};
   if (lane < a.topk) {
-    v.id = a.topk_idx[uint64_t(t) * a.topk + lane];
+    // No ids (a dispatch routed by ranks writes its own header words) travel as -1.
+    v.id = a.topk_idx != nullptr ? a.topk_idx[uint64_t(t) * a.topk + lane] : -1;
     // No weights (DeepEP's layout: the combine takes them) travel as zeros.
     v.weight = a.topk_weights != nullptr ? a.topk_weights[uint64_t(t) * a.topk + lane] : 0.0f;
   }

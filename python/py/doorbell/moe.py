@@ -186,7 +186,7 @@ class Buffer:
         Rows arrive as from :meth:`dispatch`, with no ids or weights; ``num_tokens_per_expert``
         (int32 ``[num_experts]``, this rank's rows per expert) is summed over the sources into the
         per-local-expert counts (without it they stay 0). Returns ``(recv_x, None, None,
-        num_recv_tokens_per_expert, handle, None)``. Inside one node only (for now)."""
+        num_recv_tokens_per_expert, handle, None)``; also across nodes."""
         self._need(False, "dispatch_by_rank")
         comm = self.comm
         fp8 = isinstance(x, tuple)
@@ -234,7 +234,8 @@ class Buffer:
         hidden], combined_topk_weights, None)``: per token, the sum over the ranks it went to (f32,
         rank order); with ``topk_weights`` (float32 ``[rows, num_topk]`` aligned with ``x``, e.g.
         the dispatch's ``recv_topk_weights``) those are summed the same way into
-        ``combined_topk_weights [num_tokens, num_topk]`` (inside one node), else it is None."""
+        ``combined_topk_weights [num_tokens, num_topk]`` (across nodes: inside each node in rank
+        order, then over the nodes in node order), else it is None."""
         import torch
 
         self._need(False, "combine")

@@ -128,7 +128,8 @@ impl MoeHighThroughput {
     /// counts are left 0). `scales` nonzero: `x` holds e4m3 rows with their scales, as for
     /// [`MoeHighThroughput::dispatch_fp8_raw`] (a rank with no tokens in an FP8 call passes any
     /// nonzero 4-byte aligned value: nothing is read, and the call stays FP8 on every rank; its
-    /// `in_rank` may be 0). NVLink path only for now.
+    /// `in_rank` may be 0). Across nodes a token crosses once per node holding one of its ranks,
+    /// and the counts of each node's experts travel with the first chunk to that node.
     ///
     /// # Safety
     /// `x` (and `scales`) as for [`MoeHighThroughput::dispatch_raw`] (or `dispatch_fp8_raw`), `in_rank`
@@ -165,8 +166,9 @@ impl MoeHighThroughput {
 
     /// [`MoeHighThroughput::combine_raw`], and the rows' top-k weights summed the same way:
     /// `out_weights [num_tokens, topk]` f32 gets, for each token, the sum over the ranks it went
-    /// to of that rank's `y_weights` row (DeepEP's `combined_topk_weights`; f32 in rank order).
-    /// NVLink path only for now.
+    /// to of that rank's `y_weights` row (DeepEP's `combined_topk_weights`; f32 in rank order on
+    /// one node; across nodes summed inside each node in rank order, then over the nodes in
+    /// node order).
     ///
     /// # Safety
     /// As for [`MoeHighThroughput::combine_raw`]; `y_weights` holds `num_recv * topk` f32 and

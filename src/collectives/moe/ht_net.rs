@@ -3,7 +3,10 @@
 //! that node with the sender's local index (its rail peer), which forwards it over NVLink with the
 //! node's own NVLink path (`ht_nvlink.rs`, on a communicator of the node's ranks); the combine
 //! sums inside the node first (that dispatcher's combine), then sends one row per (token, node)
-//! back over the network, where the token's rank adds the nodes' rows in node order.
+//! back over the network, where the token's rank adds the nodes' rows in node order (and, asked,
+//! the top-k weights, which travel beside the rows). A dispatch by ranks (DeepEP's without top-k)
+//! sends a token to the nodes of its ranks, with its rank mask in the message and each source's
+//! counts of a node's experts in its first chunk's descriptor, for the node's dispatch by ranks.
 //!
 //! The network leg is a stream with receiver-driven admission: each rank's ring for a source node
 //! holds [`MoeConfig::net_chunks`] chunks of 32 messages, and a sender writes a chunk only once
@@ -19,7 +22,7 @@ use super::plan::{NodeMap, HT_CHUNK};
 use super::shared::{agree_shape, DispatchResults, MoeConfig};
 use crate::channel::memory_channel::RegisteredMemory;
 use crate::communicator::Communicator;
-use crate::device_api::{MoeHtArgs, MoeNetArgs};
+use crate::device_api::{HtChunkDesc, MoeHtArgs, MoeNetArgs};
 use crate::error::{Error, Result};
 use crate::gpu::cuda::cuda_err;
 use crate::gpu::memory::Buffer;
@@ -27,6 +30,20 @@ use crate::gpu::signature::{self, CallChecker, CallKind};
 use crate::transport::ipc::RemoteMemory;
 use cudarc::driver::{CudaFunction, CudaSlice, CudaStream, DevicePtr, LaunchConfig, PushKernelArg};
 use std::sync::{Arc, Mutex};
+
+/// How a dispatch routes its tokens: by top-k experts, or by ranks (DeepEP's dispatch without
+/// top-k: `in_rank [tokens, world]` bool, and this rank's `[num_experts]` i32 counts or 0).
+#[derive(Clone, Copy)]
+enum NetRoute {
+    TopK {
+        idx: u64,
+        weights: u64,
+    },
+    Ranks {
+        in_rank: u64,
+        tokens_per_expert: u64,
+    },
+}
 
 /// Ring chunks per source node unless [`MoeConfig::net_chunks`] says otherwise.
 pub(super) const DEFAULT_NET_CHUNKS: usize = 8;
@@ -77,16 +94,21 @@ impl HtNet {
             .collect::<Option<_>>()
             .ok_or_else(|| Error::invalid("nodes", "a node without a rank of my local index"))?;
         let msg = message_bytes(cfg);
+        // A chunk descriptor, then (a dispatch by ranks) the source's counts of the node's experts.
+        let node_experts = cfg.num_experts / world * size;
+        let desc_bytes =
+            (std::mem::size_of::<HtChunkDesc>() + 4 * node_experts).next_multiple_of(16);
         let landing = NetLanding::new(
             comm,
             cfg,
             LandingShape {
                 messages: nodes * chunks * HT_CHUNK * msg,
-                counts: nodes * chunks * 16,
+                counts: nodes * chunks * desc_bytes,
                 fill_extra: 0,
                 credits: true,
                 part_rows: world * cfg.max_tokens,
                 stage_part_rows: world * cfg.max_tokens,
+                part_weights: cfg.topk,
             },
         )?;
         // The node's own communicator and NVLink dispatcher, fed nodes x max_tokens slots.
@@ -148,6 +170,10 @@ impl HtNet {
             alloc(nodes * 8)?,                             // 11 sent_chunks
             alloc(nodes * 8)?,                             // 12 recv_chunks
             alloc(nodes * cfg.max_tokens * 4)?,            // 13 list
+            alloc(slots * cfg.topk * 4)?,                  // 14 fwd_wout
+            alloc(slots * size)?,                          // 15 fwd_in_rank
+            alloc(node_experts * 4)?,                      // 16 fwd_tpe
+            alloc(cfg.max_tokens * 8)?,                    // 17 tok_nodes
         ];
         let p = |i: usize| device[i].device_ptr(&stream).0;
         let res = node_disp.results();
@@ -170,7 +196,7 @@ impl HtNet {
             origin_of: p(9),
             recv_src: p(10),
             chunks: chunks as u32,
-            reserved: 0,
+            weights: 0,
             off_ring: 0,
             off_desc: base.off_counts,
             stage_desc: base.stage_counts,
@@ -181,6 +207,17 @@ impl HtNet {
             node_counts: res.expert_counts,
             node_rows: res.recv_x,
             node_max_rows: res.max_rows as u64,
+            fwd_wout: p(14),
+            w_out: 0,
+            off_part_w: landing.off_part_w,
+            stage_part_w: landing.stage_part_w,
+            in_rank: 0,
+            fwd_in_rank: p(15),
+            tokens_per_expert: 0,
+            fwd_tpe: p(16),
+            tok_nodes: p(17),
+            desc_bytes: desc_bytes as u32,
+            by_rank: 0,
         };
         stream
             .synchronize()
@@ -212,17 +249,33 @@ impl HtNet {
         })
     }
 
-    fn launch(&self, stream: &CudaStream, k: usize, grid: u32, a: &MoeNetArgs) -> Result<()> {
+    /// Launches kernel `k` with this call's arguments, once the proxy and the communicator are
+    /// known to be alive.
+    fn launch_with(
+        &self,
+        stream: &CudaStream,
+        k: usize,
+        grid: u32,
+        a: &MoeNetArgs,
+        ht: &MoeHtArgs,
+    ) -> Result<()> {
         self.landing.proxy_alive()?;
         self.comm.check_health()?;
-        self.launch_local(stream, k, grid, a)
+        self.launch_local(stream, k, grid, a, ht)
     }
 
     /// Launches kernel `k` without asking the communicator's health first: for the remap, which
     /// touches this GPU's memory only and marks the results when the exchange failed.
-    fn launch_local(&self, stream: &CudaStream, k: usize, grid: u32, a: &MoeNetArgs) -> Result<()> {
+    fn launch_local(
+        &self,
+        stream: &CudaStream,
+        k: usize,
+        grid: u32,
+        a: &MoeNetArgs,
+        ht: &MoeHtArgs,
+    ) -> Result<()> {
         let mut b = stream.launch_builder(&self.kernels[k]);
-        b.arg(a).arg(&self.ht);
+        b.arg(a).arg(ht);
         let cfg = LaunchConfig {
             grid_dim: (grid, 1, 1),
             block_dim: (512, 1, 1),
@@ -240,17 +293,45 @@ impl HtNet {
         (self.nodes.div_ceil(16) + self.nodes) as u32
     }
 
-    /// Dispatches (see [`super::MoeHighThroughput::dispatch`]); `scales` nonzero: e4m3 rows.
+    /// Dispatches (see [`super::MoeHighThroughput::dispatch`] and `dispatch_by_rank`); `scales`
+    /// nonzero: e4m3 rows.
     fn dispatch_rows(
         &self,
         stream: &CudaStream,
         x: u64,
         scales: u64,
-        topk_idx: u64,
-        topk_weights: u64,
+        route: NetRoute,
         num_tokens: usize,
     ) -> Result<()> {
         let max = self.base.max_tokens as usize;
+        let (topk_idx, topk_weights, ht) = match route {
+            NetRoute::TopK { idx, weights } => (idx, weights, self.ht),
+            NetRoute::Ranks {
+                in_rank,
+                tokens_per_expert,
+            } => {
+                if (in_rank == 0 && num_tokens > 0) || tokens_per_expert % 4 != 0 {
+                    return Err(Error::invalid(
+                        "routing",
+                        "in_rank a device address, tokens_per_expert 4-byte aligned (or 0)",
+                    ));
+                }
+                let ht = MoeHtArgs {
+                    in_rank,
+                    tokens_per_expert,
+                    by_rank: 1,
+                    ..self.ht
+                };
+                (0, 0, ht)
+            }
+        };
+        // The mode tells a dispatch by top-k (0) from one by ranks with per-expert counts (1) and
+        // one by ranks without (2), as the node's own dispatch does: a mix is named at once.
+        let mode = match (ht.by_rank != 0, ht.tokens_per_expert != 0) {
+            (false, _) => 0,
+            (true, true) => 1,
+            (true, false) => 2,
+        };
         if num_tokens > max || x % 16 != 0 || topk_idx % 4 != 0 || topk_weights % 4 != 0 {
             return Err(Error::invalid(
                 "dispatch",
@@ -275,7 +356,7 @@ impl HtNet {
                 .next(
                     CallKind::MoeDispatch,
                     if scales == 0 { 0 } else { signature::E4M3 },
-                    0,
+                    mode,
                     0,
                     0,
                     signature::capturing(stream),
@@ -283,22 +364,30 @@ impl HtNet {
                 .word,
             ..self.base
         };
-        self.launch(stream, 0, self.landing.blocks, &a)?;
-        self.launch(stream, 1, self.exchange_blocks(), &a)?;
+        self.launch_with(stream, 0, self.landing.blocks, &a, &ht)?;
+        self.launch_with(stream, 1, self.exchange_blocks(), &a, &ht)?;
         let slots = self.nodes * max;
-        let (fx, fi, fw) = (self.ht.fwd_x, self.ht.fwd_idx, self.ht.fwd_w);
+        let (fx, fi, fw) = (ht.fwd_x, ht.fwd_idx, ht.fwd_w);
+        let fs = if scales == 0 { 0 } else { ht.fwd_scales };
         // SAFETY: the forwarding slots are this exchange's own buffers, sized for `slots` tokens.
         let node = unsafe {
-            if scales == 0 {
+            if ht.by_rank != 0 {
+                let tpe = if ht.tokens_per_expert == 0 {
+                    0
+                } else {
+                    ht.fwd_tpe
+                };
+                self.node
+                    .dispatch_by_rank(stream, fx, fs, ht.fwd_in_rank, tpe, slots)
+            } else if scales == 0 {
                 self.node.dispatch(stream, fx, fi, fw, slots)
             } else {
-                self.node
-                    .dispatch_fp8(stream, fx, self.ht.fwd_scales, fi, fw, slots)
+                self.node.dispatch_fp8(stream, fx, fs, fi, fw, slots)
             }
         };
         // The remap runs even when the exchange failed by now: it then marks the results the
         // node's dispatch left (moe_ht_remap), so they never pass for a whole dispatch.
-        let remap = self.launch_local(stream, 2, self.landing.blocks, &a);
+        let remap = self.launch_local(stream, 2, self.landing.blocks, &a, &ht);
         node.and(remap)
     }
 }
@@ -328,7 +417,33 @@ impl HighThroughputPath for HtNet {
         topk_weights: u64,
         num_tokens: usize,
     ) -> Result<()> {
-        self.dispatch_rows(stream, x, 0, topk_idx, topk_weights, num_tokens)
+        let route = NetRoute::TopK {
+            idx: topk_idx,
+            weights: topk_weights,
+        };
+        self.dispatch_rows(stream, x, 0, route, num_tokens)
+    }
+
+    unsafe fn dispatch_by_rank(
+        &self,
+        stream: &CudaStream,
+        x: u64,
+        scales: u64,
+        in_rank: u64,
+        tokens_per_expert: u64,
+        num_tokens: usize,
+    ) -> Result<()> {
+        if scales != 0 && (self.cfg.hidden % 128 != 0 || scales % 4 != 0) {
+            return Err(Error::invalid(
+                "scales",
+                "FP8 rows: a hidden size that is a multiple of 128 and 4-byte aligned scales",
+            ));
+        }
+        let route = NetRoute::Ranks {
+            in_rank,
+            tokens_per_expert,
+        };
+        self.dispatch_rows(stream, x, scales, route, num_tokens)
     }
 
     unsafe fn dispatch_fp8(
@@ -346,7 +461,11 @@ impl HighThroughputPath for HtNet {
                 "a hidden size that is a multiple of 128 and 4-byte aligned scales",
             ));
         }
-        self.dispatch_rows(stream, x, scales, topk_idx, topk_weights, num_tokens)
+        let route = NetRoute::TopK {
+            idx: topk_idx,
+            weights: topk_weights,
+        };
+        self.dispatch_rows(stream, x, scales, route, num_tokens)
     }
 
     /// Combines (see [`super::MoeHighThroughput::combine`]).
@@ -357,18 +476,20 @@ impl HighThroughputPath for HtNet {
         out: u64,
         weights: Option<(u64, u64)>,
     ) -> Result<()> {
-        if weights.is_some() {
-            return Err(Error::invalid(
-                "combine weights",
-                "the node-spanning high-throughput path does not combine top-k weights yet",
-            ));
-        }
         if out % 16 != 0 {
             return Err(Error::invalid("combine", "out 16-byte aligned"));
         }
-        // SAFETY: fwd_out is this exchange's own, sized for every slot; `y` as the caller's
-        // contract says.
-        unsafe { self.node.combine(stream, y, self.ht.fwd_out, None) }?;
+        // With weights the node's combine sums each slot's weights too, and they travel back
+        // beside the slot's row (moe_ht_combine_send / _recv).
+        let ht = MoeHtArgs {
+            weights: u32::from(weights.is_some()),
+            w_out: weights.map_or(0, |(_, w_out)| w_out),
+            ..self.ht
+        };
+        let node_weights = weights.map(|(y_weights, _)| (y_weights, self.ht.fwd_wout));
+        // SAFETY: fwd_out and fwd_wout are this exchange's own, sized for every slot; `y` and
+        // the weights as the caller's contract says.
+        unsafe { self.node.combine(stream, y, self.ht.fwd_out, node_weights) }?;
         let (topk_idx, num_tokens) = *self.last.lock().unwrap_or_else(|p| p.into_inner());
         let a = MoeNetArgs {
             topk_idx,
@@ -379,7 +500,8 @@ impl HighThroughputPath for HtNet {
                 .next(
                     CallKind::MoeCombine,
                     0,
-                    0,
+                    // Variant 1: the weights travel too (a mix across ranks is named).
+                    ht.weights,
                     0,
                     0,
                     signature::capturing(stream),
@@ -388,8 +510,8 @@ impl HighThroughputPath for HtNet {
             ..self.base
         };
         let blocks = self.landing.blocks;
-        self.launch(stream, 3, blocks, &a)?;
-        self.launch(stream, 4, blocks, &a)
+        self.launch_with(stream, 3, blocks, &a, &ht)?;
+        self.launch_with(stream, 4, blocks, &a, &ht)
     }
 
     fn combine_buffer(&self) -> Result<u64> {

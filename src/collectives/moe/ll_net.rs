@@ -100,6 +100,7 @@ impl LlNet {
                 stage_part_rows: world
                     * cfg.max_tokens
                     * if cfg.deep_ep_layout { cfg.topk } else { 1 },
+                part_weights: 0,
             },
         )?;
         let gpu = comm.gpu().clone();

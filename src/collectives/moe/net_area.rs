@@ -42,6 +42,9 @@ pub(super) struct LandingShape {
     /// doorbell's layout; DeepEP's layout returns a row per selection).
     pub part_rows: usize,
     pub stage_part_rows: usize,
+    /// f32 values beside each partial row, in a region of their own in the area and in the
+    /// staging area (the high-throughput combine's top-k weights; 0: none).
+    pub part_weights: usize,
 }
 
 /// The memory and channels both node-spanning MoE paths share: this rank's area (registered with
@@ -55,6 +58,10 @@ pub(super) struct NetLanding {
     pub(super) blocks: u32,
     /// Device address of the credit channels' handles (0 without them).
     pub(super) credits: u64,
+    /// Offsets of the partial weights (`LandingShape::part_weights`) in the area and in the
+    /// staging area (0 without them).
+    pub(super) off_part_w: u64,
+    pub(super) stage_part_w: u64,
     _channels: Vec<PortChannels>,
     _area: (
         Arc<Buffer>,
@@ -107,13 +114,16 @@ impl NetLanding {
         let off_part = off_counts + section(shape.counts.max(2 * world * 8));
         let off_cdone = off_part + section(shape.part_rows * row_out);
         let off_inbox = off_cdone + section(world * 8);
-        let area_bytes = off_inbox + section(INBOX_WORDS * 8);
+        let off_part_w = off_inbox + section(INBOX_WORDS * 8);
+        let part_w_bytes = shape.part_weights * 4;
+        let area_bytes = off_part_w + section(shape.part_rows * part_w_bytes);
         // The staging area: messages by token (two halves), counts, partial rows for remote
         // sources.
         let stage_counts = section(2 * cfg.max_tokens * msg);
         let stage_part = stage_counts + section(shape.counts.max(2 * world * 8));
         let stage_words = stage_part + section(shape.stage_part_rows * row_out);
-        let stage_bytes = stage_words + section(32); // four call-check words (moe_net.cuh)
+        let stage_part_w = stage_words + section(32); // four call-check words (moe_net.cuh)
+        let stage_bytes = stage_part_w + section(shape.stage_part_rows * part_w_bytes);
         let area = comm.alloc(area_bytes)?;
         let area_reg = comm.register(&area)?;
         let peers = comm.exchange(&area_reg)?;
@@ -200,6 +210,16 @@ impl NetLanding {
             base,
             blocks,
             credits,
+            off_part_w: if part_w_bytes == 0 {
+                0
+            } else {
+                off_part_w as u64
+            },
+            stage_part_w: if part_w_bytes == 0 {
+                0
+            } else {
+                stage_part_w as u64
+            },
             _channels: channels,
             _area: (area, area_reg, peers),
             _stage: (stage, stage_reg),

@@ -37,24 +37,20 @@ pub(super) trait HighThroughputPath: Send + Sync {
         topk_weights: u64,
         num_tokens: usize,
     ) -> Result<()>;
-    /// `weights`: `(y_weights, out_weights)` to sum as the rows are, or none.
-    ///
     /// # Safety
     /// As [`super::MoeHighThroughput::dispatch_by_rank`].
     unsafe fn dispatch_by_rank(
         &self,
-        _stream: &CudaStream,
-        _x: u64,
-        _scales: u64,
-        _in_rank: u64,
-        _tokens_per_expert: u64,
-        _num_tokens: usize,
-    ) -> Result<()> {
-        Err(crate::error::Error::invalid(
-            "dispatch_by_rank",
-            "the node-spanning high-throughput path routes by top-k only (for now)",
-        ))
-    }
+        stream: &CudaStream,
+        x: u64,
+        scales: u64,
+        in_rank: u64,
+        tokens_per_expert: u64,
+        num_tokens: usize,
+    ) -> Result<()>;
+
+    /// `weights`: `(y_weights, out_weights)` to sum as the rows are, or none.
+    ///
     /// # Safety
     /// As [`super::MoeHighThroughput::combine_with_weights`].
     unsafe fn combine(

@@ -143,6 +143,20 @@ class _NormalHandle:
         self.topk = topk
 
 
+class _AcrossRoute:
+    """How a dispatch across nodes routes: by top-k (``topk``: ``(topk_idx, topk_weights)``), or
+    by ranks (``topk`` None: ``is_token_in_rank``, with ``per_expert`` the sources' counts, or
+    None in a cached dispatch, whose list DeepEP does not return)."""
+
+    def __init__(self, topk: Optional[Tuple[Any, Any]] = None, per_expert: Any = None) -> None:
+        self.topk = topk
+        self.per_expert = per_expert
+
+    def tensors(self) -> Tuple[Any, ...]:
+        """What the dispatch reads, kept alive until it is done."""
+        return (self.topk or ()) + ((self.per_expert,) if self.per_expert is not None else ())
+
+
 def _doorbells_part(handle: Any) -> Optional[_NormalHandle]:
     """The doorbell part of a normal-mode handle: the last entry of DeepEP's one-node 6-tuple or
     of its internode 10-tuple."""
@@ -547,7 +561,8 @@ class Buffer:
         num_experts, topk = int(num_tokens_per_expert.numel()), int(topk_idx.shape[1])
         if self._across:
             buf = self._normal_for(hidden, num_experts, topk, num_tokens, config)
-            return self._dispatch_across(buf, x, topk_idx, topk_weights, is_token_in_rank, expert_alignment, previous_event, async_finish)
+            by_topk = _AcrossRoute(topk=(topk_idx, topk_weights))
+            return self._dispatch_across(buf, x, by_topk, is_token_in_rank, expert_alignment, previous_event, async_finish)
         buf = self._normal_for(hidden, num_experts, topk, num_tokens, config)
         cap = buf.num_max_tokens * self.group_size
         if num_worst_tokens > cap:
@@ -619,8 +634,7 @@ class Buffer:
         self,
         buf: _moe.Buffer,
         x: Union[Any, Tuple[Any, Any]],
-        topk_idx: Any,
-        topk_weights: Any,
+        route: "_AcrossRoute",
         is_token_in_rank: Any,
         expert_alignment: int,
         previous_event: Optional[EventOverlap],
@@ -628,13 +642,15 @@ class Buffer:
         cached: Optional[_NormalHandle] = None,
     ) -> Tuple[Any, Any, Any, Any, Any, EventOverlap]:
         """The normal dispatch when the communicator spans nodes: doorbell's node-spanning
-        dispatch, whose rows come grouped by forwarding rank, then source node, then source
-        token, gathered on the communication stream into DeepEP's order (source rank, then source
-        token), with their ids (-1 and weight 0 for experts elsewhere), weights and scales.
-        Returns DeepEP's 6-tuple with its internode handle, a 10-tuple: ``is_token_in_rank`` at
-        0, ``recv_gbl_rank_prefix_sum`` (``[ranks]`` int32, inclusive) at 6, doorbell's part at
-        9, None in the places of DeepEP's channel tables. With ``cached`` (a cached dispatch:
-        the handle's routing again) ``(recv_x, None, None, None, None, event)``."""
+        dispatch (by top-k, or by ranks: DeepEP's dispatch without top-k), whose rows come
+        grouped by forwarding rank, then source node, then source token, gathered on the
+        communication stream into DeepEP's order (source rank, then source token), with their
+        ids (-1 and weight 0 for experts elsewhere), weights and scales (by ranks: no ids or
+        weights, None). Returns DeepEP's 6-tuple with its internode handle, a 10-tuple:
+        ``is_token_in_rank`` at 0, ``recv_gbl_rank_prefix_sum`` (``[ranks]`` int32, inclusive)
+        at 6, doorbell's part at 9, None in the places of DeepEP's channel tables. With
+        ``cached`` (a cached dispatch: the handle's routing again) ``(recv_x, None, None, None,
+        None, event)``."""
         import torch
 
         fp8 = isinstance(x, tuple)
@@ -647,7 +663,11 @@ class Buffer:
             scales_in = x[1] if fp8 else None
             if fp8:
                 x = (x[0], x[1].contiguous())  # DeepEP's column-major scales, as on one node
-            recv_x, recv_idx, recv_w, counts, h, _ = buf.dispatch(x, topk_idx, topk_weights)
+            if route.topk is not None:
+                recv_x, recv_idx, recv_w, counts, h, _ = buf.dispatch(x, route.topk[0], route.topk[1])
+            else:
+                per_expert = None if route.per_expert is None else route.per_expert.int()
+                recv_x, recv_idx, recv_w, counts, h, _ = buf.dispatch_by_rank(x, is_token_in_rank, per_expert)
             r = buf._native.results()
             src = buf._view(r["recv_src"], (int(r["max_rows"]), 2), "int32")
             n, listed = self._received(h, counts, expert_alignment)
@@ -658,11 +678,14 @@ class Buffer:
                 if fp8
                 else recv_x[:n].index_select(0, order)
             )
-            out_idx = recv_idx[:n].index_select(0, order).long()
-            out_w = recv_w[:n].index_select(0, order).masked_fill(out_idx < 0, 0.0)
+            out_idx: Any = None
+            out_w: Any = None
+            if route.topk is not None:
+                out_idx = recv_idx[:n].index_select(0, order).long()
+                out_w = recv_w[:n].index_select(0, order).masked_fill(out_idx < 0, 0.0)
             prefix = torch.bincount(origin[:, 0], minlength=world).cumsum(0).int()
         tensors = tuple(out_x) if fp8 else (out_x,)
-        kept = tensors + (out_idx, out_w, prefix, order, rows, topk_idx, topk_weights) + ((scales_in,) if fp8 else ())
+        kept = tensors + (out_idx, out_w, prefix, order, rows, is_token_in_rank) + route.tensors() + ((scales_in,) if fp8 else ())
         event = self._finish(compute, async_finish, kept)
         del lease  # None: slot 0 is the adapter's own
         if cached is not None:
@@ -670,9 +693,9 @@ class Buffer:
             self._slots[id(buf)].landed(slot, cached.route)
             cached.dispatch, cached.order = h, order
             return out_x, None, None, None, None, event
-        route = _route_key(topk_idx)
-        serial = self._slots[id(buf)].landed(slot, route)
-        mine = _NormalHandle(buf, h, num_tokens, hidden, route, slot, serial, n, order, (topk_idx, topk_weights))
+        key = _route_key(route.topk[0] if route.topk is not None else is_token_in_rank)
+        serial = self._slots[id(buf)].landed(slot, key)
+        mine = _NormalHandle(buf, h, num_tokens, hidden, key, slot, serial, n, order, route.topk)
         handle_out = (is_token_in_rank, None, None, None, None, None, prefix, None, None, mine)
         return out_x, out_idx, out_w, listed, handle_out, event
 
@@ -702,21 +725,18 @@ class Buffer:
             cached = _doorbells_part(handle)
             if cached is None:
                 raise TypeError("dispatch: pass the handle a dispatch of this Buffer returned")
-            if cached.topk is not None:
-                # Across nodes: the handle's top-k routing again, in DeepEP's order.
+            if cached.order is not None:
+                # Across nodes: the handle's routing again (top-k, or its ranks), in DeepEP's order.
                 rows0: Any = x[0] if isinstance(x, tuple) else x
                 shape = tuple(int(d) for d in getattr(rows0, "shape", ()))
                 if shape != (cached.num_tokens, cached.hidden):
                     raise ValueError(
                         f"dispatch: x of {shape}, but the handle's dispatch moved {cached.num_tokens} x {cached.hidden}"
                     )
-                return self._dispatch_across(
-                    cached.buffer, x, cached.topk[0], cached.topk[1], handle[0], 1, previous_event, async_finish, cached
-                )
+                again = _AcrossRoute(topk=cached.topk)
+                return self._dispatch_across(cached.buffer, x, again, handle[0], 1, previous_event, async_finish, cached)
             is_token_in_rank = handle[4]
             num_tokens_per_expert = None
-        elif self._across:
-            raise _not_yet("a dispatch without top-k across nodes (routing by is_token_in_rank)", "step 6")
         if is_token_in_rank is None:
             raise ValueError("dispatch: without topk_idx, is_token_in_rank (get_dispatch_layout) routes the tokens")
         if cached is None and num_tokens_per_expert is None:
@@ -740,6 +760,9 @@ class Buffer:
             # this shape if there is one.
             same = [b for (h, e, _), b in self._normal.items() if (h, e) == (hidden, num_experts)]
             buf = same[0] if same else self._normal_for(hidden, num_experts, 1, num_tokens, config)
+            if self._across:
+                by_ranks = _AcrossRoute(per_expert=num_tokens_per_expert)
+                return self._dispatch_across(buf, x, by_ranks, is_token_in_rank, expert_alignment, previous_event, async_finish)
         import torch
 
         compute = self._begin(previous_event)
@@ -805,18 +828,20 @@ class Buffer:
             raise ValueError(f"combine: x has {int(x.shape[0])} rows; the handle's dispatch delivered {mine.rows}")
         import torch
 
-        if mine.order is not None and topk_weights is not None:
-            raise _not_yet("the combined top-k weights across nodes (combine's topk_weights)", "step 6")
         compute = self._begin(previous_event)
         # The combine follows the layout kept in the handle's receive slot.
         mine.buffer._native.set_receive_slot(mine.slot)
         with torch.cuda.stream(self._stream):
-            y = x
+            y, y_weights = x, topk_weights
             if mine.order is not None:
-                # Across nodes: the rows back into the order of doorbell's receive.
+                # Across nodes: the rows (and their weights) back into the order of doorbell's
+                # receive.
                 y = torch.empty_like(x).index_copy_(0, mine.order, x)
-            out, weights, _ = mine.buffer.combine(y, mine.dispatch, topk_weights=topk_weights)
-        event = self._finish(compute, async_finish, (x, y, out, weights, topk_weights))
+                if topk_weights is not None:
+                    check_tensor("topk_weights", topk_weights, device=self._comm.device, dtypes="float32", shape=(int(x.shape[0]), mine.buffer.num_topk))
+                    y_weights = torch.empty_like(topk_weights).index_copy_(0, mine.order, topk_weights)
+            out, weights, _ = mine.buffer.combine(y, mine.dispatch, topk_weights=y_weights)
+        event = self._finish(compute, async_finish, (x, y, out, weights, topk_weights, y_weights))
         return out, weights, event
 
     # ---- low-latency mode ----
