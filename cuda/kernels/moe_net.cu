@@ -1074,12 +1074,17 @@ extern "C" __global__ void __launch_bounds__(512) moe_ht_combine_send(MoeNetArgs
   const uint32_t warps = gridDim.x * (blockDim.x / kWarp);
   const uint64_t slots = uint64_t(h.nodes) * a.max_tokens;
   const uint32_t words = a.hidden / 8;
+  // The partial rows (and weights) alternate between two halves by the call's parity: a peer
+  // one combine ahead (it has all of this combine's rows) writes the other half while this rank
+  // still reads its own; two ahead it cannot be, since that needs this rank's next rows.
+  const uint64_t half = call & 1;
   for (uint64_t q = blockIdx.x * (blockDim.x / kWarp) + threadIdx.x / kWarp; q < slots; q += warps) {
     const int32_t src = h.fwd_origin[2 * q];
     if (src < 0) continue;
     const uint32_t t = uint32_t(q % a.max_tokens);
     const int4* row = reinterpret_cast<const int4*>(h.fwd_out) + q * words;
-    const uint64_t part_row = (uint64_t(a.rank) * a.max_tokens + t) * words;
+    const uint64_t prow = (half * a.world + a.rank) * a.max_tokens + t;
+    const uint64_t part_row = prow * words;
     const uint64_t stage_row = (uint64_t(src) * a.max_tokens + t) * words;
     const uint64_t mapped = a.peer_area[src];
     int4* dst = mapped != 0 ? reinterpret_cast<int4*>(mapped + a.off_part) + part_row
@@ -1087,7 +1092,7 @@ extern "C" __global__ void __launch_bounds__(512) moe_ht_combine_send(MoeNetArgs
     copy_words_batched<int4, 8>(dst, row, words, lane, 32);
     // The slot's top-k weights beside its row (their own region: the rows' stride is shared
     // with the low-latency path).
-    const uint64_t part_w = (uint64_t(a.rank) * a.max_tokens + t) * a.topk;
+    const uint64_t part_w = prow * a.topk;
     const uint64_t stage_w = (uint64_t(src) * a.max_tokens + t) * a.topk;
     if (h.weights != 0 && lane < a.topk) {
       float* wdst = mapped != 0 ? reinterpret_cast<float*>(mapped + h.off_part_w) + part_w
@@ -1120,6 +1125,8 @@ extern "C" __global__ void __launch_bounds__(512) moe_ht_combine_recv(MoeNetArgs
     for (uint64_t i = first; i < wts; i += stride) h.w_out[i] = __int_as_float(-1);
     return;
   }
+  // This call's half of the partial rows and weights (see moe_ht_combine_send).
+  const uint64_t half = call & 1;
   const int4* part = reinterpret_cast<const int4*>(a.area + a.off_part);
   for (uint64_t i = first; i < items; i += stride) {
     const uint32_t t = uint32_t(i / words), c = uint32_t(i % words);
@@ -1127,7 +1134,7 @@ extern "C" __global__ void __launch_bounds__(512) moe_ht_combine_recv(MoeNetArgs
     float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
     for (uint32_t n = 0; n < h.nodes; ++n) {
       if (!(nodes >> n & 1)) continue;
-      const int4 v = part[(uint64_t(h.rail[n]) * a.max_tokens + t) * words + c];
+      const int4 v = part[((half * a.world + h.rail[n]) * a.max_tokens + t) * words + c];
       add_bf16x8(acc, v);
     }
     reinterpret_cast<int4*>(a.out)[uint64_t(t) * words + c] = to_bf16x8(acc);
@@ -1139,7 +1146,7 @@ extern "C" __global__ void __launch_bounds__(512) moe_ht_combine_recv(MoeNetArgs
     const uint64_t nodes = h.tok_nodes[t];
     float acc = 0.0f;
     for (uint32_t n = 0; n < h.nodes; ++n) {
-      if (nodes >> n & 1) acc += part_w[(uint64_t(h.rail[n]) * a.max_tokens + t) * a.topk + i % a.topk];
+      if (nodes >> n & 1) acc += part_w[((half * a.world + h.rail[n]) * a.max_tokens + t) * a.topk + i % a.topk];
     }
     h.w_out[i] = acc;
   }

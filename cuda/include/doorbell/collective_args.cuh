@@ -257,7 +257,9 @@ constexpr uint32_t kPackedLogFmt = 32;
 //   stage_part    [source][max_tokens][hidden] bf16 partial sums for sources on other nodes
 // The high-throughput path (MoeHtArgs) uses the same area with its own message region: rings of
 // `chunks` chunks of kHtChunk messages per source node at off_ring, chunk descriptors at
-// off_desc; its staging holds one half of messages by token and the descriptors at stage_desc.
+// off_desc; its staging holds one half of messages by token and the descriptors at stage_desc;
+// its partial sums at off_part are [2][source][max_tokens][hidden], half = the combine call's
+// parity (a peer one combine ahead writes the other half).
 struct MoeNetArgs {
   // Per call.
   const uint8_t* x;             // [num_tokens] rows: hidden bf16, or hidden e4m3 bytes (fp8)

@@ -106,7 +106,8 @@ impl HtNet {
                 counts: nodes * chunks * desc_bytes,
                 fill_extra: 0,
                 credits: true,
-                part_rows: world * cfg.max_tokens,
+                // Two halves, by the combine's parity (moe_ht_combine_send).
+                part_rows: 2 * world * cfg.max_tokens,
                 stage_part_rows: world * cfg.max_tokens,
                 part_weights: cfg.topk,
             },
