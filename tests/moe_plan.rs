@@ -2,7 +2,8 @@
 //! against brute force, the hierarchical high-throughput routing delivering every (token, rank)
 //! exactly once while crossing the network at most once per (token, destination node), the
 //! low-latency message counts, the high-throughput stream's receiver-driven admission (credits)
-//! under incast and over several dispatches, and the wire model.
+//! under incast and over several dispatches, the combine's partial rows in two halves, and the
+//! wire model.
 
 use doorbell::collectives::moe::plan::{
     forwards, ranks_of_tokens, ChunkStream, HighThroughputPlan, LowLatencyPlan, NodeMap, Posting,
@@ -344,5 +345,72 @@ fn wire_model_table() {
             m.wire_us(400.0, 0.9, 2.0)
         );
         assert!(ht.network_rows() <= 4096 * (nodes - 1));
+    }
+}
+
+/// The node-spanning high-throughput combine's partial rows, as `moe_ht_combine_send` and
+/// `_recv` use them, with `halves` buffers by the call's parity: each rank sends call n's rows
+/// into every peer's area (half n % halves), then, once every peer's signal for n is in, reads
+/// its own area one source at a time while the peers run on. Returns the first read that found
+/// another call's row, over random interleavings of `ranks` ranks making `calls` combines.
+fn combine_overwrite(ranks: usize, calls: u64, halves: u64, seed: u64) -> Option<String> {
+    // part[dst][half][src]: the call whose row src last wrote there.
+    let mut part = vec![vec![vec![0u64; ranks]; halves as usize]; ranks];
+    let mut sent = vec![0u64; ranks];
+    // Each rank: Some(next source to read) while receiving call `call[r]`, None before its send.
+    let mut call = vec![1u64; ranks];
+    let mut reading: Vec<Option<usize>> = vec![None; ranks];
+    let mut rng = Rng(seed);
+    while call.iter().any(|&c| c <= calls) {
+        let r = rng.below(ranks as u64) as usize;
+        let n = call[r];
+        if n > calls {
+            continue;
+        }
+        match reading[r] {
+            None => {
+                for area in part.iter_mut() {
+                    area[(n % halves) as usize][r] = n;
+                }
+                sent[r] = n;
+                reading[r] = Some(0);
+            }
+            // The receive waits for every peer's signal of this call.
+            Some(_) if sent.iter().any(|&s| s < n) => {}
+            Some(src) => {
+                let got = part[r][(n % halves) as usize][src];
+                if got != n {
+                    return Some(format!(
+                        "rank {r} summing call {n} read call {got}'s row from rank {src}"
+                    ));
+                }
+                if src + 1 == ranks {
+                    reading[r] = None;
+                    call[r] = n + 1;
+                } else {
+                    reading[r] = Some(src + 1);
+                }
+            }
+        }
+    }
+    None
+}
+
+#[test]
+fn back_to_back_combines_need_two_halves_of_partial_rows() {
+    // One buffer: a peer done with call n sends call n + 1's rows into a rank still summing n
+    // (the race two back-to-back combines hit on 4 separate nodes, fixed in 23ac262).
+    let raced = (0..200).find_map(|seed| combine_overwrite(4, 6, 1, seed + 1));
+    assert!(raced.is_some(), "one half: some interleaving overwrites");
+    // Two halves by parity: a peer can be one call ahead, never two (call n + 2 needs this
+    // rank's rows of n + 1, sent after it summed n).
+    for ranks in 2..=5 {
+        for seed in 0..300 {
+            assert_eq!(
+                combine_overwrite(ranks, 8, 2, seed + 1),
+                None,
+                "{ranks} ranks, seed {seed}"
+            );
+        }
     }
 }
