@@ -243,6 +243,9 @@ def test_normal_dispatch_refuses_deepeps_invalid_arguments_before_anything_is_se
     for bad in (0, -2, True, 1.0):
         with pytest.raises(ValueError, match="expert_alignment"):
             b.dispatch(x, topk_idx=idx, topk_weights=object(), num_tokens_per_expert=per_expert, expert_alignment=bad)
+        # Without top-k too (the list is rounded up to it there as well).
+        with pytest.raises(ValueError, match="expert_alignment"):
+            b.dispatch(x, is_token_in_rank=object(), num_tokens_per_expert=per_expert, expert_alignment=bad)
     for bad in (-1, False, 2.5):
         with pytest.raises(ValueError, match="num_worst_tokens"):
             b.dispatch(x, topk_idx=idx, topk_weights=object(), num_tokens_per_expert=per_expert, num_worst_tokens=bad)

@@ -534,6 +534,8 @@ class Buffer:
         on the host (DeepEP waits for it too); with it, outputs have that many rows, ids -1 past
         the received ones, and the list is empty. Results are fresh tensors, as DeepEP's."""
         self._alive()
+        if isinstance(expert_alignment, bool) or not isinstance(expert_alignment, int) or expert_alignment <= 0:
+            raise ValueError(f"dispatch: expert_alignment={expert_alignment!r}; a positive int")
         if handle is not None or topk_idx is None:
             return self._dispatch_by_rank(
                 x, handle, is_token_in_rank, num_tokens_per_expert, topk_weights, expert_alignment,
@@ -545,8 +547,6 @@ class Buffer:
             raise ValueError("dispatch: num_tokens_per_rdma_rank is for the internode kernels; this Buffer is one node")
         if num_tokens_per_expert is None:
             raise ValueError("dispatch: num_tokens_per_expert (from get_dispatch_layout) is required with topk_idx")
-        if isinstance(expert_alignment, bool) or not isinstance(expert_alignment, int) or expert_alignment <= 0:
-            raise ValueError(f"dispatch: expert_alignment={expert_alignment!r}; a positive int")
         if isinstance(num_worst_tokens, bool) or not isinstance(num_worst_tokens, int) or num_worst_tokens < 0:
             raise ValueError(f"dispatch: num_worst_tokens={num_worst_tokens!r}; 0 or a row count")
         if num_worst_tokens and self._across:
