@@ -412,9 +412,9 @@ pub struct PackedCombineOptions {
     /// 2^(step / 2) - 1 relative, `step` the group's log2 range / 510; values more than 16
     /// octaves below a group's largest go as zero; a group with a NaN or an infinity as NaN).
     /// Every rank must agree (the call check names a mix across ranks), and so must a combine's
-    /// two halves when called apart: a receive half given the other format than the last send
-    /// half wrote is refused (`InvalidArgument`) before it launches. One node only (refused by
-    /// name across nodes).
+    /// two halves when called apart: a receive half given the other format than its send half
+    /// wrote (found by ticket among the last eight sends) is refused (`InvalidArgument`) before
+    /// it launches. One node only (refused by name across nodes).
     pub logfmt: bool,
 }
 
