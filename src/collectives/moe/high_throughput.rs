@@ -144,6 +144,14 @@ impl MoeHighThroughput {
         tokens_per_expert: u64,
         num_tokens: usize,
     ) -> Result<()> {
+        // Both paths take FP8 rows only in whole groups of 128 with aligned scales.
+        let hidden = self.path.config().hidden;
+        if scales != 0 && (hidden % 128 != 0 || scales % 4 != 0) {
+            return Err(crate::error::Error::invalid(
+                "scales",
+                "FP8 rows: a hidden size that is a multiple of 128 and 4-byte aligned scales",
+            ));
+        }
         // SAFETY: as documented.
         unsafe {
             self.path

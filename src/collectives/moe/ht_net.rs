@@ -19,7 +19,7 @@ use super::ht_nvlink::HtNvlink;
 use super::net_area::{message_bytes, LandingShape, NetLanding};
 use super::path::HighThroughputPath;
 use super::plan::{NodeMap, HT_CHUNK};
-use super::shared::{agree_shape, DispatchResults, MoeConfig};
+use super::shared::{agree_shape, DispatchResults, MoeConfig, Route};
 use crate::channel::memory_channel::RegisteredMemory;
 use crate::communicator::Communicator;
 use crate::device_api::{HtChunkDesc, MoeHtArgs, MoeNetArgs};
@@ -30,20 +30,6 @@ use crate::gpu::signature::{self, CallChecker, CallKind};
 use crate::transport::ipc::RemoteMemory;
 use cudarc::driver::{CudaFunction, CudaSlice, CudaStream, DevicePtr, LaunchConfig, PushKernelArg};
 use std::sync::{Arc, Mutex};
-
-/// How a dispatch routes its tokens: by top-k experts, or by ranks (DeepEP's dispatch without
-/// top-k: `in_rank [tokens, world]` bool, and this rank's `[num_experts]` i32 counts or 0).
-#[derive(Clone, Copy)]
-enum NetRoute {
-    TopK {
-        idx: u64,
-        weights: u64,
-    },
-    Ranks {
-        in_rank: u64,
-        tokens_per_expert: u64,
-    },
-}
 
 /// Ring chunks per source node unless [`MoeConfig::net_chunks`] says otherwise.
 pub(super) const DEFAULT_NET_CHUNKS: usize = 8;
@@ -301,13 +287,13 @@ impl HtNet {
         stream: &CudaStream,
         x: u64,
         scales: u64,
-        route: NetRoute,
+        route: Route,
         num_tokens: usize,
     ) -> Result<()> {
         let max = self.base.max_tokens as usize;
         let (topk_idx, topk_weights, ht) = match route {
-            NetRoute::TopK { idx, weights } => (idx, weights, self.ht),
-            NetRoute::Ranks {
+            Route::TopK { idx, weights } => (idx, weights, self.ht),
+            Route::Ranks {
                 in_rank,
                 tokens_per_expert,
             } => {
@@ -418,7 +404,7 @@ impl HighThroughputPath for HtNet {
         topk_weights: u64,
         num_tokens: usize,
     ) -> Result<()> {
-        let route = NetRoute::TopK {
+        let route = Route::TopK {
             idx: topk_idx,
             weights: topk_weights,
         };
@@ -434,13 +420,7 @@ impl HighThroughputPath for HtNet {
         tokens_per_expert: u64,
         num_tokens: usize,
     ) -> Result<()> {
-        if scales != 0 && (self.cfg.hidden % 128 != 0 || scales % 4 != 0) {
-            return Err(Error::invalid(
-                "scales",
-                "FP8 rows: a hidden size that is a multiple of 128 and 4-byte aligned scales",
-            ));
-        }
-        let route = NetRoute::Ranks {
+        let route = Route::Ranks {
             in_rank,
             tokens_per_expert,
         };
@@ -462,7 +442,7 @@ impl HighThroughputPath for HtNet {
                 "a hidden size that is a multiple of 128 and 4-byte aligned scales",
             ));
         }
-        let route = NetRoute::TopK {
+        let route = Route::TopK {
             idx: topk_idx,
             weights: topk_weights,
         };

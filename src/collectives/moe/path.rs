@@ -37,6 +37,9 @@ pub(super) trait HighThroughputPath: Send + Sync {
         topk_weights: u64,
         num_tokens: usize,
     ) -> Result<()>;
+    /// (`scales` already checked: nonzero only for a hidden size that is a multiple of 128, and
+    /// 4-byte aligned.)
+    ///
     /// # Safety
     /// As [`super::MoeHighThroughput::dispatch_by_rank`].
     unsafe fn dispatch_by_rank(
