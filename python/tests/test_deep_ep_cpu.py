@@ -79,6 +79,7 @@ def _bare_low_latency_buffer() -> Buffer:
     b.low_latency_mode = True
     b.group_size = 2
     b.num_rdma_bytes = 0
+    b._ll_made = {}
     return b
 
 

@@ -49,12 +49,13 @@ def check_tensor(
     checked first in one pass, since the calls on the decode path pay it per call; any miss goes
     through the checks below one by one, for the message."""
     try:
+        # ``get_device()`` is -1 off the GPU; a shape without None compares as a tuple (a
+        # ``torch.Size`` is one), the cheapest way PyTorch offers.
         if (
-            t.is_cuda
-            and (device is None or t.device.index == device)
+            (t.get_device() == device if device is not None else t.is_cuda)
             and (dtypes is None or (dtype_name(t) == dtypes if isinstance(dtypes, str) else isinstance(dtypes, tuple) and dtype_name(t) in dtypes))
             and (ndim is None or len(t.shape) == ndim)
-            and (shape is None or _shape_is(t.shape, shape))
+            and (shape is None or (t.shape == shape if None not in shape else _shape_is(t.shape, shape)))
             and t.is_contiguous()
             and (align <= 1 or t.data_ptr() % align == 0)
         ):

@@ -21,6 +21,22 @@ def get_include() -> str:
     return os.path.join(os.path.dirname(os.path.abspath(__file__)), "include")
 
 
+_raw_stream: Any = None
+
+
+def current_raw_stream(device: int) -> int:
+    """The handle of PyTorch's current stream on ``device`` as an int: PyTorch's own
+    ``torch._C._cuda_getCurrentRawStream`` (what its compiled code calls; no ``Stream`` object is
+    built), or the public ``torch.cuda.current_stream`` where it is missing."""
+    global _raw_stream
+    if _raw_stream is None:
+        import torch
+
+        raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+        _raw_stream = raw if raw is not None else (lambda d: int(torch.cuda.current_stream(d).cuda_stream))
+    return int(_raw_stream(device))
+
+
 class Work:
     """What an ``async_op=True`` call returns: the call is already on the stream it was issued
     on; ``wait()`` makes the current stream wait for it, ``is_completed()`` polls it. Both raise
@@ -57,6 +73,7 @@ class Communicator:
 
     def __init__(self, native: Any) -> None:
         self._native = native
+        self._device = int(native.device)
 
     @property
     def rank(self) -> int:
@@ -69,7 +86,7 @@ class Communicator:
     @property
     def device(self) -> int:
         """The CUDA device index this communicator runs on."""
-        return int(self._native.device)
+        return self._device
 
     @property
     def spans_nodes(self) -> bool:
@@ -83,8 +100,12 @@ class Communicator:
     def _stream(self) -> Tuple[Any, int]:
         import torch
 
-        s = torch.cuda.current_stream(self.device)
+        s = torch.cuda.current_stream(self._device)
         return s, int(s.cuda_stream)
+
+    def _stream_handle(self) -> int:
+        """The current stream's handle alone (no ``Stream`` object: about 8 us less a call)."""
+        return current_raw_stream(self._device)
 
     def _done(self, stream: Any, async_op: bool) -> Optional[Work]:
         return Work(stream, self._native) if async_op else None
@@ -194,7 +215,7 @@ class Communicator:
         cause if a fault cut a call on it short or the job has failed: after it returns, the
         outputs of every call enqueued before it are results (``torch.cuda.synchronize()``
         alone cannot tell a call that a dead peer cut short from one that finished)."""
-        _, handle = self._stream()
+        handle = self._stream_handle()
         self._native.synchronize(handle)
 
     # ---- the device API, for kernels of your own ----

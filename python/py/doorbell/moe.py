@@ -153,7 +153,7 @@ class Buffer:
             raise ValueError(f"x: {num_tokens} tokens, but the buffer holds {self.num_max_tokens} per rank")
         idx = _topk_i32(comm, topk_idx, num_tokens, self.num_topk)
         check_tensor("topk_weights", topk_weights, device=comm.device, dtypes="float32", shape=(num_tokens, self.num_topk), align=4)
-        _, stream = comm._stream()
+        stream = comm._stream_handle()
         if fp8:
             check_tensor("x[0]", x[0], device=comm.device, dtypes="float8_e4m3fn", shape=(num_tokens, self.hidden))
             check_tensor("x[1]", x[1], device=comm.device, dtypes="float32", shape=(num_tokens, self.hidden // 128), align=4)
@@ -202,7 +202,7 @@ class Buffer:
         if num_tokens_per_expert is not None:
             check_tensor("num_tokens_per_expert", num_tokens_per_expert, device=comm.device, dtypes="int32", shape=(self.num_experts,), align=4)
             per_expert = num_tokens_per_expert.data_ptr()
-        _, stream = comm._stream()
+        stream = comm._stream_handle()
         if fp8:
             check_tensor("x[0]", x[0], device=comm.device, dtypes="float8_e4m3fn", shape=(num_tokens, self.hidden))
             check_tensor("x[1]", x[1], device=comm.device, dtypes="float32", shape=(num_tokens, self.hidden // 128), align=4)
@@ -249,7 +249,7 @@ class Buffer:
         if out is None:
             out = torch.empty(handle.num_tokens, self.hidden, dtype=torch.bfloat16, device=f"cuda:{comm.device}")
         check_tensor("out", out, device=comm.device, dtypes="bfloat16", shape=(handle.num_tokens, self.hidden))
-        _, stream = comm._stream()
+        stream = comm._stream_handle()
         if topk_weights is None:
             self._native.combine(x.data_ptr(), out.data_ptr(), stream)
             return out, None, None
@@ -307,7 +307,7 @@ class Buffer:
             topk_weights = torch.ones(num_tokens, self.num_topk, dtype=torch.float32, device=x.device)
         check_tensor("topk_weights", topk_weights, device=comm.device, dtypes="float32", shape=(num_tokens, self.num_topk), align=4)
         keep: Tuple[Any, ...] = (x, idx, topk_weights)
-        _, stream = comm._stream()
+        stream = comm._stream_handle()
         if use_fp8:
             rows, scales = cast_fp8(x)
             keep = keep + (rows, scales)
@@ -365,7 +365,7 @@ class Buffer:
         """Queues the receive half of the last dispatch on the then-current stream."""
 
         def hook() -> None:
-            _, s = self.comm._stream()
+            s = self.comm._stream_handle()
             self._native.dispatch_recv(s)
 
         return hook
@@ -405,11 +405,11 @@ class Buffer:
         if out is None:
             out = torch.empty(handle.num_tokens, self.hidden, dtype=torch.bfloat16, device=f"cuda:{comm.device}")
         check_tensor("out", out, device=comm.device, dtypes="bfloat16", shape=(handle.num_tokens, self.hidden))
-        _, stream = comm._stream()
+        stream = comm._stream_handle()
         self._native.combine_send(stream)
 
         def hook() -> None:
-            _, s = comm._stream()
+            s = comm._stream_handle()
             self._native.combine_recv(out.data_ptr(), s)
 
         if return_recv_hook:

@@ -3,6 +3,7 @@ MoE kernels (see ``docs/deep_ep.md`` for what is built and what is not yet)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import warnings
 import weakref
@@ -10,25 +11,9 @@ from typing import Any, Callable, Dict, List, Optional, Set, Tuple, Union
 
 from .. import moe as _moe
 from .._check import check_tensor, device_view
+from .._comm import current_raw_stream
 
 _PLAN = "docs/deep_ep.md"
-
-
-_raw_stream: Optional[Callable[[int], int]] = None
-
-
-def _current_raw_stream(device: int) -> int:
-    """The handle of PyTorch's current stream on ``device`` as an int: PyTorch's own
-    ``torch._C._cuda_getCurrentRawStream`` (what its compiled code calls; no Stream object is
-    built, about 5 us less a call), or the public ``torch.cuda.current_stream`` where it is
-    missing."""
-    global _raw_stream
-    if _raw_stream is None:
-        import torch
-
-        raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-        _raw_stream = raw if raw is not None else (lambda d: int(torch.cuda.current_stream(d).cuda_stream))
-    return int(_raw_stream(device))
 
 
 def _not_yet(what: str, step: str) -> NotImplementedError:
@@ -297,6 +282,9 @@ class Buffer:
         self._worst_rows: Dict[int, int] = {}  # what each _moe.Buffer's kernel fills, by id()
         self._ll: Dict[Tuple[int, int, int, int], Any] = {}
         self._ll_combine_buffers: Dict[Tuple[int, int, int], List[Any]] = {}
+        # The last handles low_latency_dispatch returned, by id (each kept, so its id is not
+        # reused while listed): a combine given one of them skips the handle's checks.
+        self._ll_made: Dict[int, Tuple[Any, ...]] = {}
         self._destroyed = False
 
     # ---- DeepEP's static helpers ----
@@ -341,14 +329,15 @@ class Buffer:
         return int(2 * rows * per_row + rows * hidden * 2 + num_ranks * m * hidden * 2 + returned)
 
     def get_comm_stream(self) -> Any:
-        """The stream doorbell's kernels of this Buffer run on."""
+        """The communication stream: calls given ``async_finish`` or ``previous_event`` run on
+        it; the others run on the current stream (the order DeepEP's give every stream)."""
         return self._stream
 
     def destroy(self) -> None:
         """Drops the buffers (with ``explicitly_destroy=True``, DeepEP's way to free them).
         Collective, as DeepEP's: the GPU finishes this rank's calls and every rank arrives before
         the memory that peers write into goes."""
-        held = [getattr(self, h, {}) for h in ("_normal", "_ll", "_ll_combine_buffers")]
+        held = [getattr(self, h, {}) for h in ("_normal", "_ll", "_ll_combine_buffers", "_ll_made")]
         if any(held) and getattr(self, "group", None) is not None:
             import torch
 
@@ -360,8 +349,15 @@ class Buffer:
 
     # ---- the stream rules ----
 
-    def _begin(self, previous_event: Optional[EventOverlap]) -> Any:
-        """The communication stream waits for ``previous_event``, else for the current stream."""
+    def _begin(self, previous_event: Optional[EventOverlap], async_finish: bool) -> Any:
+        """Where a normal-mode call runs. With neither ``previous_event`` nor ``async_finish``:
+        None, the current stream itself (DeepEP runs the call on its communication stream and
+        makes the current stream wait for it at once; running it on the current stream gives
+        every stream the same order without two event waits, a stream switch and the tensors'
+        stream records: about 60 us of host time a call). Else the current stream, after the
+        communication stream was made to wait for ``previous_event``, else for it."""
+        if previous_event is None and not async_finish:
+            return None
         import torch
 
         compute = torch.cuda.current_stream()
@@ -373,11 +369,23 @@ class Buffer:
             self._stream.wait_stream(compute)
         return compute
 
+    def _on(self, compute: Any) -> Any:
+        """The stream context of a call begun by ``_begin``: none on the current stream, else the
+        communication stream's."""
+        if compute is None:
+            return contextlib.nullcontext()
+        import torch
+
+        return torch.cuda.stream(self._stream)
+
     def _finish(self, compute: Any, async_finish: bool, tensors: Tuple[Any, ...]) -> EventOverlap:
         """With ``async_finish`` an event on the communication stream; else the current stream
         waits for it and the event is empty (DeepEP returns an ``EventOverlap`` either way, so
         ``with event:`` works after both). Tensors made on one stream and used on the other are
-        recorded on both."""
+        recorded on both. A call that ran on the current stream (``compute`` None) needs
+        neither."""
+        if compute is None:
+            return EventOverlap(None)
         for t in tensors:
             if t is not None and hasattr(t, "record_stream"):
                 t.record_stream(compute)
@@ -470,8 +478,9 @@ class Buffer:
         one node), num_tokens_per_expert [experts] int32, is_token_in_rank [tokens, ranks] bool,
         event)`` for ``topk_idx`` (int64, -1: none); a node counts a token once however many of
         its ranks it goes to.
-        Computed on the communication stream (its tensors are recorded on the current stream
-        too, so ``allocate_on_comm_stream`` changes nothing that can be observed)."""
+        Computed on the current stream, or with ``previous_event`` or ``async_finish`` on the
+        communication stream (its tensors recorded on the current stream too, so
+        ``allocate_on_comm_stream`` changes nothing that can be observed)."""
         import torch
 
         self._alive()
@@ -479,8 +488,8 @@ class Buffer:
         if num_experts <= 0 or num_experts % world != 0:
             raise ValueError(f"get_dispatch_layout: num_experts={num_experts}; a positive multiple of {world}")
         check_tensor("topk_idx", topk_idx, device=self._comm.device, dtypes=("int64", "int32"), ndim=2, align=4)
-        compute = self._begin(previous_event)
-        with torch.cuda.stream(self._stream):
+        compute = self._begin(previous_event, async_finish)
+        with self._on(compute):
             idx = topk_idx.long()
             valid = idx >= 0
             per_expert = torch.zeros(num_experts, dtype=torch.int64, device=idx.device)
@@ -569,13 +578,13 @@ class Buffer:
             raise ValueError(f"dispatch: num_worst_tokens={num_worst_tokens}, but the buffer holds {cap} rows")
         import torch
 
-        compute = self._begin(previous_event)
+        compute = self._begin(previous_event, async_finish)
         slot, lease = self._take_slot(buf)
         if num_worst_tokens != self._worst_rows.get(id(buf), 0):
             # The kernel writes -1 ids into the rows past the received ones (no mask here).
             buf._native.set_worst_rows(num_worst_tokens)
             self._worst_rows[id(buf)] = num_worst_tokens
-        with torch.cuda.stream(self._stream):
+        with self._on(compute):
             scales_in = x[1] if fp8 else None  # the caller's, read on this stream: kept below
             if fp8:
                 # DeepEP passes column-major scales ([tokens, hidden / 128], stride (1, tokens));
@@ -621,14 +630,19 @@ class Buffer:
 
         return self._checked_counts(torch.cat([h.num_recv, counts]).tolist(), alignment)
 
-    def _checked_counts(self, host: List[Any], alignment: int) -> Tuple[int, List[int]]:
-        """``_received`` once the host has the values: ``[rows, count per local expert...]``."""
-        n, listed = int(host[0]), [int(c) for c in host[1:]]
-        if n < 0 or any(c < 0 for c in listed) or self._across:
+    def _checked_counts(self, host: List[int], alignment: int) -> Tuple[int, List[int]]:
+        """``_received`` once the host has the values: ``[rows, count per local expert...]``
+        (Python ints, as ``tolist`` gives them; on the host's critical path, so no loop more than
+        needed)."""
+        n, listed = host[0], host[1:]
+        cut = n < 0 or (len(listed) > 0 and min(listed) < 0)
+        if cut or self._across:
             self._comm.check_health()
-        if n < 0 or any(c < 0 for c in listed):
+        if cut:
             raise RuntimeError("dispatch: cut short by a fault (comm.check_health() names it)")
-        return n, [(c + alignment - 1) // alignment * alignment for c in listed]
+        if alignment > 1:
+            listed = [(c + alignment - 1) // alignment * alignment for c in listed]
+        return n, listed
 
     def _dispatch_across(
         self,
@@ -657,9 +671,9 @@ class Buffer:
         rows: Any = x[0] if fp8 else x
         num_tokens, hidden = int(rows.shape[0]), int(rows.shape[1])
         world = self.group_size
-        compute = self._begin(previous_event)
+        compute = self._begin(previous_event, async_finish)
         slot, lease = self._take_slot(buf)  # slot 0, the only one across nodes: results are copies
-        with torch.cuda.stream(self._stream):
+        with self._on(compute):
             scales_in = x[1] if fp8 else None
             if fp8:
                 x = (x[0], x[1].contiguous())  # DeepEP's column-major scales, as on one node
@@ -765,9 +779,9 @@ class Buffer:
                 return self._dispatch_across(buf, x, by_ranks, is_token_in_rank, expert_alignment, previous_event, async_finish)
         import torch
 
-        compute = self._begin(previous_event)
+        compute = self._begin(previous_event, async_finish)
         slot, lease = self._take_slot(buf)
-        with torch.cuda.stream(self._stream):
+        with self._on(compute):
             if fp8:
                 x = (x[0], x[1].contiguous())  # column-major scales, as in dispatch
             per_expert = None if num_tokens_per_expert is None else num_tokens_per_expert.int()
@@ -828,10 +842,10 @@ class Buffer:
             raise ValueError(f"combine: x has {int(x.shape[0])} rows; the handle's dispatch delivered {mine.rows}")
         import torch
 
-        compute = self._begin(previous_event)
+        compute = self._begin(previous_event, async_finish)
         # The combine follows the layout kept in the handle's receive slot.
         mine.buffer._native.set_receive_slot(mine.slot)
-        with torch.cuda.stream(self._stream):
+        with self._on(compute):
             y, y_weights = x, topk_weights
             if mine.order is not None:
                 # Across nodes: the rows (and their weights) back into the order of doorbell's
@@ -893,7 +907,7 @@ class Buffer:
 
             self._stream.wait_stream(torch.cuda.current_stream(self._comm.device))
             return int(self._stream.cuda_stream)
-        return _current_raw_stream(self._comm.device)
+        return current_raw_stream(self._comm.device)
 
     def _ll_finish(self, async_finish: bool, tensors: Tuple[Any, ...]) -> EventOverlap:
         """The event DeepEP returns: with ``async_finish`` one on the communication stream (the
@@ -975,10 +989,12 @@ class Buffer:
         on = x.device
         if use_fp8:
             packed_x = torch.empty((local, cap, hidden), dtype=torch.float8_e4m3fn, device=on)
-            if use_ue8m0:
-                scales_store = torch.empty((local, hidden // 512, cap), dtype=torch.int32, device=on)
-            else:
-                scales_store = torch.empty((local, hidden // 128, cap), dtype=torch.float32, device=on)
+            # DeepEP's column-major scales ([.., groups, cap] in memory, seen as [.., cap,
+            # groups]) made in that shape at once: no transposed view to build per call.
+            groups = hidden // 512 if use_ue8m0 else hidden // 128
+            scales_store = torch.empty_strided(
+                (local, cap, groups), (groups * cap, 1, cap), dtype=torch.int32 if use_ue8m0 else torch.float32, device=on
+            )
         else:
             packed_x = torch.empty((local, cap, hidden), dtype=torch.bfloat16, device=on)
         count = torch.empty(local, dtype=torch.int32, device=on)
@@ -996,9 +1012,13 @@ class Buffer:
         )
         launch = self._ll_launch(async_finish, return_recv_hook)
         native.dispatch_packed(x.data_ptr(), idx.data_ptr(), num_tokens, *outputs, return_recv_hook, launch, ids_i64, waits)
-        recv_x: Any = (packed_x, scales_store.transpose(1, 2)) if scales_store is not None else packed_x
+        recv_x: Any = (packed_x, scales_store) if scales_store is not None else packed_x
         kept = (x, topk_idx, idx, packed_x, scales_store, count, src_info, layout_range, stats, ticket, dispatch_wait_recv_cost_stats)
         handle = (src_info, layout_range, m, hidden, num_experts)
+        made = self._ll_made
+        if len(made) >= 8:
+            del made[next(iter(made))]
+        made[id(handle)] = handle
         event = self._ll_finish(async_finish, kept)
         if not return_recv_hook:
             return recv_x, count, handle, event, None
@@ -1015,6 +1035,8 @@ class Buffer:
         if not isinstance(handle, tuple) or len(handle) != 5:
             raise TypeError("pass the handle low_latency_dispatch returned: (src_info, layout_range, M, hidden, num_experts)")
         src_info, layout_range, m, hidden, num_experts = handle
+        if self._ll_made.get(id(handle)) is handle:
+            return src_info, layout_range, int(m), int(hidden), int(num_experts)  # checked when made
         world, dev = self.group_size, self._comm.device
         if num_experts % world != 0:
             raise ValueError(f"handle: num_experts={num_experts}; a multiple of {world}")
@@ -1152,7 +1174,7 @@ class Buffer:
     # ---- rank masks (enable_shrink) ----
 
     def _current_stream_handle(self) -> int:
-        return _current_raw_stream(self._comm.device)
+        return current_raw_stream(self._comm.device)
 
     def _need_shrink(self, what: str) -> None:
         self._alive()
