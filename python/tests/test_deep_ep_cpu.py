@@ -370,3 +370,29 @@ def test_the_wait_statistics_are_ranks_int64_on_the_communicators_gpu():
         b._wait_stats("combine_wait_recv_cost_stats", FakeTensor((2,), dtype="int32", size=4))
     with pytest.raises(ValueError, match="move it to the GPU"):
         b._wait_stats("dispatch_wait_recv_cost_stats", FakeTensor((2,), dtype="int64", cuda=False, size=8))
+
+
+def test_normal_calls_run_on_the_current_stream_only_on_one_node_without_event_or_async(monkeypatch):
+    """Where a normal-mode call runs: the current stream itself (None) on one node without
+    previous_event or async_finish; the communication stream, made to wait for the current
+    one, across nodes (where the current stream failed every separate-node case) or with
+    async_finish."""
+    import sys
+    import types
+
+    waited = []
+
+    class Stream:
+        def wait_stream(self, other):
+            waited.append(other)
+
+    current = Stream()
+    fake = types.ModuleType("torch")
+    fake.cuda = types.SimpleNamespace(current_stream=lambda: current)
+    monkeypatch.setitem(sys.modules, "torch", fake)
+    b = _bare_normal_buffer()
+    b._stream = Stream()
+    assert b._begin(None, False) is None and waited == []
+    assert b._begin(None, True) is current and waited == [current]
+    b._across = True
+    assert b._begin(None, False) is current and waited == [current, current]

@@ -311,13 +311,13 @@ def _deep_ep(a: argparse.Namespace) -> None:
 
     def row(
         name: str, api_fn: Callable[[], Any], own_fn: Callable[[], Any], nbytes: int, graph: bool, api_syncs: bool = False,
-        host_us: float = 20.0,
+        host_us: float = 20.0, own_syncs: bool = False,
     ) -> List[Optional[float]]:
         """Times the API's call and doorbell's own and prints their row: single-call GPU p50 and
         p99, max over ranks (eager calls queued behind a GPU sleep with ``host_us`` of host time
         a call, so the GPU times leave the host's out); eager rows add each call's host time to
         enqueue it (median, max over ranks; ``api_syncs``: the API's call waits for the GPU, so
-        it is timed without a hold)."""
+        it is timed without a hold; ``own_syncs`` the same for doorbell's own)."""
         api, native = _time_calls(api_fn, a.iters, graph, host_us), _time_calls(own_fn, a.iters, graph, host_us)
         vals = [_max(_p(api, 0.5)), _max(_p(api, 0.99)), _max(_p(native, 0.5)), _max(_p(native, 0.99))]
         cost = None if vals[0] is None or vals[2] is None else vals[0] - vals[2]
@@ -326,7 +326,7 @@ def _deep_ep(a: argparse.Namespace) -> None:
         if not graph:
             host = [
                 _max(_p(_host_calls(api_fn, a.iters, hold=not api_syncs), 0.5)),
-                _max(_p(_host_calls(own_fn, a.iters, hold=True), 0.5)),
+                _max(_p(_host_calls(own_fn, a.iters, hold=not own_syncs), 0.5)),
             ]
         if rank == 0:
             line = (
@@ -424,6 +424,16 @@ def _deep_ep(a: argparse.Namespace) -> None:
     row("normal dispatch", lambda: buf.dispatch(xn, topk_idx=idxn, topk_weights=wn, num_tokens_per_rank=per_rank,
                                                 is_token_in_rank=in_rank, num_tokens_per_expert=per_expert),
         lambda: own_buf.dispatch(xn, idxn, wn), rows_in * 2 * hidden, False, api_syncs=True)
+
+    def own_read() -> None:
+        # doorbell's own dispatch with what DeepEP's call has to do besides: its row count and
+        # per-expert counts read on the host (one copy, one wait).
+        r = own_buf.dispatch(xn, idxn, wn)
+        torch.cat([r[4].num_recv, r[3]]).tolist()
+
+    row("normal dispatch vs own+read", lambda: buf.dispatch(xn, topk_idx=idxn, topk_weights=wn, num_tokens_per_rank=per_rank,
+                                                            is_token_in_rank=in_rank, num_tokens_per_expert=per_expert),
+        own_read, rows_in * 2 * hidden, False, api_syncs=True, own_syncs=True)
     # DeepEP's num_worst_tokens: outputs of the worst-case row count, no wait on the host (CUDA-graph
     # capturable), so this row compares the kernels and the adapter alone.
     row("normal dispatch, worst", lambda: buf.dispatch(xn, topk_idx=idxn, topk_weights=wn, num_tokens_per_rank=per_rank,

@@ -329,8 +329,9 @@ class Buffer:
         return int(2 * rows * per_row + rows * hidden * 2 + num_ranks * m * hidden * 2 + returned)
 
     def get_comm_stream(self) -> Any:
-        """The communication stream: calls given ``async_finish`` or ``previous_event`` run on
-        it; the others run on the current stream (the order DeepEP's give every stream)."""
+        """The communication stream: normal-mode calls run on it across nodes or when given
+        ``async_finish`` or ``previous_event``, low-latency calls with ``async_finish``; the
+        others run on the current stream (the order DeepEP's give every stream)."""
         return self._stream
 
     def destroy(self) -> None:
@@ -350,13 +351,17 @@ class Buffer:
     # ---- the stream rules ----
 
     def _begin(self, previous_event: Optional[EventOverlap], async_finish: bool) -> Any:
-        """Where a normal-mode call runs. With neither ``previous_event`` nor ``async_finish``:
-        None, the current stream itself (DeepEP runs the call on its communication stream and
-        makes the current stream wait for it at once; running it on the current stream gives
-        every stream the same order without two event waits, a stream switch and the tensors'
-        stream records: about 60 us of host time a call). Else the current stream, after the
+        """Where a normal-mode call runs. On one node with neither ``previous_event`` nor
+        ``async_finish``: None, the current stream itself (DeepEP runs the call on its
+        communication stream and makes the current stream wait for it at once; running it on
+        the current stream gives every stream the same order without two event waits, a stream
+        switch and the tensors' stream records: 70-100 us less host time a call). Across nodes
+        never: there the current stream (most often PyTorch's legacy default stream) failed
+        every separate-node case, the emulated NIC's proxy completing no work until the waits
+        gave up (2026-11-27; why is not known), where the communication stream passes them.
+        Else the current stream, after the
         communication stream was made to wait for ``previous_event``, else for it."""
-        if previous_event is None and not async_finish:
+        if previous_event is None and not async_finish and not self._across:
             return None
         import torch
 
@@ -478,8 +483,8 @@ class Buffer:
         one node), num_tokens_per_expert [experts] int32, is_token_in_rank [tokens, ranks] bool,
         event)`` for ``topk_idx`` (int64, -1: none); a node counts a token once however many of
         its ranks it goes to.
-        Computed on the current stream, or with ``previous_event`` or ``async_finish`` on the
-        communication stream (its tensors recorded on the current stream too, so
+        Computed on the current stream, or with ``previous_event`` or ``async_finish`` (or
+        across nodes) on the communication stream (its tensors recorded on the current stream too, so
         ``allocate_on_comm_stream`` changes nothing that can be observed)."""
         import torch
 
