@@ -285,10 +285,6 @@ class Buffer:
         # The last handles low_latency_dispatch returned, by id (each kept, so its id is not
         # reused while listed): a combine given one of them skips the handle's checks.
         self._ll_made: Dict[int, Tuple[Any, ...]] = {}
-        # The normal dispatch's host read of its counts: pinned buffers by size, and the event
-        # after their copy.
-        self._host_counts: Dict[int, Any] = {}
-        self._read_done: Any = None
         self._destroyed = False
 
     # ---- DeepEP's static helpers ----
@@ -605,19 +601,12 @@ class Buffer:
             # Everything that needs no row count is enqueued before the host waits for it.
             if lease is None:
                 prefix = prefix.clone()
-            # The counts' copy to the host goes first, then the ids' widening (which the wait
-            # need not cover), then what needs neither, then the wait.
-            read = None if num_worst_tokens else self._start_read(h, counts)
             ids = recv_idx.long()
-            route = _route_key(topk_idx)
-            serial = self._slots[id(buf)].landed(slot, route)
-            mine = _NormalHandle(buf, h, num_tokens, hidden, route, slot, serial)
             listed: List[int] = []
-            if read is None:
+            if num_worst_tokens:
                 n = num_worst_tokens
             else:
-                n, listed = self._end_read(read, expert_alignment)
-                mine.rows = n
+                n, listed = self._received(h, counts, expert_alignment)
             # DeepEP's tensors outlive the next call: a leased slot's are (the slot stays taken
             # while they live); the adapter's own slot is copied out of.
             if lease is not None:
@@ -627,6 +616,9 @@ class Buffer:
                 out_x = (recv_x[0][:n].clone(), recv_x[1][:n].clone()) if fp8 else recv_x[:n].clone()
                 out_w = recv_w[:n].clone()
             out_idx = ids[:n]
+        route = _route_key(topk_idx)
+        serial = self._slots[id(buf)].landed(slot, route)
+        mine = _NormalHandle(buf, h, num_tokens, hidden, route, slot, serial, None if num_worst_tokens else n)
         handle_out = (prefix, None, None, None, is_token_in_rank, mine)
         tensors = tuple(out_x) if fp8 else (out_x,)
         kept = tensors + (out_idx, out_w, prefix, rows, topk_idx, topk_weights) + ((scales_in,) if fp8 else ())
@@ -639,29 +631,9 @@ class Buffer:
         raises the communicator's error: its counts are negative, or (across nodes, where the
         exchange between nodes can give up while the node's own dispatch of what did arrive
         finishes) the communicator has failed."""
-        return self._end_read(self._start_read(h, counts), alignment)
-
-    def _start_read(self, h: _moe.DispatchHandle, counts: Any) -> Any:
-        """Queues the copy of ``[rows, count per local expert...]`` into pinned host memory
-        (kept per Buffer and size) on the current stream, and an event after it: the host waits
-        for that event alone (``_end_read``), not for what is queued after."""
         import torch
 
-        k = int(counts.numel()) + 1
-        host = self._host_counts.get(k)
-        if host is None:
-            host = self._host_counts[k] = torch.empty(k, dtype=torch.int32, pin_memory=True)
-        host.copy_(torch.cat([h.num_recv, counts]), non_blocking=True)
-        if self._read_done is None:
-            self._read_done = torch.cuda.Event()
-        self._read_done.record()
-        return host
-
-    def _end_read(self, host: Any, alignment: int) -> Tuple[int, List[int]]:
-        """``_start_read``'s values once its copy is done, checked (``_checked_counts``)."""
-        assert self._read_done is not None
-        self._read_done.synchronize()
-        return self._checked_counts(host.tolist(), alignment)
+        return self._checked_counts(torch.cat([h.num_recv, counts]).tolist(), alignment)
 
     def _checked_counts(self, host: List[int], alignment: int) -> Tuple[int, List[int]]:
         """``_received`` once the host has the values: ``[rows, count per local expert...]``
