@@ -32,6 +32,9 @@ class FakeTensor:
     def is_contiguous(self):
         return self._contiguous
 
+    def get_device(self):
+        return self.device.index if self.is_cuda else -1
+
     def data_ptr(self):
         return self._ptr
 
@@ -112,6 +115,23 @@ def test_tensor_checks_say_what_to_change(tensor, kwargs, error, words):
 
 def test_a_good_tensor_passes():
     _check.check_tensor("x", FakeTensor((4, 8)), device=0, dtypes="bfloat16", shape=(4, None))
+
+
+def test_the_fast_path_and_the_full_checks_agree():
+    # The fast path (get_device, the shape compared as a tuple) accepts what the checks one by
+    # one accept, and a stand-in without get_device gets the same answers through them.
+    class Bare(FakeTensor):
+        get_device = None  # type: ignore[assignment]
+
+    for cls in (FakeTensor, Bare):
+        _check.check_tensor("x", cls((4, 8)), device=0, dtypes="bfloat16", shape=(4, 8))
+        _check.check_tensor("x", cls((4, 8), index=1), device=None, dtypes=None)
+        with pytest.raises(ValueError, match="runs on cuda:0"):
+            _check.check_tensor("x", cls((4, 8), index=1), device=0, dtypes=None)
+        with pytest.raises(ValueError, match="move it to the GPU"):
+            _check.check_tensor("x", cls((4, 8), cuda=False), device=None, dtypes=None)
+        with pytest.raises(ValueError, match=r"expected shape \(4, 9\)"):
+            _check.check_tensor("x", cls((4, 8)), device=0, dtypes=None, shape=(4, 9))
 
 
 class FakeNative:

@@ -396,3 +396,15 @@ def test_normal_calls_run_on_the_current_stream_only_on_one_node_without_event_o
     assert b._begin(None, True) is current and waited == [current]
     b._across = True
     assert b._begin(None, False) is current and waited == [current, current]
+
+
+def test_a_combine_skips_the_checks_only_for_a_handle_this_buffer_made():
+    """A handle low_latency_dispatch returned (listed by id, kept) is taken as it is; any other
+    tuple, even with the same contents, is checked."""
+    b = _bare_low_latency_buffer()
+    b._comm = type("C", (), {"device": 0})()
+    bad = (_Shaped(1), _Shaped(1), 128, 7168, 288)  # tensors no check would accept
+    b._ll_made[id(bad)] = bad
+    assert b._ll_handle(bad) == (bad[0], bad[1], 128, 7168, 288)
+    with pytest.raises((TypeError, ValueError)):
+        b._ll_handle((bad[0], bad[1], 128, 7168, 288))
