@@ -240,6 +240,10 @@ fn layout_probe(root: &Path, include: &Path, out: &Path) {
          /// kind \"struct\" rows carry the size in `offset` and the alignment in `size`.\n\
          pub static CUDA_LAYOUT: &[(&str, &str, &str, usize, usize)] = &[\n",
     );
+    let mut consts = String::from(
+        "/// (name, value) of the constants and enum codes the device headers share with Rust.\n\
+         pub static CUDA_CONSTS: &[(&str, u64)] = &[\n",
+    );
     for line in text.lines() {
         let f: Vec<&str> = line.split_whitespace().collect();
         match f.as_slice() {
@@ -249,12 +253,15 @@ fn layout_probe(root: &Path, include: &Path, out: &Path) {
             ["field", name, field, off, size] => rs.push_str(&format!(
                 "    (\"field\", {name:?}, {field:?}, {off}, {size}),\n"
             )),
+            ["const", name, value] => consts.push_str(&format!("    ({name:?}, {value}),\n")),
             _ => {
                 eprintln!("doorbell build: unexpected layout probe line {line:?}");
                 exit(1);
             }
         }
     }
+    rs.push_str("];\n");
+    rs.push_str(&consts);
     rs.push_str("];\n");
     write_if_changed(&out.join("cuda_layout.rs"), &rs);
 }

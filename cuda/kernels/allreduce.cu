@@ -365,8 +365,7 @@ DOORBELL_DEVICE_INLINE void reduce_range_group(const T* const* srcs, uint32_t wo
   reduce_elements(srcs, world, done, n, dst, peer_dst, npeers, tid, nthreads);
 }
 
-// Slots per lane in the pipeline ring (see the reuse argument below).
-constexpr uint32_t kPipeDepth = 3;
+// Slots per lane in the pipeline ring: kPipeDepth (limits.cuh; see the reuse argument below).
 
 // Pipelined reduce-scatter + all-gather for medium and large messages. The message is cut into
 // tiles of world shards (`tile_elems` each); shard j of a tile is reduced by rank j. Lane (block)

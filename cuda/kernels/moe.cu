@@ -64,7 +64,6 @@ using namespace doorbell;
 namespace {
 
 constexpr uint32_t kWarp = 32;
-constexpr uint32_t kMaxLocalExperts = 2048;  // MoeDispatcher::new checks experts_per_rank
 
 // Semaphore sets (`MoeArgs::sems`, [set][world]).
 constexpr uint32_t kSetRows = 0;      // dispatch: a block's rows are in (B per call and peer)
@@ -515,7 +514,7 @@ extern "C" __global__ void __launch_bounds__(512) moe_dispatch(MoeArgs a) {
   }
   // Per-block histograms in shared memory, then one global add per expert and block: the same
   // few counters hit by every thread would serialize on global atomics.
-  __shared__ uint32_t hist[kMaxLocalExperts];
+  __shared__ uint32_t hist[kHtMaxLocalExperts];
   for (uint32_t e = threadIdx.x; e < a.experts_per_rank; e += blockDim.x) hist[e] = 0;
   __syncthreads();
   const int32_t* ids = reinterpret_cast<const int32_t*>(results[a.rank] + a.off_idx);

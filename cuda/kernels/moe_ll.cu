@@ -44,11 +44,10 @@ using namespace doorbell;
 namespace {
 
 constexpr uint32_t kWarp = 32;
-constexpr uint32_t kMaxPairs = 8192;  // local experts x ranks (1024 x 8), checked on the host
 
 // Per-(expert, source) counts of the receive half (write_layout, or pack_rows's counts and
 // beginnings in its two halves): one array, so a kernel with both paths fits its shared memory.
-__shared__ uint32_t pair_scratch[kMaxPairs];
+__shared__ uint32_t pair_scratch[kLlMaxPairs];
 
 // The largest of `n[0..count)`, computed by the whole block.
 __device__ uint32_t block_max(const uint32_t* n, uint32_t count) {
@@ -173,7 +172,7 @@ __device__ void write_layout(const MoeLlArgs& a, uint64_t epoch) {
 
 // ---- DeepEP's layout ----
 
-constexpr uint32_t kMaxPackedPairs = kMaxPairs / 2;  // local experts x ranks (= experts), checked on the host
+constexpr uint32_t kMaxPackedPairs = kLlMaxPairs / 2;  // local experts x ranks (= experts), checked on the host
 
 // Rows per local expert in the packed outputs.
 __device__ uint32_t packed_cap(const MoeLlArgs& a) { return a.world * a.max_tokens; }

@@ -219,8 +219,11 @@ __device__ void probe_min(const MoeNetArgs& a, uint32_t i) {
 
 // A stage task builds kStageTokens messages, kStageSplit warps each (blocks of 256 threads); a
 // group takes kStageParts tasks, each announcing itself in its own word staged[g * kStageParts +
-// part] (the epoch it staged).
-constexpr uint32_t kStageTokens = 4, kStageSplit = 2, kStageParts = kWarp / kStageTokens;
+// part] (the epoch it staged). The three are limits.cuh's (Rust sizes the words).
+using moe_net::kStageParts;
+using moe_net::kStageSplit;
+using moe_net::kStageTokens;
+static_assert(kStageParts == kWarp / kStageTokens, "a group is a warp's tokens");
 
 // Stage task `part` of group g (a block): its tokens' messages into the staging area, then the
 // epoch in staged[g * kStageParts + part]. Each warp issues every load it needs (the header's ids
@@ -514,9 +517,9 @@ extern "C" __global__ void __launch_bounds__(512) moe_net_combine_recv(MoeNetArg
 // last one (it waited for this rank's send only), but not the one after (that waits for this
 // rank's next send, which its stream orders after this receive).
 
-// Most (local expert, source) pairs of a packed receive (two u32 of shared memory each);
-// checked on the host.
-constexpr uint32_t kMaxNetPackPairs = 4096;
+// Most (local expert, source) pairs of a packed receive (two u32 of shared memory each):
+// limits.cuh's, checked on the host.
+constexpr uint32_t kMaxNetPackPairs = moe_net::kMaxPackPairs;
 
 __device__ int32_t packed_id(const MoeNetArgs& a, uint64_t at) {
   const int64_t e = (a.packed & kIds64) != 0 ? static_cast<const int64_t*>(a.in_ids)[at]

@@ -1,7 +1,9 @@
 // Prints the size and field offsets of every device handle that has a Rust mirror. build.rs
 // compiles this with the host C++ compiler (which also proves the headers are includable from
 // host-only code), runs it, and turns the output into a table the layout test compares against
-// Rust's offset_of!. Format: "struct <Name> <size> <align>" then "field <Name> <field> <offset> <size>".
+// Rust's offset_of!. Format: "struct <Name> <size> <align>" then "field <Name> <field> <offset> <size>";
+// then "const <name> <value>" for the constants and enum codes Rust keeps twins of (limits.cuh and
+// the codes the host decodes).
 #include <doorbell/doorbell.cuh>
 
 #include <cstdio>
@@ -9,6 +11,8 @@
 #define STRUCT(T) std::printf("struct %s %zu %zu\n", #T, sizeof(doorbell::T), alignof(doorbell::T))
 #define FIELD(T, f) \
   std::printf("field %s %s %zu %zu\n", #T, #f, offsetof(doorbell::T, f), sizeof(doorbell::T{}.f))
+// A constant or enum code shared with Rust: "const <name> <value>".
+#define CONST(name) std::printf("const %s %llu\n", #name, static_cast<unsigned long long>(doorbell::name))
 
 int main() {
   STRUCT(WaitReport);
@@ -372,5 +376,29 @@ int main() {
   STRUCT(LL8Packet);
   FIELD(LL8Packet, data);
   FIELD(LL8Packet, flag);
+
+  CONST(kMaxRanks);
+  CONST(kInboxWords);
+  CONST(kPipeDepth);
+  CONST(kHtMaxLocalExperts);
+  CONST(kLlMaxPairs);
+  CONST(kHtChunk);
+  CONST(moe_net::kMaxRanks);
+  CONST(moe_net::kStageParts);
+  CONST(moe_net::kMaxPackPairs);
+  CONST(kTriggerData);
+  CONST(kTriggerFlag);
+  CONST(kTriggerFlush);
+  CONST(kWaitSemaphore);
+  CONST(kWaitPacket);
+  CONST(kWaitFifoSlot);
+  CONST(kWaitFlush);
+  CONST(kWaitProxyStopped);
+  CONST(kWaitBadTrigger);
+  CONST(kWaitBadInput);
+  CONST(kWaitIbProgress);
+  CONST(kWaitIbError);
+  CONST(kWaitArgMismatch);
+  CONST(kWaitBadCounts);
   return 0;
 }

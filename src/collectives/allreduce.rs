@@ -22,6 +22,7 @@ use crate::channel::memory_channel::RegisteredMemory;
 use crate::channel::semaphore::Semaphores;
 use crate::collectives::{DataType, ReduceOp};
 use crate::communicator::Communicator;
+use crate::device_api::limits::PIPE_DEPTH;
 use crate::device_api::{
     AllReduceArgs, AllReduceDirectArgs, LamportState, SemaphoreHandle, MAX_RANKS,
 };
@@ -37,8 +38,6 @@ use cudarc::driver::{
 use std::collections::HashMap;
 use std::sync::Arc;
 
-/// Slots per lane in the pipeline ring (`kPipeDepth` in allreduce.cu).
-const PIPE_DEPTH: usize = 3;
 /// Tiles each pipeline lane aims for: one, while the tile cap allows (the whole block then works
 /// on each stage in turn); larger messages get several capped tiles per lane, whose stages
 /// overlap from the third tile on (measured: smaller tiles to force overlap lose at 2-16 MiB).

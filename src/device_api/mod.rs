@@ -8,6 +8,8 @@
 
 use bytemuck::{Pod, Zeroable};
 
+pub mod limits;
+
 /// Where a device wait that gives up writes who waited for what (`wait.cuh`). Lives in host-mapped
 /// pinned memory; the host trusts the other fields only once `valid` is 1.
 #[repr(C)]
@@ -1204,6 +1206,60 @@ mod layout {
             assert!(
                 size - end < align.max(8),
                 "{name}: unlisted bytes at the end"
+            );
+        }
+    }
+
+    /// Every constant and enum code the probe prints has its Rust twin listed here, equal; and
+    /// every twin listed was printed (a constant renamed or dropped on one side fails too).
+    #[test]
+    fn shared_constants_and_codes_match_the_headers() {
+        use crate::WaitKind;
+        let twins: Vec<(&str, u64)> = vec![
+            ("kMaxRanks", MAX_RANKS as u64),
+            (
+                "kInboxWords",
+                (crate::gpu::signature::INBOX_BYTES / 8) as u64,
+            ),
+            ("kPipeDepth", limits::PIPE_DEPTH as u64),
+            ("kHtMaxLocalExperts", limits::HT_MAX_LOCAL_EXPERTS as u64),
+            ("kLlMaxPairs", limits::LL_MAX_PAIRS as u64),
+            ("kHtChunk", crate::collectives::moe::plan::HT_CHUNK as u64),
+            ("moe_net::kMaxRanks", limits::MAX_NET_RANKS as u64),
+            ("moe_net::kStageParts", limits::NET_STAGE_PARTS as u64),
+            ("moe_net::kMaxPackPairs", limits::NET_MAX_PACK_PAIRS as u64),
+            ("kTriggerData", trigger::DATA as u64),
+            ("kTriggerFlag", trigger::FLAG as u64),
+            ("kTriggerFlush", trigger::FLUSH as u64),
+        ];
+        // The device writes these codes; the host decodes them with WaitKind::from_code.
+        let waits = [
+            ("kWaitSemaphore", WaitKind::Semaphore),
+            ("kWaitPacket", WaitKind::Packet),
+            ("kWaitFifoSlot", WaitKind::FifoSlot),
+            ("kWaitFlush", WaitKind::Flush),
+            ("kWaitProxyStopped", WaitKind::ProxyStopped),
+            ("kWaitBadTrigger", WaitKind::BadTrigger),
+            ("kWaitBadInput", WaitKind::BadInput),
+            ("kWaitIbProgress", WaitKind::IbProgress),
+            ("kWaitIbError", WaitKind::IbError),
+            ("kWaitArgMismatch", WaitKind::ArgumentMismatch),
+            ("kWaitBadCounts", WaitKind::BadCounts),
+        ];
+        for &(name, value) in CUDA_CONSTS {
+            if let Some(&(_, kind)) = waits.iter().find(|(n, _)| *n == name) {
+                assert_eq!(WaitKind::from_code(value as u32), kind, "{name} = {value}");
+                continue;
+            }
+            let Some(&(_, rust)) = twins.iter().find(|(n, _)| *n == name) else {
+                panic!("{name} (= {value}): printed by the probe, but no Rust twin is listed");
+            };
+            assert_eq!(rust, value, "{name}: Rust's twin against the header's");
+        }
+        for name in twins.iter().map(|t| t.0).chain(waits.iter().map(|w| w.0)) {
+            assert!(
+                CUDA_CONSTS.iter().any(|(n, _)| *n == name),
+                "{name}: listed here, not printed by cuda/probe/layout_probe.cpp"
             );
         }
     }

@@ -4,6 +4,7 @@
 #pragma once
 
 #include "call_check.cuh"
+#include "limits.cuh"
 #include "semaphore.cuh"
 
 namespace doorbell {

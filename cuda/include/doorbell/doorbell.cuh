@@ -7,6 +7,7 @@
 #include "copy.cuh"
 #include "fifo.cuh"
 #include "ibgda.cuh"
+#include "limits.cuh"
 #include "memory_channel.cuh"
 #include "moe.cuh"
 #include "moe_net.cuh"

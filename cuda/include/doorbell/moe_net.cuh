@@ -45,8 +45,6 @@
 namespace doorbell {
 namespace moe_net {
 
-constexpr uint32_t kMaxRanks = 64;  // checked on the host
-
 DOORBELL_DEVICE_INLINE const PortChannelHandle& channel(const MoeNetArgs& a, uint32_t r) {
   return static_cast<const PortChannelHandle*>(a.channels)[r];
 }

@@ -8,6 +8,7 @@ use super::shared::{
 };
 use crate::channel::semaphore::Semaphores;
 use crate::communicator::Communicator;
+use crate::device_api::limits::HT_MAX_LOCAL_EXPERTS;
 use crate::device_api::{MoeArgs, MAX_RANKS};
 use crate::error::{Error, Result};
 use crate::gpu::cuda::cuda_err;
@@ -67,11 +68,14 @@ impl HtNvlink {
         if cfg.topk == 0 || cfg.topk > 32 {
             return Err(Error::invalid("topk", "must be in 1..=32"));
         }
-        if cfg.num_experts == 0 || cfg.num_experts % world != 0 || cfg.num_experts / world > 2048 {
+        if cfg.num_experts == 0
+            || cfg.num_experts % world != 0
+            || cfg.num_experts / world > HT_MAX_LOCAL_EXPERTS
+        {
             return Err(Error::invalid(
                 "num_experts",
                 format!(
-                    "{}: must be a positive multiple of {world} ranks, at most 2048 per rank",
+                    "{}: must be a positive multiple of {world} ranks, at most {HT_MAX_LOCAL_EXPERTS} per rank",
                     cfg.num_experts
                 ),
             ));

@@ -18,6 +18,7 @@ use super::shared::{
     launch, FusedSend, LowLatencyResults, MoeConfig, PackedCombine, PackedOutputs,
 };
 use crate::communicator::Communicator;
+use crate::device_api::limits::{NET_MAX_PACK_PAIRS, NET_STAGE_PARTS};
 use crate::device_api::{packed, MoeNetArgs};
 use crate::error::{Error, Result};
 use crate::gpu::cuda::cuda_err;
@@ -26,13 +27,8 @@ use cudarc::driver::{CudaFunction, CudaSlice, CudaStream, DevicePtr};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
-/// Stage tasks per group of 32 tokens in `moe_net_dispatch_send` (`kStageParts` in `moe_net.cu`): each has
-/// its own word in `staged`.
-const STAGE_PARTS: usize = 8;
-
-/// Most (local expert, source) pairs of DeepEP's layout across nodes (`kMaxNetPackPairs` in
-/// `moe_net.cu`: the pack kernel keeps each pair's range in shared memory).
-const MAX_PACK_PAIRS: usize = 4096;
+/// Most (local expert, source) pairs of DeepEP's layout across nodes.
+const MAX_PACK_PAIRS: usize = NET_MAX_PACK_PAIRS;
 
 /// DeepEP's layout across nodes: what its calls keep on the host to pair halves and handles.
 #[derive(Default)]
@@ -112,17 +108,17 @@ impl LlNet {
                 .map_err(cuda_err("cuMemAlloc"))
         };
         let mut device = vec![
-            alloc(rows * cfg.hidden * 2)?,                         // 0 y
-            alloc(2 * rows * cfg.hidden * 2)?,                     // 1 recv_x
-            alloc(2 * rows * 4)?,                                  // 2 recv_src
-            alloc(2 * rows * 4)?,                                  // 3 recv_weights
-            alloc(2 * rows * (cfg.hidden / 128).max(1) * 4)?,      // 4 recv_scales
-            alloc(2 * world * cfg.max_tokens * cfg.topk * 4)?,     // 5 rec
-            alloc(local * world * 4)?,                             // 6 layout
-            alloc(local * 4)?,                                     // 7 recv_count
-            alloc(world * cfg.max_tokens * 4)?,                    // 8 list
-            alloc(world * 4)?,                                     // 9 arrived
-            alloc(cfg.max_tokens.div_ceil(32) * STAGE_PARTS * 8)?, // 10 staged
+            alloc(rows * cfg.hidden * 2)?,                             // 0 y
+            alloc(2 * rows * cfg.hidden * 2)?,                         // 1 recv_x
+            alloc(2 * rows * 4)?,                                      // 2 recv_src
+            alloc(2 * rows * 4)?,                                      // 3 recv_weights
+            alloc(2 * rows * (cfg.hidden / 128).max(1) * 4)?,          // 4 recv_scales
+            alloc(2 * world * cfg.max_tokens * cfg.topk * 4)?,         // 5 rec
+            alloc(local * world * 4)?,                                 // 6 layout
+            alloc(local * 4)?,                                         // 7 recv_count
+            alloc(world * cfg.max_tokens * 4)?,                        // 8 list
+            alloc(world * 4)?,                                         // 9 arrived
+            alloc(cfg.max_tokens.div_ceil(32) * NET_STAGE_PARTS * 8)?, // 10 staged
         ];
         if cfg.deep_ep_layout {
             // 11-16: the prep kernel's scratch, two sets (rows e4m3, scales, ids).

@@ -10,6 +10,7 @@ use super::shared::{
 };
 use crate::channel::semaphore::Semaphores;
 use crate::communicator::Communicator;
+use crate::device_api::limits::LL_MAX_LOCAL_EXPERTS;
 use crate::device_api::{packed, CallCheck, MAX_RANKS};
 use crate::error::{Error, Result};
 use crate::gpu::cuda::cuda_err;
@@ -61,7 +62,7 @@ impl LlNvlink {
         }
         if cfg.num_experts == 0
             || cfg.num_experts % world != 0
-            || cfg.num_experts / world > 1024
+            || cfg.num_experts / world > LL_MAX_LOCAL_EXPERTS
             || cfg.topk == 0
             || cfg.topk > 32
             || cfg.max_tokens == 0
@@ -71,8 +72,11 @@ impl LlNvlink {
         {
             return Err(Error::invalid(
                 "config",
-                "num_experts a multiple of the ranks with at most 1024 per rank; topk in 1..=32; \
-                 max_tokens positive and small enough for 32-bit row indices",
+                format!(
+                    "num_experts a multiple of the ranks with at most {LL_MAX_LOCAL_EXPERTS} per \
+                     rank; topk in 1..=32; max_tokens positive and small enough for 32-bit row \
+                     indices"
+                ),
             ));
         }
         if cfg.rank_mask && !cfg.deep_ep_layout {

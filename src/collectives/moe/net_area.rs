@@ -8,6 +8,7 @@ use crate::channel::memory_channel::RegisteredMemory;
 use crate::channel::port_channel::PortChannels;
 use crate::channel::proxy::ProxyService;
 use crate::communicator::Communicator;
+use crate::device_api::limits::MAX_NET_RANKS;
 use crate::device_api::{MoeNetArgs, PortChannelHandle, WaitSite};
 use crate::error::{Error, Result};
 use crate::gpu::cuda::cuda_err;
@@ -16,8 +17,6 @@ use crate::transport::ipc::RemoteMemory;
 use cudarc::driver::{CudaSlice, DevicePtr};
 use std::sync::Arc;
 
-/// Most ranks of the node-spanning path (`moe_net::kMaxRanks`).
-pub(super) const MAX_NET_RANKS: usize = 64;
 /// Words of the call check's inbox in the area (`moe_net.cuh`, kInboxWords): `[2][64]` slots, then
 /// 64 counts of calls announced and 64 of calls checked.
 const INBOX_WORDS: usize = 4 * MAX_NET_RANKS;
