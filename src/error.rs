@@ -243,7 +243,7 @@ pub(crate) fn note_lazy_loading(what: &'static str) {
     }
 }
 
-/// The cause and remedy a timeout names when [`note_lazy_loading`] was called in this process:
+/// The cause and remedy a timeout names when `note_lazy_loading` was called in this process:
 /// a kernel launched for the first time loads its module, loading synchronizes the context,
 /// which waits for doorbell's waiting kernels, and the host threads' CUDA calls those kernels
 /// wait for are held behind it until the waits give up.

@@ -9,7 +9,7 @@
 //! mismatch) as a bootstrap abort naming the rank it blames, so the other ranks' waits leave and
 //! their calls name the cause, within milliseconds instead of at their own budgets. A stopped
 //! proxy under a kernel usually follows from a peer's failure (its transport closed): that report
-//! is held back for [`CONSEQUENCE_HOLD`] and dropped when a peer's failure arrives meanwhile.
+//! is held back for `CONSEQUENCE_HOLD` and dropped when a peer's failure arrives meanwhile.
 //!
 //! Peers on this host are also watched through `/proc`: a process that is killed starts exiting at
 //! once, but its sockets close only at the end of its exit, after the driver has torn down its GPU

@@ -252,7 +252,7 @@ impl WaitDiagnostics {
     /// The error a host call should return, if this communicator failed: a call-check mismatch
     /// first (the root cause wherever it appears), then another rank's failure, then this rank's
     /// own device report. A report that is only a consequence (this rank's proxy stopped under a
-    /// kernel because a peer's connection went away) waits up to [`EXPLAIN_GRACE`] for the cause
+    /// kernel because a peer's connection went away) waits up to `EXPLAIN_GRACE` for the cause
     /// that normally follows within milliseconds: a peer that found a mismatch aborts, its
     /// transport closes before its relayed mismatch arrives here.
     pub fn error(&self) -> Option<Error> {
