@@ -17,6 +17,10 @@ pub const LL_MAX_PAIRS: usize = 8192;
 /// ([`super::MAX_RANKS`]).
 pub const LL_MAX_LOCAL_EXPERTS: usize = LL_MAX_PAIRS / super::MAX_RANKS;
 
+/// Messages per chunk of the high-throughput network stream (`kHtChunk`, `collective_args.cuh`):
+/// one warp posts a chunk.
+pub const HT_CHUNK: usize = 32;
+
 /// Ranks the node-spanning MoE paths address (`moe_net::kMaxRanks`).
 pub const MAX_NET_RANKS: usize = 64;
 

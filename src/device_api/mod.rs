@@ -491,14 +491,11 @@ mod layout {
         use crate::WaitKind;
         let twins: Vec<(&str, u64)> = vec![
             ("kMaxRanks", MAX_RANKS as u64),
-            (
-                "kInboxWords",
-                (crate::gpu::signature::INBOX_BYTES / 8) as u64,
-            ),
+            ("kInboxWords", INBOX_WORDS as u64),
             ("kPipeDepth", limits::PIPE_DEPTH as u64),
             ("kHtMaxLocalExperts", limits::HT_MAX_LOCAL_EXPERTS as u64),
             ("kLlMaxPairs", limits::LL_MAX_PAIRS as u64),
-            ("kHtChunk", crate::collectives::moe::plan::HT_CHUNK as u64),
+            ("kHtChunk", limits::HT_CHUNK as u64),
             ("moe_net::kMaxRanks", limits::MAX_NET_RANKS as u64),
             ("moe_net::kStageParts", limits::NET_STAGE_PARTS as u64),
             ("moe_net::kMaxPackPairs", limits::NET_MAX_PACK_PAIRS as u64),

@@ -23,7 +23,7 @@
 //! without the graph bit an eager call could meet a replayed word of the same index (once every
 //! 65536 calls) and take it for a different call.
 
-use crate::device_api::{CallCheck, MAX_RANKS};
+use crate::device_api::{CallCheck, INBOX_WORDS, MAX_RANKS};
 
 /// Which collective a call word belongs to. Non-exhaustive: kinds are added as collectives gain
 /// the call check (the net collectives, the all-gather).
@@ -177,7 +177,7 @@ pub fn describe(word: u64) -> String {
 /// slot a call uses is picked by that count on the device, not by the call index: a CUDA graph
 /// replays the indices it captured. Four slots, not two: MoE low latency may have two calls in
 /// flight (sends before receive halves), and a peer then runs up to three calls ahead of a check.
-pub const INBOX_BYTES: usize = 10 * MAX_RANKS * 8;
+pub const INBOX_BYTES: usize = INBOX_WORDS * 8;
 
 /// The call check of one collective object: every rank's inbox (mapped here) and the count of
 /// calls made so far.

@@ -6,10 +6,10 @@
 //! PSN, LID, GID, MTU), then every QP goes RESET -> INIT -> RTR -> RTS towards its peer's.
 
 use super::provider::{
-    access, mtu_code, Cq, Memory, MrKeys, Pd, Provider, QpId, RcParams, Rings, SendWr,
-    WorkCompletion,
+    access, mask, mtu_code, Cq, Memory, MrKeys, Pd, Provider, QpId, QpState, RcParams, Rings,
+    SendWr, WorkCompletion,
 };
-use super::verbs::{choose_gid, Gid, LinkLayer, Port, QpCap};
+use super::verbs::{choose_gid, AhAttr, Gid, LinkLayer, Port, QpAttr, QpCap};
 use crate::error::{Error, Result};
 use crate::job::bootstrap::Bootstrap;
 use std::sync::Arc;
@@ -317,7 +317,7 @@ impl QueuePair {
 
     /// RESET -> INIT -> RTR -> RTS towards `remote` (a failed step destroys the QP).
     pub fn connect(self, remote: &Endpoint) -> Result<ConnectedQp> {
-        let steps = super::provider::rc_transitions(&self.dev.params, self.psn, remote);
+        let steps = rc_transitions(&self.dev.params, self.psn, remote);
         for (attr, mask) in &steps {
             self.dev.provider.modify_qp(self.qp, attr, *mask)?;
         }
@@ -471,6 +471,52 @@ pub fn exchange_regions(
             Ok((region.len != 0).then_some(region))
         })
         .collect()
+}
+
+/// The attribute sets of RESET -> INIT, INIT -> RTR and RTR -> RTS of an RC QP connected to
+/// `remote`, as [`Provider::modify_qp`] takes them (attributes, mask).
+pub fn rc_transitions(p: &RcParams, my_psn: u32, remote: &Endpoint) -> [(QpAttr, u32); 3] {
+    let init = QpAttr {
+        qp_state: QpState::Init as u32,
+        port_num: p.port,
+        qp_access_flags: p.access,
+        ..Default::default()
+    };
+    let mut ah = AhAttr {
+        dlid: remote.lid,
+        port_num: p.port,
+        ..Default::default()
+    };
+    if remote.lid == 0 {
+        ah.is_global = 1;
+        ah.grh.dgid = remote.gid;
+        ah.grh.sgid_index = p.gid_index;
+        ah.grh.hop_limit = 255;
+    }
+    let rtr = QpAttr {
+        qp_state: QpState::Rtr as u32,
+        path_mtu: p.mtu.min(remote.mtu),
+        dest_qp_num: remote.qpn,
+        rq_psn: remote.psn,
+        max_dest_rd_atomic: p.max_dest_rd_atomic,
+        min_rnr_timer: 12,
+        ah_attr: ah,
+        ..Default::default()
+    };
+    let rts = QpAttr {
+        qp_state: QpState::Rts as u32,
+        sq_psn: my_psn & 0xff_ffff,
+        timeout: 14,
+        retry_cnt: 7,
+        rnr_retry: 7,
+        max_rd_atomic: p.max_rd_atomic,
+        ..Default::default()
+    };
+    [
+        (init, mask::TO_INIT),
+        (rtr, mask::TO_RTR),
+        (rts, mask::TO_RTS),
+    ]
 }
 
 #[cfg(test)]

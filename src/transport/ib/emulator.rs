@@ -121,21 +121,8 @@ pub struct Region {
     pub access: u32,
 }
 
-/// `IBV_ACCESS_*` flags (verbs.h) the emulated NIC checks.
-pub mod access {
-    /// The NIC may write the region for local work (a READ's or atomic's destination).
-    pub const LOCAL_WRITE: u32 = 1;
-    /// Peers may RDMA WRITE into it.
-    pub const REMOTE_WRITE: u32 = 1 << 1;
-    /// Peers may RDMA READ from it.
-    pub const REMOTE_READ: u32 = 1 << 2;
-    /// Peers may run atomics on it.
-    pub const REMOTE_ATOMIC: u32 = 1 << 3;
-    /// Writes into it may be delivered out of order (PCIe relaxed ordering).
-    pub const RELAXED_ORDERING: u32 = 1 << 20;
-    /// Everything but relaxed ordering.
-    pub const ALL: u32 = LOCAL_WRITE | REMOTE_WRITE | REMOTE_READ | REMOTE_ATOMIC;
-}
+/// `IBV_ACCESS_*` flags (verbs.h), the verbs boundary's (the emulated NIC checks them).
+pub use super::provider::access;
 
 /// What a connected queue pair's far end decides, consulted before each of its work requests
 /// executes: the verbs provider ([`super::emulated`]) implements it from both ends' QP state.

@@ -8,12 +8,27 @@
 //! Objects are named by plain handles ([`Pd`], [`Cq`], [`QpId`], [`MrKeys`]); whoever creates
 //! one destroys it ([`Provider::destroy_qp`] and friends). [`super::conn`] wraps them in owners.
 
-use super::verbs::{AhAttr, Port, QpAttr, QpCap};
+use super::verbs::{Port, QpAttr, QpCap};
 use super::wqe::Op;
 use crate::error::Result;
 use crate::gpu::cuda::Gpu;
 
-pub use super::emulator::access;
+/// `IBV_ACCESS_*` flags (verbs.h): what a registration lets the NIC and the peers do (the emulated
+/// NIC checks them as a ConnectX does).
+pub mod access {
+    /// The NIC may write the region for local work (a READ's or atomic's destination).
+    pub const LOCAL_WRITE: u32 = 1;
+    /// Peers may RDMA WRITE into it.
+    pub const REMOTE_WRITE: u32 = 1 << 1;
+    /// Peers may RDMA READ from it.
+    pub const REMOTE_READ: u32 = 1 << 2;
+    /// Peers may run atomics on it.
+    pub const REMOTE_ATOMIC: u32 = 1 << 3;
+    /// Writes into it may be delivered out of order (PCIe relaxed ordering).
+    pub const RELAXED_ORDERING: u32 = 1 << 20;
+    /// Everything but relaxed ordering.
+    pub const ALL: u32 = LOCAL_WRITE | REMOTE_WRITE | REMOTE_READ | REMOTE_ATOMIC;
+}
 
 /// `IBV_QP_*` attribute mask bits (verbs.h) for [`Provider::modify_qp`].
 pub mod mask {
@@ -330,56 +345,6 @@ pub trait Provider: Send + Sync {
     fn faults(&self) -> Vec<String> {
         Vec::new()
     }
-}
-
-/// The attribute sets of RESET -> INIT, INIT -> RTR and RTR -> RTS of an RC QP connected to
-/// `remote`, as [`Provider::modify_qp`] takes them (attributes, mask).
-pub fn rc_transitions(
-    p: &RcParams,
-    my_psn: u32,
-    remote: &super::conn::Endpoint,
-) -> [(QpAttr, u32); 3] {
-    let init = QpAttr {
-        qp_state: QpState::Init as u32,
-        port_num: p.port,
-        qp_access_flags: p.access,
-        ..Default::default()
-    };
-    let mut ah = AhAttr {
-        dlid: remote.lid,
-        port_num: p.port,
-        ..Default::default()
-    };
-    if remote.lid == 0 {
-        ah.is_global = 1;
-        ah.grh.dgid = remote.gid;
-        ah.grh.sgid_index = p.gid_index;
-        ah.grh.hop_limit = 255;
-    }
-    let rtr = QpAttr {
-        qp_state: QpState::Rtr as u32,
-        path_mtu: p.mtu.min(remote.mtu),
-        dest_qp_num: remote.qpn,
-        rq_psn: remote.psn,
-        max_dest_rd_atomic: p.max_dest_rd_atomic,
-        min_rnr_timer: 12,
-        ah_attr: ah,
-        ..Default::default()
-    };
-    let rts = QpAttr {
-        qp_state: QpState::Rts as u32,
-        sq_psn: my_psn & 0xff_ffff,
-        timeout: 14,
-        retry_cnt: 7,
-        rnr_retry: 7,
-        max_rd_atomic: p.max_rd_atomic,
-        ..Default::default()
-    };
-    [
-        (init, mask::TO_INIT),
-        (rtr, mask::TO_RTR),
-        (rts, mask::TO_RTS),
-    ]
 }
 
 /// A GID in the usual text form, for messages.
