@@ -1,5 +1,6 @@
 //! The library's layers, checked: every `crate::` path in `src/` names a module of its own layer
-//! or one below it, and the transports do not import each other. With `DOORBELL_LAYERS_DOT=FILE`
+//! or one below it, the transports do not import each other, and no two files import each other
+//! (directly or around a loop; `super::` and `self::` paths count). With `DOORBELL_LAYERS_DOT=FILE`
 //! it also writes the module import graph as Graphviz (the drawing in `docs/layers.svg`:
 //! `DOORBELL_LAYERS_DOT=docs/layers.dot cargo test --test layers && dot -Tsvg docs/layers.dot -o
 //! docs/layers.svg`).
@@ -250,4 +251,159 @@ fn the_checker_sees_grouped_and_plain_imports() {
         .map(|s| s.to_string())
         .collect();
     assert_eq!(found, want);
+}
+
+/// Every module file this code names by `crate::`, `super::` or `self::` paths (a `{a, b}`
+/// group one level deep included), as the longest module path of `known` the path starts with;
+/// `module` itself and its ancestors (whose `mod.rs` declares it) left out.
+fn file_imports(module: &str, code: &str, known: &BTreeSet<String>) -> BTreeSet<String> {
+    let mut out = BTreeSet::new();
+    let ident = |s: &str| -> String {
+        s.chars()
+            .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
+            .collect()
+    };
+    let bytes = code.as_bytes();
+    let mut at = 0;
+    while at < code.len() {
+        let rest = &code[at..];
+        let Some(root) = ["crate::", "super::", "self::"]
+            .iter()
+            .find(|r| rest.starts_with(**r))
+            .filter(|_| {
+                at == 0 || !(bytes[at - 1].is_ascii_alphanumeric() || bytes[at - 1] == b'_')
+            })
+        else {
+            at += rest.chars().next().map_or(1, char::len_utf8);
+            continue;
+        };
+        // The path's segments: the root, then identifiers joined by `::`.
+        let mut segs = vec![root.trim_end_matches("::").to_string()];
+        let mut tail = &rest[root.len()..];
+        let mut group = Vec::new();
+        loop {
+            if let Some(g) = tail.strip_prefix('{') {
+                let end = g.find('}').unwrap_or(g.len());
+                group = g[..end].split(',').map(|i| ident(i.trim())).collect();
+                break;
+            }
+            let name = ident(tail);
+            if name.is_empty() {
+                break;
+            }
+            tail = &tail[name.len()..];
+            segs.push(name);
+            match tail.strip_prefix("::") {
+                Some(t) => tail = t,
+                None => break,
+            }
+        }
+        at += rest.len() - tail.len();
+        let mut base: Vec<String> = module.split("::").map(String::from).collect();
+        let mut path = Vec::new();
+        for s in &segs {
+            match s.as_str() {
+                "crate" => base.clear(),
+                "super" => {
+                    base.pop();
+                }
+                "self" => {}
+                _ => path.push(s.clone()),
+            }
+        }
+        let heads: Vec<Vec<String>> = if group.is_empty() {
+            vec![path]
+        } else {
+            group
+                .into_iter()
+                .filter(|g| !g.is_empty())
+                .map(|g| path.iter().cloned().chain([g]).collect())
+                .collect()
+        };
+        for h in heads {
+            let full: Vec<String> = base.iter().cloned().chain(h).collect();
+            let found = (1..=full.len())
+                .rev()
+                .map(|k| full[..k].join("::"))
+                .find(|m| known.contains(m));
+            if let Some(m) = found {
+                if m != module && !module.starts_with(&format!("{m}::")) {
+                    out.insert(m);
+                }
+            }
+        }
+    }
+    out
+}
+
+/// Two files that import each other, directly or around a loop, are one room split in two (or
+/// two rooms doing each other's work): none may. `super::` and `self::` paths count, as well as
+/// `crate::`.
+#[test]
+fn no_import_cycle_between_files() {
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+    let mut files = Vec::new();
+    rust_files(&src, &mut files);
+    let mut texts = BTreeMap::new();
+    for f in &files {
+        let module = module_of(&src, f);
+        if module == "lib" || module.starts_with("bin::") {
+            continue;
+        }
+        texts.insert(
+            module,
+            code_of(&std::fs::read_to_string(f).expect("read source")),
+        );
+    }
+    let known: BTreeSet<String> = texts.keys().cloned().collect();
+    let g: BTreeMap<&String, BTreeSet<String>> = texts
+        .iter()
+        .map(|(m, code)| (m, file_imports(m, code, &known)))
+        .collect();
+    assert!(
+        g.len() > 50,
+        "found only {} module files under src/",
+        g.len()
+    );
+    // A depth-first search that reports the first loop it closes, as the path around it.
+    fn visit<'a>(
+        m: &'a String,
+        g: &'a BTreeMap<&String, BTreeSet<String>>,
+        state: &mut BTreeMap<&'a String, u8>,
+        stack: &mut Vec<&'a String>,
+    ) -> Option<Vec<String>> {
+        state.insert(m, 1);
+        stack.push(m);
+        for d in g.get(m).into_iter().flatten() {
+            let Some((d, _)) = g.get_key_value(d) else {
+                continue;
+            };
+            match state.get(*d) {
+                Some(1) => {
+                    let from = stack.iter().position(|s| s == d).unwrap_or(0);
+                    let mut cycle: Vec<String> =
+                        stack[from..].iter().map(|s| s.to_string()).collect();
+                    cycle.push(d.to_string());
+                    return Some(cycle);
+                }
+                Some(_) => {}
+                None => {
+                    if let Some(c) = visit(d, g, state, stack) {
+                        return Some(c);
+                    }
+                }
+            }
+        }
+        stack.pop();
+        state.insert(m, 2);
+        None
+    }
+    let mut state = BTreeMap::new();
+    for m in g.keys() {
+        if !state.contains_key(*m) {
+            if let Some(c) = visit(m, &g, &mut state, &mut Vec::new()) {
+                panic!("an import cycle between files: {}", c.join(" -> "));
+            }
+        }
+    }
 }
