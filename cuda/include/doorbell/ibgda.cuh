@@ -35,7 +35,7 @@ constexpr uint8_t kSolicited = 1 << 1;
 constexpr uint8_t kFence = 4 << 5;
 constexpr uint32_t kInlineSeg = 0x80000000u;
 
-// Largest inline payload (a WQE of at most 4 WQEBBs), as rdma::wqe::MAX_INLINE.
+// Largest inline payload (a WQE of at most 4 WQEBBs), as transport::ib::wqe::MAX_INLINE.
 constexpr uint32_t kMaxInline = 4 * kWqebb - 2 * kDs - 4;
 
 #if DOORBELL_CUDA

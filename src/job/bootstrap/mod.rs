@@ -55,7 +55,7 @@
 //! # Layout
 //!
 //! This file holds the public API. `rendezvous` runs rank 0's rendezvous and builds the mesh,
-//! `handshake` authenticates each connection (with the digest from `host::auth`), `wire` encodes
+//! `handshake` authenticates each connection (with the digest from `job::auth`), `wire` encodes
 //! and decodes everything sent, and `queues` holds what the reader threads deliver until a waiter
 //! takes it.
 
