@@ -18,10 +18,10 @@
 
 use crate::abi::{NcclUniqueId, UNIQUE_ID_BYTES};
 use crate::error::ShimError;
-use doorbell::job::bootstrap::BootstrapConfig;
+use doorbell::job::bootstrap::{route_source, BootstrapConfig};
 use sha2::{Digest, Sha256};
 use std::io::{Read, Write};
-use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, TcpListener, TcpStream, UdpSocket};
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, TcpListener, TcpStream};
 use std::time::{Duration, Instant};
 
 const MAGIC: [u8; 8] = *b"dbnccl\x00\x01";
@@ -121,13 +121,9 @@ fn host_address() -> Result<IpAddr, ShimError> {
             ))
         });
     }
-    let routed = UdpSocket::bind((Ipv4Addr::UNSPECIFIED, 0))
-        .and_then(|s| s.connect((Ipv4Addr::new(192, 0, 2, 1), 9)).map(|_| s))
-        .and_then(|s| s.local_addr());
-    Ok(match routed {
-        Ok(a) if !a.ip().is_unspecified() => a.ip(),
-        _ => IpAddr::V4(Ipv4Addr::LOCALHOST),
-    })
+    Ok(route_source(IpAddr::V4(Ipv4Addr::new(192, 0, 2, 1)))
+        .filter(|a| !a.is_unspecified())
+        .unwrap_or(IpAddr::V4(Ipv4Addr::LOCALHOST)))
 }
 
 /// The rendezvous' deadline: doorbell's bootstrap timeout (`DOORBELL_BOOTSTRAP_TIMEOUT_S`).
@@ -362,16 +358,7 @@ fn host_name() -> String {
 
 /// This host's address on its route to `ip` (loopback to loopback).
 fn route_to(ip: IpAddr) -> IpAddr {
-    let any: IpAddr = if ip.is_ipv6() {
-        Ipv6Addr::UNSPECIFIED.into()
-    } else {
-        Ipv4Addr::UNSPECIFIED.into()
-    };
-    UdpSocket::bind((any, 0))
-        .and_then(|s| s.connect((ip, 9)).map(|_| s))
-        .and_then(|s| s.local_addr())
-        .map(|a| a.ip())
-        .ok()
+    route_source(ip)
         .filter(|a| !a.is_unspecified())
         .unwrap_or(ip)
 }

@@ -68,6 +68,7 @@ use crate::error::{Error, Result};
 use crate::job::config::{LaunchEnv, Settings, MAX_TIMEOUT};
 pub use queues::PeerFailure;
 use queues::{read_link, Abort, Chan, Failure, Shared};
+pub use rendezvous::route_source;
 use rendezvous::{listen_all, rendezvous_member, rendezvous_root, rendezvous_root_on};
 use std::fmt;
 use std::net::Shutdown;

@@ -65,8 +65,8 @@ fn master_ips(cfg: &BootstrapConfig, v6: bool) -> Vec<IpAddr> {
 }
 
 /// This host's address on its route to `ip` (the kernel answers for an unconnected UDP socket;
-/// no packet is sent).
-fn route_source(ip: IpAddr) -> Option<IpAddr> {
+/// no packet is sent), or None where there is no route.
+pub fn route_source(ip: IpAddr) -> Option<IpAddr> {
     let sock = UdpSocket::bind(SocketAddr::new(unspecified(ip.is_ipv6()), 0)).ok()?;
     sock.connect(SocketAddr::new(ip, 9)).ok()?;
     Some(sock.local_addr().ok()?.ip())
