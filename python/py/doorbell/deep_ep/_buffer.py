@@ -359,8 +359,8 @@ class Buffer:
         never: there the current stream (most often PyTorch's legacy default stream) failed
         every separate-node case, the emulated NIC's proxy completing no work until the waits
         gave up (2026-11-27; why is not known), where the communication stream passes them.
-        Else the current stream, after the
-        communication stream was made to wait for ``previous_event``, else for it."""
+        Else the current stream, after the communication stream was made to wait for
+        ``previous_event``, else for it."""
         if previous_event is None and not async_finish and not self._across:
             return None
         import torch
@@ -484,8 +484,8 @@ class Buffer:
         event)`` for ``topk_idx`` (int64, -1: none); a node counts a token once however many of
         its ranks it goes to.
         Computed on the current stream, or with ``previous_event`` or ``async_finish`` (or
-        across nodes) on the communication stream (its tensors recorded on the current stream too, so
-        ``allocate_on_comm_stream`` changes nothing that can be observed)."""
+        across nodes) on the communication stream (its tensors recorded on the current stream
+        too, so ``allocate_on_comm_stream`` changes nothing that can be observed)."""
         import torch
 
         self._alive()
