@@ -518,8 +518,7 @@ extern "C" __global__ void __launch_bounds__(512) moe_net_combine_recv(MoeNetArg
 // rank's next send, which its stream orders after this receive).
 
 // Most (local expert, source) pairs of a packed receive (two u32 of shared memory each):
-// limits.cuh's, checked on the host.
-constexpr uint32_t kMaxNetPackPairs = moe_net::kMaxPackPairs;
+// moe_net::kMaxPackPairs (limits.cuh), checked on the host.
 
 __device__ int32_t packed_id(const MoeNetArgs& a, uint64_t at) {
   const int64_t e = (a.packed & kIds64) != 0 ? static_cast<const int64_t*>(a.in_ids)[at]
@@ -557,7 +556,7 @@ __device__ void store_net_scale(const MoeNetArgs& a, uint32_t le, uint32_t g, ui
 // takes each expert's ranges in source order; block 0 writes ranges, counts and stats; the warps
 // copy each received row to its packed place. Cut short: count -1, no ranges, rows all ones.
 extern "C" __global__ void __launch_bounds__(512) moe_net_dispatch_pack(MoeNetArgs a) {
-  __shared__ uint32_t rows_of[kMaxNetPackPairs], begin_of[kMaxNetPackPairs];
+  __shared__ uint32_t rows_of[moe_net::kMaxPackPairs], begin_of[moe_net::kMaxPackPairs];
   const uint32_t half = uint32_t(a.epochs[4] & 1);
   const uint32_t world = a.world, local = a.experts_per_rank, pairs = local * world, cap = world * a.max_tokens;
   const bool cut = a.recv_count[0] == kCutCount;

@@ -27,9 +27,6 @@ use cudarc::driver::{CudaFunction, CudaSlice, CudaStream, DevicePtr};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
-/// Most (local expert, source) pairs of DeepEP's layout across nodes.
-const MAX_PACK_PAIRS: usize = NET_MAX_PACK_PAIRS;
-
 /// DeepEP's layout across nodes: what its calls keep on the host to pair halves and handles.
 #[derive(Default)]
 struct PackedLog {
@@ -68,11 +65,11 @@ impl LlNet {
     pub(super) fn new(comm: &Arc<Communicator>, cfg: &MoeConfig) -> Result<LlNet> {
         let world = comm.world_size();
         let local = cfg.num_experts / world.max(1);
-        if cfg.deep_ep_layout && local * world > MAX_PACK_PAIRS {
+        if cfg.deep_ep_layout && local * world > NET_MAX_PACK_PAIRS {
             return Err(Error::invalid(
                 "config",
                 format!(
-                    "DeepEP's layout across nodes takes at most {MAX_PACK_PAIRS} (local expert, \
+                    "DeepEP's layout across nodes takes at most {NET_MAX_PACK_PAIRS} (local expert, \
                      rank) pairs; {local} experts a rank at {world} ranks are {}",
                     local * world
                 ),
