@@ -470,6 +470,30 @@ def deep_ep_normal():
         raise AssertionError("a combine of an overwritten layout was not refused")
     cc, _, _ = buf.combine(rc[0], rc[4])
     check(torch.equal(cc.float(), x.float() * times), "the later dispatch's combine")
+    # CUDA graphs: a dispatch that reads its count on the host is refused under capture before
+    # anything is queued; with num_worst_tokens it is captured and replays with new rows.
+    ref = rc[0].clone()
+    del ra, rb, rc, ca, cb, cc
+    g = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(g):
+            buf.dispatch(x, **args)
+    except RuntimeError as e:
+        check("num_worst_tokens" in str(e), str(e))
+    else:
+        raise AssertionError("a dispatch that reads its count on the host was captured")
+    xs = x.clone()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        gx, gi, _, glisted, _, _ = buf.dispatch(xs, **args, num_worst_tokens=worst)
+    check(glisted == [] and gx.shape[0] == worst, "captured num_worst_tokens dispatch: shapes")
+    for i in range(3):
+        xs.copy_(x * (i + 2))
+        g.replay()
+        torch.cuda.synchronize()
+        check(torch.equal(gx[: len(rows)], ref * (i + 2)), f"captured num_worst_tokens dispatch, replay {i}: rows")
+        check(bool((gi[len(rows):] == -1).all()), f"captured num_worst_tokens dispatch, replay {i}: ids -1 past the rows")
+    del g, gx, gi
     # Not built yet: refused by name, nothing sent.
     try:
         buf.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert, num_worst_tokens=worst)

@@ -330,6 +330,20 @@ def test_receive_slots_are_leased_and_layouts_tracked(monkeypatch):
     slots.landed(0, route_b)
     assert not slots.holds(h)
 
+    # The exchange is pointed at a slot by a native call only when the slot changes (a host
+    # call less on the dispatch's path to its launch).
+    class Native:
+        def __init__(self):
+            self.calls = []
+
+        def set_receive_slot(self, k):
+            self.calls.append(k)
+
+    native, slots = Native(), b._Slots(3)
+    for k in (1, 1, 2, 2, 1, 0, 0):
+        slots.point(native, k)
+    assert native.calls == [1, 2, 1, 0] and slots.pointed == 0
+
     monkeypatch.setenv("DOORBELL_DEEP_EP_RECEIVE_SLOTS", "2")
     assert b._receive_slots() == 2
     assert b._normal_bytes_per_token(2, 128, 2) < b._normal_bytes_per_token(2, 128, 2, slots=3)

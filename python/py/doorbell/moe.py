@@ -142,6 +142,27 @@ class Buffer:
         fault cut short (the next synchronize raises ``DoorbellError``) leaves ``num_recv`` -1,
         every per-expert count negative and the rows all NaN, so nothing of it passes for a
         result."""
+        idx, num_tokens = self._launch_dispatch(x, topk_idx, topk_weights)
+        fp8 = isinstance(x, tuple)
+        r = self._native.results()
+        cap, k = int(r["max_rows"]), self.num_topk
+        if fp8:
+            recv_x = (
+                self._view(r["recv_x"], (cap, self.hidden), "float8_e4m3fn"),
+                self._view(r["recv_scales"], (cap, self.hidden // 128), "float32"),
+            )
+        else:
+            recv_x = self._view(r["recv_x"], (cap, self.hidden), "bfloat16")
+        recv_idx = self._view(r["recv_idx"], (cap, k), "int32")
+        recv_w = self._view(r["recv_weights"], (cap, k), "float32")
+        num_recv, counts = self._count_views(r)
+        handle = DispatchHandle(num_tokens, self.hidden, (x, idx, topk_weights), num_recv)
+        self._dispatches += 1
+        return recv_x, recv_idx, recv_w, counts, handle, None
+
+    def _launch_dispatch(self, x: Union[Any, Tuple[Any, Any]], topk_idx: Any, topk_weights: Any) -> Tuple[Any, int]:
+        """:meth:`dispatch`'s checks and launch, without its results: the int32 ids the kernels
+        read (keep them alive with the call) and the token count."""
         self._need(False, "dispatch")
         comm = self.comm
         fp8 = isinstance(x, tuple)
@@ -161,22 +182,18 @@ class Buffer:
         else:
             check_tensor("x", rows, device=comm.device, dtypes="bfloat16", shape=(num_tokens, self.hidden))
             self._native.dispatch(rows.data_ptr(), idx.data_ptr(), topk_weights.data_ptr(), num_tokens, stream)
-        r = self._native.results()
-        dev, cap, k = comm.device, int(r["max_rows"]), self.num_topk
-        if fp8:
-            recv_x = (
-                self._view(r["recv_x"], (cap, self.hidden), "float8_e4m3fn"),
-                self._view(r["recv_scales"], (cap, self.hidden // 128), "float32"),
-            )
-        else:
-            recv_x = self._view(r["recv_x"], (cap, self.hidden), "bfloat16")
-        recv_idx = self._view(r["recv_idx"], (cap, k), "int32")
-        recv_w = self._view(r["recv_weights"], (cap, k), "float32")
-        counts = self._view(r["expert_counts"], (self.num_local_experts,), "int32")
-        num_recv = self._view(r["num_recv"], (1,), "int32")
-        handle = DispatchHandle(num_tokens, self.hidden, (x, idx, topk_weights), num_recv)
-        self._dispatches += 1
-        return recv_x, recv_idx, recv_w, counts, handle, None
+        return idx, num_tokens
+
+    def _count_views(self, r: Optional[Dict[str, Any]] = None) -> Tuple[Any, Any]:
+        """The high-throughput dispatch's device counts, at fixed addresses whatever the receive
+        slot: rows received (int32 ``[1]``) and rows per local expert (int32 ``[local experts]``).
+        ``r``: ``results()``, when the caller has it."""
+        if r is None:
+            r = self._native.results()
+        return (
+            self._view(r["num_recv"], (1,), "int32"),
+            self._view(r["expert_counts"], (self.num_local_experts,), "int32"),
+        )
 
     def dispatch_by_rank(
         self, x: Union[Any, Tuple[Any, Any]], is_token_in_rank: Any, num_tokens_per_expert: Any = None
@@ -187,6 +204,24 @@ class Buffer:
         (int32 ``[num_experts]``, this rank's rows per expert) is summed over the sources into the
         per-local-expert counts (without it they stay 0). Returns ``(recv_x, None, None,
         num_recv_tokens_per_expert, handle, None)``; also across nodes."""
+        num_tokens = self._launch_dispatch_by_rank(x, is_token_in_rank, num_tokens_per_expert)
+        fp8 = isinstance(x, tuple)
+        r = self._native.results()
+        cap = int(r["max_rows"])
+        if fp8:
+            recv_x: Any = (
+                self._view(r["recv_x"], (cap, self.hidden), "float8_e4m3fn"),
+                self._view(r["recv_scales"], (cap, self.hidden // 128), "float32"),
+            )
+        else:
+            recv_x = self._view(r["recv_x"], (cap, self.hidden), "bfloat16")
+        num_recv, counts = self._count_views(r)
+        handle = DispatchHandle(num_tokens, self.hidden, (x, is_token_in_rank, num_tokens_per_expert), num_recv)
+        self._dispatches += 1
+        return recv_x, None, None, counts, handle, None
+
+    def _launch_dispatch_by_rank(self, x: Union[Any, Tuple[Any, Any]], is_token_in_rank: Any, num_tokens_per_expert: Any) -> int:
+        """:meth:`dispatch_by_rank`'s checks and launch, without its results: the token count."""
         self._need(False, "dispatch_by_rank")
         comm = self.comm
         fp8 = isinstance(x, tuple)
@@ -211,20 +246,7 @@ class Buffer:
         else:
             check_tensor("x", rows, device=comm.device, dtypes="bfloat16", shape=(num_tokens, self.hidden))
             self._native.dispatch_by_rank(rows.data_ptr(), 0, is_token_in_rank.data_ptr(), per_expert, num_tokens, stream)
-        r = self._native.results()
-        dev, cap = comm.device, int(r["max_rows"])
-        if fp8:
-            recv_x: Any = (
-                self._view(r["recv_x"], (cap, self.hidden), "float8_e4m3fn"),
-                self._view(r["recv_scales"], (cap, self.hidden // 128), "float32"),
-            )
-        else:
-            recv_x = self._view(r["recv_x"], (cap, self.hidden), "bfloat16")
-        counts = self._view(r["expert_counts"], (self.num_local_experts,), "int32")
-        num_recv = self._view(r["num_recv"], (1,), "int32")
-        handle = DispatchHandle(num_tokens, self.hidden, (x, is_token_in_rank, num_tokens_per_expert), num_recv)
-        self._dispatches += 1
-        return recv_x, None, None, counts, handle, None
+        return num_tokens
 
     def combine(
         self, x: Any, handle: DispatchHandle, out: Any = None, topk_weights: Any = None

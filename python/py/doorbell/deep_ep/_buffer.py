@@ -167,6 +167,34 @@ def _normal_bytes_per_token(world: int, hidden: int, topk: int, slots: Optional[
     return world * (s * (hidden * 2 + topk * 8 + 8 + (hidden // 128) * 4 + 4) + hidden * 2)
 
 
+class _CountRead:
+    """A one-node normal dispatch's one host wait, as DeepEP's: its row count and per-local-expert
+    counts copied into pinned host memory right after the launch, an event behind them; the host
+    builds the results while the kernels run and then waits for the event alone, so little host
+    work is left between the kernels' end and the call's return. One per exchange, reused (each
+    call reads it before returning)."""
+
+    def __init__(self, buf: _moe.Buffer) -> None:
+        import torch
+
+        self.num_recv, self.counts = buf._count_views()
+        # device="cpu" said outright: callers (DeepEP's tests) may make CUDA the default device.
+        self.host = torch.empty(1 + buf.num_local_experts, dtype=torch.int32, device="cpu", pin_memory=True)
+        self.host_rows, self.host_counts = self.host[:1], self.host[1:]
+        self.event = torch.cuda.Event()
+
+    def start(self) -> None:
+        """Queues the copies on the current stream (the dispatch's), then the event."""
+        self.host_rows.copy_(self.num_recv, non_blocking=True)
+        self.host_counts.copy_(self.counts, non_blocking=True)
+        self.event.record()
+
+    def values(self) -> List[int]:
+        """Waits for the copies: ``[rows, count per local expert...]``."""
+        self.event.synchronize()
+        return self.host.tolist()  # type: ignore[no-any-return]
+
+
 class _SlotLease:
     """Held, through their storage, by the tensors a dispatch handed out of a receive slot: the
     slot is free again once every one of them (views included) is gone."""
@@ -183,6 +211,13 @@ class _Slots:
         # still in its slot while no other routing was dispatched there since.
         self.serial: List[int] = [0] * count
         self.route: List[Optional[Tuple[Any, int, int]]] = [None] * count
+        self.pointed = -1  # the slot the exchange's calls use now (set_receive_slot)
+
+    def point(self, native: Any, k: int) -> None:
+        """Points the exchange's next call at slot ``k`` (a native call only when it changes)."""
+        if k != self.pointed:
+            native.set_receive_slot(k)
+            self.pointed = k
 
     def take(self, capturing: bool) -> Tuple[int, Optional[_SlotLease]]:
         for k in range(1, len(self.leases)):
@@ -280,6 +315,7 @@ class Buffer:
         self._normal: Dict[Tuple[int, int, int], _moe.Buffer] = {}
         self._slots: Dict[int, _Slots] = {}  # by id() of the _moe.Buffer
         self._worst_rows: Dict[int, int] = {}  # what each _moe.Buffer's kernel fills, by id()
+        self._reads: Dict[int, _CountRead] = {}  # each _moe.Buffer's host read of its counts, by id()
         self._ll: Dict[Tuple[int, int, int, int], Any] = {}
         self._ll_combine_buffers: Dict[Tuple[int, int, int], List[Any]] = {}
         # The last handles low_latency_dispatch returned, by id (each kept, so its id is not
@@ -431,13 +467,22 @@ class Buffer:
             )
         return buf
 
-    def _take_slot(self, buf: _moe.Buffer) -> Tuple[int, Optional[_SlotLease]]:
+    def _take_slot(self, buf: _moe.Buffer, host_read: bool = False) -> Tuple[int, Optional[_SlotLease]]:
         """Points ``buf``'s next dispatch at a free receive slot: the slot and its lease, or None
-        for the adapter's own slot (every other one held: the results are copied out of it)."""
+        for the adapter's own slot (every other one held: the results are copied out of it).
+        ``host_read``: the dispatch reads its counts on the host, which a CUDA graph capture
+        cannot hold; refused there before anything is queued."""
         import torch
 
-        k, lease = self._slots[id(buf)].take(torch.cuda.is_current_stream_capturing())
-        buf._native.set_receive_slot(k)
+        capturing = torch.cuda.is_current_stream_capturing()
+        if capturing and host_read:
+            raise RuntimeError(
+                "dispatch: this dispatch reads its row count on the host, which a CUDA graph "
+                "capture cannot do; pass num_worst_tokens (DeepEP's capturable dispatch)"
+            )
+        slots = self._slots[id(buf)]
+        k, lease = slots.take(capturing)
+        slots.point(buf._native, k)
         return k, lease
 
     def _slot_results(
@@ -581,10 +626,8 @@ class Buffer:
         cap = buf.num_max_tokens * self.group_size
         if num_worst_tokens > cap:
             raise ValueError(f"dispatch: num_worst_tokens={num_worst_tokens}, but the buffer holds {cap} rows")
-        import torch
-
         compute = self._begin(previous_event, async_finish)
-        slot, lease = self._take_slot(buf)
+        slot, lease = self._take_slot(buf, host_read=not num_worst_tokens)
         if num_worst_tokens != self._worst_rows.get(id(buf), 0):
             # The kernel writes -1 ids into the rows past the received ones (no mask here).
             buf._native.set_worst_rows(num_worst_tokens)
@@ -595,18 +638,26 @@ class Buffer:
                 # DeepEP passes column-major scales ([tokens, hidden / 128], stride (1, tokens));
                 # the kernels read rows of scales (a stride argument comes with step 3).
                 x = (x[0], x[1].contiguous())
-            _, _, _, counts, h, _ = buf.dispatch(x, topk_idx, topk_weights)
+            idx32, _ = buf._launch_dispatch(x, topk_idx, topk_weights)
+            # The count's copy first: everything below overlaps the kernels, and the host waits
+            # only for the copy.
+            read = None if num_worst_tokens else self._count_read(buf)
+            if read is not None:
+                read.start()
             recv_x, recv_idx, recv_w, prefix = self._slot_results(buf, lease, fp8, True)
             assert recv_idx is not None and recv_w is not None
-            # Everything that needs no row count is enqueued before the host waits for it.
             if lease is None:
                 prefix = prefix.clone()
             ids = recv_idx.long()
+            num_recv = read.num_recv if read is not None else buf._count_views()[0]
+            h = _moe.DispatchHandle(num_tokens, hidden, (x, idx32, topk_weights), num_recv)
+            buf._dispatches += 1
+            route = _route_key(topk_idx)
             listed: List[int] = []
-            if num_worst_tokens:
+            if read is None:
                 n = num_worst_tokens
             else:
-                n, listed = self._received(h, counts, expert_alignment)
+                n, listed = self._checked_counts(read.values(), expert_alignment)
             # DeepEP's tensors outlive the next call: a leased slot's are (the slot stays taken
             # while they live); the adapter's own slot is copied out of.
             if lease is not None:
@@ -616,7 +667,6 @@ class Buffer:
                 out_x = (recv_x[0][:n].clone(), recv_x[1][:n].clone()) if fp8 else recv_x[:n].clone()
                 out_w = recv_w[:n].clone()
             out_idx = ids[:n]
-        route = _route_key(topk_idx)
         serial = self._slots[id(buf)].landed(slot, route)
         mine = _NormalHandle(buf, h, num_tokens, hidden, route, slot, serial, None if num_worst_tokens else n)
         handle_out = (prefix, None, None, None, is_token_in_rank, mine)
@@ -625,20 +675,28 @@ class Buffer:
         event = self._finish(compute, async_finish, kept)
         return out_x, out_idx, out_w, listed, handle_out, event
 
+    def _count_read(self, buf: _moe.Buffer) -> _CountRead:
+        """``buf``'s host read of its counts (made on first use)."""
+        read = self._reads.get(id(buf))
+        if read is None:
+            read = self._reads[id(buf)] = _CountRead(buf)
+        return read
+
     def _received(self, h: _moe.DispatchHandle, counts: Any, alignment: int) -> Tuple[int, List[int]]:
-        """A normal dispatch's one host wait, as DeepEP's: the rows delivered here and the
-        per-local-expert counts rounded up to ``alignment``. A dispatch that a fault cut short
-        raises the communicator's error: its counts are negative, or (across nodes, where the
-        exchange between nodes can give up while the node's own dispatch of what did arrive
-        finishes) the communicator has failed."""
+        """The host wait of a normal dispatch across nodes (one node: ``_CountRead``), read where
+        it is called: ``_checked_counts`` of the dispatch's counts."""
         import torch
 
         return self._checked_counts(torch.cat([h.num_recv, counts]).tolist(), alignment)
 
     def _checked_counts(self, host: List[int], alignment: int) -> Tuple[int, List[int]]:
-        """``_received`` once the host has the values: ``[rows, count per local expert...]``
-        (Python ints, as ``tolist`` gives them; on the host's critical path, so no loop more than
-        needed)."""
+        """A normal dispatch's counts once the host has them, ``[rows, count per local
+        expert...]`` (Python ints, as ``tolist`` gives them; on the host's critical path, so no
+        loop more than needed): the rows delivered here and the per-local-expert counts rounded
+        up to ``alignment``. A dispatch that a fault cut short raises the communicator's error:
+        its counts are negative, or (across nodes, where the exchange between nodes can give up
+        while the node's own dispatch of what did arrive finishes) the communicator has
+        failed."""
         n, listed = host[0], host[1:]
         cut = n < 0 or (len(listed) > 0 and min(listed) < 0)
         if cut or self._across:
@@ -782,19 +840,21 @@ class Buffer:
             if self._across:
                 by_ranks = _AcrossRoute(per_expert=num_tokens_per_expert)
                 return self._dispatch_across(buf, x, by_ranks, is_token_in_rank, expert_alignment, previous_event, async_finish)
-        import torch
-
         compute = self._begin(previous_event, async_finish)
-        slot, lease = self._take_slot(buf)
+        slot, lease = self._take_slot(buf, host_read=True)
         with self._on(compute):
             if fp8:
                 x = (x[0], x[1].contiguous())  # column-major scales, as in dispatch
             per_expert = None if num_tokens_per_expert is None else num_tokens_per_expert.int()
-            _, _, _, counts, h, _ = buf.dispatch_by_rank(x, is_token_in_rank, per_expert)
+            buf._launch_dispatch_by_rank(x, is_token_in_rank, per_expert)
+            read = self._count_read(buf)
+            read.start()  # first, as in dispatch: the rest overlaps the kernels
             recv_x, _, _, prefix = self._slot_results(buf, lease, fp8, False)
             if lease is None:
                 prefix = prefix.clone()
-            n, listed = self._received(h, counts, expert_alignment)
+            h = _moe.DispatchHandle(num_tokens, hidden, (x, is_token_in_rank, per_expert), read.num_recv)
+            buf._dispatches += 1
+            n, listed = self._checked_counts(read.values(), expert_alignment)
             if lease is not None:
                 out_x: Any = (recv_x[0][:n], recv_x[1][:n]) if fp8 else recv_x[:n]
             else:
@@ -849,7 +909,7 @@ class Buffer:
 
         compute = self._begin(previous_event, async_finish)
         # The combine follows the layout kept in the handle's receive slot.
-        mine.buffer._native.set_receive_slot(mine.slot)
+        slots.point(mine.buffer._native, mine.slot)
         with self._on(compute):
             y, y_weights = x, topk_weights
             if mine.order is not None:
