@@ -11,7 +11,8 @@
 #
 # Environment for run: SUITE=tests|bench|all|python|perf|nccl (default all; nccl: libdoorbell_nccl.so
 # through NCCL's C ABI from ctypes, nccl/gpu/abi_check.py, alone and forwarding to torch's NCCL,
-# then under torch's "nccl" backend preloaded (nccl/gpu/torch_check.py), at DOORBELL_TEST_RANKS ranks; python: the wheel that build
+# then under torch's "nccl" backend preloaded (nccl/gpu/torch_check.py) and with a rank killed
+# there (nccl/gpu/kill_check.py), at DOORBELL_TEST_RANKS ranks; python: the wheel that build
 # packed, from scripts/python-wheel.sh, installed beside the machine's torch, and its GPU tests;
 # perf: the performance check, below, not part of all); TESTS="gpu allreduce" runs only those
 # test binaries; BENCHES="pingpong allreduce" picks the examples, PINGPONG_ARGS / ALLREDUCE_ARGS
@@ -149,13 +150,14 @@ run() {
     # the GPUs when there are more than GPUs): nccl/gpu/abi_check.py, at DOORBELL_TEST_RANKS
     # (default "2").
     # Then the same with forwarding to the real NCCL (the one torch loads, found beside it),
-    # and nccl/gpu/torch_check.py: torch's "nccl" backend with the library preloaded in place of
-    # NCCL.
+    # nccl/gpu/torch_check.py: torch's "nccl" backend with the library preloaded in place of
+    # NCCL, and nccl/gpu/kill_check.py: a rank SIGKILLed under that backend, the survivors ended
+    # within 2 s with NCCL's code and doorbell's message naming it.
     local lib="$bundle/lib/libdoorbell_nccl.so" real
     real=$("${PYTHON:-python3}" -c 'import os, torch; print(os.path.realpath(os.path.join(os.path.dirname(torch.__file__), "..", "nvidia", "nccl", "lib", "libnccl.so.2")))')
     for n in ${DOORBELL_TEST_RANKS:-2}; do
       local what
-      for what in "abi" "abi forwarding" "torch"; do
+      for what in "abi" "abi forwarding" "torch" "kill"; do
         local start=$SECONDS rc=0
         case $what in
           abi) DOORBELL_NCCL_LIB="$lib" timeout "${NCCL_LIMIT:-300}" \
@@ -167,6 +169,8 @@ run() {
           torch) LD_PRELOAD="$lib" DOORBELL_NCCL_REAL="$real" DOORBELL_NCCL_LOG=1 \
                  timeout "${NCCL_LIMIT:-300}" "${PYTHON:-python3}" -m torch.distributed.run \
                  --nproc-per-node "$n" "$root/nccl/gpu/torch_check.py" >> "$logs/nccl.log" 2>&1 || rc=$? ;;
+          kill) DOORBELL_NCCL_LIB="$lib" DOORBELL_NCCL_REAL="$real" timeout "${NCCL_LIMIT:-300}" \
+                 "${PYTHON:-python3}" "$root/nccl/gpu/kill_check.py" "$n" >> "$logs/nccl.log" 2>&1 || rc=$? ;;
         esac
         if [ $rc = 0 ]; then
           echo "PASS nccl $what at $n ranks ($((SECONDS - start)) s)" | tee -a "$summary"

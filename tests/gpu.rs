@@ -6,7 +6,7 @@
 //! picks the GPU, so more ranks than GPUs share them. Payloads are derived from (sender,
 //! receiver, round, byte index): a wrong byte says who sent it.
 
-use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DeviceRepr, PushKernelArg};
+use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr, PushKernelArg};
 use doorbell::channel::memory_channel::MemoryChannels;
 use doorbell::communicator::Communicator;
 use doorbell::device_api::MemoryChannelHandle;
@@ -92,6 +92,80 @@ fn no_such_gpu_is_an_error_not_a_panic() {
         Err(Error::InvalidArgument { why, .. }) => assert!(why.contains("sees"), "{why}"),
         other => panic!("expected InvalidArgument, got {other:?}"),
     }
+}
+
+/// The elementwise kernels (NCCL's max, min and average where doorbell runs them): the maximum
+/// and minimum over slices and the scaling, f32 and bf16 against the host, NaN losing to a
+/// number as with fmaxf.
+#[test]
+#[ignore = "needs GPU"]
+fn elementwise_max_min_and_scale_match_the_host() {
+    use doorbell::collectives::elementwise::{Elementwise, Extremum};
+    use doorbell::collectives::DataType;
+    let gpu = doorbell::gpu::cuda::Gpu::open(0).expect("GPU 0");
+    let ew = Elementwise::new(&gpu).unwrap();
+    let s = gpu.new_stream().unwrap();
+    let (slices, count) = (3usize, 5000usize);
+    let v = |sl: usize, i: usize| ((i * 7 + sl * 13) % 17) as f32 - 8.0;
+    let mut host: Vec<f32> = (0..slices * count)
+        .map(|k| v(k / count, k % count))
+        .collect();
+    host[count + 4] = f32::NAN; // slice 1, element 4: the other slices' values win
+    for (op, pick) in [
+        (Extremum::Max, f32::max as fn(f32, f32) -> f32),
+        (Extremum::Min, f32::min),
+    ] {
+        let want: Vec<f32> = (0..count)
+            .map(|i| (1..slices).fold(host[i], |a, sl| pick(a, host[sl * count + i])))
+            .collect();
+        let src = s.clone_htod(&host).unwrap();
+        let mut dst = s.alloc_zeros::<f32>(count).unwrap();
+        {
+            let (a, _ga) = src.device_ptr(&s);
+            let (d, _gd) = dst.device_ptr_mut(&s);
+            // SAFETY: both sized as the call says.
+            unsafe {
+                ew.reduce_slices_raw(&s, a, slices as u32, count as u64, DataType::F32, op, d)
+            }
+            .unwrap();
+        }
+        assert_eq!(s.clone_dtoh(&dst).unwrap(), want, "{op:?} f32");
+        // bf16 as its bits (u16).
+        let hb: Vec<u16> = host
+            .iter()
+            .map(|&x| half::bf16::from_f32(x).to_bits())
+            .collect();
+        let src = s.clone_htod(&hb).unwrap();
+        let mut dst = s.alloc_zeros::<u16>(count).unwrap();
+        {
+            let (a, _ga) = src.device_ptr(&s);
+            let (d, _gd) = dst.device_ptr_mut(&s);
+            // SAFETY: as above.
+            unsafe {
+                ew.reduce_slices_raw(&s, a, slices as u32, count as u64, DataType::Bf16, op, d)
+            }
+            .unwrap();
+        }
+        let got: Vec<f32> = s
+            .clone_dtoh(&dst)
+            .unwrap()
+            .iter()
+            .map(|&b| half::bf16::from_bits(b).to_f32())
+            .collect();
+        assert_eq!(got, want, "{op:?} bf16");
+    }
+    let mut x = s.clone_htod(&host[..count]).unwrap();
+    {
+        let (p, _g) = x.device_ptr_mut(&s);
+        // SAFETY: `count` f32 at p.
+        unsafe { ew.scale_raw(&s, p, count as u64, DataType::F32, 0.25) }.unwrap();
+    }
+    let want: Vec<f32> = host[..count].iter().map(|x| x * 0.25).collect();
+    assert_eq!(s.clone_dtoh(&x).unwrap(), want, "scale f32");
+    // SAFETY: no slices is refused before anything is launched.
+    assert!(
+        unsafe { ew.reduce_slices_raw(&s, 16, 0, 4, DataType::F32, Extremum::Max, 32) }.is_err()
+    );
 }
 
 // ---- host twin of the device pattern and launch helpers ---------------------------------------

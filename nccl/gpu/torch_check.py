@@ -79,27 +79,36 @@ def main() -> None:
     check(torch.equal(b, torch.full_like(b, float(world - 1))), "broadcast")
     dist.barrier()
 
-    # The real NCCL's only: other ops and types, point to point outside an all-to-all, a
-    # subgroup. With ranks sharing a GPU there is no real communicator: refused, naming why.
+    # The average (doorbell's: the sum scaled by 1 / ranks), the maximum and the minimum (the
+    # real NCCL's where there is one, else doorbell's: gathered, then reduced), f32 and bf16; the
+    # values are exact in both, and differ per element and rank.
+    for dt in (torch.float32, torch.bfloat16):
+        x = torch.full((1000,), float(rank + 1), dtype=dt, device="cuda")
+        dist.all_reduce(x, op=dist.ReduceOp.AVG)
+        check(torch.allclose(x.float(), torch.full((1000,), total / world, device="cuda")), f"all_reduce avg {dt}")
+        base = (torch.arange(3000, device="cuda") % 17 - 8).to(dt)
+        for op, want in ((dist.ReduceOp.MAX, max), (dist.ReduceOp.MIN, min)):
+            x = base * (rank + 1)
+            dist.all_reduce(x, op=op)
+            expect = torch.stack([base * (p + 1) for p in range(world)])
+            expect = expect.amax(0) if want is max else expect.amin(0)
+            check(torch.equal(x, expect), f"all_reduce {op} {dt}")
+
+    # The real NCCL's only: other types, point to point outside an all-to-all, a subgroup. With
+    # ranks sharing a GPU there is no real communicator: refused, naming why.
     if world > torch.cuda.device_count():
-        x = torch.full((8,), float(rank), device="cuda")
+        x = torch.full((8,), rank + 1, dtype=torch.int64, device="cuda")
         try:
-            dist.all_reduce(x, op=dist.ReduceOp.MAX)
+            dist.all_reduce(x)
             torch.cuda.synchronize()
-            raise AssertionError("all_reduce max with ranks sharing a GPU: expected a refusal")
+            raise AssertionError("all_reduce of int64 with ranks sharing a GPU: expected a refusal")
         except dist.DistBackendError as e:
             check("share a GPU" in str(e), f"the refusal names why: {e}")
-        print(f"rank {rank}: torch over libdoorbell_nccl ok (doorbell's calls; all_reduce max refused: ranks share a GPU)", flush=True)
+        print(f"rank {rank}: torch over libdoorbell_nccl ok (doorbell's calls incl. avg, max, min; int64 refused: ranks share a GPU)", flush=True)
         return
-    x = torch.full((1000,), float(rank), device="cuda")
-    dist.all_reduce(x, op=dist.ReduceOp.MAX)
-    check(torch.equal(x, torch.full_like(x, float(world - 1))), "all_reduce max")
     x = torch.full((10,), rank + 1, dtype=torch.int64, device="cuda")
     dist.all_reduce(x)
     check(torch.equal(x, torch.full_like(x, total)), "all_reduce int64")
-    x = torch.full((3,), float(rank + 1), device="cuda")
-    dist.all_reduce(x, op=dist.ReduceOp.AVG)
-    check(torch.allclose(x, torch.full_like(x, total / world)), "all_reduce avg")
     if world >= 2:
         ring = torch.full((6,), float(rank), device="cuda")
         got = torch.empty_like(ring)

@@ -1,4 +1,5 @@
-//! The collectives doorbell runs itself: `ncclAllReduce` (sum of bf16, f16 or f32),
+//! The collectives doorbell runs itself: `ncclAllReduce` (sum and average of bf16, f16 or f32;
+//! maximum and minimum where no real NCCL runs them),
 //! `ncclAlltoAll`, and a group's sends and receives that form an all-to-all(v) ([`crate::p2p`]).
 //! Their doorbell objects are built with the communicator, so a call only queues work (one thread
 //! may drive several ranks, as nccl-tests does). Every other type or op goes to the real NCCL
@@ -9,6 +10,7 @@ use crate::abi::{self, dtype, op};
 use crate::comm::Comm;
 use crate::error::ShimError;
 use cudarc::driver::sys;
+use doorbell::collectives::elementwise::Extremum;
 use doorbell::collectives::DataType;
 use std::ffi::c_int;
 use std::sync::Arc;
@@ -93,12 +95,26 @@ pub(crate) fn stream(
     Ok(unsafe { c.gpu().context().wrap_borrowed_stream(s as sys::CUstream) })
 }
 
-/// Whether doorbell runs an allreduce of type `t` with op `o` (the sum of bf16, f16 or f32).
+/// Whether doorbell runs an allreduce of type `t` with op `o` whatever else the communicator
+/// has: the sum and the average (the sum scaled by 1 / ranks, in place) of bf16, f16 or f32.
 pub fn all_reduce_native(t: c_int, o: c_int) -> bool {
-    matches!(t, dtype::BFLOAT16 | dtype::FLOAT16 | dtype::FLOAT32) && o == op::SUM
+    float_type(t) && matches!(o, op::SUM | op::AVG)
 }
 
-/// `ncclAllReduce`.
+/// Whether doorbell runs an allreduce of type `t` with op `o` where no real NCCL does (ranks
+/// sharing a GPU, forwarding off): [`all_reduce_native`]'s, and the maximum and minimum of bf16,
+/// f16 or f32 as an all-gather into scratch and a reduction of the gathered inputs (not under
+/// CUDA graph capture: the all-gather's counts come from host memory). With a real NCCL those
+/// two are its.
+pub fn all_reduce_doorbell(t: c_int, o: c_int) -> bool {
+    float_type(t) && matches!(o, op::SUM | op::AVG | op::MAX | op::MIN)
+}
+
+fn float_type(t: c_int) -> bool {
+    matches!(t, dtype::BFLOAT16 | dtype::FLOAT16 | dtype::FLOAT32)
+}
+
+/// `ncclAllReduce`: sum, average, maximum or minimum of bf16, f16 or f32 ([`all_reduce_doorbell`]).
 #[allow(clippy::too_many_arguments)]
 pub fn all_reduce(
     comm: &Comm,
@@ -128,17 +144,34 @@ pub fn all_reduce(
             ))
         }
     };
-    if o != op::SUM {
-        return Err(not_native(
-            CALL,
-            format!("with {} ({})", op_name(o), type_name(t)),
-        ));
+    let extremum = match o {
+        op::SUM | op::AVG => None,
+        op::MAX => Some(Extremum::Max),
+        op::MIN => Some(Extremum::Min),
+        _ => {
+            return Err(not_native(
+                CALL,
+                format!("with {} ({})", op_name(o), type_name(t)),
+            ))
+        }
+    };
+    if let Some(which) = extremum {
+        return crate::moved::all_reduce_extremum(comm, send, recv, count, t, dt, which, s);
     }
     let (c, ar) = comm.all_reduce()?;
     let st = stream(c, s)?;
     // SAFETY: NCCL's contract: the buffers hold `count` elements on this device, valid until the
     // stream's work completes.
-    unsafe { ar.run_raw(&st, send, recv, count, dt) }.map_err(|e| comm.failed(&e))
+    unsafe { ar.run_raw(&st, send, recv, count, dt) }.map_err(|e| comm.failed(&e))?;
+    if o == op::AVG && comm.nranks > 1 {
+        let (_, ew) = comm.elementwise()?;
+        let factor = 1.0 / comm.nranks as f32;
+        // SAFETY: `recv` holds `count` elements of `dt` (NCCL's contract), the sum just queued
+        // before the scaling on the same stream.
+        unsafe { ew.scale_raw(&st, recv, count as u64, dt, factor) }
+            .map_err(|e| ShimError::from_doorbell(&e))?;
+    }
+    Ok(())
 }
 
 /// `ncclAlltoAll`: `count` elements to and from each rank.

@@ -9,6 +9,7 @@ use crate::id::{self, UniqueId};
 use crate::real::{self, RealComm};
 use doorbell::collectives::allreduce::{AllReduce, AllReduceOptions};
 use doorbell::collectives::alltoall::{AllToAll, AllToAllOptions};
+use doorbell::collectives::elementwise::Elementwise;
 use doorbell::communicator::Communicator;
 use doorbell::job::bootstrap::Bootstrap;
 use std::collections::HashSet;
@@ -22,6 +23,8 @@ pub struct Built {
     pub comm: Arc<Communicator>,
     pub all_reduce: AllReduce,
     pub all_to_all: AllToAll,
+    /// The average's scaling and the maximum's and minimum's reduction of gathered inputs.
+    pub elementwise: Elementwise,
 }
 
 /// What an `ncclComm_t` points to. Inside a group the handle exists before its communicator:
@@ -50,6 +53,11 @@ impl Comm {
     /// The communicator and its allreduce.
     pub fn all_reduce(&self) -> Result<(&Communicator, &AllReduce), ShimError> {
         self.built().map(|b| (&*b.comm, &b.all_reduce))
+    }
+
+    /// The communicator and its elementwise kernels.
+    pub fn elementwise(&self) -> Result<(&Communicator, &Elementwise), ShimError> {
+        self.built().map(|b| (&*b.comm, &b.elementwise))
     }
 
     /// The communicator and its all-to-all.
@@ -295,6 +303,7 @@ fn build(
     let comm = Arc::new(Communicator::new(boot, device).map_err(doorbell_err)?);
     let all_reduce = AllReduce::new(&comm, AllReduceOptions::default()).map_err(doorbell_err)?;
     let all_to_all = AllToAll::new(&comm, AllToAllOptions::default()).map_err(doorbell_err)?;
+    let elementwise = Elementwise::new(comm.gpu()).map_err(doorbell_err)?;
     let real = if real::enabled() {
         // The real NCCL binds its communicator to the thread's current GPU.
         comm.gpu().bind().map_err(doorbell_err)?;
@@ -307,6 +316,7 @@ fn build(
             comm,
             all_reduce,
             all_to_all,
+            elementwise,
         },
         real,
     ))

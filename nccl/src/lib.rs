@@ -416,6 +416,8 @@ pub unsafe extern "C" fn ncclAllReduce(
         if c.forward_only || !native {
             let rc = match c.real("ncclAllReduce") {
                 Ok(rc) => Some(rc),
+                // No real NCCL: doorbell's maximum or minimum by gathering, where it has one.
+                Err(_) if colls::all_reduce_doorbell(datatype, op) => None,
                 // Not doorbell's, and no real NCCL to run it: why not, with what was asked.
                 Err(e) if !native && colls::bytes_of("ncclAllReduce", count, datatype).is_ok() => {
                     return Err(ShimError::new(

@@ -2,7 +2,8 @@
 //! real NCCL behind them (ranks sharing a GPU, which NCCL refuses, or forwarding off): the first
 //! two as doorbell's all-to-all(v) (each rank's block to every rank; the root's block to every
 //! rank), the third as doorbell's allreduce into a scratch buffer and this rank's block copied
-//! out (sum of bf16, f16 or f32). A block that is already in place is not moved; an input that
+//! out (sum, average, maximum or minimum of bf16, f16 or f32); and the allreduce's maximum and
+//! minimum, as an all-gather and a reduction of the gathered inputs. A block that is already in place is not moved; an input that
 //! lies inside the output is copied aside first (the all-to-all's input and output may not
 //! overlap). Counts go to the GPU by a copy from host memory, which a CUDA graph cannot hold:
 //! under capture these calls are refused by name.
@@ -12,6 +13,8 @@ use crate::colls::{bytes_of, stream};
 use crate::comm::Comm;
 use crate::error::ShimError;
 use cudarc::driver::{sys, CudaSlice, CudaStream, DevicePtr};
+use doorbell::collectives::elementwise::Extremum;
+use doorbell::collectives::DataType;
 use std::ffi::c_int;
 use std::sync::Arc;
 
@@ -140,7 +143,56 @@ pub fn all_gather(
 ) -> Result<(), ShimError> {
     const CALL: &str = "ncclAllGather";
     let block = bytes_of(CALL, count, t)?;
+    let world = comm.nranks;
+    block.checked_mul(world).ok_or_else(|| {
+        ShimError::invalid_argument(format!("{CALL}: {count} x {world} overflow"))
+    })?;
+    if block == 0 {
+        return Ok(());
+    }
+    let st = uncaptured_stream(comm, CALL, s)?;
+    gather(CALL, comm, &st, send, recv, block)
+}
+
+/// Every rank's `block` bytes at `send` into `recv` (`world x block`), in rank order, on `st`.
+fn gather(
+    call: &str,
+    comm: &Comm,
+    st: &Arc<CudaStream>,
+    send: u64,
+    recv: u64,
+    block: usize,
+) -> Result<(), ShimError> {
     let (world, me) = (comm.nranks, comm.rank);
+    let total = block * world;
+    // In place (my block at my place in the output) the input is copied aside first.
+    let (input, _aside) = apart(call, st, send, block, (recv, total))?;
+    // My own block: copied (nothing to do in place).
+    if send != recv + (me * block) as u64 {
+        copy(call, st, recv + (me * block) as u64, input, block)?;
+    }
+    let counts = gather_counts(world, me, block);
+    all_to_all_v(call, comm, st, (input, block), (recv, total), &counts)
+}
+
+/// `ncclAllReduce` with max or min (`which`) of `count` elements of `dt` on doorbell: every
+/// rank's input gathered into scratch as [`all_gather`] does, then the maximum or minimum over
+/// the ranks' slices into `recv` ([`doorbell::collectives::elementwise`]). Refused under CUDA
+/// graph capture, as the all-gather is.
+#[allow(clippy::too_many_arguments)]
+pub fn all_reduce_extremum(
+    comm: &Comm,
+    send: u64,
+    recv: u64,
+    count: usize,
+    t: c_int,
+    dt: DataType,
+    which: Extremum,
+    s: u64,
+) -> Result<(), ShimError> {
+    const CALL: &str = "ncclAllReduce";
+    let block = bytes_of(CALL, count, t)?;
+    let world = comm.nranks;
     let total = block.checked_mul(world).ok_or_else(|| {
         ShimError::invalid_argument(format!("{CALL}: {count} x {world} overflow"))
     })?;
@@ -148,14 +200,14 @@ pub fn all_gather(
         return Ok(());
     }
     let st = uncaptured_stream(comm, CALL, s)?;
-    // In place (my block at my place in the output) the input is copied aside first.
-    let (input, _aside) = apart(CALL, &st, send, block, (recv, total))?;
-    // My own block: copied (nothing to do in place).
-    if send != recv + (me * block) as u64 {
-        copy(CALL, &st, recv + (me * block) as u64, input, block)?;
-    }
-    let counts = gather_counts(world, me, block);
-    all_to_all_v(CALL, comm, &st, (input, block), (recv, total), &counts)
+    let gathered = scratch(CALL, &st, total)?;
+    let at = gathered.device_ptr(&st).0;
+    gather(CALL, comm, &st, send, at, block)?;
+    let (_, ew) = comm.elementwise()?;
+    // SAFETY: `gathered` holds `world` slices of `count` elements (freed in stream order after
+    // the kernel), `recv` `count` elements (NCCL's contract), apart from the scratch.
+    unsafe { ew.reduce_slices_raw(&st, at, world as u32, count as u64, dt, which, recv) }
+        .map_err(|e| ShimError::from_doorbell(&e))
 }
 
 /// `ncclBroadcast(sendbuff, recvbuff, count, datatype, root, comm, stream)` on doorbell
@@ -214,11 +266,11 @@ pub fn reduce_scatter(
     let total_count = count.checked_mul(world).ok_or_else(|| {
         ShimError::invalid_argument(format!("{CALL}: {count} x {world} overflow"))
     })?;
-    if !crate::colls::all_reduce_native(t, o) {
+    if !crate::colls::all_reduce_doorbell(t, o) {
         return Err(ShimError::new(
             abi::INVALID_USAGE,
             format!(
-                "{CALL} of {} ({}): doorbell sums bf16, f16 or f32 only",
+                "{CALL} of {} ({}): doorbell reduces bf16, f16 or f32 only (sum, avg, max, min)",
                 crate::colls::type_name(t),
                 crate::colls::op_name(o)
             ),

@@ -426,9 +426,33 @@ fn collectives_check_their_arguments_and_name_what_is_not_native() {
     let (k, m) = ar(dtype::INT64, op::PROD, 4, 16, 32).unwrap();
     assert_eq!(k, abi::INVALID_USAGE);
     assert!(m.contains("int64") && m.contains("real NCCL"), "{m}");
-    let (k, m) = ar(dtype::BFLOAT16, op::MAX, 4, 16, 32).unwrap();
+    let (k, m) = ar(dtype::BFLOAT16, op::PROD, 4, 16, 32).unwrap();
     assert_eq!(k, abi::INVALID_USAGE);
-    assert!(m.contains("max"), "{m}");
+    assert!(m.contains("prod"), "{m}");
+    // Which allreduces doorbell runs: the sum and the average of the float types always (the
+    // real NCCL never sees them), the maximum and minimum where no real NCCL runs them.
+    for t in [dtype::BFLOAT16, dtype::FLOAT16, dtype::FLOAT32] {
+        assert!(colls::all_reduce_native(t, op::SUM) && colls::all_reduce_native(t, op::AVG));
+        assert!(!colls::all_reduce_native(t, op::MAX) && !colls::all_reduce_native(t, op::MIN));
+        for o in [op::SUM, op::AVG, op::MAX, op::MIN] {
+            assert!(colls::all_reduce_doorbell(t, o), "{t} {o}");
+        }
+        assert!(!colls::all_reduce_doorbell(t, op::PROD));
+    }
+    for t in [
+        dtype::INT32,
+        dtype::INT64,
+        dtype::FLOAT64,
+        dtype::FLOAT8_E4M3,
+    ] {
+        assert!(!colls::all_reduce_doorbell(t, op::SUM) && !colls::all_reduce_doorbell(t, op::MAX));
+    }
+    if comm::current_device().is_err() {
+        // Doorbell's maximum on a communicator whose init failed: invalid usage, named.
+        let (k, m) = ar(dtype::BFLOAT16, op::MAX, 4, 16, 32).unwrap();
+        assert_eq!(k, abi::INVALID_USAGE);
+        assert!(m.contains("not initialized"), "{m}");
+    }
     let a2a = |n, s: u64, r: u64| code(colls::all_to_all(&c, s, r, n, dtype::FLOAT32, 0));
     let (k, m) = a2a(4, 64, 64).unwrap();
     assert_eq!(k, abi::INVALID_ARGUMENT);

@@ -7,6 +7,7 @@ pub mod allgather;
 pub mod allreduce;
 pub mod alltoall;
 pub mod check;
+pub mod elementwise;
 pub mod moe;
 pub mod net;
 

@@ -140,9 +140,10 @@ impl HtNvlink {
             .clone_htod(sems_bytes)
             .map_err(cuda_err("cuMemcpyHtoD"))?;
         let device = vec![
-            alloc(4)?,                           // num_recv
-            alloc(cfg.num_experts / world * 4)?, // expert_counts
-            alloc(HT_CALL_SLOTS * 8)?,           // call counts per kernel and block (moe.cu)
+            // num_recv, then expert_counts right behind it: one copy reads both (the DeepEP
+            // API's host read of a dispatch's counts, python/py/doorbell/deep_ep).
+            alloc(4 + cfg.num_experts / world * 4)?,
+            alloc(HT_CALL_SLOTS * 8)?, // call counts per kernel and block (moe.cu)
             sems,
         ];
         let p = |i: usize| device[i].device_ptr(&stream).0;
@@ -166,9 +167,9 @@ impl HtNvlink {
             off_slots: off_slots as u64,
             slot_bytes: slot_bytes as u64,
             num_recv: p(0),
-            expert_counts: p(1),
-            calls: p(2),
-            sems: p(3),
+            expert_counts: p(0) + 4,
+            calls: p(1),
+            sems: p(2),
             ..Default::default()
         };
         stream

@@ -127,7 +127,8 @@ pub struct DispatchResults {
     /// slot is then all ones: NaN in bf16 and e4m3).
     pub num_recv: u64,
     /// `[experts per rank]` u32: rows per local expert; the top bit set (negative as i32) after a
-    /// dispatch that an abort cut short.
+    /// dispatch that an abort cut short. On one node right behind `num_recv` (`num_recv + 4`), so
+    /// one copy reads both.
     pub expert_counts: u64,
     /// `[world, world]` i32 in the receive slot, DeepEP's `rank_prefix_matrix`: entry `[s][r]` the rows ranks 0..=s
     /// send rank r, so rank s's rows here end at `[s][rank]` (-1 everywhere after a dispatch an

@@ -177,16 +177,22 @@ class _CountRead:
     def __init__(self, buf: _moe.Buffer) -> None:
         import torch
 
-        self.num_recv, self.counts = buf._count_views()
+        self.num_recv, counts = buf._count_views()
+        local = buf.num_local_experts
         # device="cpu" said outright: callers (DeepEP's tests) may make CUDA the default device.
-        self.host = torch.empty(1 + buf.num_local_experts, dtype=torch.int32, device="cpu", pin_memory=True)
-        self.host_rows, self.host_counts = self.host[:1], self.host[1:]
+        self.host = torch.empty(1 + local, dtype=torch.int32, device="cpu", pin_memory=True)
+        start = int(self.num_recv.data_ptr())
+        if int(counts.data_ptr()) == start + 4:
+            # The counts right behind the row count (one node): one copy.
+            self.copies = [(self.host, buf._view(start, (1 + local,), "int32"))]
+        else:
+            self.copies = [(self.host[:1], self.num_recv), (self.host[1:], counts)]
         self.event = torch.cuda.Event()
 
     def start(self) -> None:
         """Queues the copies on the current stream (the dispatch's), then the event."""
-        self.host_rows.copy_(self.num_recv, non_blocking=True)
-        self.host_counts.copy_(self.counts, non_blocking=True)
+        for host, device in self.copies:
+            host.copy_(device, non_blocking=True)
         self.event.record()
 
     def values(self) -> List[int]:
@@ -653,11 +659,14 @@ class Buffer:
             h = _moe.DispatchHandle(num_tokens, hidden, (x, idx32, topk_weights), num_recv)
             buf._dispatches += 1
             route = _route_key(topk_idx)
+            serial = self._slots[id(buf)].landed(slot, route)
+            mine = _NormalHandle(buf, h, num_tokens, hidden, route, slot, serial)
             listed: List[int] = []
             if read is None:
                 n = num_worst_tokens
             else:
                 n, listed = self._checked_counts(read.values(), expert_alignment)
+                mine.rows = n
             # DeepEP's tensors outlive the next call: a leased slot's are (the slot stays taken
             # while they live); the adapter's own slot is copied out of.
             if lease is not None:
@@ -667,8 +676,6 @@ class Buffer:
                 out_x = (recv_x[0][:n].clone(), recv_x[1][:n].clone()) if fp8 else recv_x[:n].clone()
                 out_w = recv_w[:n].clone()
             out_idx = ids[:n]
-        serial = self._slots[id(buf)].landed(slot, route)
-        mine = _NormalHandle(buf, h, num_tokens, hidden, route, slot, serial, None if num_worst_tokens else n)
         handle_out = (prefix, None, None, None, is_token_in_rank, mine)
         tensors = tuple(out_x) if fp8 else (out_x,)
         kept = tensors + (out_idx, out_w, prefix, rows, topk_idx, topk_weights) + ((scales_in,) if fp8 else ())
