@@ -181,8 +181,9 @@ run() {
       done
     done
     # The ABI's overhead over doorbell's own allreduce (at most 1 us a call, 8 B-64 KiB, host,
-    # eager and graph), 2 ranks a GPU each, where there are two GPUs.
-    if [ "$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')" -ge 2 ]; then
+    # eager and graph), 2 ranks a GPU each, where two GPUs are visible (CUDA_VISIBLE_DEVICES
+    # counts: on one GPU the two ranks would time-slice it, milliseconds a call).
+    if [ "$(visible --query-gpu=name --format=csv,noheader 2>/dev/null | grep -c .)" -ge 2 ]; then
       local start=$SECONDS
       if timeout 300 "$bundle/examples/nccl_overhead" --nranks 2 > "$logs/nccl-overhead.txt" 2>&1 \
           && grep -q "within 1 us" "$logs/nccl-overhead.txt"; then

@@ -83,6 +83,11 @@ def main() -> None:
         stream.synchronize()
         want = torch.cat([torch.arange(rank * n, (rank + 1) * n, dtype=torch.float32) + p * 1e6 for p in range(world)])
         assert torch.equal(y.cpu(), want), f"rank {rank}: alltoall {n}"
+        # In place, as nccl-tests' alltoall_perf calls it (NCCL runs it; doorbell copies the
+        # input aside first).
+        ok(lib.ncclAlltoAll(vp(x.data_ptr()), vp(x.data_ptr()), n, 7, comm, s), f"alltoall in place {n}")
+        stream.synchronize()
+        assert torch.equal(x.cpu(), want), f"rank {rank}: alltoall in place {n}"
 
     # Uneven all-to-all(v) as torch's all_to_all_single issues it: zero counts left out.
     send_counts = [(rank + p) % 3 * 1000 for p in range(world)]

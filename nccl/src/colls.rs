@@ -185,23 +185,20 @@ pub fn all_to_all(
 ) -> Result<(), ShimError> {
     const CALL: &str = "ncclAlltoAll";
     let per_peer = bytes_of(CALL, count, t)?;
-    if per_peer.checked_mul(comm.nranks).is_none() {
+    let Some(total) = per_peer.checked_mul(comm.nranks) else {
         return Err(ShimError::invalid_argument(format!(
             "{CALL}: {count} elements per rank overflow"
         )));
-    }
+    };
     buffers(CALL, per_peer, &[("sendbuff", send), ("recvbuff", recv)])?;
-    if per_peer > 0 && send == recv {
-        return Err(ShimError::invalid_argument(format!(
-            "{CALL}: in place (sendbuff == recvbuff) is not supported; NCCL does not promise it either"
-        )));
-    }
     let (c, a2a) = comm.all_to_all()?;
     let st = stream(c, s)?;
+    // In place (or overlapping), as NCCL runs it too: the input copied aside first (scratch
+    // freed in stream order after the kernel; both capturable).
+    let (input, _aside) = crate::moved::apart(CALL, &st, send, total, (recv, total))?;
     // SAFETY: NCCL's contract: `nranks * count` elements each, on this device, valid until the
-    // stream's work completes; not overlapping (checked above for the common case of equal
-    // pointers).
-    unsafe { a2a.run_raw(&st, send, recv, per_peer) }.map_err(|e| comm.failed(&e))
+    // stream's work completes; `input` does not overlap `recv` (copied aside where it did).
+    unsafe { a2a.run_raw(&st, input, recv, per_peer) }.map_err(|e| comm.failed(&e))
 }
 
 /// `ncclSend` / `ncclRecv` checked and held in the group (outside a group they are not doorbell's

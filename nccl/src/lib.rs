@@ -16,9 +16,9 @@
 //! - `ncclCommDestroy`, `ncclCommAbort`, `ncclCommCount`, `ncclCommCuDevice`,
 //!   `ncclCommUserRank`, `ncclCommGetAsyncError`, `ncclGroupStart`, `ncclGroupEnd`.
 //!
-//! - `ncclAllReduce` (sum of bf16, f16, f32) and `ncclAlltoAll` on doorbell's kernels
-//!   ([`colls`]); other types and ops go to the real NCCL (without one they fail with
-//!   `ncclInvalidUsage` naming them).
+//! - `ncclAllReduce` (sum and average of bf16, f16, f32; maximum and minimum too where no real
+//!   NCCL runs them) and `ncclAlltoAll` on doorbell's kernels ([`colls`]); other types and ops go
+//!   to the real NCCL (without one they fail with `ncclInvalidUsage` naming them).
 //! - `ncclSend`/`ncclRecv` in a group that form an all-to-all(v), as PyTorch's
 //!   `all_to_all_single` makes ([`p2p`]): one doorbell all-to-all(v) at the group's end.
 //!

@@ -3,10 +3,10 @@
 //! two as doorbell's all-to-all(v) (each rank's block to every rank; the root's block to every
 //! rank), the third as doorbell's allreduce into a scratch buffer and this rank's block copied
 //! out (sum, average, maximum or minimum of bf16, f16 or f32); and the allreduce's maximum and
-//! minimum, as an all-gather and a reduction of the gathered inputs. A block that is already in place is not moved; an input that
-//! lies inside the output is copied aside first (the all-to-all's input and output may not
-//! overlap). Counts go to the GPU by a copy from host memory, which a CUDA graph cannot hold:
-//! under capture these calls are refused by name.
+//! minimum, as an all-gather and a reduction of the gathered inputs. A block that is already in
+//! place is not moved; an input that lies inside the output is copied aside first (the
+//! all-to-all's input and output may not overlap). Counts go to the GPU by a copy from host
+//! memory, which a CUDA graph cannot hold: under capture these calls are refused by name.
 
 use crate::abi;
 use crate::colls::{bytes_of, stream};
@@ -84,7 +84,7 @@ fn all_to_all_v(
 
 /// `send` (`bytes`) as an all-to-all's input beside `output`: itself, or, where it lies inside
 /// the output, a copy aside (the buffer returned keeps it until the stream's work is done).
-fn apart(
+pub(crate) fn apart(
     call: &str,
     st: &Arc<CudaStream>,
     send: u64,

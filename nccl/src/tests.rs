@@ -454,9 +454,12 @@ fn collectives_check_their_arguments_and_name_what_is_not_native() {
         assert!(m.contains("not initialized"), "{m}");
     }
     let a2a = |n, s: u64, r: u64| code(colls::all_to_all(&c, s, r, n, dtype::FLOAT32, 0));
-    let (k, m) = a2a(4, 64, 64).unwrap();
-    assert_eq!(k, abi::INVALID_ARGUMENT);
-    assert!(m.contains("in place"), "{m}");
+    if comm::current_device().is_err() {
+        // In place is NCCL's too (the input is copied aside): only the missing init refuses it.
+        let (k, m) = a2a(4, 64, 64).unwrap();
+        assert_eq!(k, abi::INVALID_USAGE);
+        assert!(m.contains("not initialized"), "{m}");
+    }
     assert_eq!(
         a2a(usize::MAX / 2, 64, 128).unwrap().0,
         abi::INVALID_ARGUMENT
