@@ -12,7 +12,8 @@
 # Environment for run: SUITE=tests|bench|all|python|perf|nccl (default all; nccl: libdoorbell_nccl.so
 # through NCCL's C ABI from ctypes, nccl/gpu/abi_check.py, alone and forwarding to torch's NCCL,
 # then under torch's "nccl" backend preloaded (nccl/gpu/torch_check.py) and with a rank killed
-# there (nccl/gpu/kill_check.py), at DOORBELL_TEST_RANKS ranks; python: the wheel that build
+# there (nccl/gpu/kill_check.py), at DOORBELL_TEST_RANKS ranks (with more ranks than GPUs also
+# torch_check.py without the library, which must fail as NCCL does); python: the wheel that build
 # packed, from scripts/python-wheel.sh, installed beside the machine's torch, and its GPU tests;
 # perf: the performance check, below, not part of all); TESTS="gpu allreduce" runs only those
 # test binaries; BENCHES="pingpong allreduce" picks the examples, PINGPONG_ARGS / ALLREDUCE_ARGS
@@ -157,7 +158,11 @@ run() {
     real=$("${PYTHON:-python3}" -c 'import os, torch; print(os.path.realpath(os.path.join(os.path.dirname(torch.__file__), "..", "nvidia", "nccl", "lib", "libnccl.so.2")))')
     for n in ${DOORBELL_TEST_RANKS:-2}; do
       local what
-      for what in "abi" "abi forwarding" "torch" "kill"; do
+      local shared=""
+      # More ranks than visible GPUs: also the PyTorch script without the library, which must
+      # fail as NCCL does (it refuses two ranks on one GPU).
+      [ "$n" -gt "$(visible --query-gpu=name --format=csv,noheader 2>/dev/null | grep -c .)" ] && shared="without"
+      for what in "abi" "abi forwarding" "torch" "kill" $shared; do
         local start=$SECONDS rc=0
         case $what in
           abi) DOORBELL_NCCL_LIB="$lib" timeout "${NCCL_LIMIT:-300}" \
@@ -171,6 +176,12 @@ run() {
                  --nproc-per-node "$n" "$root/nccl/gpu/torch_check.py" >> "$logs/nccl.log" 2>&1 || rc=$? ;;
           kill) DOORBELL_NCCL_LIB="$lib" DOORBELL_NCCL_REAL="$real" timeout "${NCCL_LIMIT:-300}" \
                  "${PYTHON:-python3}" "$root/nccl/gpu/kill_check.py" "$n" >> "$logs/nccl.log" 2>&1 || rc=$? ;;
+          without) local out="$logs/nccl-without-$n.log"
+                 timeout 120 "${PYTHON:-python3}" -m torch.distributed.run --nproc-per-node "$n" \
+                   "$root/nccl/gpu/torch_check.py" > "$out" 2>&1 && rc=1
+                 # Passes when NCCL refused the shared GPU, as it does without the library.
+                 if [ $rc = 0 ] && ! grep -qi "duplicate gpu" "$out"; then rc=1; fi
+                 grep -i -m1 "duplicate gpu" "$out" >> "$logs/nccl.log" ;;
         esac
         if [ $rc = 0 ]; then
           echo "PASS nccl $what at $n ranks ($((SECONDS - start)) s)" | tee -a "$summary"
