@@ -101,6 +101,39 @@ def _time_calls(fn: Callable[[], Any], iters: int, graph: bool, host_us: float =
         return None
 
 
+def _time_paired(a_fn: Callable[[], Any], b_fn: Callable[[], Any], iters: int) -> Optional[List[List[float]]]:
+    """Calls that wait for the GPU on the host, timed in pairs: ``iters`` rounds of one call of
+    each, the order alternating, each call between two events and waited for. Returns ``[a's
+    times, b's times, a - b per round]`` in us, or None when either cannot run here. A drift in
+    the host's speed (its wake-up time after a wait moved such p50s by half between runs of one
+    machine) then reaches both alike, and the per-round difference is the cost."""
+    import torch
+    import torch.distributed as dist
+
+    try:
+        a_fn()
+        b_fn()
+        torch.cuda.synchronize()
+        dist.barrier()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        out: List[List[float]] = [[], [], []]
+        for i in range(iters):
+            pair = [0.0, 0.0]
+            for k in ((0, 1) if i % 2 == 0 else (1, 0)):
+                start.record()
+                (a_fn if k == 0 else b_fn)()
+                end.record()
+                end.synchronize()
+                pair[k] = float(start.elapsed_time(end)) * 1e3
+            out[0].append(pair[0])
+            out[1].append(pair[1])
+            out[2].append(pair[0] - pair[1])
+        return out
+    except Exception:  # noqa: BLE001 - a call that cannot run here shows as "-"
+        torch.cuda.synchronize()
+        return None
+
+
 def _host_calls(fn: Callable[[], Any], iters: int, hold: bool) -> Optional[List[float]]:
     """Host wall time (``time.perf_counter``, us) of each of ``iters`` eager calls, after one
     untimed call and a barrier. With ``hold`` the calls queue behind a GPU sleep with room for
@@ -434,6 +467,20 @@ def _deep_ep(a: argparse.Namespace) -> None:
     row("normal dispatch vs own+read", lambda: buf.dispatch(xn, topk_idx=idxn, topk_weights=wn, num_tokens_per_rank=per_rank,
                                                             is_token_in_rank=in_rank, num_tokens_per_expert=per_expert),
         own_read, rows_in * 2 * hidden, False, api_syncs=True, own_syncs=True)
+    # The same two calls timed in alternating pairs over more rounds: the cost as the median of
+    # the per-round differences (max over ranks), which the host's drift does not move.
+    paired = _time_paired(
+        lambda: buf.dispatch(xn, topk_idx=idxn, topk_weights=wn, num_tokens_per_rank=per_rank,
+                             is_token_in_rank=in_rank, num_tokens_per_expert=per_expert),
+        own_read, max(a.iters, 200),
+    )
+    medians: List[Optional[float]] = [None, None, None] if paired is None else [_p(v, 0.5) for v in paired]
+    vals = [_max(v) for v in medians]
+    if rank == 0:
+        own50, diff = vals[1], vals[2]
+        pct = None if diff is None or not own50 else 100.0 * diff / own50
+        print(f"{'... paired, ' + str(max(a.iters, 200)) + ' rounds':>26} | {_fmt(vals[0], 1):>7} {'':>7} | {_fmt(vals[1], 1):>7} "
+              f"{'':>7} | {_fmt(vals[2], 2):>7} | median of the per-round differences: {_fmt(pct, 1)} % of own", flush=True)
     # DeepEP's num_worst_tokens: outputs of the worst-case row count, no wait on the host (CUDA-graph
     # capturable), so this row compares the kernels and the adapter alone.
     row("normal dispatch, worst", lambda: buf.dispatch(xn, topk_idx=idxn, topk_weights=wn, num_tokens_per_rank=per_rank,
