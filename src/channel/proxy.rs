@@ -570,9 +570,7 @@ impl Worker {
             );
             let c = &mut self.tables.connections[conn];
             // SAFETY: both ranges were checked against registered memory of this context.
-            check("cuMemcpyDtoDAsync", unsafe {
-                sys::cuMemcpyDtoDAsync_v2(dst, src, t.size as usize, c.stream.cu_stream())
-            })?;
+            unsafe { crate::gpu::cuda::copy_async(&c.stream, dst, src, t.size as usize) }?;
             c.dirty = true;
         }
         if m.kind & trigger::FLAG != 0 {

@@ -763,14 +763,9 @@ impl AllReduce {
             if input != output {
                 self.comm.gpu().bind()?;
                 // SAFETY: the caller guarantees both ranges hold `count` elements.
-                crate::gpu::cuda::check("cuMemcpyDtoDAsync", unsafe {
-                    cudarc::driver::sys::cuMemcpyDtoDAsync_v2(
-                        output,
-                        input,
-                        count * dtype.size(),
-                        stream.cu_stream(),
-                    )
-                })?;
+                unsafe {
+                    crate::gpu::cuda::copy_async(stream, output, input, count * dtype.size())
+                }?;
             }
             return Ok(());
         }
