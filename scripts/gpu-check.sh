@@ -4,7 +4,8 @@
 # host's launch time, which other processes slow), then two lanes side by side:
 #   GPUs 0,1: every test binary at 2 ranks, then SUITE=nccl at 2 and 4 ranks (4 sharing 2 GPUs)
 #   GPUs 2,3: the Python GPU suite, DeepEP's own tests at 2 ranks (when .gpu-pack/deepep holds
-#             them), the examples, and DeepEP's test_intranode at 2 ranks sharing one GPU
+#             them), the examples, DeepEP's test_intranode at 2 ranks sharing one GPU, and
+#             `torchrun -m doorbell.bench deep_ep` (the DeepEP API against doorbell's own calls)
 # Build and pack first (scripts/python-wheel.sh build && scripts/gpu-suite.sh build; for DeepEP's
 # tests: git -C <mirror of deepseek-ai/DeepEP> archive HEAD tests/legacy | tar -x -C
 # .gpu-pack/deepep), carry .gpu-pack, then, from the repository root:
@@ -58,6 +59,20 @@ deepep() { # NAME GPUS ENV...: DeepEP's tests (scripts/deep-ep-tests.sh) into l/
   return $rc
 }
 
+bench_deep_ep() { # GPUS: torchrun -m doorbell.bench deep_ep (2 ranks, the packed wheel) into l/bench_deep_ep
+  local visible=$1 site="$logs/l/bench_deep_ep/.site" rc
+  mkdir -p "$logs/l/bench_deep_ep"
+  step "start bench_deep_ep"
+  python3 -m pip install -q --no-index --no-deps --target "$site" .gpu-pack/doorbell-*.whl > /dev/null 2>&1
+  CUDA_VISIBLE_DEVICES="$visible" PYTHONPATH="$site" timeout 300 python3 -m torch.distributed.run \
+    --nproc-per-node 2 -m doorbell.bench deep_ep > "$logs/l/bench_deep_ep/out.txt" 2>&1
+  rc=$?
+  [ $rc = 0 ] || failed=1
+  rm -rf "$site"
+  step "end bench_deep_ep rc=$rc :: $(grep -E '^ +(normal|\.\.\.)' "$logs/l/bench_deep_ep/out.txt" | tr -s ' ' | tr '\n' ';')"
+  return $rc
+}
+
 lane_a() {
   suite tests "$1" DOORBELL_TEST_RANKS=2 SUITE=tests
   suite nccl "$1" DOORBELL_TEST_RANKS="2 4" SUITE=nccl
@@ -67,6 +82,7 @@ lane_b() {
   deepep deepep "$1" NPROC=2
   suite bench "$1" SUITE=bench
   deepep deepep_shared "${1%%,*}" NPROC=2 TESTS=test_intranode
+  bench_deep_ep "$1"
 }
 
 if [ "$gpus" -lt 2 ]; then
