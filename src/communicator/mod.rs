@@ -762,7 +762,10 @@ impl Communicator {
         } else {
             fifo_size
         };
-        ProxyBuilder::new(&self.gpu, size, self.diagnostics.site(-1, u32::MAX))
+        Ok(
+            ProxyBuilder::new(&self.gpu, size, self.diagnostics.site(-1, u32::MAX))?
+                .placement(self.settings.proxy_cpu),
+        )
     }
 
     /// Builds one PortChannel to every other rank on `proxy` (collective; start the proxy after).
