@@ -422,3 +422,41 @@ def test_a_combine_skips_the_checks_only_for_a_handle_this_buffer_made():
     assert b._ll_handle(bad) == (bad[0], bad[1], 128, 7168, 288)
     with pytest.raises((TypeError, ValueError)):
         b._ll_handle((bad[0], bad[1], 128, 7168, 288))
+
+
+def test_a_host_reading_dispatch_is_refused_under_graph_capture_before_a_slot_is_taken(monkeypatch):
+    """Under CUDA graph capture a dispatch that reads its count on the host is refused by name
+    (num_worst_tokens is the capturable form) before any slot is leased or pointed; a capturable
+    dispatch there takes a slot for good; outside capture the slot is pointed once."""
+    import sys
+    import types
+
+    from doorbell.deep_ep import _buffer as bmod
+
+    capturing = [True]
+    fake = types.ModuleType("torch")
+    fake.cuda = types.SimpleNamespace(is_current_stream_capturing=lambda: capturing[0])
+    monkeypatch.setitem(sys.modules, "torch", fake)
+
+    class Native:
+        def __init__(self):
+            self.calls = []
+
+        def set_receive_slot(self, k):
+            self.calls.append(k)
+
+    buf = types.SimpleNamespace(_native=Native())
+    b = _bare_normal_buffer()
+    b._slots = {id(buf): bmod._Slots(3)}
+    with pytest.raises(RuntimeError, match="num_worst_tokens"):
+        b._take_slot(buf, host_read=True)  # type: ignore[arg-type]
+    assert buf._native.calls == [] and b._slots[id(buf)].leases == [None, None, None]
+    k, lease = b._take_slot(buf)  # type: ignore[arg-type]
+    assert k == 1 and lease is not None and b._slots[id(buf)].leases[1] is lease  # kept for good
+    capturing[0] = False
+    k2, l2 = b._take_slot(buf, host_read=True)  # type: ignore[arg-type]
+    del l2  # its results dropped: slot 2 free again
+    k3, l3 = b._take_slot(buf, host_read=True)  # type: ignore[arg-type]
+    assert (k2, k3) == (2, 2) and buf._native.calls == [1, 2]  # pointed only when it changed
+    k4, _ = b._take_slot(buf, host_read=True)  # type: ignore[arg-type]
+    assert k4 == 0 and buf._native.calls == [1, 2, 0]  # every other slot held: the adapter's own
