@@ -762,10 +762,7 @@ impl Communicator {
         } else {
             fifo_size
         };
-        Ok(
-            ProxyBuilder::new(&self.gpu, size, self.diagnostics.site(-1, u32::MAX))?
-                .placement(self.settings.proxy_cpu),
-        )
+        ProxyBuilder::new(&self.gpu, size, self.diagnostics.site(-1, u32::MAX))
     }
 
     /// Builds one PortChannel to every other rank on `proxy` (collective; start the proxy after).
