@@ -570,7 +570,9 @@ impl Worker {
             );
             let c = &mut self.tables.connections[conn];
             // SAFETY: both ranges were checked against registered memory of this context.
-            unsafe { crate::gpu::cuda::copy_async(&c.stream, dst, src, t.size as usize) }?;
+            check("cuMemcpyDtoDAsync", unsafe {
+                sys::cuMemcpyDtoDAsync_v2(dst, src, t.size as usize, c.stream.cu_stream())
+            })?;
             c.dirty = true;
         }
         if m.kind & trigger::FLAG != 0 {

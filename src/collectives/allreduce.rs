@@ -763,9 +763,14 @@ impl AllReduce {
             if input != output {
                 self.comm.gpu().bind()?;
                 // SAFETY: the caller guarantees both ranges hold `count` elements.
-                unsafe {
-                    crate::gpu::cuda::copy_async(stream, output, input, count * dtype.size())
-                }?;
+                crate::gpu::cuda::check("cuMemcpyDtoDAsync", unsafe {
+                    cudarc::driver::sys::cuMemcpyDtoDAsync_v2(
+                        output,
+                        input,
+                        count * dtype.size(),
+                        stream.cu_stream(),
+                    )
+                })?;
             }
             return Ok(());
         }

@@ -856,7 +856,11 @@ fn set_mask_word(
     let (p, _g) = mask.device_ptr(stream);
     // SAFETY: the mask holds `world` u32 and `rank` is below the world size; the word is written
     // on `stream`, ordered with the calls that read it.
-    unsafe { crate::gpu::cuda::store_u32_async(stream, p + 4 * rank as u64, value) }
+    unsafe {
+        cudarc::driver::sys::cuMemsetD32Async(p + 4 * rank as u64, value, 1, stream.cu_stream())
+    }
+    .result()
+    .map_err(cuda_err("cuMemsetD32Async"))
 }
 
 #[cfg(test)]
