@@ -30,6 +30,7 @@ use crate::error::{Error, Result};
 use crate::gpu::cuda::cuda_err;
 use crate::gpu::memory::Buffer;
 use crate::gpu::signature::{self, CallChecker, CallKind};
+use crate::job::config::Settings;
 use crate::transport::ipc::RemoteMemory;
 use cudarc::driver::{
     CudaFunction, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig,
@@ -392,7 +393,7 @@ impl AllReduce {
                 "must be a positive multiple of 16",
             ));
         }
-        let settings = comm.settings();
+        let settings = Settings::from_env()?;
         let forced = match (opts.algorithm, &settings.allreduce_algo) {
             (Some(a), _) => Some(a),
             (None, Some(s)) => Some(s.parse()?),

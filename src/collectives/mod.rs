@@ -110,7 +110,7 @@ pub(crate) fn channel_call_checker(
 ) -> Result<crate::gpu::signature::CallChecker> {
     Ok(crate::gpu::signature::CallChecker::new(
         [0; crate::device_api::MAX_RANKS],
-        comm.settings().call_check,
+        crate::job::config::Settings::from_env()?.call_check,
         comm.bootstrap().call_counter(),
     ))
 }

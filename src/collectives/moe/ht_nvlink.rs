@@ -13,6 +13,7 @@ use crate::device_api::{MoeArgs, MAX_RANKS};
 use crate::error::{Error, Result};
 use crate::gpu::cuda::cuda_err;
 use crate::gpu::signature::{self, CallChecker, CallKind};
+use crate::job::config::Settings;
 use cudarc::driver::{CudaFunction, CudaSlice, CudaStream, DevicePtr};
 use std::sync::Arc;
 
@@ -192,7 +193,7 @@ impl HtNvlink {
             fill_rows: std::sync::atomic::AtomicU32::new(0),
             calls: CallChecker::new(
                 inbox,
-                comm.settings().call_check,
+                Settings::from_env()?.call_check,
                 comm.bootstrap().call_counter(),
             ),
             kernels,

@@ -15,6 +15,7 @@ use crate::device_api::{packed, CallCheck, MAX_RANKS};
 use crate::error::{Error, Result};
 use crate::gpu::cuda::cuda_err;
 use crate::gpu::signature::{self, CallChecker, CallKind};
+use crate::job::config::Settings;
 use cudarc::driver::{CudaFunction, CudaSlice, CudaStream, DevicePtr};
 use std::sync::Arc;
 
@@ -212,7 +213,7 @@ impl LlNvlink {
             last: std::sync::Mutex::new((0, 0)),
             calls: CallChecker::new(
                 inbox,
-                comm.settings().call_check,
+                Settings::from_env()?.call_check,
                 comm.bootstrap().call_counter(),
             ),
             last_calls: std::sync::Mutex::new((CallCheck::default(), CallCheck::default())),
