@@ -1,7 +1,8 @@
 //! The library's layers, checked: every `crate::` path in `src/` names a module of its own layer
 //! or one below it, the transports do not import each other, and no two files import each other
 //! (directly or around a loop; `super::` and `self::` paths count); the device headers include no
-//! cycle and each compiles alone from host code. With `DOORBELL_LAYERS_DOT=FILE`
+//! cycle and each compiles alone from host code; direct CUDA driver calls stay in `src/gpu/` or
+//! the few rooms that own theirs. With `DOORBELL_LAYERS_DOT=FILE`
 //! it also writes the module import graph as Graphviz (the drawing in `docs/layers.svg`:
 //! `DOORBELL_LAYERS_DOT=docs/layers.dot cargo test --test layers && dot -Tsvg docs/layers.dot -o
 //! docs/layers.svg`).
@@ -474,4 +475,47 @@ fn device_headers_stand_alone_and_include_no_cycle() {
             String::from_utf8_lossy(&out.stderr)
         );
     }
+}
+
+/// Files outside `src/gpu/` that may still call the CUDA driver directly, each for what it owns:
+/// CUDA IPC handles (the IPC transport), the dma-buf handle of a GPU range (the rdma-core
+/// boundary), host-memory registration for the NIC's rings (GPU queue pairs), the proxy's
+/// stream-ordered token write, and the `doorbell-info` tool's device queries. Copies and stores
+/// go through `gpu::cuda` (`copy_async` and its kin); a new direct call elsewhere fails here.
+const RAW_DRIVER_ROOMS: &[&str] = &[
+    "transport::ipc",
+    "transport::ib::rdma_core",
+    "transport::ib::gpu_qp",
+    "channel::proxy",
+    "bin::doorbell-info",
+];
+
+#[test]
+fn raw_driver_calls_stay_behind_gpu_or_in_their_rooms() {
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+    let mut files = Vec::new();
+    rust_files(&src, &mut files);
+    let mut strays = Vec::new();
+    for file in files {
+        let module = module_of(&src, &file);
+        if module == "gpu"
+            || module.starts_with("gpu::")
+            || RAW_DRIVER_ROOMS.contains(&module.as_str())
+        {
+            continue;
+        }
+        let code = code_of(&std::fs::read_to_string(&file).expect("read source"));
+        for (i, line) in code.lines().enumerate() {
+            if let Some(at) = line.find("sys::cu") {
+                if line[at + 7..].starts_with(|c: char| c.is_ascii_uppercase()) {
+                    strays.push(format!("{}:{}: {}", file.display(), i + 1, line.trim()));
+                }
+            }
+        }
+    }
+    assert!(
+        strays.is_empty(),
+        "direct CUDA driver calls outside src/gpu/ (add a wrapper to gpu::cuda):\n{}",
+        strays.join("\n")
+    );
 }

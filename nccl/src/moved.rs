@@ -12,7 +12,7 @@ use crate::abi;
 use crate::colls::{bytes_of, stream};
 use crate::comm::Comm;
 use crate::error::ShimError;
-use cudarc::driver::{sys, CudaSlice, CudaStream, DevicePtr};
+use cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
 use doorbell::collectives::elementwise::Extremum;
 use doorbell::collectives::DataType;
 use std::ffi::c_int;
@@ -29,11 +29,8 @@ fn copy(call: &str, st: &CudaStream, dst: u64, src: u64, bytes: usize) -> Result
     }
     // SAFETY: both ranges are the caller's device memory of `bytes` (NCCL's contract), and the
     // copy is queued on the caller's stream.
-    let r = unsafe { sys::cuMemcpyDtoDAsync_v2(dst, src, bytes, st.cu_stream()) };
-    if r != sys::CUresult::CUDA_SUCCESS {
-        return Err(cuda(call, "cuMemcpyDtoDAsync", format!("{r:?}")));
-    }
-    Ok(())
+    unsafe { doorbell::gpu::cuda::copy_async(st, dst, src, bytes) }
+        .map_err(|e| cuda(call, "a copy", e))
 }
 
 /// A scratch buffer of `bytes` on `st` (freed in stream order when dropped).

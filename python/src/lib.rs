@@ -181,8 +181,7 @@ impl Comm {
     /// Whether the ranks span more than one node (host).
     #[getter]
     fn spans_nodes(&self) -> bool {
-        let ids = self.comm.node_ids();
-        ids.iter().any(|id| *id != ids[self.comm.rank()])
+        self.comm.spans_nodes()
     }
 
     /// Each rank's node, numbered from 0 in the order the nodes' first ranks come.

@@ -106,6 +106,8 @@ pub struct ProxyBuilder {
     tables: Tables,
     site: WaitSite,
     failure: Arc<Mutex<Option<Error>>>,
+    /// Where the proxy thread runs; None: `DOORBELL_PROXY_CPU`, read when it starts.
+    placement: Option<crate::job::config::ProxyCpu>,
 }
 
 /// Default FIFO depth (triggers in flight).
@@ -143,7 +145,15 @@ impl ProxyBuilder {
             },
             site,
             failure: Arc::new(Mutex::new(None)),
+            placement: None,
         })
+    }
+
+    /// Where the proxy thread will run (`DOORBELL_PROXY_CPU`'s choices), as the caller's settings
+    /// say (a communicator passes its own); without it the setting is read when the proxy starts.
+    pub fn placement(mut self, cpu: crate::job::config::ProxyCpu) -> ProxyBuilder {
+        self.placement = Some(cpu);
+        self
     }
 
     /// Registers `bytes` of device memory at `ptr` (local, or a peer's mapped into this process).
@@ -354,7 +364,7 @@ impl ProxyBuilder {
             tables: self.tables,
         };
         let (stop2, failure2, stopped2) = (stop.clone(), failure.clone(), self.stopped.clone());
-        let cpu = proxy_cpu(&self.gpu)?;
+        let cpu = proxy_cpu(&self.gpu, self.placement)?;
         let thread = std::thread::Builder::new()
             .name(format!("doorbell-proxy-gpu{}", self.gpu.ordinal()))
             .spawn(move || {
@@ -387,10 +397,15 @@ static PROXIES_STARTED: std::sync::atomic::AtomicUsize = std::sync::atomic::Atom
 /// GPU's NUMA node, counted from the end of its list (away from core 0, where the OS and the
 /// ranks' main threads tend to run), offset by the GPU's ordinal and this process's proxy count
 /// so proxies of different GPUs and of one GPU do not spin on one core. `None` when unknown.
-fn proxy_cpu(gpu: &Gpu) -> Result<Option<usize>> {
+/// `placement`: the builder's choice, else the setting read now.
+fn proxy_cpu(gpu: &Gpu, placement: Option<crate::job::config::ProxyCpu>) -> Result<Option<usize>> {
     use crate::job::config::{ProxyCpu, Settings};
     let nth = PROXIES_STARTED.fetch_add(1, Ordering::Relaxed);
-    match Settings::from_env()?.proxy_cpu {
+    let placement = match placement {
+        Some(p) => p,
+        None => Settings::from_env()?.proxy_cpu,
+    };
+    match placement {
         ProxyCpu::Off => Ok(None),
         ProxyCpu::Cpu(c) => Ok(Some(c)),
         ProxyCpu::Auto => {
@@ -570,9 +585,7 @@ impl Worker {
             );
             let c = &mut self.tables.connections[conn];
             // SAFETY: both ranges were checked against registered memory of this context.
-            check("cuMemcpyDtoDAsync", unsafe {
-                sys::cuMemcpyDtoDAsync_v2(dst, src, t.size as usize, c.stream.cu_stream())
-            })?;
+            unsafe { crate::gpu::cuda::copy_async(&c.stream, dst, src, t.size as usize) }?;
             c.dirty = true;
         }
         if m.kind & trigger::FLAG != 0 {

@@ -18,7 +18,7 @@ use crate::channel::proxy::ProxyService;
 use crate::communicator::Communicator;
 use crate::device_api::PortChannelHandle;
 use crate::error::{Error, Result};
-use crate::gpu::cuda::{check, cuda_err};
+use crate::gpu::cuda::cuda_err;
 use crate::gpu::memory::Buffer;
 use crate::gpu::signature::{self, CallChecker, CallKind};
 use cudarc::driver::sys::CUevent_flags;
@@ -219,9 +219,7 @@ impl PortAllGather {
             self.comm.gpu().bind()?;
             // SAFETY: the caller vouches for `input`; `mine` lies inside our buffer
             // (rank * shard_bytes + shard_bytes <= world * max_shard).
-            check("cuMemcpyDtoDAsync", unsafe {
-                cudarc::driver::sys::cuMemcpyDtoDAsync_v2(mine, input, shard_bytes, s.cu_stream())
-            })
+            unsafe { crate::gpu::cuda::copy_async(s, mine, input, shard_bytes) }
         };
         if world == 1 {
             return if input != mine {

@@ -30,7 +30,6 @@ use crate::error::{Error, Result};
 use crate::gpu::cuda::cuda_err;
 use crate::gpu::memory::Buffer;
 use crate::gpu::signature::{self, CallChecker, CallKind};
-use crate::job::config::Settings;
 use crate::transport::ipc::RemoteMemory;
 use cudarc::driver::{
     CudaFunction, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig,
@@ -393,7 +392,7 @@ impl AllReduce {
                 "must be a positive multiple of 16",
             ));
         }
-        let settings = Settings::from_env()?;
+        let settings = comm.settings();
         let forced = match (opts.algorithm, &settings.allreduce_algo) {
             (Some(a), _) => Some(a),
             (None, Some(s)) => Some(s.parse()?),
@@ -764,14 +763,9 @@ impl AllReduce {
             if input != output {
                 self.comm.gpu().bind()?;
                 // SAFETY: the caller guarantees both ranges hold `count` elements.
-                crate::gpu::cuda::check("cuMemcpyDtoDAsync", unsafe {
-                    cudarc::driver::sys::cuMemcpyDtoDAsync_v2(
-                        output,
-                        input,
-                        count * dtype.size(),
-                        stream.cu_stream(),
-                    )
-                })?;
+                unsafe {
+                    crate::gpu::cuda::copy_async(stream, output, input, count * dtype.size())
+                }?;
             }
             return Ok(());
         }

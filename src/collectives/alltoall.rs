@@ -20,7 +20,6 @@ use crate::error::{Error, Result};
 use crate::gpu::cuda::cuda_err;
 use crate::gpu::memory::Buffer;
 use crate::gpu::signature::{self, CallChecker, CallKind};
-use crate::job::config::Settings;
 use crate::transport::ipc::RemoteMemory;
 use cudarc::driver::{
     CudaFunction, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig,
@@ -217,7 +216,7 @@ impl AllToAll {
                 format!("{}: must be in 1..={sms}", opts.ll_blocks),
             ));
         }
-        let call_check = Settings::from_env()?.call_check;
+        let call_check = comm.settings().call_check;
         let ll_max = opts
             .ll_max_bytes
             .unwrap_or(AllToAllOptions::default_ll_max(world));

@@ -34,14 +34,6 @@ pub struct Checker {
     stamp: CudaFunction,
 }
 
-fn suffix(dtype: DataType) -> &'static str {
-    match dtype {
-        DataType::Bf16 => "bf16",
-        DataType::F16 => "f16",
-        DataType::F32 => "f32",
-    }
-}
-
 /// One thread (the clock kernels).
 const ONE_THREAD: LaunchConfig = LaunchConfig {
     grid_dim: (1, 1, 1),
@@ -50,11 +42,7 @@ const ONE_THREAD: LaunchConfig = LaunchConfig {
 };
 
 fn grid(count: usize) -> LaunchConfig {
-    LaunchConfig {
-        grid_dim: ((count.div_ceil(256)).clamp(1, 1024) as u32, 1, 1),
-        block_dim: (256, 1, 1),
-        shared_mem_bytes: 0,
-    }
+    crate::collectives::flat_grid(count as u64)
 }
 
 /// Runs `launch` with the device address of one zeroed u64 and returns what the kernel left
@@ -75,13 +63,7 @@ fn one_u64(
 impl Checker {
     /// Loads the kernels.
     pub fn new(gpu: &Arc<Gpu>) -> Result<Checker> {
-        let load = |stem: &str| -> Result<[CudaFunction; 3]> {
-            Ok([
-                gpu.function("check", &format!("{stem}_{}", suffix(DataType::Bf16)))?,
-                gpu.function("check", &format!("{stem}_{}", suffix(DataType::F16)))?,
-                gpu.function("check", &format!("{stem}_{}", suffix(DataType::F32)))?,
-            ])
-        };
+        let load = |stem: &str| crate::collectives::kernels_per_type(gpu, "check", stem);
         Ok(Checker {
             fill: load("check_fill")?,
             count_wrong: load("check_count_wrong")?,

@@ -6,9 +6,10 @@
 //! caller's stream, take no host memory, and may be captured in a CUDA graph.
 
 use crate::collectives::DataType;
+use crate::collectives::{flat_grid, kernels_per_type};
 use crate::error::{Error, Result};
 use crate::gpu::cuda::{cuda_err, Gpu};
-use cudarc::driver::{CudaFunction, CudaStream, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaFunction, CudaStream, PushKernelArg};
 use std::sync::Arc;
 
 /// An elementwise maximum or minimum.
@@ -27,32 +28,10 @@ pub struct Elementwise {
     scale: [CudaFunction; 3],
 }
 
-fn suffix(dtype: DataType) -> &'static str {
-    match dtype {
-        DataType::Bf16 => "bf16",
-        DataType::F16 => "f16",
-        DataType::F32 => "f32",
-    }
-}
-
-/// One thread per element, at most 1024 blocks of 256 (the kernels loop over the rest).
-fn grid(count: u64) -> LaunchConfig {
-    LaunchConfig {
-        grid_dim: (count.div_ceil(256).clamp(1, 1024) as u32, 1, 1),
-        block_dim: (256, 1, 1),
-        shared_mem_bytes: 0,
-    }
-}
-
 impl Elementwise {
     /// Loads the kernels on `gpu`.
     pub fn new(gpu: &Arc<Gpu>) -> Result<Elementwise> {
-        let load = |op: &str| -> Result<[CudaFunction; 3]> {
-            let f = |t: DataType| {
-                gpu.function("elementwise", &format!("elementwise_{op}_{}", suffix(t)))
-            };
-            Ok([f(DataType::Bf16)?, f(DataType::F16)?, f(DataType::F32)?])
-        };
+        let load = |op: &str| kernels_per_type(gpu, "elementwise", &format!("elementwise_{op}"));
         Ok(Elementwise {
             max: load("max")?,
             min: load("min")?,
@@ -92,7 +71,7 @@ impl Elementwise {
         b.arg(&src).arg(&count).arg(&slices).arg(&dst);
         // SAFETY: matches elementwise_{max,min}_T(const T*, uint64_t, uint32_t, T*); the caller
         // vouches for the ranges.
-        unsafe { b.launch(grid(count)) }.map_err(cuda_err("cuLaunchKernel"))?;
+        unsafe { b.launch(flat_grid(count)) }.map_err(cuda_err("cuLaunchKernel"))?;
         Ok(())
     }
 
@@ -115,7 +94,7 @@ impl Elementwise {
         let mut b = s.launch_builder(&self.scale[dtype.code() as usize]);
         b.arg(&x).arg(&count).arg(&factor);
         // SAFETY: matches elementwise_scale_T(T*, uint64_t, float); the caller vouches for `x`.
-        unsafe { b.launch(grid(count)) }.map_err(cuda_err("cuLaunchKernel"))?;
+        unsafe { b.launch(flat_grid(count)) }.map_err(cuda_err("cuLaunchKernel"))?;
         Ok(())
     }
 }

@@ -53,6 +53,35 @@ impl DataType {
 
     /// All types, in code order.
     pub const ALL: [DataType; 3] = [DataType::Bf16, DataType::F16, DataType::F32];
+
+    /// The suffix of this type's kernels (`{stem}_bf16`, `_f16`, `_f32`).
+    pub(crate) fn kernel_suffix(self) -> &'static str {
+        match self {
+            DataType::Bf16 => "bf16",
+            DataType::F16 => "f16",
+            DataType::F32 => "f32",
+        }
+    }
+}
+
+/// Kernel `{stem}_{type}` of `module` for every type, in code order ([`DataType::code`]).
+pub(crate) fn kernels_per_type(
+    gpu: &crate::gpu::cuda::Gpu,
+    module: &str,
+    stem: &str,
+) -> Result<[cudarc::driver::CudaFunction; 3]> {
+    let f = |t: DataType| gpu.function(module, &format!("{stem}_{}", t.kernel_suffix()));
+    Ok([f(DataType::Bf16)?, f(DataType::F16)?, f(DataType::F32)?])
+}
+
+/// The launch of a kernel that loops over `count` items: one thread an item, 256 a block, at
+/// most 1024 blocks.
+pub(crate) fn flat_grid(count: u64) -> cudarc::driver::LaunchConfig {
+    cudarc::driver::LaunchConfig {
+        grid_dim: (count.div_ceil(256).clamp(1, 1024) as u32, 1, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    }
 }
 
 impl std::str::FromStr for DataType {
@@ -110,7 +139,7 @@ pub(crate) fn channel_call_checker(
 ) -> Result<crate::gpu::signature::CallChecker> {
     Ok(crate::gpu::signature::CallChecker::new(
         [0; crate::device_api::MAX_RANKS],
-        crate::job::config::Settings::from_env()?.call_check,
+        comm.settings().call_check,
         comm.bootstrap().call_counter(),
     ))
 }

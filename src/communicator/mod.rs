@@ -61,7 +61,9 @@ pub struct Communicator {
     diagnostics: Arc<WaitDiagnostics>,
     next_export: AtomicU64,
     next_channel: AtomicU32,
-    ib_qps_per_peer: u32,
+    /// The library's settings, parsed once when the communicator was made (collectives and
+    /// channels built on it read them here, not from the environment again).
+    settings: Settings,
 }
 
 /// The RDMA NIC this rank's PortChannels to other nodes use, reached only through the verbs
@@ -380,7 +382,7 @@ impl Communicator {
             next_export: AtomicU64::new(1),
             next_channel: AtomicU32::new(0),
             ib,
-            ib_qps_per_peer: settings.ib_qps_per_peer,
+            settings,
         })
     }
 
@@ -397,6 +399,11 @@ impl Communicator {
     /// The bootstrap, for the caller's own out-of-band exchanges.
     pub fn bootstrap(&self) -> &Bootstrap {
         &self.bootstrap
+    }
+
+    /// The library's settings (`DOORBELL_*`), as parsed when the communicator was made.
+    pub fn settings(&self) -> &Settings {
+        &self.settings
     }
 
     /// This rank's GPU.
@@ -508,6 +515,13 @@ impl Communicator {
     /// opaque ids: ranks with equal ids share a node.
     pub fn node_ids(&self) -> &[u64] {
         &self.host_ids
+    }
+
+    /// True if some rank runs on another node than this one (its host id differs; with
+    /// `DOORBELL_SEPARATE_NODES`, an emulated node): the collectives then take their
+    /// node-spanning paths.
+    pub fn spans_nodes(&self) -> bool {
+        spans_nodes(&self.host_ids, self.rank())
     }
 
     /// True if `peer` runs on this host (so CUDA IPC can reach its memory).
@@ -748,7 +762,10 @@ impl Communicator {
         } else {
             fifo_size
         };
-        ProxyBuilder::new(&self.gpu, size, self.diagnostics.site(-1, u32::MAX))
+        Ok(
+            ProxyBuilder::new(&self.gpu, size, self.diagnostics.site(-1, u32::MAX))?
+                .placement(self.settings.proxy_cpu),
+        )
     }
 
     /// Builds one PortChannel to every other rank on `proxy` (collective; start the proxy after).
@@ -830,7 +847,7 @@ impl Communicator {
                     matches!(ib.posting, PostingMode::Ibgda | PostingMode::CpuAssisted);
                 // Stripes (DOORBELL_IB_QPS_PER_PEER) for whoever posts: the proxy, or the kernels
                 // (then the proxy keeps one QP of its own).
-                let stripes = self.ib_qps_per_peer.max(1) as usize;
+                let stripes = self.settings.ib_qps_per_peer.max(1) as usize;
                 let per_peer = if gpu_posting { 1 + stripes } else { stripes };
                 let qps = connect_peers(&self.bootstrap, &ib.dev, &ib_peers, per_peer, 256)?;
                 let mut by_peer: Vec<Vec<ConnectedQp>> = (0..world).map(|_| Vec::new()).collect();
@@ -910,7 +927,7 @@ impl Communicator {
                     let mut qps = std::mem::take(&mut by_peer[peer]).into_iter();
                     let proxy_stripes = match ib.posting {
                         PostingMode::Ibgda | PostingMode::CpuAssisted => 1,
-                        _ => self.ib_qps_per_peer.max(1) as usize,
+                        _ => self.settings.ib_qps_per_peer.max(1) as usize,
                     };
                     let posters = qps
                         .by_ref()
@@ -1205,10 +1222,24 @@ fn decode_from(me: usize, peer: usize, bytes: &[u8]) -> Result<MemoryDescriptor>
     Ok(d)
 }
 
+/// Whether any of `host_ids` (one per rank) differs from rank `me`'s.
+fn spans_nodes(host_ids: &[u64], me: usize) -> bool {
+    let mine = host_ids.get(me);
+    host_ids.iter().any(|id| Some(id) != mine)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::error::WaitKind;
+
+    #[test]
+    fn a_job_spans_nodes_when_any_rank_has_another_host() {
+        assert!(!spans_nodes(&[7, 7, 7], 1));
+        assert!(spans_nodes(&[7, 7, 9], 0));
+        assert!(spans_nodes(&[7, 7, 9], 2));
+        assert!(!spans_nodes(&[5], 0));
+    }
 
     #[test]
     fn a_wait_on_a_peer_that_left_cleanly_names_the_departure() {

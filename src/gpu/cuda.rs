@@ -27,6 +27,79 @@ pub fn check(call: &'static str, r: sys::CUresult) -> Result<()> {
     }
 }
 
+/// Queues a copy of `bytes` from `src` to `dst`, device addresses of this context (peers'
+/// memory mapped here included), on `stream`.
+///
+/// # Safety
+/// Both ranges must hold `bytes` and stay valid until the stream's work is done.
+pub unsafe fn copy_async(stream: &CudaStream, dst: u64, src: u64, bytes: usize) -> Result<()> {
+    // SAFETY: the caller vouches for the ranges; the stream is live.
+    check("cuMemcpyDtoDAsync", unsafe {
+        sys::cuMemcpyDtoDAsync_v2(dst, src, bytes, stream.cu_stream())
+    })
+}
+
+/// Queues a copy of `bytes` from `src` to `dst`, any unified addresses (device memory, pinned or
+/// pageable host memory), on `stream`; the driver tells which is which.
+///
+/// # Safety
+/// Both ranges must hold `bytes` and stay valid until the stream's work is done.
+pub unsafe fn copy_unified_async(
+    stream: &CudaStream,
+    dst: u64,
+    src: u64,
+    bytes: usize,
+) -> Result<()> {
+    // SAFETY: the caller vouches for the ranges; the stream is live.
+    check("cuMemcpyAsync", unsafe {
+        sys::cuMemcpyAsync(dst, src, bytes, stream.cu_stream())
+    })
+}
+
+/// Queues a copy of `bytes` from device address `src` to host memory at `dst` on `stream`.
+///
+/// # Safety
+/// `dst` must be host memory of `bytes` (pinned for the copy to be asynchronous), `src` device
+/// memory of this context of `bytes`, both valid until the stream's work is done.
+pub unsafe fn copy_to_host_async(
+    stream: &CudaStream,
+    dst: *mut u8,
+    src: u64,
+    bytes: usize,
+) -> Result<()> {
+    // SAFETY: the caller vouches for the ranges.
+    check("cuMemcpyDtoHAsync", unsafe {
+        sys::cuMemcpyDtoHAsync_v2(dst.cast(), src, bytes, stream.cu_stream())
+    })
+}
+
+/// Queues a copy of `bytes` from host memory at `src` to device address `dst` on `stream`.
+///
+/// # Safety
+/// As for [`copy_to_host_async`], the other way.
+pub unsafe fn copy_from_host_async(
+    stream: &CudaStream,
+    dst: u64,
+    src: *const u8,
+    bytes: usize,
+) -> Result<()> {
+    // SAFETY: the caller vouches for the ranges.
+    check("cuMemcpyHtoDAsync", unsafe {
+        sys::cuMemcpyHtoDAsync_v2(dst, src.cast(), bytes, stream.cu_stream())
+    })
+}
+
+/// Queues a store of `value` into the u32 at device address `at` on `stream`.
+///
+/// # Safety
+/// `at` must be 4-byte aligned device memory of this context, valid until the store ran.
+pub unsafe fn store_u32_async(stream: &CudaStream, at: u64, value: u32) -> Result<()> {
+    // SAFETY: the caller vouches for the word.
+    check("cuMemsetD32Async", unsafe {
+        sys::cuMemsetD32Async(at, value, 1, stream.cu_stream())
+    })
+}
+
 /// Launches `f` on `stream` with `params` (a pointer to each argument, in order), as cudarc's
 /// `LaunchArgs::launch` does; with `overlap` the launch carries the programmatic-serialization
 /// attribute, so the GPU may schedule the kernel while the one before it in the stream finishes

@@ -27,10 +27,10 @@
 //! "flush: expected 171, seen 165", the last call's intra-node flush after the network leg).
 
 use crate::error::{Error, Result};
-use crate::gpu::cuda::{check, cuda_err, Gpu, HostArray};
+use crate::gpu::cuda::{cuda_err, Gpu, HostArray};
 use crate::job::auth::{auth_digest, ct_eq, random_bytes, DIGEST_LEN, NONCE_LEN};
 use crate::job::bootstrap::Bootstrap;
-use cudarc::driver::{sys, CudaStream};
+use cudarc::driver::CudaStream;
 use std::io::{Read, Write};
 use std::net::{IpAddr, Ipv4Addr, SocketAddr, TcpListener, TcpStream};
 use std::sync::mpsc;
@@ -407,9 +407,7 @@ fn header(kind: u64, offset: u64, size: u64) -> [u8; 24] {
 fn copy_dtoh(stream: &CudaStream, dst: *mut u8, src: u64, n: usize) -> Result<()> {
     // SAFETY: `dst` is pinned host memory of at least n bytes; `src` was range-checked by the
     // proxy against registered memory (or vouched for by the collective that named it).
-    check("cuMemcpyDtoHAsync", unsafe {
-        sys::cuMemcpyDtoHAsync_v2(dst as *mut std::ffi::c_void, src, n, stream.cu_stream())
-    })?;
+    unsafe { crate::gpu::cuda::copy_to_host_async(stream, dst, src, n) }?;
     stream
         .synchronize()
         .map_err(cuda_err("cuStreamSynchronize"))
@@ -418,9 +416,7 @@ fn copy_dtoh(stream: &CudaStream, dst: *mut u8, src: u64, n: usize) -> Result<()
 fn copy_htod(stream: &CudaStream, dst: u64, src: *const u8, n: usize) -> Result<()> {
     // SAFETY: `src` is pinned host memory of at least n bytes; `dst` was checked against the
     // registered destination (or is this rank's own token).
-    check("cuMemcpyHtoDAsync", unsafe {
-        sys::cuMemcpyHtoDAsync_v2(dst, src as *const std::ffi::c_void, n, stream.cu_stream())
-    })?;
+    unsafe { crate::gpu::cuda::copy_from_host_async(stream, dst, src, n) }?;
     stream
         .synchronize()
         .map_err(cuda_err("cuStreamSynchronize"))

@@ -46,8 +46,7 @@ impl MoeHighThroughput {
     /// Allocates the landing areas (mapped by every same-node peer; on the node-spanning path
     /// also registered with the NIC), outputs and semaphores. Collective.
     pub fn new(comm: &Arc<Communicator>, cfg: MoeConfig) -> Result<MoeHighThroughput> {
-        let ids = comm.node_ids();
-        let spans = ids.iter().any(|id| *id != ids[comm.rank()]);
+        let spans = comm.spans_nodes();
         agree_shape(comm, "high-throughput", spans, &cfg)?;
         let path: Box<dyn HighThroughputPath> = if spans {
             Box::new(HtNet::new(comm, &cfg)?)

@@ -13,7 +13,6 @@ use crate::device_api::{MoeArgs, MAX_RANKS};
 use crate::error::{Error, Result};
 use crate::gpu::cuda::cuda_err;
 use crate::gpu::signature::{self, CallChecker, CallKind};
-use crate::job::config::Settings;
 use cudarc::driver::{CudaFunction, CudaSlice, CudaStream, DevicePtr};
 use std::sync::Arc;
 
@@ -193,7 +192,7 @@ impl HtNvlink {
             fill_rows: std::sync::atomic::AtomicU32::new(0),
             calls: CallChecker::new(
                 inbox,
-                Settings::from_env()?.call_check,
+                comm.settings().call_check,
                 comm.bootstrap().call_counter(),
             ),
             kernels,

@@ -15,7 +15,6 @@ use crate::device_api::{packed, CallCheck, MAX_RANKS};
 use crate::error::{Error, Result};
 use crate::gpu::cuda::cuda_err;
 use crate::gpu::signature::{self, CallChecker, CallKind};
-use crate::job::config::Settings;
 use cudarc::driver::{CudaFunction, CudaSlice, CudaStream, DevicePtr};
 use std::sync::Arc;
 
@@ -213,7 +212,7 @@ impl LlNvlink {
             last: std::sync::Mutex::new((0, 0)),
             calls: CallChecker::new(
                 inbox,
-                Settings::from_env()?.call_check,
+                comm.settings().call_check,
                 comm.bootstrap().call_counter(),
             ),
             last_calls: std::sync::Mutex::new((CallCheck::default(), CallCheck::default())),
@@ -857,11 +856,7 @@ fn set_mask_word(
     let (p, _g) = mask.device_ptr(stream);
     // SAFETY: the mask holds `world` u32 and `rank` is below the world size; the word is written
     // on `stream`, ordered with the calls that read it.
-    unsafe {
-        cudarc::driver::sys::cuMemsetD32Async(p + 4 * rank as u64, value, 1, stream.cu_stream())
-    }
-    .result()
-    .map_err(cuda_err("cuMemsetD32Async"))
+    unsafe { crate::gpu::cuda::store_u32_async(stream, p + 4 * rank as u64, value) }
 }
 
 #[cfg(test)]

@@ -12,7 +12,6 @@ use super::shared::{
 use crate::communicator::Communicator;
 use crate::error::{Error, Result};
 use crate::gpu::cuda::cuda_err;
-use crate::job::config::Settings;
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -60,9 +59,7 @@ impl MoeLowLatency {
     /// the node-spanning path registered with the NIC). Collective. `cfg.max_tokens` is the
     /// decode batch per rank (DeepEP recommends under 256).
     pub fn new(comm: &Arc<Communicator>, cfg: MoeConfig) -> Result<MoeLowLatency> {
-        let ids = comm.node_ids();
-        let spans = ids.iter().any(|id| *id != ids[comm.rank()]);
-        let net = spans || Settings::from_env()?.moe_net;
+        let net = comm.spans_nodes() || comm.settings().moe_net;
         agree_shape(comm, "low-latency", net, &cfg)?;
         if net && cfg.rank_mask {
             // Checked on every rank alike (the shape agreed above carries the flag).

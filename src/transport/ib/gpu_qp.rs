@@ -64,9 +64,7 @@ impl CudaDma {
         // SAFETY: the callers pass ranges the NIC checked against registered regions, or live
         // host buffers of that length (unified addressing treats them as host memory); the copy
         // is finished (synchronized) before they are used or dropped.
-        check("cuMemcpyAsync", unsafe {
-            sys::cuMemcpyAsync(dst, src, len, stream.cu_stream())
-        })?;
+        unsafe { crate::gpu::cuda::copy_unified_async(&stream, dst, src, len) }?;
         // SAFETY: a live stream of this context.
         check("cuStreamSynchronize", unsafe {
             sys::cuStreamSynchronize(stream.cu_stream())
