@@ -479,14 +479,13 @@ fn device_headers_stand_alone_and_include_no_cycle() {
 
 /// Files outside `src/gpu/` that may still call the CUDA driver directly, each for what it owns:
 /// CUDA IPC handles (the IPC transport), the dma-buf handle of a GPU range (the rdma-core
-/// boundary), host-memory registration for the NIC's rings (GPU queue pairs), the proxy's
-/// stream-ordered token write, and the `doorbell-info` tool's device queries. Copies and stores
+/// boundary), host-memory registration for the NIC's rings (GPU queue pairs), and the
+/// `doorbell-info` tool's device queries. Copies and stores
 /// go through `gpu::cuda` (`copy_async` and its kin); a new direct call elsewhere fails here.
 const RAW_DRIVER_ROOMS: &[&str] = &[
     "transport::ipc",
     "transport::ib::rdma_core",
     "transport::ib::gpu_qp",
-    "channel::proxy",
     "bin::doorbell-info",
 ];
 
@@ -517,5 +516,33 @@ fn raw_driver_calls_stay_behind_gpu_or_in_their_rooms() {
         strays.is_empty(),
         "direct CUDA driver calls outside src/gpu/ (add a wrapper to gpu::cuda):\n{}",
         strays.join("\n")
+    );
+}
+
+/// Modules that must not name any one transport: they reach peers through
+/// `transport::Connection` and the memory table alone (issue 29: "the proxy knows no transport").
+const TRANSPORT_BLIND: &[&str] = &["channel::proxy", "channel::fifo"];
+
+#[test]
+fn the_proxy_names_no_transport() {
+    let g = graph();
+    let mut named = Vec::new();
+    for module in TRANSPORT_BLIND {
+        let imports = g
+            .get(*module)
+            .unwrap_or_else(|| panic!("{module} is not a module of src/"));
+        for i in imports {
+            if ["transport::ipc", "transport::ethernet", "transport::ib"]
+                .iter()
+                .any(|t| i == t || i.starts_with(&format!("{t}::")))
+            {
+                named.push(format!("{module} imports {i}"));
+            }
+        }
+    }
+    assert!(
+        named.is_empty(),
+        "transport-blind modules name a transport (put that in the transport's Connection):\n{}",
+        named.join("\n")
     );
 }

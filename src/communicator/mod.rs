@@ -21,19 +21,20 @@ use crate::gpu::memory::{host_id, Buffer};
 use crate::gpu::wait::WaitDiagnostics;
 use crate::job::bootstrap::{Bootstrap, BootstrapConfig};
 use crate::job::config::Settings;
-use crate::transport::ethernet::NetReceiver;
-use crate::transport::ethernet::{self, Landing};
+use crate::transport::ethernet::{self, EthernetConnection, Landing, NetReceiver};
 use crate::transport::ib::conn::{
     connect_peers, exchange_regions, ConnectedQp, IbDevice, Registration,
 };
 use crate::transport::ib::emulated::{Emulated, Fabric, PortConfig};
 use crate::transport::ib::emulator::{Delivery, EmulatedNic};
 use crate::transport::ib::gpu_qp::{CudaDma, MappedQp, Posting};
-use crate::transport::ib::poster::HostPoster;
+use crate::transport::ib::poster::{HostPoster, IbConnection};
 use crate::transport::ib::provider::{access, Memory, Provider};
 use crate::transport::ib::rdma_core::RdmaCore;
 use crate::transport::ib::select::{posting_for, Platform, PostingMode};
-use crate::transport::ipc::{ipc_handle_for, MemoryDescriptor, RemoteMemory, ShareHandle};
+use crate::transport::ipc::{
+    ipc_handle_for, CopyEngineConnection, MemoryDescriptor, RemoteMemory, ShareHandle,
+};
 use cudarc::driver::CudaStream;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -880,7 +881,7 @@ impl Communicator {
         .into_iter();
         let src_id = match &ib_dst {
             Some((src_mr, ..)) => {
-                proxy.add_ib_memory(src.device_ptr(), src.len() as u64, src_mr.lkey())?
+                proxy.add_keyed_memory(src.device_ptr(), src.len() as u64, src_mr.lkey())?
             }
             None => proxy.add_memory(src.device_ptr(), src.len() as u64)?,
         };
@@ -897,7 +898,8 @@ impl Communicator {
                         why: "its memory could not be mapped".into(),
                     })?;
                     let dst_id = proxy.add_memory(remote.device_ptr(), remote.len() as u64)?;
-                    let (conn, flush_done) = proxy.add_connection()?;
+                    let (conn, flush_done) =
+                        proxy.add_connection(Box::new(CopyEngineConnection::new(&self.gpu)?))?;
                     let sem = self.semaphore(base, peer, channel)?;
                     (
                         Transport::CudaIpc,
@@ -962,12 +964,16 @@ impl Communicator {
                         }?)
                     };
                     registrations.push(scratch_mr.clone());
-                    let dst_id = proxy.add_ib_memory(addr, len, rkey)?;
-                    let (conn, flush_done) =
-                        proxy.add_ib_connection(posters, scratch, scratch_mr.lkey())?;
+                    let dst_id = proxy.add_keyed_memory(addr, len, rkey)?;
+                    let (conn, flush_done) = proxy.add_connection(Box::new(IbConnection::new(
+                        &self.gpu,
+                        posters,
+                        scratch,
+                        scratch_mr.lkey(),
+                    )?))?;
                     // The peer's inbound token for me, at the peer's own address.
                     let token = pool_addr + ((base + rank) * 8) as u64;
-                    let sem = proxy.add_ib_semaphore(conn, token, pool_key)?;
+                    let sem = proxy.add_keyed_semaphore(conn, token, pool_key)?;
                     let site = self.diagnostics.site(peer as i32, channel);
                     // Kernels posting their own work requests: the stripes' queue pairs mapped
                     // into the GPU; otherwise the proxy posts (the connection above).
@@ -1077,7 +1083,9 @@ impl Communicator {
                     let writer = socket
                         .try_clone()
                         .map_err(|e| Error::io("cloning a socket", e))?;
-                    let (conn, flush_done) = proxy.add_net_connection(writer, peer)?;
+                    let (conn, flush_done) = proxy.add_connection(Box::new(
+                        EthernetConnection::spawn(&self.gpu, writer, proxy.failure_sink(), peer)?,
+                    ))?;
                     let receiver = NetReceiver::spawn(
                         &self.gpu,
                         socket,

@@ -26,6 +26,7 @@
 //! proxy's, held that copy back until the kernel's budget ran out (`tests/net` at nodes of two:
 //! "flush: expected 171, seen 165", the last call's intra-node flush after the network leg).
 
+use super::{Address, Connection, FailureSink, Token};
 use crate::error::{Error, Result};
 use crate::gpu::cuda::{cuda_err, Gpu, HostArray};
 use crate::job::auth::{auth_digest, ct_eq, random_bytes, DIGEST_LEN, NONCE_LEN};
@@ -34,7 +35,7 @@ use cudarc::driver::CudaStream;
 use std::io::{Read, Write};
 use std::net::{IpAddr, Ipv4Addr, SocketAddr, TcpListener, TcpStream};
 use std::sync::mpsc;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -123,26 +124,8 @@ fn welcome(
     Ok(who)
 }
 
-/// How a proxy reports that a transport thread failed: the proxy's failure slot and stop word.
-#[derive(Clone)]
-pub(crate) struct FailureSink {
-    pub(crate) failure: Arc<Mutex<Option<Error>>>,
-    pub(crate) stopped: Arc<HostArray<u32>>,
-}
-
-impl FailureSink {
-    fn fail(&self, e: Error) {
-        tracing::error!("ethernet transport stopped the proxy: {e}");
-        let mut slot = self.failure.lock().unwrap_or_else(|p| p.into_inner());
-        if slot.is_none() {
-            *slot = Some(e);
-        }
-        self.stopped.write(0, 1);
-    }
-}
-
 /// One operation for a sender, in the proxy's FIFO order.
-pub(crate) enum NetOp {
+enum NetOp {
     /// Copy `size` bytes from local device address `src` to the peer's destination at `offset`.
     Data { src: u64, offset: u64, size: u64 },
     /// Add one to the peer's inbound token, after the data before it.
@@ -172,29 +155,34 @@ impl ThreadCuda {
     }
 }
 
-/// The proxy's side of one Ethernet connection: a queue to its sender thread.
-pub(crate) struct NetSender {
+/// The proxy's side of one Ethernet connection: a queue to its sender thread, which copies each
+/// write out of the GPU through a pinned staging buffer onto the socket, sends a signal as a
+/// header the peer's receiver turns into one more on its inbound token, and reports a flush once
+/// everything before it is on the socket (TCP delivers in order; the receiver applies in order).
+pub(crate) struct EthernetConnection {
     tx: Option<mpsc::Sender<NetOp>>,
     thread: Option<JoinHandle<()>>,
+    flush_done: Arc<HostArray<u64>>,
     /// Dropped after `thread` is joined (fields drop after `Drop::drop`).
     _cuda: Arc<ThreadCuda>,
 }
 
-impl NetSender {
+impl EthernetConnection {
+    /// A connection to `peer` over `socket`; the sender thread reports its failure to `sink`.
     pub(crate) fn spawn(
         gpu: &Arc<Gpu>,
         socket: TcpStream,
-        flush_done: Arc<HostArray<u64>>,
         sink: FailureSink,
         peer: usize,
-    ) -> Result<NetSender> {
+    ) -> Result<EthernetConnection> {
         let (tx, rx) = mpsc::channel::<NetOp>();
         let cuda = ThreadCuda::new(gpu)?;
-        let (gpu, mine) = (gpu.clone(), cuda.clone());
+        let flush_done = Arc::new(HostArray::new(gpu, 1)?);
+        let (gpu, mine, flushes) = (gpu.clone(), cuda.clone(), flush_done.clone());
         let thread = std::thread::Builder::new()
             .name(format!("doorbell-net-send-{peer}"))
             .spawn(move || {
-                if let Err(e) = send_loop(&gpu, &mine, socket, &flush_done, rx) {
+                if let Err(e) = send_loop(&gpu, &mine, socket, &flushes, rx) {
                     sink.fail(Error::invalid(
                         "ethernet",
                         format!("sending to rank {peer}: {e}"),
@@ -202,15 +190,16 @@ impl NetSender {
                 }
             })
             .map_err(|e| Error::io("starting an ethernet sender", e))?;
-        Ok(NetSender {
+        Ok(EthernetConnection {
             tx: Some(tx),
             thread: Some(thread),
+            flush_done,
             _cuda: cuda,
         })
     }
 
     /// Queues `op`; fails if the sender thread has ended (its error was reported already).
-    pub(crate) fn push(&self, op: NetOp) -> Result<()> {
+    fn push(&self, op: NetOp) -> Result<()> {
         self.tx
             .as_ref()
             .and_then(|tx| tx.send(op).ok())
@@ -218,7 +207,30 @@ impl NetSender {
     }
 }
 
-impl Drop for NetSender {
+impl Connection for EthernetConnection {
+    fn write(&mut self, src: Address, dst: Address, bytes: u64) -> Result<()> {
+        self.push(NetOp::Data {
+            src: src.addr,
+            offset: dst.addr,
+            size: bytes,
+        })
+    }
+    fn signal(&mut self, _token: Token) -> Result<()> {
+        // The peer's receiver owns the token; the signal travels in order with the data.
+        self.push(NetOp::Signal)
+    }
+    fn flush(&mut self, pos: u64) -> Result<()> {
+        self.push(NetOp::Flush { pos })
+    }
+    fn progress(&mut self) -> Result<bool> {
+        Ok(false) // the sender thread reports flushes itself
+    }
+    fn flush_word(&self) -> u64 {
+        self.flush_done.device_ptr()
+    }
+}
+
+impl Drop for EthernetConnection {
     fn drop(&mut self) {
         // Closing the queue ends the thread once it has sent what was queued.
         self.tx.take();

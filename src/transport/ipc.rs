@@ -5,12 +5,16 @@
 //! [`MemoryDescriptor`] is what crosses between ranks: plain bytes, no pointers that mean
 //! anything outside the owner. Every mapping is released by `Drop`, on error paths too.
 //!
+//! [`CopyEngineConnection`] is the proxy's link over such a mapping (copy-engine copies).
+//!
 //! This module never decides which peers share a host; the communicator does.
 
+use super::{Address, Connection, Token};
 use crate::error::{Error, Result};
-use crate::gpu::cuda::{check, Gpu};
+use crate::gpu::cuda::{check, cuda_err, Gpu, HostArray};
 use crate::gpu::memory::{Mapping, PhysicalHandle};
-use cudarc::driver::sys;
+use cudarc::driver::{sys, CudaEvent, CudaStream};
+use std::collections::VecDeque;
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::sync::Arc;
 
@@ -330,6 +334,99 @@ pub fn ipc_handle_for(gpu: &Gpu, ptr: u64, bytes: usize) -> Result<([u8; 64], u6
         unsafe { std::mem::transmute::<sys::CUipcMemHandle, [u8; 64]>(h) },
         offset,
     ))
+}
+
+/// The proxy's side of a CUDA IPC link: copy-engine transfers on a stream of its own into the
+/// peer's memory mapped here. A write is a `cuMemcpyAsync` between device addresses; a signal
+/// writes the semaphore's running count into the peer's inbound token, queued on the same stream
+/// so it lands after the data; a flush records an event and is reported once the event has
+/// completed (polled in [`Connection::progress`], so a slow stream never blocks the proxy).
+pub(crate) struct CopyEngineConnection {
+    gpu: Arc<Gpu>,
+    stream: Arc<CudaStream>,
+    flush_done: HostArray<u64>,
+    /// Data or signals queued since the last flush.
+    dirty: bool,
+    /// Flushes waiting for their event: (position, event).
+    pending: VecDeque<(u64, CudaEvent)>,
+    spare_events: Vec<CudaEvent>,
+}
+
+impl CopyEngineConnection {
+    /// A connection whose copies run on `gpu`'s copy engines.
+    pub(crate) fn new(gpu: &Arc<Gpu>) -> Result<CopyEngineConnection> {
+        crate::gpu::cuda::note_host_cuda_calls(
+            "the proxy's copy-engine transfers between GPUs of one host",
+        );
+        Ok(CopyEngineConnection {
+            gpu: gpu.clone(),
+            stream: gpu.new_stream()?,
+            flush_done: HostArray::new(gpu, 1)?,
+            dirty: false,
+            pending: VecDeque::new(),
+            spare_events: Vec::new(),
+        })
+    }
+}
+
+impl Connection for CopyEngineConnection {
+    fn write(&mut self, src: Address, dst: Address, bytes: u64) -> Result<()> {
+        if bytes == 0 {
+            return Ok(());
+        }
+        // SAFETY: the proxy checked both ranges against memory registered in this context.
+        unsafe { crate::gpu::cuda::copy_async(&self.stream, dst.addr, src.addr, bytes as usize) }?;
+        self.dirty = true;
+        Ok(())
+    }
+
+    fn signal(&mut self, token: Token) -> Result<()> {
+        // SAFETY: the token is the peer's inbound token mapped in this context; the write is
+        // queued after this connection's copies.
+        unsafe {
+            crate::gpu::cuda::write_u64_after_async(&self.stream, token.at.addr, token.count)
+        }?;
+        self.dirty = true;
+        Ok(())
+    }
+
+    fn flush(&mut self, pos: u64) -> Result<()> {
+        if !self.dirty && self.pending.is_empty() {
+            self.flush_done.write(0, pos + 1);
+            return Ok(());
+        }
+        let ev = match self.spare_events.pop() {
+            Some(e) => e,
+            None => self
+                .gpu
+                .context()
+                .new_event(None)
+                .map_err(cuda_err("cuEventCreate"))?,
+        };
+        ev.record(&self.stream).map_err(cuda_err("cuEventRecord"))?;
+        self.pending.push_back((pos, ev));
+        self.dirty = false;
+        Ok(())
+    }
+
+    fn progress(&mut self) -> Result<bool> {
+        let mut any = false;
+        while let Some((pos, ev)) = self.pending.front() {
+            if !ev.try_is_complete().map_err(cuda_err("cuEventQuery"))? {
+                break;
+            }
+            self.flush_done.write(0, pos + 1);
+            if let Some((_, ev)) = self.pending.pop_front() {
+                self.spare_events.push(ev);
+            }
+            any = true;
+        }
+        Ok(any)
+    }
+
+    fn flush_word(&self) -> u64 {
+        self.flush_done.device_ptr()
+    }
 }
 
 #[cfg(test)]

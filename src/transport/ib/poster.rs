@@ -2,14 +2,19 @@
 //! posting modes: building mlx5 WQEs itself on the QP's rings ([`HostPoster::Mlx5`], mlx5 NICs
 //! and the emulated one), or handing work requests to the provider's `ibv_post_send` and
 //! reaping `ibv_poll_cq` ([`HostPoster::Verbs`], any NIC rdma-core drives: EFA, Broadcom, Intel
-//! and other RoCE NICs). The proxy sees one interface: post, ring, and positions that complete in
-//! order.
+//! and other RoCE NICs): post, ring, and positions that complete in order. [`IbConnection`] is
+//! the proxy's link to a peer over one or more such queue pairs.
 
 use super::conn::ConnectedQp;
 use super::host_qp::HostQp;
 use super::provider::{wc_status, SendWr, WorkCompletion};
 use super::wqe::Op;
 use crate::error::{Error, Result};
+use crate::gpu::cuda::{Gpu, HostArray};
+use crate::transport::{Address, Connection, Token};
+use cudarc::driver::{CudaSlice, DevicePtr};
+use std::collections::VecDeque;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// A host-side poster of one connected queue pair.
@@ -172,5 +177,193 @@ impl VerbsPoster {
             self.completed = self.completed.max(wc.wr_id + 1);
         }
         Ok(())
+    }
+}
+
+/// How long a post waits for room in a send queue before the proxy gives up with an error.
+const PATIENCE: Duration = Duration::from_secs(30);
+
+/// A put of this many bytes or more is cut into one contiguous part per queue pair.
+const STRIPE_FROM: u64 = 1 << 20;
+
+/// A data segment carries less than 2 GiB: larger parts go as 1 GiB writes.
+const PIECE: u64 = 1 << 30;
+
+/// The proxy's link to a peer over connected queue pairs: a write becomes RDMA WRITEs, a signal an
+/// 8-byte READ of the peer's token (the flush that makes the writes before it visible) then a
+/// fetch-add of 1 on it, a flush the position reported once every WQE before it completed.
+///
+/// With several queue pairs (`DOORBELL_IB_QPS_PER_PEER`), a write of 1 MiB or more is cut into one
+/// contiguous part (4 KiB multiples) per QP; a signal goes on the first QP once every other QP has
+/// completed what it was given before the signal (RC QPs order only their own work): until then
+/// it waits in `deferred`, and the proxy goes on with other triggers.
+pub(crate) struct IbConnection {
+    qps: Vec<HostPoster>,
+    /// 16 bytes of device memory the NIC may write (READ and fetch-add results), and its key.
+    scratch: u64,
+    scratch_key: u32,
+    _scratch: CudaSlice<u8>,
+    flush_done: HostArray<u64>,
+    /// Flushes waiting for the QPs: (position, what each QP must complete; `None` while signals
+    /// before it are still deferred).
+    pending: VecDeque<(u64, Option<Vec<u64>>)>,
+    /// Signals waiting for the other QPs: (token, what each QP must complete first).
+    deferred: VecDeque<(Token, Vec<u64>)>,
+}
+
+impl IbConnection {
+    /// A connection over `qps` (at least one); `scratch` is 16 bytes of device memory registered
+    /// with the QPs' NIC under `scratch_key`.
+    pub(crate) fn new(
+        gpu: &Arc<Gpu>,
+        qps: Vec<HostPoster>,
+        scratch: CudaSlice<u8>,
+        scratch_key: u32,
+    ) -> Result<IbConnection> {
+        if qps.is_empty() {
+            return Err(Error::invalid("ib", "a connection needs a queue pair"));
+        }
+        let addr = scratch.device_ptr(scratch.stream()).0;
+        Ok(IbConnection {
+            qps,
+            scratch: addr,
+            scratch_key,
+            _scratch: scratch,
+            flush_done: HostArray::new(gpu, 1)?,
+            pending: VecDeque::new(),
+            deferred: VecDeque::new(),
+        })
+    }
+
+    fn key(a: Address, what: &str) -> Result<u32> {
+        a.key.ok_or_else(|| {
+            Error::invalid(
+                "trigger",
+                format!("the {what} memory is not registered with the RDMA NIC"),
+            )
+        })
+    }
+}
+
+impl Connection for IbConnection {
+    fn write(&mut self, src: Address, dst: Address, bytes: u64) -> Result<()> {
+        let (lkey, rkey) = (Self::key(src, "source")?, Self::key(dst, "destination")?);
+        let stripes = self.qps.len() as u64;
+        let parts = if bytes >= STRIPE_FROM { stripes } else { 1 };
+        let part = bytes.div_ceil(parts).next_multiple_of(4096);
+        for q in 0..parts {
+            let (start, end) = ((q * part).min(bytes), ((q + 1) * part).min(bytes));
+            let mut off = start;
+            while off < end {
+                let len = (end - off).min(PIECE);
+                let op = Op::Write {
+                    raddr: dst.addr + off,
+                    rkey,
+                    laddr: src.addr + off,
+                    lkey,
+                    len: len as u32,
+                };
+                self.qps[q as usize].post(&op, true, PATIENCE)?;
+                off += len;
+            }
+        }
+        for qp in self.qps.iter_mut() {
+            qp.ring()?;
+        }
+        self.progress()?;
+        Ok(())
+    }
+
+    fn signal(&mut self, token: Token) -> Result<()> {
+        Self::key(token.at, "token")?;
+        let ends: Vec<u64> = self.qps.iter().map(|q| q.posted()).collect();
+        self.deferred.push_back((token, ends));
+        self.progress()?;
+        Ok(())
+    }
+
+    fn flush(&mut self, pos: u64) -> Result<()> {
+        self.pending.push_back((pos, None));
+        self.progress()?;
+        Ok(())
+    }
+
+    /// Polls the QPs; posts the deferred signals whose earlier writes completed on every other
+    /// QP (each as a READ of the peer's token on QP 0, the flush of QP 0's writes, then a
+    /// fetch-add of 1), in order; fixes what the flushes behind them wait for; reports completed
+    /// flushes.
+    fn progress(&mut self) -> Result<bool> {
+        let mut any = false;
+        for qp in self.qps.iter_mut() {
+            if qp.completed() < qp.posted() {
+                let before = qp.completed();
+                any |= qp.poll()? != before;
+            }
+        }
+        while let Some((token, ends)) = self.deferred.front() {
+            let ready = self
+                .qps
+                .iter()
+                .zip(ends)
+                .skip(1)
+                .all(|(q, &end)| q.completed() >= end);
+            if !ready {
+                break;
+            }
+            let (raddr, rkey) = (token.at.addr, Self::key(token.at, "token")?);
+            let qp = &mut self.qps[0];
+            qp.post(
+                &Op::Read {
+                    raddr,
+                    rkey,
+                    laddr: self.scratch,
+                    lkey: self.scratch_key,
+                    len: 8,
+                },
+                true,
+                PATIENCE,
+            )?;
+            qp.post(
+                &Op::FetchAdd {
+                    raddr,
+                    rkey,
+                    add: 1,
+                    result: self.scratch + 8,
+                    lkey: self.scratch_key,
+                },
+                true,
+                PATIENCE,
+            )?;
+            qp.ring()?;
+            self.deferred.pop_front();
+            any = true;
+        }
+        // A flush covers what was posted when it arrived, deferred signals included: it gets its
+        // marks once the signals before it are posted.
+        if self.deferred.is_empty() {
+            for (_, ends) in self.pending.iter_mut() {
+                if ends.is_none() {
+                    *ends = Some(self.qps.iter().map(|q| q.posted()).collect());
+                }
+            }
+        }
+        while let Some((pos, Some(ends))) = self.pending.front() {
+            if self
+                .qps
+                .iter()
+                .zip(ends)
+                .any(|(q, &end)| q.completed() < end)
+            {
+                break;
+            }
+            self.flush_done.write(0, pos + 1);
+            self.pending.pop_front();
+            any = true;
+        }
+        Ok(any)
+    }
+
+    fn flush_word(&self) -> u64 {
+        self.flush_done.device_ptr()
     }
 }
