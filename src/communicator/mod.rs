@@ -10,10 +10,10 @@
 pub mod watchdog;
 
 use crate::channel::memory_channel::{MemoryChannel, MemoryChannels, RegisteredMemory};
-use crate::channel::port_channel::{GpuLink, PortChannel, PortChannels, Transport};
+use crate::channel::port_channel::{IbWiring, PortChannels, Wiring};
 use crate::channel::proxy::{ProxyBuilder, DEFAULT_FIFO_SIZE};
 use crate::channel::semaphore::{Semaphores, TokenPool, FIRST_TOKEN_SLOT, TOKEN_SLOTS};
-use crate::device_api::{MemoryChannelHandle, PortChannelHandle, SemaphoreHandle};
+use crate::device_api::{MemoryChannelHandle, SemaphoreHandle};
 use crate::error::{Error, Result};
 use crate::gpu::cuda::{device_count, Gpu};
 use crate::gpu::fd_passing::{fetch_fd, FdServer};
@@ -21,20 +21,14 @@ use crate::gpu::memory::{host_id, Buffer};
 use crate::gpu::wait::WaitDiagnostics;
 use crate::job::bootstrap::{Bootstrap, BootstrapConfig};
 use crate::job::config::Settings;
-use crate::transport::ethernet::{self, EthernetConnection, Landing, NetReceiver};
-use crate::transport::ib::conn::{
-    connect_peers, exchange_regions, ConnectedQp, IbDevice, Registration,
-};
+use crate::transport::ib::conn::{exchange_regions, IbDevice, Registration};
 use crate::transport::ib::emulated::{Emulated, Fabric, PortConfig};
 use crate::transport::ib::emulator::{Delivery, EmulatedNic};
-use crate::transport::ib::gpu_qp::{CudaDma, MappedQp, Posting};
-use crate::transport::ib::poster::{HostPoster, IbConnection};
+use crate::transport::ib::gpu_qp::CudaDma;
 use crate::transport::ib::provider::{access, Memory, Provider};
 use crate::transport::ib::rdma_core::RdmaCore;
 use crate::transport::ib::select::{posting_for, Platform, PostingMode};
-use crate::transport::ipc::{
-    ipc_handle_for, CopyEngineConnection, MemoryDescriptor, RemoteMemory, ShareHandle,
-};
+use crate::transport::ipc::{ipc_handle_for, MemoryDescriptor, RemoteMemory, ShareHandle};
 use cudarc::driver::CudaStream;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -102,7 +96,7 @@ impl IbFabric {
             dev.register(
                 pool.device_ptr(),
                 TOKEN_SLOTS * 8,
-                IB_REMOTE,
+                access::ALL,
                 Memory::Gpu(gpu),
             )
         }?;
@@ -142,10 +136,6 @@ impl IbFabric {
         })
     }
 }
-
-/// Remote access a registration grants peers: writes, reads (the flush) and atomics (signals).
-const IB_REMOTE: u32 =
-    access::LOCAL_WRITE | access::REMOTE_WRITE | access::REMOTE_READ | access::REMOTE_ATOMIC;
 
 /// The emulated fabric's name for this job: the same on every rank, different across jobs.
 fn job_tag(secret: &[u8]) -> String {
@@ -495,13 +485,6 @@ impl Communicator {
         Communicator::new(bootstrap, self.device)
     }
 
-    /// Whether PortChannels to `peer` take the Ib transport (emulated NIC).
-    fn ib_reaches(&self, peer: usize) -> bool {
-        self.ib.as_ref().is_some_and(|ib| {
-            !self.same_host(peer) && ib.peer_pools.get(peer).is_some_and(Option::is_some)
-        })
-    }
-
     /// With `DOORBELL_IB_EMULATE=1`: what this rank's emulated NIC has executed as requester so
     /// far (every queue pair: the proxy's and the kernels'), for tests that count what crossed
     /// the network. `None` with a real NIC or none.
@@ -771,368 +754,38 @@ impl Communicator {
 
     /// Builds one PortChannel to every other rank on `proxy` (collective; start the proxy after).
     /// For the channel to peer `p`: puts copy from my `src` into `p`'s `dst`, and signals land in
-    /// `p`'s inbound token after the data. Same-host peers: copy engines on a stream of this
-    /// rank's proxy into `p`'s memory mapped by CUDA IPC. Peers on other hosts (every peer, with
-    /// `DOORBELL_SEPARATE_NODES=1`): the proxies over TCP ([`crate::transport::ethernet`]), or with
-    /// `DOORBELL_IB_EMULATE=1` RDMA work requests the proxy posts to this rank's emulated NIC,
-    /// which reaches `p`'s memory by `p`'s addresses and keys ([`Transport::Ib`]).
+    /// `p`'s inbound token after the data. Each peer gets the first transport of
+    /// [`crate::channel::port_channel::ROUTES`] that reaches it: same-host peers copy engines
+    /// into `p`'s memory mapped by CUDA IPC; peers on other nodes (every peer, with
+    /// `DOORBELL_SEPARATE_NODES=1`) RDMA work requests on this rank's NIC where it reaches them
+    /// (`DOORBELL_IB_EMULATE=1`: the emulated NIC, [`Transport::Ib`]), else the proxies over TCP
+    /// ([`crate::transport::ethernet`]).
     pub fn port_channels(
         &self,
         proxy: &mut ProxyBuilder,
         src: &Arc<RegisteredMemory>,
         dst: &Arc<RegisteredMemory>,
     ) -> Result<PortChannels> {
-        let rank = self.rank();
-        let world = self.world_size();
         let base = self.take_tokens(1)?;
         let channel = self.next_channel.fetch_add(1, Ordering::Relaxed);
-        let dsts = self.exchange(dst)?;
-        let lens = self
-            .bootstrap
-            .all_gather(&(dst.len() as u64).to_le_bytes())?;
-        // Emulated RDMA: every rank registers its destination with its NIC and tells the others
-        // its address and key; peers on this machine but another node map it for their NIC.
-        let mut ib_dst = match &self.ib {
-            Some(ib) => {
-                // SAFETY: `dst` and `src` are kept alive by the channels, which keep these
-                // registrations and drop them first.
-                let (dst_mr, src_mr) = unsafe {
-                    (
-                        ib.dev.register(
-                            dst.device_ptr(),
-                            dst.len(),
-                            IB_REMOTE | access::RELAXED_ORDERING,
-                            Memory::Gpu(&self.gpu),
-                        )?,
-                        ib.dev.register(
-                            src.device_ptr(),
-                            src.len(),
-                            access::LOCAL_WRITE,
-                            Memory::Gpu(&self.gpu),
-                        )?,
-                    )
-                };
-                let regions = exchange_regions(&self.bootstrap, Some(&dst_mr))?;
-                let descs = self.bootstrap.all_gather(&dst.descriptor.to_bytes())?;
-                let mut peers = Vec::with_capacity(world);
-                for r in 0..world {
-                    if r == rank || self.same_host(r) || ib.peer_pools[r].is_none() {
-                        peers.push(None);
-                        continue;
-                    }
-                    let region = regions[r].ok_or_else(|| Error::Bootstrap {
-                        me: rank,
-                        rank: Some(r),
-                        why: "registered no destination with its NIC".into(),
-                    })?;
-                    // The emulated wire reaches the peer's memory through its mapping here; a
-                    // NIC reaches it over the network.
-                    let mapped = if ib.dev.provider().is_emulated() {
-                        let m = Arc::new(self.import(r, &descs[r])?);
-                        ib.dev.provider().attach_remote(
-                            region.rkey,
-                            region.addr,
-                            region.len,
-                            m.device_ptr(),
-                        )?;
-                        Some(m)
-                    } else {
-                        None
-                    };
-                    peers.push(Some((region.addr, region.rkey, region.len, mapped)));
-                }
-                // Queue pairs to every Ib peer: one the proxy posts to, and with kernels posting
-                // their own work one per stripe for them. Collective.
-                let ib_peers: Vec<usize> = (0..world).filter(|&r| peers[r].is_some()).collect();
-                let gpu_posting =
-                    matches!(ib.posting, PostingMode::Ibgda | PostingMode::CpuAssisted);
-                // Stripes (DOORBELL_IB_QPS_PER_PEER) for whoever posts: the proxy, or the kernels
-                // (then the proxy keeps one QP of its own).
-                let stripes = self.settings.ib_qps_per_peer.max(1) as usize;
-                let per_peer = if gpu_posting { 1 + stripes } else { stripes };
-                let qps = connect_peers(&self.bootstrap, &ib.dev, &ib_peers, per_peer, 256)?;
-                let mut by_peer: Vec<Vec<ConnectedQp>> = (0..world).map(|_| Vec::new()).collect();
-                for (p, q) in ib_peers.iter().zip(qps) {
-                    by_peer[*p] = q;
-                }
-                self.bootstrap.barrier()?;
-                Some((Arc::new(src_mr), Arc::new(dst_mr), peers, by_peer))
-            }
-            None => None,
+        let wiring = Wiring {
+            bootstrap: &self.bootstrap,
+            gpu: &self.gpu,
+            tokens: &self.tokens,
+            diagnostics: &self.diagnostics,
+            node_ids: &self.host_ids,
+            base,
+            channel,
+            ib: self.ib.as_ref().map(|ib| IbWiring {
+                dev: &ib.dev,
+                posting: ib.posting,
+                peer_pools: &ib.peer_pools,
+                qps_per_peer: self.settings.ib_qps_per_peer.max(1) as usize,
+            }),
+            exchange: &|m| self.exchange(m),
+            import: &|peer, bytes| self.import(peer, bytes),
         };
-        // Every rank takes part in the Ethernet connection set-up when any rank is elsewhere
-        // (the same answer on every rank).
-        let net_peers: Vec<usize> = (0..world)
-            .filter(|&p| p != rank && !self.same_host(p) && !self.ib_reaches(p))
-            .collect();
-        // Every rank must agree on whether the Ethernet set-up runs: any pair of ranks on
-        // different nodes that the emulated NIC does not connect.
-        let needs_net = u8::from(!net_peers.is_empty());
-        let multi_host = self
-            .bootstrap
-            .all_gather(&[needs_net])?
-            .iter()
-            .any(|b| b.first() == Some(&1));
-        let mut sockets = if multi_host {
-            ethernet::connect_peers(&self.bootstrap, channel, &net_peers)?
-        } else {
-            Vec::new()
-        }
-        .into_iter();
-        let src_id = match &ib_dst {
-            Some((src_mr, ..)) => {
-                proxy.add_keyed_memory(src.device_ptr(), src.len() as u64, src_mr.lkey())?
-            }
-            None => proxy.add_memory(src.device_ptr(), src.len() as u64)?,
-        };
-        let fifo = proxy.fifo_handle();
-        let mut channels = Vec::with_capacity(world.saturating_sub(1));
-        for peer in (0..world).filter(|&p| p != rank) {
-            let inbound_token = self.tokens.inbound(base + peer);
-            let expected_inbound = self.tokens.private(base + peer);
-            let (transport, dst_id, conn, flush_done, remote_token, receiver, keep) =
-                if self.same_host(peer) {
-                    let remote = dsts[peer].clone().ok_or_else(|| Error::Bootstrap {
-                        me: rank,
-                        rank: Some(peer),
-                        why: "its memory could not be mapped".into(),
-                    })?;
-                    let dst_id = proxy.add_memory(remote.device_ptr(), remote.len() as u64)?;
-                    let (conn, flush_done) =
-                        proxy.add_connection(Box::new(CopyEngineConnection::new(&self.gpu)?))?;
-                    let sem = self.semaphore(base, peer, channel)?;
-                    (
-                        Transport::CudaIpc,
-                        dst_id,
-                        conn,
-                        flush_done,
-                        sem.remote_inbound_token,
-                        None,
-                        Ok(remote),
-                    )
-                } else if let (Some(ib), Some((src_mr, dst_mr, peers, by_peer))) =
-                    (&self.ib, ib_dst.as_mut())
-                {
-                    let (addr, rkey, len, mapped) =
-                        peers[peer]
-                            .clone()
-                            .ok_or_else(|| Error::TransportUnavailable {
-                                transport: "ib",
-                                why: format!(
-                                "rank {peer} is on another machine: the emulated NIC reaches only \
-                                     ranks of this host (DOORBELL_IB_EMULATE)"
-                            ),
-                            })?;
-                    let (pool_addr, pool_key) = ib.peer_pools[peer].ok_or_else(|| {
-                        Error::invalid("ib", format!("rank {peer}'s token pool is not reachable"))
-                    })?;
-                    let mut qps = std::mem::take(&mut by_peer[peer]).into_iter();
-                    let proxy_stripes = match ib.posting {
-                        PostingMode::Ibgda | PostingMode::CpuAssisted => 1,
-                        _ => self.settings.ib_qps_per_peer.max(1) as usize,
-                    };
-                    let posters = qps
-                        .by_ref()
-                        .take(proxy_stripes)
-                        .map(|q| match ib.posting {
-                            PostingMode::VerbsProxy => Ok(HostPoster::verbs(q, 256)),
-                            _ => HostPoster::mlx5(q),
-                        })
-                        .collect::<Result<Vec<_>>>()?;
-                    if posters.len() != proxy_stripes {
-                        return Err(Error::invalid(
-                            "ib",
-                            format!("{} queue pairs to rank {peer}", posters.len()),
-                        ));
-                    }
-                    let stream = self.gpu.new_stream()?;
-                    let scratch = stream
-                        .alloc_zeros::<u8>(16)
-                        .map_err(crate::gpu::cuda::cuda_err("cuMemAlloc"))?;
-                    let mut registrations = vec![src_mr.clone(), dst_mr.clone()];
-                    let scratch_mr = {
-                        use cudarc::driver::DevicePtr;
-                        // SAFETY: the scratch words live in the proxy's connection, which outlives
-                        // the work requests naming them; the channel keeps the registration.
-                        Arc::new(unsafe {
-                            ib.dev.register(
-                                scratch.device_ptr(&stream).0,
-                                16,
-                                access::LOCAL_WRITE,
-                                Memory::Gpu(&self.gpu),
-                            )
-                        }?)
-                    };
-                    registrations.push(scratch_mr.clone());
-                    let dst_id = proxy.add_keyed_memory(addr, len, rkey)?;
-                    let (conn, flush_done) = proxy.add_connection(Box::new(IbConnection::new(
-                        &self.gpu,
-                        posters,
-                        scratch,
-                        scratch_mr.lkey(),
-                    )?))?;
-                    // The peer's inbound token for me, at the peer's own address.
-                    let token = pool_addr + ((base + rank) * 8) as u64;
-                    let sem = proxy.add_keyed_semaphore(conn, token, pool_key)?;
-                    let site = self.diagnostics.site(peer as i32, channel);
-                    // Kernels posting their own work requests: the stripes' queue pairs mapped
-                    // into the GPU; otherwise the proxy posts (the connection above).
-                    let gpu_posting = match ib.posting {
-                        PostingMode::Ibgda => Some(Posting::Ibgda),
-                        PostingMode::CpuAssisted => Some(Posting::CpuAssisted),
-                        _ => None,
-                    };
-                    let link = match gpu_posting {
-                        Some(posting) => {
-                            use cudarc::driver::DevicePtr;
-                            let mapped_qps: Vec<MappedQp> = qps
-                                .map(|q| MappedQp::new(&self.gpu, q, posting, site))
-                                .collect::<Result<_>>()?;
-                            if mapped_qps.is_empty() {
-                                return Err(Error::invalid("ib", "no queue pair for the kernels"));
-                            }
-                            let mut more = [crate::device_api::IbQpHandle::default(); 3];
-                            for (m, q) in more.iter_mut().zip(&mapped_qps[1..]) {
-                                *m = q.handle();
-                            }
-                            let scratch = stream
-                                .alloc_zeros::<u8>(16)
-                                .map_err(crate::gpu::cuda::cuda_err("cuMemAlloc"))?;
-                            let scratch_addr = scratch.device_ptr(&stream).0;
-                            // SAFETY: kept by the GpuLink below, dropped after the registration.
-                            let kernel_scratch = Arc::new(unsafe {
-                                ib.dev.register(
-                                    scratch_addr,
-                                    16,
-                                    access::LOCAL_WRITE,
-                                    Memory::Gpu(&self.gpu),
-                                )
-                            }?);
-                            registrations.push(kernel_scratch.clone());
-                            let l = crate::device_api::IbPortLink {
-                                qp: mapped_qps[0].handle(),
-                                stripes: mapped_qps.len() as u32,
-                                reserved: 0,
-                                more,
-                                src: src.device_ptr(),
-                                dst: addr,
-                                token,
-                                scratch: scratch_addr,
-                                src_key: src_mr.lkey(),
-                                dst_key: rkey,
-                                token_key: pool_key,
-                                scratch_key: kernel_scratch.lkey(),
-                            };
-                            let on_device = stream
-                                .clone_htod(bytemuck::bytes_of(&l))
-                                .map_err(crate::gpu::cuda::cuda_err("cuMemcpyHtoD"))?;
-                            stream
-                                .synchronize()
-                                .map_err(crate::gpu::cuda::cuda_err("cuStreamSynchronize"))?;
-                            let ptr = on_device.device_ptr(&stream).0;
-                            Some((
-                                ptr,
-                                GpuLink {
-                                    _qps: mapped_qps,
-                                    _link: on_device,
-                                    _scratch: scratch,
-                                },
-                            ))
-                        }
-                        None => None,
-                    };
-                    let mut f = fifo;
-                    f.site = site;
-                    channels.push(PortChannel {
-                        peer,
-                        handle: PortChannelHandle {
-                            fifo: f,
-                            inbound_token,
-                            expected_inbound,
-                            flush_done,
-                            semaphore: sem.0,
-                            dst_mem: dst_id.0,
-                            src_mem: src_id.0,
-                            reserved: 0,
-                            ib: link.as_ref().map_or(0, |(p, _)| *p),
-                        },
-                        transport: Transport::Ib,
-                        _link: link.map(|(_, l)| l),
-                        _registrations: registrations,
-                        _receiver: None,
-                        _src: src.clone(),
-                        _dst: mapped.map_or_else(|| Err(dst.clone()), Ok),
-                        _tokens: self.tokens.clone(),
-                    });
-                    continue;
-                } else {
-                    let socket = sockets
-                        .next()
-                        .ok_or_else(|| Error::invalid("ethernet", "a connection is missing"))?;
-                    let peer_len = lens[peer]
-                        .as_slice()
-                        .try_into()
-                        .map(u64::from_le_bytes)
-                        .map_err(|_| Error::Bootstrap {
-                            me: rank,
-                            rank: Some(peer),
-                            why: "sent a malformed buffer length".into(),
-                        })?;
-                    // Offsets into the peer's destination: the peer's receiver checks them again.
-                    let dst_id = proxy.add_memory(0, peer_len)?;
-                    let writer = socket
-                        .try_clone()
-                        .map_err(|e| Error::io("cloning a socket", e))?;
-                    let (conn, flush_done) = proxy.add_connection(Box::new(
-                        EthernetConnection::spawn(&self.gpu, writer, proxy.failure_sink(), peer)?,
-                    ))?;
-                    let receiver = NetReceiver::spawn(
-                        &self.gpu,
-                        socket,
-                        Landing {
-                            dst: dst.device_ptr(),
-                            dst_bytes: dst.len() as u64,
-                            token: inbound_token,
-                        },
-                        proxy.failure_sink(),
-                        peer,
-                    )?;
-                    (
-                        Transport::Ethernet,
-                        dst_id,
-                        conn,
-                        flush_done,
-                        0,
-                        Some(receiver),
-                        Err(dst.clone()),
-                    )
-                };
-            let sem_id = proxy.add_semaphore(conn, remote_token)?;
-            let mut f = fifo;
-            f.site = self.diagnostics.site(peer as i32, channel);
-            channels.push(PortChannel {
-                peer,
-                handle: PortChannelHandle {
-                    fifo: f,
-                    inbound_token,
-                    expected_inbound,
-                    flush_done,
-                    semaphore: sem_id.0,
-                    dst_mem: dst_id.0,
-                    src_mem: src_id.0,
-                    reserved: 0,
-                    ib: 0,
-                },
-                transport,
-                _link: None,
-                _registrations: Vec::new(),
-                _receiver: receiver,
-                _src: src.clone(),
-                _dst: keep,
-                _tokens: self.tokens.clone(),
-            });
-        }
-        Ok(PortChannels { channels })
+        crate::channel::port_channel::connect(&wiring, proxy, src, dst)
     }
 
     /// Waits for `stream`; a device wait that gave up becomes [`Error::Timeout`], a fault of the
