@@ -1,60 +1,13 @@
 //! MemoryChannels: kernels load from and store into a peer's memory mapped here (same host,
-//! NVLink or PCIe), and signal through semaphores. Also the memory registered with the
-//! communicator that channels point into.
+//! NVLink or PCIe), and signal through semaphores.
 
+pub use crate::channel::registered::RegisteredMemory;
 use crate::channel::semaphore::TokenPool;
+use crate::channel::wiring::Wiring;
 use crate::device_api::MemoryChannelHandle;
-use crate::gpu::fd_passing::FdServer;
-use crate::gpu::memory::Buffer;
-use crate::transport::ipc::{MemoryDescriptor, RemoteMemory, ShareHandle};
+use crate::error::{Error, Result};
+use crate::transport::ipc::RemoteMemory;
 use std::sync::Arc;
-
-/// Memory registered with the communicator: a descriptor peers can map, and what keeps the
-/// memory alive while it is registered.
-pub struct RegisteredMemory {
-    pub(crate) descriptor: MemoryDescriptor,
-    pub(crate) ptr: u64,
-    pub(crate) bytes: usize,
-    pub(crate) _buffer: Option<Arc<Buffer>>,
-    pub(crate) server: Arc<FdServer>,
-}
-
-impl std::fmt::Debug for RegisteredMemory {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("RegisteredMemory")
-            .field("ptr", &format_args!("{:#x}", self.ptr))
-            .field("bytes", &self.bytes)
-            .field("descriptor", &self.descriptor)
-            .finish()
-    }
-}
-
-impl RegisteredMemory {
-    /// What a peer needs to map this memory.
-    pub fn descriptor(&self) -> &MemoryDescriptor {
-        &self.descriptor
-    }
-    /// Device address in this process.
-    pub fn device_ptr(&self) -> u64 {
-        self.ptr
-    }
-    /// Registered bytes.
-    pub fn len(&self) -> usize {
-        self.bytes
-    }
-    /// True for an empty registration (never produced by the communicator).
-    pub fn is_empty(&self) -> bool {
-        self.bytes == 0
-    }
-}
-
-impl Drop for RegisteredMemory {
-    fn drop(&mut self) {
-        if let ShareHandle::PosixFd { export_id, .. } = self.descriptor.handle {
-            self.server.withdraw(export_id);
-        }
-    }
-}
 
 /// A MemoryChannel to one peer: the device handle and the mappings it points into.
 pub struct MemoryChannel {
@@ -103,4 +56,70 @@ impl MemoryChannels {
     pub fn is_empty(&self) -> bool {
         self.channels.is_empty()
     }
+}
+
+/// MemoryChannels need every rank on this host: the error naming the first that is not.
+pub(crate) fn refuse_other_hosts(rank: usize, node_ids: &[u64]) -> Result<()> {
+    match (0..node_ids.len()).find(|&p| node_ids[p] != node_ids[rank]) {
+        Some(p) => Err(Error::TransportUnavailable {
+            transport: "CudaIpc",
+            why: format!(
+                "rank {p} runs on another host; MemoryChannels need GPUs that can map each \
+                 other's memory (NVLink or PCIe peer access on one host)"
+            ),
+        }),
+        None => Ok(()),
+    }
+}
+
+/// Builds one MemoryChannel to every other rank (collective; every rank on this host): see
+/// `Communicator::memory_channels`.
+pub(crate) fn connect(
+    w: &Wiring,
+    src: &Arc<RegisteredMemory>,
+    dst: &Arc<RegisteredMemory>,
+    packets: Option<&Arc<RegisteredMemory>>,
+) -> Result<MemoryChannels> {
+    let (rank, world) = (w.rank(), w.world());
+    let dsts = w.peers.exchange(dst)?;
+    let pkts = match packets {
+        Some(p) => Some(w.peers.exchange(p)?),
+        None => None,
+    };
+    let mut channels = Vec::with_capacity(world.saturating_sub(1));
+    for peer in (0..world).filter(|&p| p != rank) {
+        let missing = || Error::Bootstrap {
+            me: rank,
+            rank: Some(peer),
+            why: "its memory could not be mapped".into(),
+        };
+        let remote_dst = dsts[peer].clone().ok_or_else(missing)?;
+        let packets = match (&pkts, packets) {
+            (Some(all), Some(local)) => {
+                Some((local.clone(), all[peer].clone().ok_or_else(missing)?))
+            }
+            _ => None,
+        };
+        let handle = MemoryChannelHandle {
+            semaphore: w.semaphore(w.base, peer)?,
+            dst: remote_dst.device_ptr(),
+            src: src.device_ptr(),
+            packet_buffer: packets.as_ref().map_or(0, |(l, _)| l.device_ptr()),
+            remote_packet_buffer: packets.as_ref().map_or(0, |(_, r)| r.device_ptr()),
+            dst_bytes: remote_dst.len() as u64,
+            src_bytes: src.len() as u64,
+            packet_buffer_bytes: packets
+                .as_ref()
+                .map_or(0, |(l, r)| l.len().min(r.len()) as u64),
+        };
+        channels.push(MemoryChannel {
+            peer,
+            handle,
+            _src: src.clone(),
+            _dst: remote_dst,
+            _packets: packets,
+            _tokens: w.tokens.clone(),
+        });
+    }
+    Ok(MemoryChannels { channels })
 }

@@ -7,13 +7,17 @@
 //! with each exchange) and fails with a message naming the odd rank instead of wiring
 //! mismatched channels.
 
+mod fabric;
 pub mod watchdog;
 
-use crate::channel::memory_channel::{MemoryChannel, MemoryChannels, RegisteredMemory};
-use crate::channel::port_channel::{IbWiring, PortChannels, Wiring};
+use fabric::IbFabric;
+
+use crate::channel::memory_channel::{MemoryChannels, RegisteredMemory};
+use crate::channel::port_channel::PortChannels;
 use crate::channel::proxy::{ProxyBuilder, DEFAULT_FIFO_SIZE};
 use crate::channel::semaphore::{Semaphores, TokenPool, FIRST_TOKEN_SLOT, TOKEN_SLOTS};
-use crate::device_api::{MemoryChannelHandle, SemaphoreHandle};
+use crate::channel::wiring::{IbWiring, MappedPeers, PeerMemory, Wiring};
+use crate::device_api::SemaphoreHandle;
 use crate::error::{Error, Result};
 use crate::gpu::cuda::{device_count, Gpu};
 use crate::gpu::fd_passing::{fetch_fd, FdServer};
@@ -21,13 +25,6 @@ use crate::gpu::memory::{host_id, Buffer};
 use crate::gpu::wait::WaitDiagnostics;
 use crate::job::bootstrap::{Bootstrap, BootstrapConfig};
 use crate::job::config::Settings;
-use crate::transport::ib::conn::{exchange_regions, IbDevice, Registration};
-use crate::transport::ib::emulated::{Emulated, Fabric, PortConfig};
-use crate::transport::ib::emulator::{Delivery, EmulatedNic};
-use crate::transport::ib::gpu_qp::CudaDma;
-use crate::transport::ib::provider::{access, Memory, Provider};
-use crate::transport::ib::rdma_core::RdmaCore;
-use crate::transport::ib::select::{posting_for, Platform, PostingMode};
 use crate::transport::ipc::{ipc_handle_for, MemoryDescriptor, RemoteMemory, ShareHandle};
 use cudarc::driver::CudaStream;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
@@ -59,89 +56,6 @@ pub struct Communicator {
     /// The library's settings, parsed once when the communicator was made (collectives and
     /// channels built on it read them here, not from the environment again).
     settings: Settings,
-}
-
-/// The RDMA NIC this rank's PortChannels to other nodes use, reached only through the verbs
-/// boundary (`DOORBELL_IB_EMULATE=1`: the emulated provider), its token pool's registration, and
-/// how to reach each peer's token pool (its address and rkey).
-struct IbFabric {
-    dev: Arc<IbDevice>,
-    posting: PostingMode,
-    _pool: Registration,
-    /// Peers on another node the NIC reaches: (their pool's address, its rkey).
-    peer_pools: Vec<Option<(u64, u32)>>,
-    /// The emulated wire: peers' pools mapped here (kept alive for the NIC).
-    _mapped: Vec<RemoteMemory>,
-    /// The emulated NIC behind the provider (`DOORBELL_IB_EMULATE=1`), for its traffic counts.
-    emulated: Option<Arc<EmulatedNic>>,
-}
-
-impl IbFabric {
-    /// Registers the token pool `pool` with `dev`'s NIC, trades its (address, rkey) with every
-    /// rank (collective), and keeps how to reach the pools of `peers`: for each, its rank and,
-    /// where the NIC is emulated, the pool's CUDA IPC mapping the emulated wire goes through.
-    fn open(
-        dev: Arc<IbDevice>,
-        bootstrap: &Bootstrap,
-        gpu: &Gpu,
-        pool: &Buffer,
-        peers: Vec<(usize, Option<RemoteMemory>)>,
-        forced: crate::job::config::IbPosting,
-        what: &str,
-    ) -> Result<IbFabric> {
-        let rank = bootstrap.rank();
-        // SAFETY: the pool is the token pool's buffer, which outlives the registration
-        // (IbFabric drops before the token pool).
-        let pool_mr = unsafe {
-            dev.register(
-                pool.device_ptr(),
-                TOKEN_SLOTS * 8,
-                access::ALL,
-                Memory::Gpu(gpu),
-            )
-        }?;
-        let regions = exchange_regions(bootstrap, Some(&pool_mr))?;
-        let mut peer_pools = vec![None; bootstrap.world_size()];
-        let mut mapped = Vec::new();
-        for (r, local) in peers {
-            let region = regions[r].ok_or_else(|| Error::Bootstrap {
-                me: rank,
-                rank: Some(r),
-                why: "registered no token pool with its NIC".into(),
-            })?;
-            if let Some(m) = local {
-                dev.provider().attach_remote(
-                    region.rkey,
-                    region.addr,
-                    region.len,
-                    m.device_ptr(),
-                )?;
-                mapped.push(m);
-            }
-            peer_pools[r] = Some((region.addr, region.rkey));
-        }
-        let provider = dev.provider().as_ref();
-        let (posting, why) =
-            posting_for(provider, &Platform::probe(!provider.is_emulated()), forced);
-        tracing::info!(
-            "rank {rank}: PortChannels to other nodes take {what}, posting {posting:?}: {why}"
-        );
-        Ok(IbFabric {
-            dev,
-            posting,
-            _pool: pool_mr,
-            peer_pools,
-            _mapped: mapped,
-            emulated: None,
-        })
-    }
-}
-
-/// The emulated fabric's name for this job: the same on every rank, different across jobs.
-fn job_tag(secret: &[u8]) -> String {
-    use sha2::Digest;
-    let d = sha2::Sha256::digest([b"doorbell-emulated-fabric".as_slice(), secret].concat());
-    d[..8].iter().map(|b| format!("{b:02x}")).collect()
 }
 
 impl Communicator {
@@ -231,90 +145,7 @@ impl Communicator {
         bootstrap.barrier()?;
         fd_server.withdraw(export_id);
 
-        let ib = if emulate {
-            let nic = Arc::new(EmulatedNic::start_for_rank(
-                Box::new(CudaDma::new(&gpu)),
-                match settings.ib_emulate_relaxed {
-                    Some(max_delay) => Delivery::Relaxed {
-                        max_delay,
-                        seed: rank as u64 + 1,
-                    },
-                    None => Delivery::Strict,
-                },
-                rank,
-            )?);
-            let fabric = Fabric::for_job(&job_tag(bootstrap.secret()))?;
-            let provider: Arc<dyn Provider> = Arc::new(Emulated::new(
-                nic.clone(),
-                rank as u32 + 1,
-                fabric,
-                PortConfig::default(),
-            )?);
-            let dev = IbDevice::open(provider.clone(), 1, settings.ib_gid_index)?;
-            let what = format!(
-                "the Ib transport on {} (DOORBELL_IB_EMULATE=1)",
-                provider.device_name()
-            );
-            let peers = ib_mapped.into_iter().map(|(r, m)| (r, Some(m))).collect();
-            let mut fabric = IbFabric::open(
-                dev,
-                &bootstrap,
-                &gpu,
-                &pool,
-                peers,
-                settings.ib_posting,
-                &what,
-            )?;
-            fabric.emulated = Some(nic);
-            Some(fabric)
-        } else if host_ids.iter().any(|h| *h != host_ids[rank]) {
-            // Ranks on other hosts: the NIC nearest this GPU, where every rank has one.
-            let mine = if settings.ib_disable {
-                Err("DOORBELL_IB_DISABLE=1".to_string())
-            } else {
-                gpu.pci_bus_id()
-                    .and_then(|bus| RdmaCore::open_nearest(&bus, settings.ib_hca.as_deref()))
-                    .map_err(|e| e.to_string())
-            };
-            let flags = bootstrap.all_gather(&[u8::from(mine.is_ok())])?;
-            let without: Vec<usize> = (0..world)
-                .filter(|&r| flags[r].first() != Some(&1))
-                .collect();
-            match mine {
-                Ok((nic, choice)) if without.is_empty() => {
-                    let dev = IbDevice::open(Arc::new(nic), choice.port, settings.ib_gid_index)?;
-                    let what = format!("{} port {} ({})", choice.name, choice.port, choice.why);
-                    let peers = (0..world)
-                        .filter(|&r| host_ids[r] != host_ids[rank])
-                        .map(|r| (r, None))
-                        .collect();
-                    Some(IbFabric::open(
-                        dev,
-                        &bootstrap,
-                        &gpu,
-                        &pool,
-                        peers,
-                        settings.ib_posting,
-                        &what,
-                    )?)
-                }
-                Ok(_) => {
-                    tracing::info!(
-                        "rank {rank}: PortChannels to other hosts go over Ethernet: ranks \
-                         {without:?} have no RDMA NIC"
-                    );
-                    None
-                }
-                Err(why) => {
-                    tracing::info!(
-                        "rank {rank}: PortChannels to other hosts go over Ethernet: {why}"
-                    );
-                    None
-                }
-            }
-        } else {
-            None
-        };
+        let ib = IbFabric::for_job(&settings, &bootstrap, &gpu, &pool, &host_ids, ib_mapped)?;
         let claim = pool.device_ptr() + (TOKEN_SLOTS * 8) as u64;
         let diagnostics = Arc::new(WaitDiagnostics::new(
             &gpu,
@@ -322,34 +153,7 @@ impl Communicator {
             settings.wait_timeout,
             rank,
         )?);
-        // Peers whose processes this one can see (same pid namespace on the same boot), for the
-        // watchdog to notice a killed peer before its sockets close.
-        use crate::communicator::watchdog::ProcessId;
-        let me = ProcessId::current();
-        let key = ProcessId::namespace_key().unwrap_or_default();
-        let mut ident = me.map_or(vec![0u8; 12], |p| {
-            let mut v = p.pid.to_le_bytes().to_vec();
-            v.extend_from_slice(&p.start.to_le_bytes());
-            v
-        });
-        ident.extend_from_slice(key.as_bytes());
-        let idents = bootstrap.all_gather(&ident)?;
-        let local: Vec<(usize, ProcessId)> = idents
-            .iter()
-            .enumerate()
-            .filter(|(r, b)| {
-                *r != rank && me.is_some() && !key.is_empty() && b.get(12..) == Some(key.as_bytes())
-            })
-            .filter_map(|(r, b)| {
-                Some((
-                    r,
-                    ProcessId {
-                        pid: u32::from_le_bytes(b.get(0..4)?.try_into().ok()?),
-                        start: u64::from_le_bytes(b.get(4..12)?.try_into().ok()?),
-                    },
-                ))
-            })
-            .collect();
+        let local = crate::communicator::watchdog::visible_peers(&bootstrap)?;
         let bootstrap = Arc::new(bootstrap);
         let watchdog = crate::communicator::watchdog::Watchdog::start(
             Arc::clone(&bootstrap),
@@ -573,34 +377,7 @@ impl Communicator {
     /// Maps every same-host peer's counterpart of `mem` (collective: each rank passes its own).
     /// Index = rank; `None` for this rank and for ranks on other hosts.
     pub fn exchange(&self, mem: &RegisteredMemory) -> Result<Vec<Option<Arc<RemoteMemory>>>> {
-        let all = self.bootstrap.all_gather(&mem.descriptor.to_bytes())?;
-        let mut out = Vec::with_capacity(all.len());
-        for (r, bytes) in all.iter().enumerate() {
-            if r == self.rank() || !self.same_host(r) {
-                out.push(None);
-                continue;
-            }
-            out.push(Some(Arc::new(self.import(r, bytes)?)));
-        }
-        // Every peer has fetched and mapped before any rank returns: a rank that drops its
-        // registration right after this call must not withdraw an fd a slower peer still needs.
-        self.bootstrap.barrier()?;
-        Ok(out)
-    }
-
-    fn import(&self, peer: usize, bytes: &[u8]) -> Result<RemoteMemory> {
-        let d = decode_from(self.rank(), peer, bytes)?;
-        let fd = match d.handle {
-            ShareHandle::PosixFd { export_id, .. } => Some(fetch_fd(
-                self.bootstrap.secret(),
-                self.rank(),
-                peer,
-                export_id,
-                self.bootstrap.timeout(),
-            )?),
-            ShareHandle::CudaIpc { .. } => None,
-        };
-        RemoteMemory::import(&self.gpu, &d, fd)
+        PeerMemory::exchange(self, mem)
     }
 
     /// Takes `world_size` token slots on every rank and checks that every rank took the same
@@ -627,28 +404,11 @@ impl Communicator {
         Ok(base)
     }
 
-    fn semaphore(&self, base: usize, peer: usize, channel: u32) -> Result<SemaphoreHandle> {
-        let rank = self.rank();
-        let remote = self
-            .tokens
-            .remote_inbound(peer, base + rank)
-            .ok_or_else(|| Error::TransportUnavailable {
-                transport: "CudaIpc",
-                why: format!("rank {peer} is not on this host; its semaphores cannot be mapped"),
-            })?;
-        Ok(SemaphoreHandle {
-            inbound_token: self.tokens.inbound(base + peer),
-            expected_inbound: self.tokens.private(base + peer),
-            remote_inbound_token: remote,
-            site: self.diagnostics.site(peer as i32, channel),
-        })
-    }
-
     /// Builds `sets` semaphores to every same-host peer (collective).
     pub fn semaphores(&self, sets: usize) -> Result<Semaphores> {
         let world = self.world_size();
         let base = self.take_tokens(sets)?;
-        let channel = self.next_channel.fetch_add(1, Ordering::Relaxed);
+        let w = self.wiring(base);
         let mut handles = vec![SemaphoreHandle::default(); sets * world];
         for set in 0..sets {
             for peer in 0..world {
@@ -657,11 +417,11 @@ impl Communicator {
                     // counts through it (with one rank there is no other), and a site without
                     // a budget would give up after its first polls and let them run on.
                     SemaphoreHandle {
-                        site: self.diagnostics.site(peer as i32, channel),
+                        site: self.diagnostics.site(peer as i32, w.channel),
                         ..SemaphoreHandle::default()
                     }
                 } else {
-                    self.semaphore(base + set * world, peer, channel)?
+                    w.semaphore(base + set * world, peer)?
                 };
             }
         }
@@ -681,61 +441,30 @@ impl Communicator {
         dst: &Arc<RegisteredMemory>,
         packets: Option<&Arc<RegisteredMemory>>,
     ) -> Result<MemoryChannels> {
-        let rank = self.rank();
-        let world = self.world_size();
-        if let Some(p) = (0..world).find(|&p| !self.same_host(p)) {
-            return Err(Error::TransportUnavailable {
-                transport: "CudaIpc",
-                why: format!(
-                    "rank {p} runs on another host; MemoryChannels need GPUs that can map each \
-                     other's memory (NVLink or PCIe peer access on one host)"
-                ),
-            });
-        }
+        crate::channel::memory_channel::refuse_other_hosts(self.rank(), &self.host_ids)?;
         let base = self.take_tokens(1)?;
-        let channel = self.next_channel.fetch_add(1, Ordering::Relaxed);
+        let w = self.wiring(base);
+        crate::channel::memory_channel::connect(&w, src, dst, packets)
+    }
 
-        let dsts = self.exchange(dst)?;
-        let pkts = match packets {
-            Some(p) => Some(self.exchange(p)?),
-            None => None,
-        };
-        let mut channels = Vec::with_capacity(world.saturating_sub(1));
-        for peer in (0..world).filter(|&p| p != rank) {
-            let missing = || Error::Bootstrap {
-                me: rank,
-                rank: Some(peer),
-                why: "its memory could not be mapped".into(),
-            };
-            let remote_dst = dsts[peer].clone().ok_or_else(missing)?;
-            let packets = match (&pkts, packets) {
-                (Some(all), Some(local)) => {
-                    Some((local.clone(), all[peer].clone().ok_or_else(missing)?))
-                }
-                _ => None,
-            };
-            let handle = MemoryChannelHandle {
-                semaphore: self.semaphore(base, peer, channel)?,
-                dst: remote_dst.device_ptr(),
-                src: src.device_ptr(),
-                packet_buffer: packets.as_ref().map_or(0, |(l, _)| l.device_ptr()),
-                remote_packet_buffer: packets.as_ref().map_or(0, |(_, r)| r.device_ptr()),
-                dst_bytes: remote_dst.len() as u64,
-                src_bytes: src.len() as u64,
-                packet_buffer_bytes: packets
-                    .as_ref()
-                    .map_or(0, |(l, r)| l.len().min(r.len()) as u64),
-            };
-            channels.push(MemoryChannel {
-                peer,
-                handle,
-                _src: src.clone(),
-                _dst: remote_dst,
-                _packets: packets,
-                _tokens: self.tokens.clone(),
-            });
+    /// The state a channel set from token slot `base` is wired from (numbers the set).
+    fn wiring(&self, base: usize) -> Wiring<'_> {
+        Wiring {
+            bootstrap: &self.bootstrap,
+            gpu: &self.gpu,
+            tokens: &self.tokens,
+            diagnostics: &self.diagnostics,
+            node_ids: &self.host_ids,
+            base,
+            channel: self.next_channel.fetch_add(1, Ordering::Relaxed),
+            ib: self.ib.as_ref().map(|ib| IbWiring {
+                dev: &ib.dev,
+                posting: ib.posting,
+                peer_pools: &ib.peer_pools,
+                qps_per_peer: self.settings.ib_qps_per_peer.max(1) as usize,
+            }),
+            peers: self,
         }
-        Ok(MemoryChannels { channels })
     }
 
     /// A proxy for this rank's GPU with a FIFO of `fifo_size` triggers (0: the default), to add
@@ -767,24 +496,7 @@ impl Communicator {
         dst: &Arc<RegisteredMemory>,
     ) -> Result<PortChannels> {
         let base = self.take_tokens(1)?;
-        let channel = self.next_channel.fetch_add(1, Ordering::Relaxed);
-        let wiring = Wiring {
-            bootstrap: &self.bootstrap,
-            gpu: &self.gpu,
-            tokens: &self.tokens,
-            diagnostics: &self.diagnostics,
-            node_ids: &self.host_ids,
-            base,
-            channel,
-            ib: self.ib.as_ref().map(|ib| IbWiring {
-                dev: &ib.dev,
-                posting: ib.posting,
-                peer_pools: &ib.peer_pools,
-                qps_per_peer: self.settings.ib_qps_per_peer.max(1) as usize,
-            }),
-            exchange: &|m| self.exchange(m),
-            import: &|peer, bytes| self.import(peer, bytes),
-        };
+        let wiring = self.wiring(base);
         crate::channel::port_channel::connect(&wiring, proxy, src, dst)
     }
 
@@ -830,6 +542,40 @@ impl Communicator {
                 code: e.to_string(),
             }))
         })
+    }
+}
+
+/// Channels map same-host peers' memory through the communicator's fd server and bootstrap.
+impl PeerMemory for Communicator {
+    fn exchange(&self, mem: &RegisteredMemory) -> Result<MappedPeers> {
+        let all = self.bootstrap.all_gather(&mem.descriptor.to_bytes())?;
+        let mut out = Vec::with_capacity(all.len());
+        for (r, bytes) in all.iter().enumerate() {
+            if r == self.rank() || !self.same_host(r) {
+                out.push(None);
+                continue;
+            }
+            out.push(Some(Arc::new(PeerMemory::import(self, r, bytes)?)));
+        }
+        // Every peer has fetched and mapped before any rank returns: a rank that drops its
+        // registration right after this call must not withdraw an fd a slower peer still needs.
+        self.bootstrap.barrier()?;
+        Ok(out)
+    }
+
+    fn import(&self, peer: usize, bytes: &[u8]) -> Result<RemoteMemory> {
+        let d = decode_from(self.rank(), peer, bytes)?;
+        let fd = match d.handle {
+            ShareHandle::PosixFd { export_id, .. } => Some(fetch_fd(
+                self.bootstrap.secret(),
+                self.rank(),
+                peer,
+                export_id,
+                self.bootstrap.timeout(),
+            )?),
+            ShareHandle::CudaIpc { .. } => None,
+        };
+        RemoteMemory::import(&self.gpu, &d, fd)
     }
 }
 

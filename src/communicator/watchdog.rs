@@ -19,7 +19,7 @@
 //! It never touches the GPU (no CUDA call: it cannot disturb a stream capture) and never blocks
 //! for longer than one poll period.
 
-use crate::error::Error;
+use crate::error::{Error, Result};
 use crate::gpu::wait::{is_consequence, Fault, WaitDiagnostics};
 use crate::job::bootstrap::Bootstrap;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -264,6 +264,38 @@ fn blamed(e: &Error, me: usize) -> usize {
         Error::ArgumentMismatch { peer, .. } => *peer,
         _ => me,
     }
+}
+
+/// The peers whose processes this one can see (same pid namespace on the same boot), with their
+/// process ids, for the watchdog to notice a killed peer before its sockets close (collective:
+/// every rank trades its id).
+pub(crate) fn visible_peers(bootstrap: &Bootstrap) -> Result<Vec<(usize, ProcessId)>> {
+    let rank = bootstrap.rank();
+    let me = ProcessId::current();
+    let key = ProcessId::namespace_key().unwrap_or_default();
+    let mut ident = me.map_or(vec![0u8; 12], |p| {
+        let mut v = p.pid.to_le_bytes().to_vec();
+        v.extend_from_slice(&p.start.to_le_bytes());
+        v
+    });
+    ident.extend_from_slice(key.as_bytes());
+    let idents = bootstrap.all_gather(&ident)?;
+    Ok(idents
+        .iter()
+        .enumerate()
+        .filter(|(r, b)| {
+            *r != rank && me.is_some() && !key.is_empty() && b.get(12..) == Some(key.as_bytes())
+        })
+        .filter_map(|(r, b)| {
+            Some((
+                r,
+                ProcessId {
+                    pid: u32::from_le_bytes(b.get(0..4)?.try_into().ok()?),
+                    start: u64::from_le_bytes(b.get(4..12)?.try_into().ok()?),
+                },
+            ))
+        })
+        .collect())
 }
 
 #[cfg(test)]

@@ -2,9 +2,10 @@
 //! [`EthernetConnection`] sends what kernels put, and this rank's [`NetReceiver`] applies what the
 //! peer sends into my destination and inbound token.
 
-use super::{Link, Wiring};
-use crate::channel::memory_channel::RegisteredMemory;
+use super::Link;
 use crate::channel::proxy::ProxyBuilder;
+use crate::channel::registered::RegisteredMemory;
+use crate::channel::wiring::Wiring;
 use crate::error::{Error, Result};
 use crate::transport::ethernet::{self, EthernetConnection, Landing, NetReceiver};
 use std::sync::Arc;

@@ -4,9 +4,10 @@
 //! the kernels post their own work requests on queue pairs mapped into the GPU ([`MappedQp`])
 //! and the proxy keeps one of its own.
 
-use super::{GpuLink, Link, Wiring};
-use crate::channel::memory_channel::RegisteredMemory;
+use super::{GpuLink, Link};
 use crate::channel::proxy::{MemoryId, ProxyBuilder};
+use crate::channel::registered::RegisteredMemory;
+use crate::channel::wiring::Wiring;
 use crate::device_api::{IbPortLink, IbQpHandle};
 use crate::error::{Error, Result};
 use crate::gpu::cuda::cuda_err;
@@ -77,7 +78,7 @@ impl IbSetup {
             // The emulated wire reaches the peer's memory through its mapping here; a NIC
             // reaches it over the network.
             let mapped = if ib.dev.provider().is_emulated() {
-                let m = Arc::new((w.import)(r, &descs[r])?);
+                let m = Arc::new(w.peers.import(r, &descs[r])?);
                 ib.dev.provider().attach_remote(
                     region.rkey,
                     region.addr,

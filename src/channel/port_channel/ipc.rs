@@ -1,10 +1,11 @@
 //! PortChannels over CUDA IPC: the peer's destination and token pool are mapped into this
 //! process, and the proxy's [`CopyEngineConnection`] copies into them with the copy engines.
 
-use super::{Link, Wiring};
-use crate::channel::memory_channel::RegisteredMemory;
+use super::Link;
 use crate::channel::proxy::ProxyBuilder;
-use crate::error::{Error, Result};
+use crate::channel::registered::RegisteredMemory;
+use crate::channel::wiring::Wiring;
+use crate::error::Result;
 use crate::transport::ipc::{CopyEngineConnection, RemoteMemory};
 use std::sync::Arc;
 
@@ -17,7 +18,7 @@ impl IpcSetup {
     /// Maps every same-host peer's `dst` (collective: every rank runs it).
     pub(super) fn prepare(w: &Wiring, dst: &Arc<RegisteredMemory>) -> Result<IpcSetup> {
         Ok(IpcSetup {
-            dsts: (w.exchange)(dst)?,
+            dsts: w.peers.exchange(dst)?,
         })
     }
 
@@ -32,13 +33,7 @@ impl IpcSetup {
         let remote = self.dsts[peer]
             .clone()
             .ok_or_else(|| w.missing(peer, "its memory could not be mapped"))?;
-        let token = w
-            .tokens
-            .remote_inbound(peer, w.base + w.rank())
-            .ok_or_else(|| Error::TransportUnavailable {
-                transport: "CudaIpc",
-                why: format!("rank {peer} is not on this host; its semaphores cannot be mapped"),
-            })?;
+        let token = w.semaphore(w.base, peer)?.remote_inbound_token;
         let dst_mem = proxy.add_memory(remote.device_ptr(), remote.len() as u64)?;
         let (conn, flush_done) =
             proxy.add_connection(Box::new(CopyEngineConnection::new(w.gpu)?))?;

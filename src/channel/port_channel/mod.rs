@@ -12,17 +12,14 @@ mod ethernet;
 mod ib;
 mod ipc;
 
-use crate::channel::memory_channel::RegisteredMemory;
 use crate::channel::proxy::{MemoryId, ProxyBuilder, SemaphoreId};
+use crate::channel::registered::RegisteredMemory;
 use crate::channel::semaphore::TokenPool;
+use crate::channel::wiring::Wiring;
 use crate::device_api::PortChannelHandle;
-use crate::error::{Error, Result};
-use crate::gpu::cuda::Gpu;
-use crate::gpu::wait::WaitDiagnostics;
-use crate::job::bootstrap::Bootstrap;
+use crate::error::Result;
 use crate::transport::ethernet::NetReceiver;
-use crate::transport::ib::conn::{IbDevice, Registration};
-use crate::transport::ib::select::PostingMode;
+use crate::transport::ib::conn::Registration;
 use crate::transport::ipc::RemoteMemory;
 use std::sync::Arc;
 
@@ -72,52 +69,7 @@ pub enum Transport {
 /// entry here, and an arm in [`Wiring::reaches`] and in [`connect`].
 pub const ROUTES: [Transport; 3] = [Transport::CudaIpc, Transport::Ib, Transport::Ethernet];
 
-/// What the communicator hands the channel layer to wire a set of PortChannels: the job's facts
-/// and the parts of its state the transports set up from.
-pub(crate) struct Wiring<'a> {
-    pub(crate) bootstrap: &'a Bootstrap,
-    pub(crate) gpu: &'a Arc<Gpu>,
-    pub(crate) tokens: &'a Arc<TokenPool>,
-    pub(crate) diagnostics: &'a WaitDiagnostics,
-    /// Every rank's node id (equal ids share a host).
-    pub(crate) node_ids: &'a [u64],
-    /// The channel set's first token slot (every rank took the same) and its number.
-    pub(crate) base: usize,
-    pub(crate) channel: u32,
-    /// This rank's RDMA NIC, when it has one for PortChannels.
-    pub(crate) ib: Option<IbWiring<'a>>,
-    /// Maps every same-host peer's counterpart of a registered memory (collective; `None` for
-    /// this rank and other hosts): the communicator's `exchange`.
-    pub(crate) exchange: &'a dyn Fn(&RegisteredMemory) -> Result<MappedPeers>,
-    /// Maps one same-host peer's memory from the descriptor bytes it published.
-    pub(crate) import: &'a dyn Fn(usize, &[u8]) -> Result<RemoteMemory>,
-}
-
-/// Every same-host peer's counterpart of a memory mapped here, by rank (`None`: this rank and
-/// ranks on other hosts).
-pub(crate) type MappedPeers = Vec<Option<Arc<RemoteMemory>>>;
-
-/// This rank's NIC as PortChannels use it.
-pub(crate) struct IbWiring<'a> {
-    pub(crate) dev: &'a Arc<IbDevice>,
-    pub(crate) posting: PostingMode,
-    /// Peers on another node the NIC reaches: their token pool's address and rkey.
-    pub(crate) peer_pools: &'a [Option<(u64, u32)>],
-    /// Queue pairs per peer for whoever posts (`DOORBELL_IB_QPS_PER_PEER`).
-    pub(crate) qps_per_peer: usize,
-}
-
 impl Wiring<'_> {
-    fn rank(&self) -> usize {
-        self.bootstrap.rank()
-    }
-    fn world(&self) -> usize {
-        self.bootstrap.world_size()
-    }
-    fn same_host(&self, peer: usize) -> bool {
-        self.node_ids.get(peer) == self.node_ids.get(self.rank())
-    }
-
     /// Whether `t` reaches `peer`, and why (or why not), for the log.
     pub(crate) fn reaches(&self, t: Transport, peer: usize) -> (bool, &'static str) {
         match t {
@@ -156,14 +108,6 @@ impl Wiring<'_> {
             tracing::trace!("rank {}: not {t:?} to rank {peer}: {why}", self.rank());
         }
         Transport::Ethernet // reaches every peer
-    }
-
-    fn missing(&self, peer: usize, why: &str) -> Error {
-        Error::Bootstrap {
-            me: self.rank(),
-            rank: Some(peer),
-            why: why.into(),
-        }
     }
 }
 
