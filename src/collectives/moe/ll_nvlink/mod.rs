@@ -18,6 +18,10 @@ use crate::gpu::signature::{self, CallChecker, CallKind};
 use cudarc::driver::{CudaFunction, CudaSlice, CudaStream, DevicePtr};
 use std::sync::Arc;
 
+mod formats;
+
+use formats::{check_combine_format, check_dispatch_format, set_mask_word, SentFormats};
+
 /// The NVLink path of [`super::MoeLowLatency`] (every rank on one node).
 pub(super) struct LlNvlink {
     comm: Arc<Communicator>,
@@ -425,22 +429,7 @@ impl LlNvlink {
     /// The send is the one of `out.ticket`, else the last one.
     fn check_packed_format(&self, out: &PackedOutputs) -> Result<()> {
         let sends = self.packed_sends.lock().unwrap_or_else(|p| p.into_inner());
-        let fp8 = out.scales != 0;
-        match sends.find(out.ticket) {
-            Some(sent_fp8) if sent_fp8 != fp8 => Err(Error::invalid(
-                "dispatch receive",
-                format!(
-                    "its send wrote {} rows; give the receive half the same outputs ({})",
-                    if sent_fp8 { "FP8" } else { "bf16" },
-                    if sent_fp8 {
-                        "with scales"
-                    } else {
-                        "without scales"
-                    }
-                ),
-            )),
-            _ => Ok(()),
-        }
+        check_dispatch_format(sends.find(out.ticket), out.scales != 0)
     }
 
     /// The combine's arguments for the last dispatch, writing `out`.
@@ -794,109 +783,5 @@ impl LowLatencyPath for LlNvlink {
             }
             (false, false) => Ok(()),
         }
-    }
-}
-
-/// The row format of the last few send halves (a flag: FP8 rows, or log rows), by ticket.
-#[derive(Default)]
-struct SentFormats(std::collections::VecDeque<(u64, bool)>);
-
-impl SentFormats {
-    /// Notes the send of `ticket` (the newest; the oldest of eight is forgotten).
-    fn note(&mut self, ticket: u64, flag: bool) {
-        if self.0.len() == 8 {
-            self.0.pop_front();
-        }
-        self.0.push_back((ticket, flag));
-    }
-
-    /// The flag of `ticket`'s send (ticket 0: the last send), if it is among the last eight.
-    fn find(&self, ticket: u64) -> Option<bool> {
-        let sent = if ticket != 0 {
-            self.0.iter().rev().find(|(t, _)| *t == ticket)
-        } else {
-            self.0.back()
-        };
-        sent.map(|&(_, flag)| flag)
-    }
-}
-
-/// A combine's receive half called apart from its send must decode the rows in the format the
-/// send wrote them: log rows read as bf16 (or the reverse) would sum garbage without an error.
-/// `sent`: its send's format (`None` when not among the last sends: nothing to compare).
-fn check_combine_format(sent: Option<bool>, logfmt: bool) -> Result<()> {
-    let name = |log: bool| {
-        if log {
-            "log rows (logfmt on)"
-        } else {
-            "bf16 rows (logfmt off)"
-        }
-    };
-    match sent {
-        Some(sent) if sent != logfmt => Err(Error::invalid(
-            "combine receive",
-            format!(
-                "its send half wrote {}; pass the receive half the same logfmt, not {}",
-                name(sent),
-                name(logfmt)
-            ),
-        )),
-        _ => Ok(()),
-    }
-}
-
-/// Writes `value` into `rank`'s word of the rank mask, on `stream` (one 32-bit word: the mask
-/// reads 1 for a masked rank, as DeepEP's).
-fn set_mask_word(
-    mask: &CudaSlice<u32>,
-    stream: &CudaStream,
-    rank: usize,
-    value: u32,
-) -> Result<()> {
-    let (p, _g) = mask.device_ptr(stream);
-    // SAFETY: the mask holds `world` u32 and `rank` is below the world size; the word is written
-    // on `stream`, ordered with the calls that read it.
-    unsafe { crate::gpu::cuda::store_u32_async(stream, p + 4 * rank as u64, value) }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::{check_combine_format, SentFormats};
-
-    #[test]
-    fn sent_formats_are_found_by_ticket_and_forget_the_oldest() {
-        let mut sends = SentFormats::default();
-        assert_eq!(sends.find(0), None);
-        sends.note(16, true);
-        sends.note(32, false);
-        assert_eq!(sends.find(16), Some(true));
-        assert_eq!(sends.find(32), Some(false));
-        assert_eq!(sends.find(0), Some(false));
-        for t in 0..7 {
-            sends.note(100 + 8 * t, false);
-        }
-        assert_eq!(sends.find(16), None);
-        assert_eq!(sends.find(32), Some(false));
-    }
-
-    #[test]
-    fn a_combine_receive_must_decode_the_format_its_send_wrote() {
-        assert!(check_combine_format(None, true).is_ok());
-        assert!(check_combine_format(Some(true), true).is_ok());
-        assert!(check_combine_format(Some(false), false).is_ok());
-        let e = check_combine_format(Some(true), false)
-            .unwrap_err()
-            .to_string();
-        assert!(
-            e.contains("wrote log rows") && e.contains("not bf16 rows"),
-            "{e}"
-        );
-        let e = check_combine_format(Some(false), true)
-            .unwrap_err()
-            .to_string();
-        assert!(
-            e.contains("wrote bf16 rows") && e.contains("not log rows"),
-            "{e}"
-        );
     }
 }
