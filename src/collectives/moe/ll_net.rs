@@ -13,10 +13,9 @@
 //! it into each selected expert's slot. The area and channels: `net_area.rs`.
 
 use super::net_area::{message_bytes, LandingShape, NetLanding};
+use super::packed::{PackedCombine, PackedOutputs};
 use super::path::LowLatencyPath;
-use super::shared::{
-    launch, FusedSend, LowLatencyResults, MoeConfig, PackedCombine, PackedOutputs,
-};
+use super::shared::{launch, FusedSend, LowLatencyResults, MoeConfig};
 use crate::communicator::Communicator;
 use crate::device_api::limits::{NET_MAX_PACK_PAIRS, NET_STAGE_PARTS};
 use crate::device_api::{packed, MoeNetArgs};

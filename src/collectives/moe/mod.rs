@@ -19,16 +19,15 @@ mod ll_net;
 mod ll_nvlink;
 mod low_latency;
 mod net_area;
+mod packed;
 mod path;
 pub mod plan;
 mod shared;
 
 pub use high_throughput::MoeHighThroughput;
 pub use low_latency::MoeLowLatency;
-pub use shared::{
-    reference_layout, DispatchResults, FusedSend, LowLatencyResults, MoeConfig, PackedBuffers,
-    PackedCombineOptions, PackedFormat, PackedHandle, PackedOutputs,
-};
+pub use packed::{PackedBuffers, PackedCombineOptions, PackedFormat, PackedHandle, PackedOutputs};
+pub use shared::{reference_layout, DispatchResults, FusedSend, LowLatencyResults, MoeConfig};
 
 /// The high-throughput mode's former name.
 #[deprecated(note = "renamed `MoeHighThroughput`, paired with `MoeLowLatency`")]

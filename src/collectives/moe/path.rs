@@ -3,9 +3,8 @@
 //! types hold the path their communicator needs, chosen once when they are built; the methods'
 //! contracts (and their `# Safety` sections) are the public types' of the same name.
 
-use super::shared::{
-    DispatchResults, FusedSend, LowLatencyResults, MoeConfig, PackedCombine, PackedOutputs,
-};
+use super::packed::{PackedCombine, PackedOutputs};
+use super::shared::{DispatchResults, FusedSend, LowLatencyResults, MoeConfig};
 use crate::error::{Error, Result};
 use cudarc::driver::CudaStream;
 

@@ -6,9 +6,9 @@
 use super::path::LowLatencyPath;
 use super::shared::{
     landing_with_inbox, launch, launch_unchecked, FusedSend, Landing, LowLatencyResults, MoeConfig,
-    PackedCombine, PackedOutputs,
 };
 use crate::channel::semaphore::Semaphores;
+use crate::collectives::moe::packed::{PackedCombine, PackedOutputs};
 use crate::communicator::Communicator;
 use crate::device_api::limits::LL_MAX_LOCAL_EXPERTS;
 use crate::device_api::{packed, CallCheck, MAX_RANKS};

@@ -3,7 +3,7 @@
 //! scales), the source info and layout range, and the combines that read them back.
 
 use super::MoeLowLatency;
-use crate::collectives::moe::shared::{
+use crate::collectives::moe::packed::{
     PackedBuffers, PackedCombine, PackedCombineOptions, PackedFormat, PackedHandle, PackedOutputs,
 };
 use crate::error::{Error, Result};
