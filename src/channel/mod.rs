@@ -1,4 +1,5 @@
-//! Channels, above the transports: memory registered for peers to map ([`registered`]),
+//! Channels, above the transports: memory registered for peers to map ([`registered`]) and
+//! buffers every rank holds alike with every peer's copy mapped ([`symmetric`]),
 //! semaphores in each rank's token pool ([`semaphore`]),
 //! MemoryChannels (kernels load and store into a peer's memory, [`memory_channel`]),
 //! PortChannels (kernels push triggers that a proxy carries over a transport,
@@ -14,4 +15,5 @@ pub mod port_channel;
 pub mod proxy;
 pub mod registered;
 pub mod semaphore;
+pub mod symmetric;
 pub mod wiring;

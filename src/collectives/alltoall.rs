@@ -12,15 +12,13 @@
 //! check), naming a disagreement on both ranks of the pair. Sizes are bytes underneath: any
 //! element type works, raw bytes included.
 
-use crate::channel::memory_channel::RegisteredMemory;
 use crate::channel::semaphore::Semaphores;
+use crate::channel::symmetric::SymmetricBuffer;
 use crate::communicator::Communicator;
 use crate::device_api::{AllToAllArgs, SemaphoreHandle, MAX_RANKS};
 use crate::error::{Error, Result};
 use crate::gpu::cuda::cuda_err;
-use crate::gpu::memory::Buffer;
 use crate::gpu::signature::{self, CallChecker, CallKind};
-use crate::transport::ipc::RemoteMemory;
 use cudarc::driver::{
     CudaFunction, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig,
     PushKernelArg,
@@ -138,9 +136,7 @@ pub struct AllToAll {
     /// Device `[4][world]` byte counts for [`AllToAll::run_v`].
     counts: Mutex<CudaSlice<u64>>,
     _pair_epochs: CudaSlice<u32>,
-    _scratch: Arc<Buffer>,
-    _registered: Arc<RegisteredMemory>,
-    _peers: Vec<Option<Arc<RemoteMemory>>>,
+    _scratch: SymmetricBuffer,
     _data: Semaphores,
     _credit: Semaphores,
     _sems: CudaSlice<SemaphoreHandle>,
@@ -242,9 +238,7 @@ impl AllToAll {
         let ll_slot_bytes = (ll_max.div_ceil(8) * 16).max(16);
         // Two LL areas (equal blocks, alltoallv pairs), then the call check's inbox.
         let inbox_offset = ring_bytes + 4 * world * ll_slot_bytes;
-        let scratch = comm.alloc(inbox_offset + signature::INBOX_BYTES)?;
-        let registered = comm.register(&scratch)?;
-        let peers = comm.exchange(&registered)?;
+        let scratch = comm.alloc_symmetric(inbox_offset + signature::INBOX_BYTES)?;
         let lanes_us = lanes as usize;
         let data = comm.semaphores(lanes_us)?;
         let credit = comm.semaphores(lanes_us)?;
@@ -264,8 +258,7 @@ impl AllToAll {
         let pair_epochs = stream
             .alloc_zeros::<u32>(2 * world * lanes_us)
             .map_err(cuda_err("cuMemAlloc"))?;
-        let scratch_ptrs =
-            super::mapped_bases(comm, scratch.device_ptr(), &peers, "the all-to-all")?;
+        let scratch_ptrs = scratch.bases("the all-to-all")?;
         let mut inbox = [0u64; MAX_RANKS];
         for (i, p) in inbox.iter_mut().zip(&scratch_ptrs).take(world) {
             *i = p + inbox_offset as u64;
@@ -311,8 +304,6 @@ impl AllToAll {
             counts: Mutex::new(counts),
             _pair_epochs: pair_epochs,
             _scratch: scratch,
-            _registered: registered,
-            _peers: peers,
             _data: data,
             _credit: credit,
             _sems: sems,

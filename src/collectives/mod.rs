@@ -148,30 +148,3 @@ pub(crate) fn agree(comm: &crate::communicator::Communicator, mine: String) -> R
     let shapes = comm.bootstrap().all_gather(mine.as_bytes())?;
     shape_mismatch(comm.rank(), &shapes).map_or(Ok(()), Err)
 }
-
-/// Every rank's copy of a buffer as mapped here: `own` at this rank, the peers' from
-/// [`Communicator::exchange`] (0 past the world). `what` names the single-node user of the buffer
-/// in the error for a rank on another host.
-pub(crate) fn mapped_bases(
-    comm: &crate::communicator::Communicator,
-    own: u64,
-    peers: &[Option<std::sync::Arc<crate::transport::ipc::RemoteMemory>>],
-    what: &str,
-) -> Result<[u64; crate::device_api::MAX_RANKS]> {
-    let mut bases = [0u64; crate::device_api::MAX_RANKS];
-    for (r, b) in bases.iter_mut().enumerate().take(comm.world_size()) {
-        *b = if r == comm.rank() {
-            own
-        } else {
-            peers
-                .get(r)
-                .and_then(Option::as_ref)
-                .ok_or_else(|| Error::TransportUnavailable {
-                    transport: "CudaIpc",
-                    why: format!("rank {r} is on another host; {what} is single-node"),
-                })?
-                .device_ptr()
-        };
-    }
-    Ok(bases)
-}

@@ -16,6 +16,7 @@ use crate::channel::memory_channel::{MemoryChannels, RegisteredMemory};
 use crate::channel::port_channel::PortChannels;
 use crate::channel::proxy::{ProxyBuilder, DEFAULT_FIFO_SIZE};
 use crate::channel::semaphore::{Semaphores, TokenPool, FIRST_TOKEN_SLOT, TOKEN_SLOTS};
+use crate::channel::symmetric::SymmetricBuffer;
 use crate::channel::wiring::{IbWiring, MappedPeers, PeerMemory, Wiring};
 use crate::device_api::SemaphoreHandle;
 use crate::error::{Error, Result};
@@ -343,6 +344,26 @@ impl Communicator {
             _buffer: Some(buffer.clone()),
             server: self.fd_server.clone(),
         }))
+    }
+
+    /// Allocates `bytes` on every rank and maps every same-host peer's copy here (collective):
+    /// a [`SymmetricBuffer`].
+    pub fn alloc_symmetric(&self, bytes: usize) -> Result<SymmetricBuffer> {
+        self.share(&self.alloc(bytes)?)
+    }
+
+    /// Registers `buffer` and maps every same-host peer's counterpart here (collective: each rank
+    /// passes its own, filled as it must be before any peer may touch it: every peer has mapped
+    /// before any rank returns).
+    pub fn share(&self, buffer: &Arc<Buffer>) -> Result<SymmetricBuffer> {
+        let registered = self.register(buffer)?;
+        let peers = self.exchange(&registered)?;
+        Ok(SymmetricBuffer::new(
+            buffer.clone(),
+            registered,
+            peers,
+            self.rank(),
+        ))
     }
 
     /// Registers memory the caller allocated with cudarc or `cudaMalloc` (shared with a legacy

@@ -18,8 +18,8 @@
 //! order. `DOORBELL_CHECK=1` (or [`AllReduceOptions::check_args`]) verifies that on every call
 //! and names the odd rank instead of hanging.
 
-use crate::channel::memory_channel::RegisteredMemory;
 use crate::channel::semaphore::Semaphores;
+use crate::channel::symmetric::SymmetricBuffer;
 use crate::collectives::{DataType, ReduceOp};
 use crate::communicator::Communicator;
 use crate::device_api::limits::PIPE_DEPTH;
@@ -30,7 +30,6 @@ use crate::error::{Error, Result};
 use crate::gpu::cuda::cuda_err;
 use crate::gpu::memory::Buffer;
 use crate::gpu::signature::{self, CallChecker, CallKind};
-use crate::transport::ipc::RemoteMemory;
 use cudarc::driver::{CudaFunction, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, LaunchConfig};
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -54,9 +53,7 @@ pub struct AllReduce {
     ll_blocks: u32,
     max_tile_bytes: usize,
     kernels: HashMap<(Algorithm, bool, DataType), CudaFunction>,
-    _scratch: Arc<Buffer>,
-    _scratch_reg: Arc<RegisteredMemory>,
-    _peers: Vec<Option<Arc<RemoteMemory>>>,
+    _scratch: SymmetricBuffer,
     _semaphores: Semaphores,
     _sems_dev: CudaSlice<SemaphoreHandle>,
     _epochs: CudaSlice<u32>,
@@ -147,8 +144,7 @@ impl AllReduce {
         let scratch = comm.alloc(inbox_offset + signature::INBOX_BYTES)?;
         // The sentinel region starts empty: all ones.
         scratch.fill(sentinel_offset, 3 * sentinel_buf, 0xFF)?;
-        let scratch_reg = comm.register(&scratch)?;
-        let peers = comm.exchange(&scratch_reg)?;
+        let scratch = comm.share(&scratch)?;
         // Sets [0, lanes) say "reduce-scatter part arrived", [lanes, 2 lanes) "reduced shard
         // arrived".
         let semaphores = comm.semaphores(2 * lanes)?;
@@ -163,8 +159,7 @@ impl AllReduce {
         let sentinel_state = stream
             .alloc_zeros::<u8>(ll_blocks as usize * std::mem::size_of::<LamportState>())
             .map_err(cuda_err("cuMemAlloc"))?;
-        let scratch_ptrs =
-            super::mapped_bases(comm, scratch.device_ptr(), &peers, "the allreduce")?;
+        let scratch_ptrs = scratch.bases("the allreduce")?;
         let mut inbox = [0u64; MAX_RANKS];
         for (i, p) in inbox.iter_mut().zip(&scratch_ptrs).take(world) {
             *i = p + inbox_offset as u64;
@@ -229,8 +224,6 @@ impl AllReduce {
             max_tile_bytes,
             kernels,
             _scratch: scratch,
-            _scratch_reg: scratch_reg,
-            _peers: peers,
             _semaphores: semaphores,
             _sems_dev: sems_dev,
             _epochs: epochs,
@@ -273,14 +266,8 @@ impl AllReduce {
                 ),
             ));
         }
-        let registered = self.comm.register(buffer)?;
-        let peers = self.comm.exchange(&registered)?;
-        let mapped = super::mapped_bases(
-            &self.comm,
-            buffer.device_ptr(),
-            &peers,
-            "an allreduce window",
-        )?;
+        let shared = self.comm.share(buffer)?;
+        let mapped = shared.bases("an allreduce window")?;
         // Every peer has mapped this window before anyone launches into it.
         self.comm.bootstrap().barrier()?;
         self.windows
@@ -292,9 +279,7 @@ impl AllReduce {
                     bytes: buffer.len() as u64,
                     mapped,
                 },
-                _buffer: buffer.clone(),
-                _registered: registered,
-                _peers: peers,
+                _shared: shared,
             });
         Ok(())
     }

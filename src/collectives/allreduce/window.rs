@@ -1,19 +1,14 @@
 //! Registered windows: buffers every rank registered with the allreduce, mapped by every peer,
 //! where a call's buffers are used in place (the direct two-shot) instead of staged.
 
-use crate::channel::memory_channel::RegisteredMemory;
+use crate::channel::symmetric::SymmetricBuffer;
 use crate::device_api::MAX_RANKS;
-use crate::gpu::memory::Buffer;
-use crate::transport::ipc::RemoteMemory;
-use std::sync::Arc;
 
 /// A buffer every rank registered with [`AllReduce::register_window`], and every rank's copy of
 /// it as mapped here.
 pub(super) struct Window {
     pub(super) span: Span,
-    pub(super) _buffer: Arc<Buffer>,
-    pub(super) _registered: Arc<RegisteredMemory>,
-    pub(super) _peers: Vec<Option<Arc<RemoteMemory>>>,
+    pub(super) _shared: SymmetricBuffer,
 }
 
 /// A window's addresses: its range here and every rank's base as mapped here (own at `rank`; 0

@@ -20,14 +20,12 @@ use super::net_area::{message_bytes, LandingShape, NetLanding};
 use super::path::HighThroughputPath;
 use super::plan::{NodeMap, HT_CHUNK};
 use super::shared::{agree_shape, DispatchResults, MoeConfig, Route};
-use crate::channel::memory_channel::RegisteredMemory;
+use crate::channel::symmetric::SymmetricBuffer;
 use crate::communicator::Communicator;
 use crate::device_api::{HtChunkDesc, MoeHtArgs, MoeNetArgs};
 use crate::error::{Error, Result};
 use crate::gpu::cuda::cuda_err;
-use crate::gpu::memory::Buffer;
 use crate::gpu::signature::{self, CallChecker, CallKind};
-use crate::transport::ipc::RemoteMemory;
 use cudarc::driver::{CudaFunction, CudaSlice, CudaStream, DevicePtr, LaunchConfig, PushKernelArg};
 use std::sync::{Arc, Mutex};
 
@@ -48,11 +46,7 @@ pub(super) struct HtNet {
     /// The node's NVLink dispatcher and its communicator (dropped after it).
     node: Box<HtNvlink>,
     _node_comm: Arc<Communicator>,
-    _origin: (
-        Arc<Buffer>,
-        Arc<RegisteredMemory>,
-        Vec<Option<Arc<RemoteMemory>>>,
-    ),
+    _origin: SymmetricBuffer,
     _device: Vec<CudaSlice<u8>>,
     /// The call check across nodes (`moe_net.cuh`): a dispatch is checked with the rail peers
     /// (and by the node's own dispatcher inside the node), a combine with every peer.
@@ -113,22 +107,15 @@ impl HtNet {
         let node_disp = HtNvlink::new(&node_comm, node_cfg)?;
         // Every node rank's slot origins, mapped by the others (the rows' origins after the
         // node dispatch name the forwarder's slot).
-        let origin = node_comm.alloc(slots * 8)?;
-        let origin_reg = node_comm.register(&origin)?;
-        let origin_peers = node_comm.exchange(&origin_reg)?;
+        let origin = node_comm.alloc_symmetric(slots * 8)?;
         let origin_of: Vec<u64> = (0..size)
             .map(|l| {
-                if l == me {
-                    Ok(origin.device_ptr())
-                } else {
-                    origin_peers[l]
-                        .as_ref()
-                        .map(|m| m.device_ptr())
-                        .ok_or_else(|| Error::TransportUnavailable {
-                            transport: "CudaIpc",
-                            why: format!("rank {l} of this node could not be mapped"),
-                        })
-                }
+                origin
+                    .peer_ptr(l)
+                    .ok_or_else(|| Error::TransportUnavailable {
+                        transport: "CudaIpc",
+                        why: format!("rank {l} of this node could not be mapped"),
+                    })
             })
             .collect::<Result<_>>()?;
         let gpu = comm.gpu().clone();
@@ -229,7 +216,7 @@ impl HtNet {
             last: Mutex::new((0, 0)),
             node: Box::new(node_disp),
             _node_comm: node_comm,
-            _origin: (origin, origin_reg, origin_peers),
+            _origin: origin,
             _device: device,
             // The words travel to each peer\'s inbox in its area, not mapped ones.
             calls: crate::collectives::channel_call_checker(comm)?,

@@ -1,12 +1,13 @@
 //! The NVLink path of [`super::MoeHighThroughput`], every rank on one node: each token goes to
 //! every destination rank once, however many of that rank's experts it selected, by stores into
-//! the peers' mapped landing areas. Kernels and protocol: `cuda/kernels/moe.cu`.
+//! the peers' mapped receive areas. Kernels and protocol: `cuda/kernels/moe.cu`.
 
 use super::path::HighThroughputPath;
 use super::shared::{
-    landing, landing_with_inbox, launch, DispatchResults, Landing, MoeConfig, Route,
+    launch, receive_area, receive_area_with_inbox, DispatchResults, MoeConfig, Route,
 };
 use crate::channel::semaphore::Semaphores;
+use crate::channel::symmetric::SymmetricBuffer;
 use crate::communicator::Communicator;
 use crate::device_api::limits::HT_MAX_LOCAL_EXPERTS;
 use crate::device_api::{MoeArgs, MAX_RANKS};
@@ -44,14 +45,14 @@ pub(super) struct HtNvlink {
     kernels: [CudaFunction; 2],
     /// [`HighThroughputPath::combine_buffer`]'s rows, allocated on first use.
     y_rows: std::sync::OnceLock<CudaSlice<u8>>,
-    _recv: Landing,
-    _comb: Landing,
+    _recv: SymmetricBuffer,
+    _comb: SymmetricBuffer,
     _semaphores: Semaphores,
     _device: Vec<CudaSlice<u8>>,
 }
 
 impl HtNvlink {
-    /// Allocates the landing areas (mapped by every peer), outputs and semaphores. Collective.
+    /// Allocates the receive areas (mapped by every peer), outputs and semaphores. Collective.
     pub(super) fn new(comm: &Arc<Communicator>, cfg: MoeConfig) -> Result<HtNvlink> {
         let world = comm.world_size();
         let rank = comm.rank();
@@ -121,12 +122,12 @@ impl HtNvlink {
         // Every rank's receive slot of the call, both parities.
         let off_slots = off_expert_in + section(2 * world * (cfg.num_experts / world) * 8);
         let land_bytes = off_slots + section(2 * world * 8);
-        let (recv, land_ptrs, inbox) = landing_with_inbox(comm, land_bytes)?;
+        let (recv, land_ptrs, inbox) = receive_area_with_inbox(comm, land_bytes)?;
         // The combine area: `world x max_tokens` rows, then their top-k weights (a combine with
         // weights): aligned with recv_x for a pulling combine, a slot per (holding rank, position
         // of the token in its rows to that rank) for a pushing one (moe.cu).
         let off_comb_weights = section(rows * cfg.hidden * 2);
-        let (comb, comb_ptrs) = landing(comm, off_comb_weights + rows * cfg.topk * 4)?;
+        let (comb, comb_ptrs) = receive_area(comm, off_comb_weights + rows * cfg.topk * 4)?;
         let semaphores = comm.semaphores(3)?;
         let stream = gpu.new_stream()?;
         let alloc = |bytes: usize| -> Result<CudaSlice<u8>> {

@@ -7,13 +7,13 @@ use super::shared::MoeConfig;
 use crate::channel::memory_channel::RegisteredMemory;
 use crate::channel::port_channel::PortChannels;
 use crate::channel::proxy::ProxyService;
+use crate::channel::symmetric::SymmetricBuffer;
 use crate::communicator::Communicator;
 use crate::device_api::limits::MAX_NET_RANKS;
 use crate::device_api::{MoeNetArgs, PortChannelHandle, WaitSite};
 use crate::error::{Error, Result};
 use crate::gpu::cuda::cuda_err;
 use crate::gpu::memory::Buffer;
-use crate::transport::ipc::RemoteMemory;
 use cudarc::driver::{CudaSlice, DevicePtr};
 use std::sync::Arc;
 
@@ -62,11 +62,7 @@ pub(super) struct NetLanding {
     pub(super) off_part_w: u64,
     pub(super) stage_part_w: u64,
     _channels: Vec<PortChannels>,
-    _area: (
-        Arc<Buffer>,
-        Arc<RegisteredMemory>,
-        Vec<Option<Arc<RemoteMemory>>>,
-    ),
+    _area: SymmetricBuffer,
     _stage: (Arc<Buffer>, Arc<RegisteredMemory>),
     _device: Vec<CudaSlice<u8>>,
 }
@@ -123,9 +119,8 @@ impl NetLanding {
         let stage_words = stage_part + section(shape.stage_part_rows * row_out);
         let stage_part_w = stage_words + section(32); // four call-check words (moe_net.cuh)
         let stage_bytes = stage_part_w + section(shape.stage_part_rows * part_w_bytes);
-        let area = comm.alloc(area_bytes)?;
-        let area_reg = comm.register(&area)?;
-        let peers = comm.exchange(&area_reg)?;
+        let area = comm.alloc_symmetric(area_bytes)?;
+        let area_reg = area.registered().clone();
         let stage = comm.alloc(stage_bytes)?;
         let stage_reg = comm.register(&stage)?;
         let mut builder = comm.proxy_builder(0)?;
@@ -143,11 +138,7 @@ impl NetLanding {
         let mut peer_area = vec![0u64; world];
         let mut sites = vec![WaitSite::default(); world];
         for r in 0..world {
-            peer_area[r] = if r == rank {
-                area.device_ptr()
-            } else {
-                peers[r].as_ref().map_or(0, |m| m.device_ptr())
-            };
+            peer_area[r] = area.peer_ptr(r).unwrap_or(0);
             sites[r] = comm.diagnostics().site(r as i32, SITE_CHANNEL);
         }
         let stream = gpu.new_stream()?;
@@ -220,7 +211,7 @@ impl NetLanding {
                 stage_part_w as u64
             },
             _channels: channels,
-            _area: (area, area_reg, peers),
+            _area: area,
             _stage: (stage, stage_reg),
             _device: device,
         })

@@ -1,17 +1,14 @@
 //! What every MoE path shares: the layer's shape ([`MoeConfig`]) and its agreement across ranks,
 //! where each mode leaves its results ([`DispatchResults`], [`LowLatencyResults`]), launching a
-//! kernel with its argument struct, and the landing areas the NVLink paths map. DeepEP's
+//! kernel with its argument struct, and the receive areas the NVLink paths map. DeepEP's
 //! low-latency layout, which both low-latency paths write, is in [`super::packed`].
 
-use crate::channel::memory_channel::RegisteredMemory;
+use crate::channel::symmetric::SymmetricBuffer;
 use crate::communicator::Communicator;
 use crate::device_api::MAX_RANKS;
 use crate::error::Result;
-use crate::gpu::memory::Buffer;
 use crate::gpu::signature;
-use crate::transport::ipc::RemoteMemory;
 use cudarc::driver::{CudaFunction, CudaStream, DeviceRepr, LaunchConfig, PushKernelArg};
-use std::sync::Arc;
 
 /// Shape of one MoE layer's exchange; the same on every rank. Built with [`MoeConfig::new`] and
 /// the `with_` setters, so that later fields do not break callers:
@@ -193,13 +190,6 @@ pub(super) enum Route {
     },
 }
 
-/// A landing area every peer maps: the buffer, its registration, the peers' mappings.
-pub(super) type Landing = (
-    Arc<Buffer>,
-    Arc<RegisteredMemory>,
-    Vec<Option<Arc<RemoteMemory>>>,
-);
-
 /// Launches one of the MoE kernels with its argument struct (MoeArgs, MoeLlArgs or MoeNetArgs, each
 /// layout-tested against the kernels') and reports a trapped wait as the timeout it was.
 pub(super) fn launch<A: DeviceRepr>(
@@ -236,13 +226,13 @@ pub(super) fn launch_unchecked<A: DeviceRepr>(
     comm.check(unsafe { b.launch(cfg) }.map(|_| ()), "cuLaunchKernel")
 }
 
-/// A landing area of `bytes` followed by the call check's inbox ([`signature::INBOX_BYTES`]):
+/// A receive area of `bytes` followed by the call check's inbox ([`signature::INBOX_BYTES`]):
 /// returns the area, every rank's copy as mapped here, and every rank's inbox.
-pub(super) fn landing_with_inbox(
+pub(super) fn receive_area_with_inbox(
     comm: &Communicator,
     bytes: usize,
-) -> Result<(Landing, [u64; MAX_RANKS], [u64; MAX_RANKS])> {
-    let (area, ptrs) = landing(comm, bytes + signature::INBOX_BYTES)?;
+) -> Result<(SymmetricBuffer, [u64; MAX_RANKS], [u64; MAX_RANKS])> {
+    let (area, ptrs) = receive_area(comm, bytes + signature::INBOX_BYTES)?;
     let mut inbox = [0u64; MAX_RANKS];
     for (i, p) in inbox.iter_mut().zip(&ptrs).take(comm.world_size()) {
         *i = p + bytes as u64;
@@ -252,13 +242,13 @@ pub(super) fn landing_with_inbox(
 
 /// Allocates `bytes` that every rank maps (collective) and returns them with every rank's copy as
 /// mapped here (own at `rank`). Fails for ranks of other hosts: the NVLink paths are single-node.
-pub(super) fn landing(comm: &Communicator, bytes: usize) -> Result<(Landing, [u64; MAX_RANKS])> {
-    let buf = comm.alloc(bytes)?;
-    let reg = comm.register(&buf)?;
-    let peers = comm.exchange(&reg)?;
-    let ptrs =
-        crate::collectives::mapped_bases(comm, buf.device_ptr(), &peers, "the MoE exchange")?;
-    Ok(((buf, reg, peers), ptrs))
+pub(super) fn receive_area(
+    comm: &Communicator,
+    bytes: usize,
+) -> Result<(SymmetricBuffer, [u64; MAX_RANKS])> {
+    let area = comm.alloc_symmetric(bytes)?;
+    let ptrs = area.bases("the MoE exchange")?;
+    Ok((area, ptrs))
 }
 
 /// The expected dispatch layout, computed on the CPU (for tests): for each destination rank, the

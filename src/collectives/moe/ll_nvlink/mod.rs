@@ -5,9 +5,10 @@
 
 use super::path::LowLatencyPath;
 use super::shared::{
-    landing_with_inbox, launch, launch_unchecked, FusedSend, Landing, LowLatencyResults, MoeConfig,
+    launch, launch_unchecked, receive_area_with_inbox, FusedSend, LowLatencyResults, MoeConfig,
 };
 use crate::channel::semaphore::Semaphores;
+use crate::channel::symmetric::SymmetricBuffer;
 use crate::collectives::moe::packed::{PackedCombine, PackedOutputs};
 use crate::communicator::Communicator;
 use crate::device_api::limits::LL_MAX_LOCAL_EXPERTS;
@@ -44,7 +45,7 @@ pub(super) struct LlNvlink {
     /// DeepEP's layout: whether the last few combines' send halves wrote log rows, by ticket, so
     /// a receive half called apart decodes what was sent.
     combine_sends: std::sync::Mutex<SentFormats>,
-    _area: Landing,
+    _area: SymmetricBuffer,
     _semaphores: Semaphores,
     _device: Vec<CudaSlice<u8>>,
 }
@@ -119,7 +120,7 @@ impl LlNvlink {
             0
         };
         let area_bytes = off_ret + section(ret_bytes);
-        let (area, area_ptrs, inbox) = landing_with_inbox(comm, area_bytes)?;
+        let (area, area_ptrs, inbox) = receive_area_with_inbox(comm, area_bytes)?;
         let semaphores = comm.semaphores(1)?;
         let stream = gpu.new_stream()?;
         let alloc = |bytes: usize| -> Result<CudaSlice<u8>> {
