@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # The whole GPU check of a change in one device call on a 4-GPU kind (nvidia-h100-x4), a GPU per
 # rank: the performance check first with nothing beside it (its eager MoE rows are bound by the
-# host's launch time, which other processes slow), then two lanes side by side:
+# host's launch time, which other processes slow), the NCCL ABI's overhead alone too (host time),
+# and, when .gpu-pack/old/ holds an earlier build's allreduce, alltoall and moe examples,
+# scripts/perf-ab.sh between those and this bundle's (doorbell alone, alternating); then two lanes
+# side by side:
 #   GPUs 0,1: every test binary at 2 ranks, then SUITE=nccl at 2 and 4 ranks (4 sharing 2 GPUs)
 #   GPUs 2,3: the Python GPU suite, DeepEP's own tests at 2 ranks (when .gpu-pack/deepep holds
 #             them), the examples, DeepEP's test_intranode at 2 ranks sharing one GPU, and
@@ -75,7 +78,20 @@ bench_deep_ep() { # GPUS: torchrun -m doorbell.bench deep_ep (2 ranks, the packe
 
 lane_a() {
   suite tests "$1" DOORBELL_TEST_RANKS=2 SUITE=tests
-  suite nccl "$1" DOORBELL_TEST_RANKS="2 4" SUITE=nccl
+  suite nccl "$1" DOORBELL_TEST_RANKS="2 4" SUITE=nccl NCCL_OVERHEAD=0
+}
+
+ab() { # GPUS: scripts/perf-ab.sh .gpu-pack/old this bundle's examples, into l/ab
+  local visible=$1 rc old=.gpu-pack/old
+  [ -x "$old/moe" ] || { step "skip ab: no earlier build in $old"; return 0; }
+  mkdir -p "$logs/l"
+  step "start ab ($(cat "$old/COMMIT" 2> /dev/null) against $(cat .gpu-bundle/COMMIT 2> /dev/null))"
+  CUDA_VISIBLE_DEVICES="$visible" scripts/perf-ab.sh "$old" .gpu-bundle/examples "${AB_ROUNDS:-2}" "$logs/l" \
+    > "$logs/l/ab-out.txt" 2>&1
+  rc=$?
+  [ $rc = 0 ] || failed=1
+  step "end ab rc=$rc :: $(tail -1 "$logs/l/ab/ab.md" 2> /dev/null)"
+  return $rc
 }
 lane_b() {
   suite python "$1" DOORBELL_TEST_RANKS=2 SUITE=python
@@ -90,6 +106,8 @@ if [ "$gpus" -lt 2 ]; then
   failed=1
 else
   suite perf 0,1 SUITE=perf
+  suite nccl_overhead 0,1 SUITE=nccl NCCL_OVERHEAD=only
+  ab 0,1
   if [ "$gpus" -ge 4 ]; then
     # Lanes in subshells: each reports its failures through its exit status.
     (failed=0; lane_a 0,1; exit $failed) &

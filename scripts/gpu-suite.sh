@@ -13,7 +13,8 @@
 # through NCCL's C ABI from ctypes, nccl/gpu/abi_check.py, alone and forwarding to torch's NCCL,
 # then under torch's "nccl" backend preloaded (nccl/gpu/torch_check.py) and with a rank killed
 # there (nccl/gpu/kill_check.py), at DOORBELL_TEST_RANKS ranks (with more ranks than GPUs also
-# torch_check.py without the library, which must fail as NCCL does); python: the wheel that build
+# torch_check.py without the library, which must fail as NCCL does; then the ABI's overhead,
+# NCCL_OVERHEAD=0 skips it, =only runs it alone); python: the wheel that build
 # packed, from scripts/python-wheel.sh, installed beside the machine's torch, and its GPU tests;
 # perf: the performance check, below, not part of all); TESTS="gpu allreduce" runs only those
 # test binaries; BENCHES="pingpong allreduce" picks the examples, PINGPONG_ARGS / ALLREDUCE_ARGS
@@ -156,7 +157,11 @@ run() {
     # within 2 s with NCCL's code and doorbell's message naming it.
     local lib="$bundle/lib/libdoorbell_nccl.so" real
     real=$("${PYTHON:-python3}" -c 'import os, torch; print(os.path.realpath(os.path.join(os.path.dirname(torch.__file__), "..", "nvidia", "nccl", "lib", "libnccl.so.2")))')
-    for n in ${DOORBELL_TEST_RANKS:-2}; do
+    # NCCL_OVERHEAD=only runs the overhead step alone (it times host work, which other processes
+    # on the machine slow), =0 skips it.
+    local ranks=${DOORBELL_TEST_RANKS:-2}
+    [ "${NCCL_OVERHEAD:-1}" = only ] && ranks=""
+    for n in $ranks; do
       local what
       local shared=""
       # More ranks than visible GPUs: also the PyTorch script without the library, which must
@@ -194,7 +199,8 @@ run() {
     # The ABI's overhead over doorbell's own allreduce (at most 1 us a call, 8 B-64 KiB, host,
     # eager and graph), 2 ranks a GPU each, where two GPUs are visible (CUDA_VISIBLE_DEVICES
     # counts: on one GPU the two ranks would time-slice it, milliseconds a call).
-    if [ "$(visible --query-gpu=name --format=csv,noheader 2>/dev/null | grep -c .)" -ge 2 ]; then
+    if [ "${NCCL_OVERHEAD:-1}" != 0 ] \
+        && [ "$(visible --query-gpu=name --format=csv,noheader 2>/dev/null | grep -c .)" -ge 2 ]; then
       local start=$SECONDS
       if timeout 300 "$bundle/examples/nccl_overhead" --nranks 2 > "$logs/nccl-overhead.txt" 2>&1 \
           && grep -q "within 1 us" "$logs/nccl-overhead.txt"; then
