@@ -6,6 +6,7 @@ use crate::channel::semaphore::TokenPool;
 use crate::channel::wiring::Wiring;
 use crate::device_api::MemoryChannelHandle;
 use crate::error::{Error, Result};
+use crate::job::topology::Topology;
 use crate::transport::ipc::RemoteMemory;
 use std::sync::Arc;
 
@@ -59,8 +60,8 @@ impl MemoryChannels {
 }
 
 /// MemoryChannels need every rank on this host: the error naming the first that is not.
-pub(crate) fn refuse_other_hosts(rank: usize, node_ids: &[u64]) -> Result<()> {
-    match (0..node_ids.len()).find(|&p| node_ids[p] != node_ids[rank]) {
+pub(crate) fn refuse_other_hosts(topology: &Topology) -> Result<()> {
+    match (0..topology.world()).find(|&p| !topology.same_node(p)) {
         Some(p) => Err(Error::TransportUnavailable {
             transport: "CudaIpc",
             why: format!(

@@ -9,6 +9,7 @@ use crate::error::{Error, Result};
 use crate::gpu::cuda::Gpu;
 use crate::gpu::wait::WaitDiagnostics;
 use crate::job::bootstrap::Bootstrap;
+use crate::job::topology::Topology;
 use crate::transport::ib::conn::IbDevice;
 use crate::transport::ib::select::PostingMode;
 use crate::transport::ipc::RemoteMemory;
@@ -20,8 +21,8 @@ pub(crate) struct Wiring<'a> {
     pub(crate) gpu: &'a Arc<Gpu>,
     pub(crate) tokens: &'a Arc<TokenPool>,
     pub(crate) diagnostics: &'a WaitDiagnostics,
-    /// Every rank's node id (equal ids share a host).
-    pub(crate) node_ids: &'a [u64],
+    /// The job's shape (every rank's node).
+    pub(crate) topology: &'a Topology,
     /// The channel set's first token slot (every rank took the same) and its number.
     pub(crate) base: usize,
     pub(crate) channel: u32,
@@ -62,7 +63,7 @@ impl Wiring<'_> {
     }
     /// Whether `peer` runs on this host (CUDA IPC reaches its memory).
     pub(crate) fn same_host(&self, peer: usize) -> bool {
-        self.node_ids.get(peer) == self.node_ids.get(self.rank())
+        self.topology.same_node(peer)
     }
 
     /// An error naming `peer` as the cause of a failed set-up.

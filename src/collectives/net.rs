@@ -100,18 +100,6 @@ struct Hierarchy {
     gather: CudaFunction,
 }
 
-/// The nodes of `ids` (one id per rank), in order of their first rank.
-fn nodes_of(ids: &[u64]) -> Vec<Vec<usize>> {
-    let mut nodes: Vec<Vec<usize>> = Vec::new();
-    for (r, id) in ids.iter().enumerate() {
-        match nodes.iter_mut().find(|n| ids[n[0]] == *id) {
-            Some(n) => n.push(r),
-            None => nodes.push(vec![r]),
-        }
-    }
-    nodes
-}
-
 impl NetCollectives {
     /// Buffers for up to `max_bytes` per rank and call (the all-to-all's whole send buffer, the
     /// allreduce's input), PortChannels to every rank, and this GPU's proxy. Collective.
@@ -123,7 +111,7 @@ impl NetCollectives {
                 "max_bytes positive, at most 1024 ranks",
             ));
         }
-        let nodes = nodes_of(comm.node_ids());
+        let nodes = comm.topology().nodes();
         let local = nodes[0].len();
         let hierarchical = nodes.len() > 1 && local > 1 && nodes.iter().all(|n| n.len() == local);
         // The hierarchical allreduce's regions: 2 x local + nodes + 1 shards (see allreduce).
@@ -156,24 +144,20 @@ impl NetCollectives {
         let f = |name: &str| comm.gpu().function("net", name);
         let rank = comm.rank();
         let hier = if hierarchical {
-            let node = nodes
-                .iter()
-                .position(|n| n.contains(&rank))
-                .expect("every rank is in a node");
-            let me = nodes[node]
-                .iter()
-                .position(|&r| r == rank)
-                .expect("found above");
+            let topology = comm.topology();
+            let (node, me) = (topology.node(rank), topology.local(rank));
             let channel = |p: usize| (if p < rank { p } else { p - 1 }) as u32;
             let mut peers = Vec::new();
             let mut keys = Vec::new();
-            for (j, &p) in nodes[node].iter().enumerate().filter(|&(_, &p)| p != rank) {
+            // The team (keyed by local index), then the rail peers (keyed by node): nodes of equal
+            // size here, so every other node has one.
+            for &p in topology.team().iter().filter(|&&p| p != rank) {
                 peers.push(channel(p));
-                keys.push(j as u32);
+                keys.push(topology.local(p) as u32);
             }
-            for (m, n) in nodes.iter().enumerate().filter(|&(m, _)| m != node) {
-                peers.push(channel(n[me]));
-                keys.push(m as u32);
+            for p in topology.rail_peers() {
+                peers.push(channel(p));
+                keys.push(topology.node(p) as u32);
             }
             let up = |v: &[u32]| stream.clone_htod(v).map_err(cuda_err("cuMemcpyHtoD"));
             let (dp, dk) = (up(&peers)?, up(&keys)?);

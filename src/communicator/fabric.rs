@@ -8,6 +8,7 @@ use crate::gpu::cuda::Gpu;
 use crate::gpu::memory::Buffer;
 use crate::job::bootstrap::Bootstrap;
 use crate::job::config::Settings;
+use crate::job::topology::Topology;
 use crate::transport::ib::conn::{exchange_regions, IbDevice, Registration};
 use crate::transport::ib::emulated::{Emulated, Fabric, PortConfig};
 use crate::transport::ib::emulator::{Delivery, EmulatedNic};
@@ -44,7 +45,7 @@ impl IbFabric {
         bootstrap: &Bootstrap,
         gpu: &Arc<Gpu>,
         pool: &Buffer,
-        host_ids: &[u64],
+        topology: &Topology,
         emulated_peers: Vec<(usize, RemoteMemory)>,
     ) -> Result<Option<IbFabric>> {
         let (rank, world) = (bootstrap.rank(), bootstrap.world_size());
@@ -80,7 +81,7 @@ impl IbFabric {
                 IbFabric::open(dev, bootstrap, gpu, pool, peers, settings.ib_posting, &what)?;
             fabric.emulated = Some(nic);
             Ok(Some(fabric))
-        } else if host_ids.iter().any(|h| *h != host_ids[rank]) {
+        } else if topology.spans_nodes() {
             // Ranks on other hosts: the NIC nearest this GPU, where every rank has one.
             let mine = if settings.ib_disable {
                 Err("DOORBELL_IB_DISABLE=1".to_string())
@@ -98,7 +99,7 @@ impl IbFabric {
                     let dev = IbDevice::open(Arc::new(nic), choice.port, settings.ib_gid_index)?;
                     let what = format!("{} port {} ({})", choice.name, choice.port, choice.why);
                     let peers = (0..world)
-                        .filter(|&r| host_ids[r] != host_ids[rank])
+                        .filter(|&r| !topology.same_node(r))
                         .map(|r| (r, None))
                         .collect();
                     Ok(Some(IbFabric::open(

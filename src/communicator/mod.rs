@@ -26,6 +26,7 @@ use crate::gpu::memory::{host_id, Buffer};
 use crate::gpu::wait::WaitDiagnostics;
 use crate::job::bootstrap::{Bootstrap, BootstrapConfig};
 use crate::job::config::Settings;
+use crate::job::topology::Topology;
 use crate::transport::ipc::{ipc_handle_for, MemoryDescriptor, RemoteMemory, ShareHandle};
 use cudarc::driver::CudaStream;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
@@ -47,7 +48,8 @@ pub struct Communicator {
     device: usize,
     gpu: Arc<Gpu>,
     fd_server: Arc<FdServer>,
-    host_ids: Vec<u64>,
+    /// The job's shape (every rank's node).
+    topology: Topology,
     // Before the token pool: its registration with the NIC goes first.
     ib: Option<IbFabric>,
     tokens: Arc<TokenPool>,
@@ -89,7 +91,7 @@ impl Communicator {
         } else {
             host_id()
         };
-        let host_ids: Vec<u64> = bootstrap
+        let node_ids: Vec<u64> = bootstrap
             .all_gather(&my_host.to_le_bytes())?
             .iter()
             .enumerate()
@@ -104,6 +106,7 @@ impl Communicator {
                     })
             })
             .collect::<Result<_>>()?;
+        let topology = Topology::new(rank, node_ids);
 
         // The token pool, mapped by every peer on this host.
         let pool = Buffer::alloc(&gpu, 2 * TOKEN_SLOTS * 8)?;
@@ -111,7 +114,7 @@ impl Communicator {
         fd_server.publish(export_id, pool.export_fd()?)?;
         let desc = MemoryDescriptor {
             owner_rank: rank as u32,
-            host_id: host_ids[rank],
+            host_id: topology.node_ids()[rank],
             bytes: pool.len() as u64,
             handle: ShareHandle::PosixFd {
                 export_id,
@@ -126,7 +129,7 @@ impl Communicator {
         let mut ib_mapped: Vec<(usize, RemoteMemory)> = Vec::new();
         let descs = bootstrap.all_gather(&desc.to_bytes())?;
         for (r, bytes) in descs.iter().enumerate() {
-            let same_node = r != rank && host_ids[r] == host_ids[rank];
+            let same_node = r != rank && topology.same_node(r);
             let same_machine = r != rank && physical_hosts[r] == physical_hosts[rank];
             if !(same_node || (emulate && same_machine)) {
                 comm_peers.push(None);
@@ -146,7 +149,7 @@ impl Communicator {
         bootstrap.barrier()?;
         fd_server.withdraw(export_id);
 
-        let ib = IbFabric::for_job(&settings, &bootstrap, &gpu, &pool, &host_ids, ib_mapped)?;
+        let ib = IbFabric::for_job(&settings, &bootstrap, &gpu, &pool, &topology, ib_mapped)?;
         let claim = pool.device_ptr() + (TOKEN_SLOTS * 8) as u64;
         let diagnostics = Arc::new(WaitDiagnostics::new(
             &gpu,
@@ -172,7 +175,7 @@ impl Communicator {
             device,
             gpu,
             fd_server,
-            host_ids,
+            topology,
             tokens,
             diagnostics,
             next_export: AtomicU64::new(1),
@@ -300,22 +303,28 @@ impl Communicator {
             .map(|nic| nic.traffic())
     }
 
+    /// The job's shape: every rank's node, this rank's team and rail peers.
+    pub fn topology(&self) -> &Topology {
+        &self.topology
+    }
+
     /// The node (host, or emulated node with `DOORBELL_SEPARATE_NODES`) of every rank, as
-    /// opaque ids: ranks with equal ids share a node.
+    /// opaque ids: ranks with equal ids share a node ([`Topology::node_ids`]).
     pub fn node_ids(&self) -> &[u64] {
-        &self.host_ids
+        self.topology.node_ids()
     }
 
     /// True if some rank runs on another node than this one (its host id differs; with
     /// `DOORBELL_SEPARATE_NODES`, an emulated node): the collectives then take their
-    /// node-spanning paths.
+    /// node-spanning paths ([`Topology::spans_nodes`]).
     pub fn spans_nodes(&self) -> bool {
-        spans_nodes(&self.host_ids, self.rank())
+        self.topology.spans_nodes()
     }
 
-    /// True if `peer` runs on this host (so CUDA IPC can reach its memory).
+    /// True if `peer` runs on this host (so CUDA IPC can reach its memory;
+    /// [`Topology::same_node`]).
     pub fn same_host(&self, peer: usize) -> bool {
-        self.host_ids.get(peer) == self.host_ids.get(self.rank())
+        self.topology.same_node(peer)
     }
 
     /// Allocates `bytes` of shareable GPU memory (VMM, zero-filled).
@@ -331,7 +340,7 @@ impl Communicator {
         Ok(Arc::new(RegisteredMemory {
             descriptor: MemoryDescriptor {
                 owner_rank: self.rank() as u32,
-                host_id: self.host_ids[self.rank()],
+                host_id: self.topology.node_ids()[self.rank()],
                 bytes: buffer.len() as u64,
                 handle: ShareHandle::PosixFd {
                     export_id,
@@ -384,7 +393,7 @@ impl Communicator {
         Ok(Arc::new(RegisteredMemory {
             descriptor: MemoryDescriptor {
                 owner_rank: self.rank() as u32,
-                host_id: self.host_ids[self.rank()],
+                host_id: self.topology.node_ids()[self.rank()],
                 bytes: bytes as u64,
                 handle: ShareHandle::CudaIpc { handle, offset },
             },
@@ -462,7 +471,7 @@ impl Communicator {
         dst: &Arc<RegisteredMemory>,
         packets: Option<&Arc<RegisteredMemory>>,
     ) -> Result<MemoryChannels> {
-        crate::channel::memory_channel::refuse_other_hosts(self.rank(), &self.host_ids)?;
+        crate::channel::memory_channel::refuse_other_hosts(&self.topology)?;
         let base = self.take_tokens(1)?;
         let w = self.wiring(base);
         crate::channel::memory_channel::connect(&w, src, dst, packets)
@@ -475,7 +484,7 @@ impl Communicator {
             gpu: &self.gpu,
             tokens: &self.tokens,
             diagnostics: &self.diagnostics,
-            node_ids: &self.host_ids,
+            topology: &self.topology,
             base,
             channel: self.next_channel.fetch_add(1, Ordering::Relaxed),
             ib: self.ib.as_ref().map(|ib| IbWiring {
@@ -650,24 +659,10 @@ fn decode_from(me: usize, peer: usize, bytes: &[u8]) -> Result<MemoryDescriptor>
     Ok(d)
 }
 
-/// Whether any of `host_ids` (one per rank) differs from rank `me`'s.
-fn spans_nodes(host_ids: &[u64], me: usize) -> bool {
-    let mine = host_ids.get(me);
-    host_ids.iter().any(|id| Some(id) != mine)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::error::WaitKind;
-
-    #[test]
-    fn a_job_spans_nodes_when_any_rank_has_another_host() {
-        assert!(!spans_nodes(&[7, 7, 7], 1));
-        assert!(spans_nodes(&[7, 7, 9], 0));
-        assert!(spans_nodes(&[7, 7, 9], 2));
-        assert!(!spans_nodes(&[5], 0));
-    }
 
     #[test]
     fn a_wait_on_a_peer_that_left_cleanly_names_the_departure() {
