@@ -2,7 +2,7 @@
 # The whole GPU check of a change in one device call on a 4-GPU kind (nvidia-h100-x4), a GPU per
 # rank: the performance check first with nothing beside it (its eager MoE rows are bound by the
 # host's launch time, which other processes slow), the NCCL ABI's overhead alone too (host time),
-# and, when .gpu-pack/old/ holds an earlier build's allreduce, alltoall and moe examples,
+# and, when .gpu-pack/old/ (or old.txz) holds an earlier build's allreduce, alltoall and moe examples,
 # scripts/perf-ab.sh between those and this bundle's (doorbell alone, alternating); then two lanes
 # side by side:
 #   GPUs 0,1: every test binary at 2 ranks, then SUITE=nccl at 2 and 4 ranks (4 sharing 2 GPUs)
@@ -32,6 +32,9 @@ step() { echo "$(date +%T) +$((SECONDS - t0))s $*" >> "$logs/steps.txt"; }
 done) &
 tarpid=$!
 if [ -f .gpu-pack/bundle.txz ] && [ ! -d .gpu-bundle ]; then tar -xJf .gpu-pack/bundle.txz; fi
+# An earlier build's examples for scripts/perf-ab.sh: .gpu-pack/old.txz holds old/{allreduce,
+# alltoall,moe,COMMIT} (tar -cf - old | xz > .gpu-pack/old.txz).
+if [ -f .gpu-pack/old.txz ] && [ ! -d .gpu-pack/old ]; then tar -C .gpu-pack -xJf .gpu-pack/old.txz; fi
 gpus=$(nvidia-smi -L 2> /dev/null | grep -c '^GPU')
 step "bundle $(cat .gpu-bundle/COMMIT 2> /dev/null) on $gpus GPU(s)"
 failed=0
