@@ -135,7 +135,7 @@ impl Communicator {
                 comm_peers.push(None);
                 continue;
             }
-            let d = decode_from(rank, r, bytes)?;
+            let d = MemoryDescriptor::from_peer(bytes, rank, r)?;
             let fd = fetch_fd(bootstrap.secret(), rank, r, export_id, bootstrap.timeout())?;
             let mapped = RemoteMemory::import(&gpu, &d, Some(fd))?;
             if same_node {
@@ -594,7 +594,7 @@ impl PeerMemory for Communicator {
     }
 
     fn import(&self, peer: usize, bytes: &[u8]) -> Result<RemoteMemory> {
-        let d = decode_from(self.rank(), peer, bytes)?;
+        let d = MemoryDescriptor::from_peer(bytes, self.rank(), peer)?;
         let fd = match d.handle {
             ShareHandle::PosixFd { export_id, .. } => Some(fetch_fd(
                 self.bootstrap.secret(),
@@ -641,22 +641,6 @@ impl Drop for Communicator {
                 .abort(Some(me), &format!("rank {me} panicked"));
         }
     }
-}
-
-fn decode_from(me: usize, peer: usize, bytes: &[u8]) -> Result<MemoryDescriptor> {
-    let d = MemoryDescriptor::from_bytes(bytes).map_err(|e| Error::Bootstrap {
-        me,
-        rank: Some(peer),
-        why: format!("sent a bad memory descriptor: {e}"),
-    })?;
-    if d.owner_rank as usize != peer {
-        return Err(Error::Bootstrap {
-            me,
-            rank: Some(peer),
-            why: format!("sent a descriptor of rank {}'s memory", d.owner_rank),
-        });
-    }
-    Ok(d)
 }
 
 #[cfg(test)]

@@ -84,6 +84,24 @@ impl MemoryDescriptor {
         v
     }
 
+    /// Decodes the descriptor rank `peer` sent rank `me`: what [`MemoryDescriptor::to_bytes`]
+    /// wrote, of `peer`'s own memory; anything else is an error naming `peer`.
+    pub fn from_peer(b: &[u8], me: usize, peer: usize) -> Result<Self> {
+        let d = MemoryDescriptor::from_bytes(b).map_err(|e| Error::Bootstrap {
+            me,
+            rank: Some(peer),
+            why: format!("sent a bad memory descriptor: {e}"),
+        })?;
+        if d.owner_rank as usize != peer {
+            return Err(Error::Bootstrap {
+                me,
+                rank: Some(peer),
+                why: format!("sent a descriptor of rank {}'s memory", d.owner_rank),
+            });
+        }
+        Ok(d)
+    }
+
     /// Decodes what [`MemoryDescriptor::to_bytes`] wrote; anything else is an error.
     pub fn from_bytes(b: &[u8]) -> Result<Self> {
         let bad = |why: &str| Error::invalid("memory descriptor", why.to_string());
@@ -432,6 +450,30 @@ impl Connection for CopyEngineConnection {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_peer_may_describe_only_its_own_memory() {
+        let d = MemoryDescriptor {
+            owner_rank: 2,
+            host_id: 7,
+            bytes: 4096,
+            handle: ShareHandle::PosixFd {
+                export_id: 1,
+                alloc_bytes: 2 << 20,
+                granularity: 2 << 20,
+            },
+        };
+        let b = d.to_bytes();
+        assert_eq!(MemoryDescriptor::from_peer(&b, 0, 2).unwrap(), d);
+        let e = MemoryDescriptor::from_peer(&b, 0, 1)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("rank 2's memory"), "{e}");
+        let e = MemoryDescriptor::from_peer(&b[..5], 0, 2)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("bad memory descriptor"), "{e}");
+    }
 
     #[test]
     fn descriptors_round_trip() {
