@@ -5,11 +5,13 @@
 //! that follows, 16-bit index and ring wrap-around, a doorbell ahead of its record, and relaxed
 //! delivery that only a READ (or idleness) makes visible.
 
-use doorbell::transport::ib::cq::{self, Cqe, CQE_BYTES, EMPTY_OP_OWN};
-use doorbell::transport::ib::emulator::{
+use doorbell::transport::ib::emulated::nic::{
     Delivery, EmulatedNic, HostDma, QpRings, Responder, RingDma,
 };
-use doorbell::transport::ib::wqe::{doorbell_record, opcode, wqebbs, Op, CQ_UPDATE, WQEBB};
+use doorbell::transport::ib::posting::cq::{self, Cqe, CQE_BYTES, EMPTY_OP_OWN};
+use doorbell::transport::ib::posting::wqe::{
+    doorbell_record, opcode, wqebbs, Op, CQ_UPDATE, WQEBB,
+};
 use std::sync::atomic::{fence, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};

@@ -16,7 +16,7 @@ use bytemuck::{Pod, Zeroable};
 use common::{count_wrong, fill, rank_counts, rank_main, run_case};
 use cudarc::driver::{DevicePtr, LaunchConfig, PushKernelArg};
 use doorbell::gpu::cuda::Gpu;
-use doorbell::transport::ib::wqe::{
+use doorbell::transport::ib::posting::wqe::{
     opcode, Op, SendQueue, CQ_UPDATE, FENCE, MAX_INLINE, SOLICITED, WQEBB,
 };
 use ib_puts::device_bytes;
@@ -290,8 +290,8 @@ fn gpu_built_wqes_equal_the_cpu_builders() {
 #[ignore = "needs GPU"]
 fn gpu_posted_writes_and_atomics_through_the_emulated_nic() {
     use doorbell::device_api::WaitSite;
-    use doorbell::transport::ib::emulator::{Delivery, EmulatedNic};
-    use doorbell::transport::ib::gpu_qp::{CudaDma, GpuQp, Posting, RingPlacement};
+    use doorbell::transport::ib::emulated::nic::{Delivery, EmulatedNic};
+    use doorbell::transport::ib::posting::gpu_qp::{CudaDma, GpuQp, Posting, RingPlacement};
     use std::sync::Arc;
     let gpu = Gpu::open(0).expect("GPU 0");
     let s = gpu.new_stream().unwrap();
@@ -362,8 +362,8 @@ fn null_path_bench(
 #[test]
 #[ignore = "needs GPU"]
 fn gpu_posting_rate_through_the_emulated_nic() {
-    use doorbell::transport::ib::emulator::{Delivery, EmulatedNic, NullDma};
-    use doorbell::transport::ib::gpu_qp::{GpuQp, Posting};
+    use doorbell::transport::ib::emulated::nic::{Delivery, EmulatedNic, NullDma};
+    use doorbell::transport::ib::posting::gpu_qp::{GpuQp, Posting};
     use std::sync::Arc;
     let (gpu, s, buf, site) = null_path_bench(8192);
     let base = buf.device_ptr(&s).0;
@@ -427,8 +427,8 @@ fn gpu_posting_rate_through_the_emulated_nic() {
 #[ignore = "needs GPU"]
 fn gpu_posting_cost_of_a_decode_dispatch_through_the_emulated_nic() {
     use doorbell::device_api::IbQpHandle;
-    use doorbell::transport::ib::emulator::{Delivery, EmulatedNic, NullDma};
-    use doorbell::transport::ib::gpu_qp::{GpuQp, Posting};
+    use doorbell::transport::ib::emulated::nic::{Delivery, EmulatedNic, NullDma};
+    use doorbell::transport::ib::posting::gpu_qp::{GpuQp, Posting};
     use std::sync::Arc;
     let (gpu, s, buf, site) = null_path_bench(4096);
     let base = buf.device_ptr(&s).0;
@@ -537,8 +537,8 @@ fn ring(
     s: &std::sync::Arc<cudarc::driver::CudaStream>,
     relaxed: bool,
 ) {
-    use doorbell::transport::ib::emulator::{Delivery, EmulatedNic};
-    use doorbell::transport::ib::gpu_qp::{CudaDma, GpuQp, Posting};
+    use doorbell::transport::ib::emulated::nic::{Delivery, EmulatedNic};
+    use doorbell::transport::ib::posting::gpu_qp::{CudaDma, GpuQp, Posting};
     use std::sync::Arc;
     let (me, n) = (comm.rank(), comm.world_size());
     let (right, left) = ((me + 1) % n, (me + n - 1) % n);
@@ -718,8 +718,8 @@ fn error_cqe(
     warp: bool,
 ) {
     common::fault_on_purpose();
-    use doorbell::transport::ib::emulator::{Delivery, EmulatedNic};
-    use doorbell::transport::ib::gpu_qp::{CudaDma, GpuQp, Posting};
+    use doorbell::transport::ib::emulated::nic::{Delivery, EmulatedNic};
+    use doorbell::transport::ib::posting::gpu_qp::{CudaDma, GpuQp, Posting};
     use doorbell::{Error, WaitKind};
     use std::sync::Arc;
     if comm.rank() != 0 {
@@ -797,7 +797,7 @@ fn error_cqe(
             assert_eq!(what, WaitKind::IbError);
             assert_eq!(
                 seen,
-                u64::from(doorbell::transport::ib::cq::syndrome::REMOTE_ACCESS)
+                u64::from(doorbell::transport::ib::posting::cq::syndrome::REMOTE_ACCESS)
             );
         }
         other => panic!("expected Timeout with IbError, got {other:?}"),

@@ -44,7 +44,7 @@ fn rust_files(dir: &Path, out: &mut Vec<PathBuf>) {
     }
 }
 
-/// `src/transport/ib/emulator.rs` -> `transport::ib::emulator`.
+/// `src/transport/ib/emulated/nic.rs` -> `transport::ib::emulated::nic`.
 fn module_of(src: &Path, file: &Path) -> String {
     let rel = file
         .strip_prefix(src)
@@ -484,8 +484,8 @@ fn device_headers_stand_alone_and_include_no_cycle() {
 /// go through `gpu::cuda` (`copy_async` and its kin); a new direct call elsewhere fails here.
 const RAW_DRIVER_ROOMS: &[&str] = &[
     "transport::ipc",
-    "transport::ib::rdma_core",
-    "transport::ib::gpu_qp",
+    "transport::ib::boundary::rdma_core",
+    "transport::ib::posting::gpu_qp",
     "bin::doorbell-info",
 ];
 

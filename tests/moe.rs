@@ -14,7 +14,7 @@ use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, PushKernelArg};
 use doorbell::collectives::moe::{reference_layout, MoeConfig, MoeHighThroughput};
 use doorbell::communicator::Communicator;
-use doorbell::transport::ib::emulator::Traffic;
+use doorbell::transport::ib::emulated::nic::Traffic;
 use half::bf16;
 use std::sync::Arc;
 

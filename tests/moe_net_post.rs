@@ -18,8 +18,8 @@
 use cudarc::driver::{DevicePtr, LaunchConfig, PushKernelArg};
 use doorbell::device_api::{IbPortLink, MoeNetArgs, PortChannelHandle, WaitSite};
 use doorbell::gpu::cuda::Gpu;
-use doorbell::transport::ib::emulator::{Delivery, EmulatedNic, NullDma};
-use doorbell::transport::ib::gpu_qp::{GpuQp, Posting, RingPlacement};
+use doorbell::transport::ib::emulated::nic::{Delivery, EmulatedNic, NullDma};
+use doorbell::transport::ib::posting::gpu_qp::{GpuQp, Posting, RingPlacement};
 use std::sync::Arc;
 
 const HIDDEN: usize = 7168;

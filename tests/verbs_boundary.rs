@@ -7,16 +7,16 @@
 
 use doorbell::job::bootstrap::{Bootstrap, BootstrapConfig};
 use doorbell::job::launch::free_port;
-use doorbell::transport::ib::conn::{
-    connect_peers, exchange_regions, ConnectedQp, Endpoint, IbDevice, QueuePair, Registration,
-};
-use doorbell::transport::ib::emulated::{Emulated, Fabric, PortConfig};
-use doorbell::transport::ib::emulator::{Delivery, EmulatedNic, HostDma};
-use doorbell::transport::ib::provider::{
+use doorbell::transport::ib::boundary::provider::{
     access, mask, mtu_code, wc_status, Memory, Provider, QpId, QpState, SendWr, WorkCompletion,
 };
-use doorbell::transport::ib::verbs::{LinkLayer, QpAttr};
-use doorbell::transport::ib::wqe::Op;
+use doorbell::transport::ib::boundary::verbs::{LinkLayer, QpAttr};
+use doorbell::transport::ib::emulated::nic::{Delivery, EmulatedNic, HostDma};
+use doorbell::transport::ib::emulated::{Emulated, Fabric, PortConfig};
+use doorbell::transport::ib::posting::conn::{
+    connect_peers, exchange_regions, ConnectedQp, Endpoint, IbDevice, QueuePair, Registration,
+};
+use doorbell::transport::ib::posting::wqe::Op;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -641,7 +641,7 @@ fn reads_beyond_max_dest_rd_atomic_are_a_remote_invalid_request() {
 /// nearest a GPU fails with the reason, which the communicator logs before taking Ethernet.
 #[test]
 fn the_rdma_core_provider_says_why_it_cannot_open_a_nic() {
-    use doorbell::transport::ib::rdma_core::RdmaCore;
+    use doorbell::transport::ib::boundary::rdma_core::RdmaCore;
     match RdmaCore::open_nearest("0000:1b:00.0", None) {
         Ok((nic, choice)) => {
             // A machine with a NIC: it opened the one it chose.
@@ -683,7 +683,7 @@ fn queue_pair_numbers_stay_unique_across_many_creations() {
 #[test]
 fn posting_modes_on_the_emulated_provider() {
     use doorbell::job::config::IbPosting;
-    use doorbell::transport::ib::select::{posting_for, Platform, PostingMode};
+    use doorbell::transport::ib::posting::select::{posting_for, Platform, PostingMode};
     let fabric = Fabric::for_job(&tag()).unwrap();
     let dev = nic(4, &fabric, PortConfig::default());
     let p = dev.provider().as_ref();

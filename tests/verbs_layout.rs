@@ -4,9 +4,11 @@
 //! headers: `apt install libibverbs-dev`, as `scripts/install-test-deps.sh` does), and loading
 //! libibverbs at run time where it is installed.
 
-use doorbell::transport::ib::hw::{DvCq, DvObj, DvQp};
-use doorbell::transport::ib::rdma_core::{SendWrRaw, Sge, WcRaw, CTX_POLL_CQ, CTX_POST_SEND};
-use doorbell::transport::ib::verbs::{
+use doorbell::transport::ib::boundary::mlx5dv::{DvCq, DvObj, DvQp};
+use doorbell::transport::ib::boundary::rdma_core::{
+    SendWrRaw, Sge, WcRaw, CTX_POLL_CQ, CTX_POST_SEND,
+};
+use doorbell::transport::ib::boundary::verbs::{
     AhAttr, DeviceAttr, GidEntry, GlobalRoute, MrRaw, PortAttr, QpAttr, QpCap, QpInitAttr, QpRaw,
     Verbs,
 };
@@ -377,7 +379,7 @@ fn the_rdma_core_provider_opens_or_says_why_not() {
     let verbs = std::sync::Arc::new(verbs);
     let kernel = sysfs_devices();
     let name = kernel.first().cloned().unwrap_or_else(|| "mlx5_0".into());
-    match doorbell::transport::ib::rdma_core::RdmaCore::open(verbs, &name) {
+    match doorbell::transport::ib::boundary::rdma_core::RdmaCore::open(verbs, &name) {
         Ok(_) => {
             assert!(
                 !kernel.is_empty(),

@@ -1,5 +1,5 @@
 //! Golden WQE bytes (issue 6): every opcode this library posts, inline and not, signaled or not,
-//! at positions that wrap around the send queue, built by `doorbell::transport::ib::wqe` and by a C
+//! at positions that wrap around the send queue, built by `doorbell::transport::ib::posting::wqe` and by a C
 //! program using rdma-core's own `mlx5dv.h` (its `mlx5dv_set_ctrl_seg` / `mlx5dv_set_data_seg`
 //! helpers, and its segment structs where no helper exists), compared byte for byte.
 //!
@@ -8,7 +8,7 @@
 
 mod c_program;
 
-use doorbell::transport::ib::wqe::{Op, SendQueue, CQ_UPDATE, FENCE, WQEBB};
+use doorbell::transport::ib::posting::wqe::{Op, SendQueue, CQ_UPDATE, FENCE, WQEBB};
 
 const GOLDEN_C: &str = r#"
 #include <endian.h>

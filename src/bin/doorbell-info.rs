@@ -6,9 +6,9 @@
 use cudarc::driver::sys;
 use doorbell::gpu::cuda::{check, device_count, Gpu};
 use doorbell::job::config::{IbPosting, Settings};
-use doorbell::transport::ib::select::{choose_posting, gpu_registration, Platform};
+use doorbell::transport::ib::boundary::verbs::{choose_gid, Verbs};
+use doorbell::transport::ib::posting::select::{choose_posting, gpu_registration, Platform};
 use doorbell::transport::ib::topology::{assign_nics, HcaFilter, NicCandidate, NicChoice, PciPath};
-use doorbell::transport::ib::verbs::{choose_gid, Verbs};
 
 const HELP: &str = "doorbell-info: GPUs, peer access, RDMA NICs, the NIC each GPU would use, \
 IBGDA prerequisites, and the transport and posting mode doorbell would use between each pair of \

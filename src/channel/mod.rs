@@ -5,7 +5,7 @@
 //! PortChannels (kernels push triggers that a proxy carries over a transport,
 //! [`port_channel`]), and the proxy service ([`proxy`]: its tables, its thread) with the host
 //! side of its device-to-host FIFO ([`fifo`]) and its thread's place ([`placement`]). The
-//! communicator hands each channel set its state as a [`wiring::Wiring`] and the channel modules
+//! communicator hands each channel set its state as a `wiring::Wiring` and the channel modules
 //! build from it; their device handles are in [`crate::device_api`].
 
 pub mod fifo;

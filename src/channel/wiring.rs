@@ -10,8 +10,8 @@ use crate::gpu::cuda::Gpu;
 use crate::gpu::wait::WaitDiagnostics;
 use crate::job::bootstrap::Bootstrap;
 use crate::job::topology::Topology;
-use crate::transport::ib::conn::IbDevice;
-use crate::transport::ib::select::PostingMode;
+use crate::transport::ib::posting::conn::IbDevice;
+use crate::transport::ib::posting::select::PostingMode;
 use crate::transport::ipc::RemoteMemory;
 use std::sync::Arc;
 

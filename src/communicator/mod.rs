@@ -296,7 +296,7 @@ impl Communicator {
     /// With `DOORBELL_IB_EMULATE=1`: what this rank's emulated NIC has executed as requester so
     /// far (every queue pair: the proxy's and the kernels'), for tests that count what crossed
     /// the network. `None` with a real NIC or none.
-    pub fn emulated_nic_traffic(&self) -> Option<crate::transport::ib::emulator::Traffic> {
+    pub fn emulated_nic_traffic(&self) -> Option<crate::transport::ib::emulated::nic::Traffic> {
         self.ib
             .as_ref()
             .and_then(|ib| ib.emulated.as_ref())
@@ -517,7 +517,7 @@ impl Communicator {
     /// [`crate::channel::port_channel::ROUTES`] that reaches it: same-host peers copy engines
     /// into `p`'s memory mapped by CUDA IPC; peers on other nodes (every peer, with
     /// `DOORBELL_SEPARATE_NODES=1`) RDMA work requests on this rank's NIC where it reaches them
-    /// (`DOORBELL_IB_EMULATE=1`: the emulated NIC, [`Transport::Ib`]), else the proxies over TCP
+    /// (`DOORBELL_IB_EMULATE=1`: the emulated NIC, [`crate::channel::port_channel::Transport::Ib`]), else the proxies over TCP
     /// ([`crate::transport::ethernet`]).
     pub fn port_channels(
         &self,

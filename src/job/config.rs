@@ -169,7 +169,7 @@ pub struct Settings {
 /// Who posts RDMA work (`DOORBELL_IB_POSTING`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum IbPosting {
-    /// Chosen from the NIC and the platform (see `transport::ib::select::choose_posting`).
+    /// Chosen from the NIC and the platform (see `transport::ib::posting::select::choose_posting`).
     Auto,
     /// The GPU writes WQEs and rings the doorbell.
     Ibgda,

@@ -5,7 +5,7 @@
 //! [`MemoryDescriptor`] is what crosses between ranks: plain bytes, no pointers that mean
 //! anything outside the owner. Every mapping is released by `Drop`, on error paths too.
 //!
-//! [`CopyEngineConnection`] is the proxy's link over such a mapping (copy-engine copies).
+//! `CopyEngineConnection` is the proxy's link over such a mapping (copy-engine copies).
 //!
 //! This module never decides which peers share a host; the communicator does.
 

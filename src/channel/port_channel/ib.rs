@@ -11,11 +11,13 @@ use crate::channel::wiring::Wiring;
 use crate::device_api::{IbPortLink, IbQpHandle};
 use crate::error::{Error, Result};
 use crate::gpu::cuda::cuda_err;
-use crate::transport::ib::conn::{connect_peers, exchange_regions, ConnectedQp, Registration};
-use crate::transport::ib::gpu_qp::{MappedQp, Posting};
-use crate::transport::ib::poster::{HostPoster, IbConnection};
-use crate::transport::ib::provider::{access, Memory};
-use crate::transport::ib::select::PostingMode;
+use crate::transport::ib::boundary::provider::{access, Memory};
+use crate::transport::ib::posting::conn::{
+    connect_peers, exchange_regions, ConnectedQp, Registration,
+};
+use crate::transport::ib::posting::gpu_qp::{MappedQp, Posting};
+use crate::transport::ib::posting::poster::{HostPoster, IbConnection};
+use crate::transport::ib::posting::select::PostingMode;
 use crate::transport::ipc::RemoteMemory;
 use cudarc::driver::DevicePtr;
 use std::sync::Arc;

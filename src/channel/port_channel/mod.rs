@@ -2,11 +2,11 @@
 //! carries them over the peer's transport (copy engines into CUDA IPC mappings, RDMA work
 //! requests on a queue pair, or TCP between proxies).
 //!
-//! [`connect`] wires one channel set: each peer gets the first transport of [`ROUTES`] that
+//! `connect` wires one channel set: each peer gets the first transport of [`ROUTES`] that
 //! reaches it (the choice and its reason logged), each transport's part of the set-up is one file
-//! here ([`ipc`], [`ib`], [`ethernet`]: what it registers, exchanges and connects, and the
+//! here (`ipc`, `ib`, `ethernet`: what it registers, exchanges and connects, and the
 //! proxy [`crate::transport::Connection`] it adds), and the channels come out in rank order. The
-//! communicator hands in its state as a [`Wiring`]; it decides nothing about transports.
+//! communicator hands in its state as a `Wiring`; it decides nothing about transports.
 
 mod ethernet;
 mod ib;
@@ -19,7 +19,7 @@ use crate::channel::wiring::Wiring;
 use crate::device_api::PortChannelHandle;
 use crate::error::Result;
 use crate::transport::ethernet::NetReceiver;
-use crate::transport::ib::conn::Registration;
+use crate::transport::ib::posting::conn::Registration;
 use crate::transport::ipc::RemoteMemory;
 use std::sync::Arc;
 
@@ -45,7 +45,7 @@ pub struct PortChannel {
 /// What a PortChannel whose kernels post RDMA work keeps alive: its queue pair, the link kernels
 /// read, the scratch words the NIC writes.
 pub(crate) struct GpuLink {
-    pub(crate) _qps: Vec<crate::transport::ib::gpu_qp::MappedQp>,
+    pub(crate) _qps: Vec<crate::transport::ib::posting::gpu_qp::MappedQp>,
     pub(crate) _link: cudarc::driver::CudaSlice<u8>,
     pub(crate) _scratch: cudarc::driver::CudaSlice<u8>,
 }
@@ -65,8 +65,8 @@ pub enum Transport {
 
 /// The transports a PortChannel may take, in the order they are tried: the first that reaches a
 /// peer carries its channel. A new transport is its [`crate::transport::Connection`] in its
-/// folder of `transport/`, its wiring in one file beside [`ipc`], [`ib`] and [`ethernet`], an
-/// entry here, and an arm in [`Wiring::reaches`] and in [`connect`].
+/// folder of `transport/`, its wiring in one file beside `ipc`, `ib` and `ethernet`, an
+/// entry here, and an arm in `Wiring::reaches` and in `connect`.
 pub const ROUTES: [Transport; 3] = [Transport::CudaIpc, Transport::Ib, Transport::Ethernet];
 
 impl Wiring<'_> {

@@ -28,7 +28,7 @@ pub enum Algorithm {
     TwoShotSentinel,
     /// Pipelined reduce-scatter + all-gather through scratch, with semaphores.
     Pipelined,
-    /// Two-shot straight between registered windows ([`AllReduce::register_window`]): each
+    /// Two-shot straight between registered windows ([`super::AllReduce::register_window`]): each
     /// rank reads every peer's input and writes every peer's output over NVLink, nothing staged.
     /// Calls whose buffers are not in windows fall back to [`Algorithm::Pipelined`].
     TwoShotDirect,
@@ -158,7 +158,7 @@ impl Element for f32 {
     const DTYPE: DataType = DataType::F32;
 }
 
-/// Knobs of an [`AllReduce`]. The defaults are what the measurements chose.
+/// Knobs of an [`super::AllReduce`]. The defaults are what the measurements chose.
 #[derive(Debug, Clone)]
 pub struct AllReduceOptions {
     /// Always use this algorithm (else `DOORBELL_ALLREDUCE_ALGO`, else [`Algorithm::choose`]).

@@ -25,7 +25,7 @@ pub struct BootstrapConfig {
     pub secret: Vec<u8>,
     /// Deadline of every bootstrap wait.
     pub timeout: Duration,
-    /// A peer silent this long counts as failed ([`Bootstrap::health`]); heartbeats go out at a
+    /// A peer silent this long counts as failed ([`super::Bootstrap::health`]); heartbeats go out at a
     /// tenth of it. Zero: no heartbeats.
     pub heartbeat: Duration,
 }

@@ -241,7 +241,7 @@ pub struct NicCandidate {
 
 /// The RDMA devices `<sysfs>/class/infiniband` lists, one candidate per port, with the state
 /// each `ports/<n>/state` reports (`4: ACTIVE`; `5: ACTIVE_DEFER` counts as active, as in
-/// [`super::verbs::Port::active`]). No directory means no devices. For when
+/// [`crate::transport::ib::boundary::verbs::Port::active`]). No directory means no devices. For when
 /// libibverbs is not at hand; it lists the same devices.
 pub fn nics_in_sysfs(sysfs: &Path) -> Result<Vec<NicCandidate>> {
     let class = sysfs.join("class/infiniband");

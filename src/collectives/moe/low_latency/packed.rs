@@ -213,7 +213,7 @@ impl MoeLowLatency {
         self.world
     }
 
-    /// DeepEP's low-latency dispatch (built with [`MoeConfig::with_deep_ep_layout`]), both
+    /// DeepEP's low-latency dispatch (built with [`crate::collectives::moe::MoeConfig::with_deep_ep_layout`]), both
     /// halves: `x [num_tokens, hidden]` bf16 goes to the ranks of its `topk_idx [num_tokens,
     /// topk]` i32 experts (-1: none), and `out` receives this rank's rows packed per local
     /// expert, source rank 0's first, with their source tokens, ranges and counts (see

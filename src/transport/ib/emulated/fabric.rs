@@ -6,10 +6,10 @@
 
 use super::lock;
 use crate::error::{Error, Result};
-use crate::transport::ib::cq;
-use crate::transport::ib::emulator::{access, Gate};
-use crate::transport::ib::provider::{gid_text, mtu_bytes, QpState};
-use crate::transport::ib::wqe::opcode;
+use crate::transport::ib::boundary::provider::{gid_text, mtu_bytes, QpState};
+use crate::transport::ib::emulated::nic::{access, Gate};
+use crate::transport::ib::posting::cq;
+use crate::transport::ib::posting::wqe::opcode;
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};

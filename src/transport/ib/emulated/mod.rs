@@ -1,5 +1,5 @@
-//! The emulated provider: the verbs calls of [`super::provider::Provider`] answered by the
-//! emulated mlx5 NIC ([`super::emulator`]), refusing what a ConnectX refuses:
+//! The emulated provider: the verbs calls of [`crate::transport::ib::boundary::provider::Provider`] answered by the
+//! emulated mlx5 NIC ([`crate::transport::ib::emulated::nic`]), refusing what a ConnectX refuses:
 //!
 //! - `ibv_modify_qp` out of order (RESET -> INIT -> RTR -> RTS; any state -> RESET or ERR), or
 //!   without the attributes the transition needs (the error lists the missing `IBV_QP_*`), a path
@@ -20,19 +20,20 @@
 //! reaches a peer's memory through that memory's CUDA IPC mapping ([`Provider::attach_remote`]).
 
 mod fabric;
+pub mod nic;
 
 pub use fabric::Fabric;
 use fabric::{EmuGate, QpConf};
 
-use super::cq::{CQE_BYTES, EMPTY_OP_OWN};
-use super::emulator::{access, EmulatedNic, QpRings};
-use super::host_qp::HostQp;
-use super::provider::{
+use crate::error::{Error, Result};
+use crate::transport::ib::boundary::provider::{
     mask, mtu_bytes, Cq, Memory, MrKeys, Pd, Provider, QpId, QpState, Rings, SendWr, WorkCompletion,
 };
-use super::verbs::{Gid, GidType, LinkLayer, Port, QpAttr, QpCap};
-use super::wqe::WQEBB;
-use crate::error::{Error, Result};
+use crate::transport::ib::boundary::verbs::{Gid, GidType, LinkLayer, Port, QpAttr, QpCap};
+use crate::transport::ib::emulated::nic::{access, EmulatedNic, QpRings};
+use crate::transport::ib::posting::cq::{CQE_BYTES, EMPTY_OP_OWN};
+use crate::transport::ib::posting::host_qp::HostQp;
+use crate::transport::ib::posting::wqe::WQEBB;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
@@ -180,7 +181,7 @@ impl Emulated {
                 format!("id {id}: 1 to 4095 (at most 4095 ranks)"),
             ));
         }
-        if super::provider::mtu_code(config.mtu) == 0 {
+        if crate::transport::ib::boundary::provider::mtu_code(config.mtu) == 0 {
             return Err(Error::invalid(
                 "emulated NIC",
                 format!("MTU {}: 256, 512, 1024, 2048 or 4096", config.mtu),
@@ -311,7 +312,8 @@ impl Emulated {
                 next.access = a.qp_access_flags;
             }
             QpState::Rtr => {
-                let port_mtu = super::provider::mtu_code(self.port.active_mtu);
+                let port_mtu =
+                    crate::transport::ib::boundary::provider::mtu_code(self.port.active_mtu);
                 if a.path_mtu == 0 || a.path_mtu > port_mtu {
                     return Err(refused(
                         call,
@@ -708,9 +710,9 @@ impl Provider for Emulated {
             out.push(WorkCompletion {
                 wr_id,
                 status: if c.is_error() {
-                    super::provider::wc_status::from_mlx5(c.syndrome)
+                    crate::transport::ib::boundary::provider::wc_status::from_mlx5(c.syndrome)
                 } else {
-                    super::provider::wc_status::SUCCESS
+                    crate::transport::ib::boundary::provider::wc_status::SUCCESS
                 },
                 qpn,
                 byte_len: c.byte_cnt,

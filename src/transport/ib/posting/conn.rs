@@ -1,17 +1,19 @@
 //! Connected RC queue pairs between ranks, made only through the verbs boundary
-//! ([`super::provider::Provider`]): a device opened on one port with its protection domain and
+//! ([`crate::transport::ib::boundary::provider::Provider`]): a device opened on one port with its protection domain and
 //! GID ([`IbDevice`]), registrations that deregister on drop ([`Registration`]), queue pairs that
 //! destroy themselves ([`QueuePair`]), and the exchange that connects every pair of ranks over
 //! the bootstrap ([`connect_peers`]): each rank makes its QPs, all ranks trade endpoints (QPN,
 //! PSN, LID, GID, MTU), then every QP goes RESET -> INIT -> RTR -> RTS towards its peer's.
 
-use super::provider::{
+use crate::error::{Error, Result};
+use crate::job::bootstrap::Bootstrap;
+use crate::transport::ib::boundary::provider::{
     access, mask, mtu_code, Cq, Memory, MrKeys, Pd, Provider, QpId, QpState, RcParams, Rings,
     SendWr, WorkCompletion,
 };
-use super::verbs::{choose_gid, AhAttr, Gid, LinkLayer, Port, QpAttr, QpCap};
-use crate::error::{Error, Result};
-use crate::job::bootstrap::Bootstrap;
+use crate::transport::ib::boundary::verbs::{
+    choose_gid, AhAttr, Gid, LinkLayer, Port, QpAttr, QpCap,
+};
 use std::sync::Arc;
 
 /// What a peer needs to connect to one QP: exchanged over the bootstrap.

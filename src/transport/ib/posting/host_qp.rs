@@ -1,13 +1,13 @@
 //! A queue pair the CPU posts to, on the emulated NIC or a real mlx5 NIC: the poster side of the
 //! proxy mode (a proxy thread turns PortChannel triggers into work requests). WQEs are built by
-//! [`super::wqe`], the doorbell record and doorbell written as rdma-core's `post_send` writes
+//! [`crate::transport::ib::posting::wqe`], the doorbell record and doorbell written as rdma-core's `post_send` writes
 //! them, completions consumed with mlx5's ownership rule. One thread uses it at a time.
 
-use super::cq::{self, Cqe, CQE_BYTES, EMPTY_OP_OWN};
-use super::emulator::{EmulatedNic, QpRings};
-use super::provider::Rings;
-use super::wqe::{doorbell_record, wqebbs, Op, CQ_UPDATE, WQEBB};
 use crate::error::{Error, Result};
+use crate::transport::ib::boundary::provider::Rings;
+use crate::transport::ib::emulated::nic::{EmulatedNic, QpRings};
+use crate::transport::ib::posting::cq::{self, Cqe, CQE_BYTES, EMPTY_OP_OWN};
+use crate::transport::ib::posting::wqe::{doorbell_record, wqebbs, Op, CQ_UPDATE, WQEBB};
 use std::sync::atomic::{fence, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -120,11 +120,11 @@ impl HostQp {
         ))
     }
 
-    /// Posts to the rings of a provider's queue pair (see [`super::provider::Provider::rings`]).
+    /// Posts to the rings of a provider's queue pair (see [`crate::transport::ib::boundary::provider::Provider::rings`]).
     ///
     /// # Safety
     /// The rings stay valid while this value lives, and nothing else posts to them.
-    pub unsafe fn on_rings(r: &super::provider::Rings) -> HostQp {
+    pub unsafe fn on_rings(r: &crate::transport::ib::boundary::provider::Rings) -> HostQp {
         HostQp::with(Backing::Provider, *r)
     }
 
@@ -292,7 +292,7 @@ impl Drop for HostQp {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::transport::ib::emulator::{Delivery, HostDma};
+    use crate::transport::ib::emulated::nic::{Delivery, HostDma};
 
     #[test]
     fn posts_wraps_and_reports_errors() {

@@ -2,15 +2,15 @@
 //! posting modes: building mlx5 WQEs itself on the QP's rings ([`HostPoster::Mlx5`], mlx5 NICs
 //! and the emulated one), or handing work requests to the provider's `ibv_post_send` and
 //! reaping `ibv_poll_cq` ([`HostPoster::Verbs`], any NIC rdma-core drives: EFA, Broadcom, Intel
-//! and other RoCE NICs): post, ring, and positions that complete in order. [`IbConnection`] is
+//! and other RoCE NICs): post, ring, and positions that complete in order. `IbConnection` is
 //! the proxy's link to a peer over one or more such queue pairs.
 
-use super::conn::ConnectedQp;
-use super::host_qp::HostQp;
-use super::provider::{wc_status, SendWr, WorkCompletion};
-use super::wqe::Op;
 use crate::error::{Error, Result};
 use crate::gpu::cuda::{Gpu, HostArray};
+use crate::transport::ib::boundary::provider::{wc_status, SendWr, WorkCompletion};
+use crate::transport::ib::posting::conn::ConnectedQp;
+use crate::transport::ib::posting::host_qp::HostQp;
+use crate::transport::ib::posting::wqe::Op;
 use crate::transport::{Address, Connection, Token};
 use cudarc::driver::{CudaSlice, DevicePtr};
 use std::collections::VecDeque;

@@ -2,9 +2,9 @@
 //! reason, forced by `DOORBELL_IB_POSTING`), and whether GPU memory can be registered. Used by
 //! `doorbell-info`; the Ib transport will use the same answers.
 
-use super::verbs::Nic;
 use crate::error::{Error, Result};
 use crate::job::config::IbPosting;
+use crate::transport::ib::boundary::verbs::Nic;
 
 /// How work requests reach the NIC.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -23,7 +23,7 @@ pub enum PostingMode {
 /// real one; on the emulated NIC the proxy writes mlx5 WQEs unless a mode is forced (it takes
 /// every mode). NICs that are not mlx5 take the verbs proxy whatever is asked, with the reason.
 pub fn posting_for(
-    provider: &dyn super::provider::Provider,
+    provider: &dyn crate::transport::ib::boundary::provider::Provider,
     platform: &Platform,
     forced: IbPosting,
 ) -> (PostingMode, String) {

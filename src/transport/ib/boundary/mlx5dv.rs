@@ -1,8 +1,8 @@
 //! The rings of a real mlx5 NIC's queue pairs, for doorbell's own posters: the send queue,
 //! doorbell record, doorbell register (the UAR's BlueFlame page) and completion queue of a QP
-//! made through rdma-core ([`super::rdma_core`]), found with `mlx5dv_init_obj` (libmlx5 loaded at
+//! made through rdma-core ([`crate::transport::ib::boundary::rdma_core`]), found with `mlx5dv_init_obj` (libmlx5 loaded at
 //! run time) and then posted to by the same code that posts to the emulated NIC: the proxy's
-//! mlx5 poster ([`super::poster::HostPoster`]) or kernels ([`super::gpu_qp::MappedQp`]: the
+//! mlx5 poster ([`crate::transport::ib::posting::poster::HostPoster`]) or kernels ([`crate::transport::ib::posting::gpu_qp::MappedQp`]: the
 //! rings registered into the GPU, the doorbell register with `CU_MEMHOSTREGISTER_IOMEMORY` for
 //! IBGDA, or a host thread ringing for CPU-assisted posting).
 //!
@@ -127,7 +127,7 @@ pub(crate) fn dv_rings(
     qp: *mut c_void,
     cq: *mut c_void,
     qpn: u32,
-) -> Result<super::provider::Rings> {
+) -> Result<crate::transport::ib::boundary::provider::Rings> {
     let mut dv_qp: DvQp = unsafe_zeroed();
     let mut dv_cq: DvCq = unsafe_zeroed();
     let mut obj = DvObj {
@@ -166,7 +166,7 @@ pub(crate) fn dv_rings(
             ),
         });
     }
-    Ok(super::provider::Rings {
+    Ok(crate::transport::ib::boundary::provider::Rings {
         qpn,
         sq: dv_qp.sq_buf as *mut u8,
         sq_wqebbs: u64::from(dv_qp.sq_wqe_cnt),

@@ -1,17 +1,17 @@
 //! The verbs boundary: everything doorbell asks of an RDMA NIC, as one interface with two
-//! providers. [`super::rdma_core::RdmaCore`] calls rdma-core (`libibverbs.so.1` and
-//! `libmlx5.so.1`, loaded at run time); [`super::emulated::Emulated`] answers the same calls with
+//! providers. [`crate::transport::ib::boundary::rdma_core::RdmaCore`] calls rdma-core (`libibverbs.so.1` and
+//! `libmlx5.so.1`, loaded at run time); [`crate::transport::ib::emulated::Emulated`] answers the same calls with
 //! the emulated mlx5 NIC and refuses what a ConnectX would refuse. The communicator and the
 //! proxy reach a NIC only through this trait, so `DOORBELL_IB_EMULATE=1` runs exactly the calls
 //! a ConnectX would receive.
 //!
 //! Objects are named by plain handles ([`Pd`], [`Cq`], [`QpId`], [`MrKeys`]); whoever creates
-//! one destroys it ([`Provider::destroy_qp`] and friends). [`super::conn`] wraps them in owners.
+//! one destroys it ([`Provider::destroy_qp`] and friends). [`crate::transport::ib::posting::conn`] wraps them in owners.
 
-use super::verbs::{Port, QpAttr, QpCap};
-use super::wqe::Op;
 use crate::error::Result;
 use crate::gpu::cuda::Gpu;
+use crate::transport::ib::boundary::verbs::{Port, QpAttr, QpCap};
+use crate::transport::ib::posting::wqe::Op;
 
 /// `IBV_ACCESS_*` flags (verbs.h): what a registration lets the NIC and the peers do (the emulated
 /// NIC checks them as a ConnectX does).
@@ -285,8 +285,8 @@ pub struct RcParams {
     pub max_rd_atomic: u8,
 }
 
-/// Everything doorbell asks of an RDMA NIC. Implemented by rdma-core ([`super::rdma_core`]) and
-/// by the emulated NIC ([`super::emulated`]); errors name the call and the reason.
+/// Everything doorbell asks of an RDMA NIC. Implemented by rdma-core ([`crate::transport::ib::boundary::rdma_core`]) and
+/// by the emulated NIC ([`crate::transport::ib::emulated`]); errors name the call and the reason.
 pub trait Provider: Send + Sync {
     /// The device's name (`mlx5_0`; `emulated_mlx5_<n>`).
     fn device_name(&self) -> &str;

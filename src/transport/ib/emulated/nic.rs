@@ -26,9 +26,9 @@
 //! What it cannot show: that a real ConnectX accepts these WQEs (PRM limits beyond the checks
 //! above), UAR/BlueFlame write-combining, real PCIe ordering, transport retries, performance.
 
-use super::cq::{self, Cqe, CQE_BYTES};
-use super::wqe::{opcode, CQ_UPDATE, DS, INLINE_SEG, WQEBB};
 use crate::error::{Error, Result};
+use crate::transport::ib::posting::cq::{self, Cqe, CQE_BYTES};
+use crate::transport::ib::posting::wqe::{opcode, CQ_UPDATE, DS, INLINE_SEG, WQEBB};
 use std::sync::atomic::{fence, AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
@@ -122,10 +122,10 @@ pub struct Region {
 }
 
 /// `IBV_ACCESS_*` flags (verbs.h), the verbs boundary's (the emulated NIC checks them).
-pub use super::provider::access;
+pub use crate::transport::ib::boundary::provider::access;
 
 /// What a connected queue pair's far end decides, consulted before each of its work requests
-/// executes: the verbs provider ([`super::emulated`]) implements it from both ends' QP state.
+/// executes: the verbs provider ([`crate::transport::ib::emulated`]) implements it from both ends' QP state.
 pub trait Gate: Send + Sync {
     /// `Ok` to go on, or the mlx5 syndrome and the reason the work request fails with. `op` is
     /// the WQE opcode; `rd_in_flight` counts READs and atomics outstanding at the responder,

@@ -14,12 +14,12 @@
 //! for no other work, so registered regions may be GPU memory of this process (or a peer's
 //! mapped into it) and pinned host memory.
 
-use super::cq::{CQE_BYTES, EMPTY_OP_OWN};
-use super::emulator::{Dma, EmulatedNic, QpRings, RingDma};
-use super::wqe::WQEBB;
 use crate::device_api::{IbQpHandle, WaitSite};
 use crate::error::{Error, Result};
 use crate::gpu::cuda::{check, cuda_err, Gpu, HostArray};
+use crate::transport::ib::emulated::nic::{Dma, EmulatedNic, QpRings, RingDma};
+use crate::transport::ib::posting::cq::{CQE_BYTES, EMPTY_OP_OWN};
+use crate::transport::ib::posting::wqe::WQEBB;
 use cudarc::driver::sys;
 use cudarc::driver::{CudaSlice, DevicePtr};
 use std::ffi::c_void;
@@ -579,14 +579,14 @@ pub struct MappedQp {
     handle: IbQpHandle,
     poster: GpuPoster,
     _regs: Registrations,
-    _qp: super::conn::ConnectedQp,
+    _qp: crate::transport::ib::posting::conn::ConnectedQp,
 }
 
 impl MappedQp {
     /// Maps `qp`'s rings into `gpu`; device waits report through `site`.
     pub fn new(
         gpu: &Arc<Gpu>,
-        qp: super::conn::ConnectedQp,
+        qp: crate::transport::ib::posting::conn::ConnectedQp,
         posting: Posting,
         site: WaitSite,
     ) -> Result<MappedQp> {

@@ -8,11 +8,13 @@
 //! mirrors and ops offsets against `verbs.h`, and that opening fails with a reason where there
 //! is no device.
 
-use super::hw::{dv_rings, Mlx5};
-use super::provider::{Cq, Memory, MrKeys, Pd, Provider, QpId, Rings, SendWr, WorkCompletion};
-use super::verbs::{MrRaw, Port, QpAttr, QpCap, QpInitAttr, QpRaw, Verbs};
-use super::wqe::Op;
 use crate::error::{Error, Result};
+use crate::transport::ib::boundary::mlx5dv::{dv_rings, Mlx5};
+use crate::transport::ib::boundary::provider::{
+    Cq, Memory, MrKeys, Pd, Provider, QpId, Rings, SendWr, WorkCompletion,
+};
+use crate::transport::ib::boundary::verbs::{MrRaw, Port, QpAttr, QpCap, QpInitAttr, QpRaw, Verbs};
+use crate::transport::ib::posting::wqe::Op;
 use std::ffi::{c_int, c_void};
 use std::sync::Arc;
 
@@ -129,8 +131,8 @@ impl RdmaCore {
     pub fn open_nearest(
         gpu_bus_id: &str,
         hca: Option<&str>,
-    ) -> Result<(RdmaCore, super::topology::NicChoice)> {
-        use super::topology::{choose_nic, NicCandidate};
+    ) -> Result<(RdmaCore, crate::transport::ib::topology::NicChoice)> {
+        use crate::transport::ib::topology::{choose_nic, NicCandidate};
         let verbs = Arc::new(Verbs::load()?);
         let nics = verbs.devices()?;
         let candidates: Vec<NicCandidate> = nics
