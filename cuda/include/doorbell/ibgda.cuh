@@ -1,6 +1,7 @@
 // doorbell device API: mlx5 work requests built on the GPU (the IBGDA path). Byte layouts follow
-// rdma-core's providers/mlx5/mlx5dv.h, exactly as src/transport/ib/wqe.rs builds them on the CPU (tests
-// compare the two byte for byte; the CPU builder is itself compared with rdma-core's helpers).
+// rdma-core's providers/mlx5/mlx5dv.h, exactly as src/transport/ib/posting/wqe.rs builds them on
+// the CPU (tests compare the two byte for byte; the CPU builder is itself compared with
+// rdma-core's helpers).
 //
 // A send queue is a ring of 2^depth_log2 WQEBBs (64 bytes); a WQE is 16-byte DS units: control,
 // then per opcode remote address, data, inline or atomic segments. Indices count WQEBBs, are
@@ -35,7 +36,7 @@ constexpr uint8_t kSolicited = 1 << 1;
 constexpr uint8_t kFence = 4 << 5;
 constexpr uint32_t kInlineSeg = 0x80000000u;
 
-// Largest inline payload (a WQE of at most 4 WQEBBs), as transport::ib::wqe::MAX_INLINE.
+// Largest inline payload (a WQE of at most 4 WQEBBs), as transport::ib::posting::wqe::MAX_INLINE.
 constexpr uint32_t kMaxInline = 4 * kWqebb - 2 * kDs - 4;
 
 #if DOORBELL_CUDA
