@@ -1,7 +1,8 @@
-//! Golden WQE bytes (issue 6): every opcode this library posts, inline and not, signaled or not,
-//! at positions that wrap around the send queue, built by `doorbell::transport::ib::posting::wqe` and by a C
-//! program using rdma-core's own `mlx5dv.h` (its `mlx5dv_set_ctrl_seg` / `mlx5dv_set_data_seg`
-//! helpers, and its segment structs where no helper exists), compared byte for byte.
+//! Golden WQE bytes (issue 6): every opcode this library posts, inline and not, signaled or not, at
+//! positions that wrap around the send queue, built by `doorbell::transport::ib::posting::wqe` and
+//! by a C program using rdma-core's own `mlx5dv.h` (its `mlx5dv_set_ctrl_seg` /
+//! `mlx5dv_set_data_seg` helpers, and its segment structs where no helper exists), compared byte
+//! for byte.
 //!
 //! Needs a C compiler and rdma-core's headers (`apt install libibverbs-dev`; `.ci/run` installs
 //! them). Nothing is linked: the helpers are inline.

@@ -239,10 +239,10 @@ pub struct NicCandidate {
     pub active: bool,
 }
 
-/// The RDMA devices `<sysfs>/class/infiniband` lists, one candidate per port, with the state
-/// each `ports/<n>/state` reports (`4: ACTIVE`; `5: ACTIVE_DEFER` counts as active, as in
-/// [`crate::transport::ib::boundary::verbs::Port::active`]). No directory means no devices. For when
-/// libibverbs is not at hand; it lists the same devices.
+/// The RDMA devices `<sysfs>/class/infiniband` lists, one candidate per port, with the state each
+/// `ports/<n>/state` reports (`4: ACTIVE`; `5: ACTIVE_DEFER` counts as active, as in
+/// [`crate::transport::ib::boundary::verbs::Port::active`]). No directory means no devices. For
+/// when libibverbs is not at hand; it lists the same devices.
 pub fn nics_in_sysfs(sysfs: &Path) -> Result<Vec<NicCandidate>> {
     let class = sysfs.join("class/infiniband");
     let entries = match std::fs::read_dir(&class) {

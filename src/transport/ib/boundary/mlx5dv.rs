@@ -1,13 +1,16 @@
 //! The rings of a real mlx5 NIC's queue pairs, for doorbell's own posters: the send queue,
 //! doorbell record, doorbell register (the UAR's BlueFlame page) and completion queue of a QP
-//! made through rdma-core ([`crate::transport::ib::boundary::rdma_core`]), found with `mlx5dv_init_obj` (libmlx5 loaded at
-//! run time) and then posted to by the same code that posts to the emulated NIC: the proxy's
-//! mlx5 poster ([`crate::transport::ib::posting::poster::HostPoster`]) or kernels ([`crate::transport::ib::posting::gpu_qp::MappedQp`]: the
-//! rings registered into the GPU, the doorbell register with `CU_MEMHOSTREGISTER_IOMEMORY` for
-//! IBGDA, or a host thread ringing for CPU-assisted posting).
+//! made through rdma-core ([`crate::transport::ib::boundary::rdma_core`]), found with
+//! `mlx5dv_init_obj` (libmlx5 loaded at run time) and then posted to by the same code that posts
+//! to the emulated NIC: the proxy's mlx5 poster
+//! ([`crate::transport::ib::posting::poster::HostPoster`]) or kernels
+//! ([`crate::transport::ib::posting::gpu_qp::MappedQp`]: the rings registered into the GPU, the
+//! doorbell register with `CU_MEMHOSTREGISTER_IOMEMORY` for IBGDA, or a host thread ringing for
+//! CPU-assisted posting).
 //!
-//! The send queue and CQ stay in the host memory libmlx5 allocated (the bring-up path of
-//! `shared/reference/ibgda.md` 1.1, option 2: no DEVX, slower than GPU-memory rings).
+//! The send queue and CQ stay in the host memory libmlx5 allocated: plain verbs and
+//! `mlx5dv_init_obj`, no DEVX (NVSHMEM's and DOCA's IBGDA create their rings in GPU memory through
+//! DEVX instead, which is faster and needs the PRM layouts).
 //!
 //! **Never run on a NIC**: the machines of this project have none. The struct mirrors are checked
 //! against `mlx5dv.h` in CI (`tests/verbs_layout.rs`); `tests/ib_hw.rs` is the hardware test

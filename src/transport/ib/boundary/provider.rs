@@ -1,12 +1,13 @@
 //! The verbs boundary: everything doorbell asks of an RDMA NIC, as one interface with two
-//! providers. [`crate::transport::ib::boundary::rdma_core::RdmaCore`] calls rdma-core (`libibverbs.so.1` and
-//! `libmlx5.so.1`, loaded at run time); [`crate::transport::ib::emulated::Emulated`] answers the same calls with
-//! the emulated mlx5 NIC and refuses what a ConnectX would refuse. The communicator and the
-//! proxy reach a NIC only through this trait, so `DOORBELL_IB_EMULATE=1` runs exactly the calls
-//! a ConnectX would receive.
+//! providers. [`crate::transport::ib::boundary::rdma_core::RdmaCore`] calls rdma-core
+//! (`libibverbs.so.1` and `libmlx5.so.1`, loaded at run time);
+//! [`crate::transport::ib::emulated::Emulated`] answers the same calls with the emulated mlx5 NIC
+//! and refuses what a ConnectX would refuse. The communicator and the proxy reach a NIC only
+//! through this trait, so `DOORBELL_IB_EMULATE=1` runs exactly the calls a ConnectX would receive.
 //!
 //! Objects are named by plain handles ([`Pd`], [`Cq`], [`QpId`], [`MrKeys`]); whoever creates
-//! one destroys it ([`Provider::destroy_qp`] and friends). [`crate::transport::ib::posting::conn`] wraps them in owners.
+//! one destroys it ([`Provider::destroy_qp`] and friends). [`crate::transport::ib::posting::conn`]
+//! wraps them in owners.
 
 use crate::error::Result;
 use crate::gpu::cuda::Gpu;
@@ -285,8 +286,9 @@ pub struct RcParams {
     pub max_rd_atomic: u8,
 }
 
-/// Everything doorbell asks of an RDMA NIC. Implemented by rdma-core ([`crate::transport::ib::boundary::rdma_core`]) and
-/// by the emulated NIC ([`crate::transport::ib::emulated`]); errors name the call and the reason.
+/// Everything doorbell asks of an RDMA NIC. Implemented by rdma-core
+/// ([`crate::transport::ib::boundary::rdma_core`]) and by the emulated NIC
+/// ([`crate::transport::ib::emulated`]); errors name the call and the reason.
 pub trait Provider: Send + Sync {
     /// The device's name (`mlx5_0`; `emulated_mlx5_<n>`).
     fn device_name(&self) -> &str;

@@ -367,7 +367,8 @@ type QueryPort = unsafe extern "C" fn(*mut c_void, u8, *mut PortAttr) -> c_int;
 type QueryGidEx = unsafe extern "C" fn(*mut c_void, u32, u32, *mut GidEntry, u32, usize) -> c_int;
 type RegDmabufMr = unsafe extern "C" fn(*mut c_void, u64, usize, u64, c_int, c_int) -> *mut MrRaw;
 
-/// The verbs calls the rdma-core provider ([`crate::transport::ib::boundary::rdma_core`]) makes, resolved at load.
+/// The verbs calls the rdma-core provider ([`crate::transport::ib::boundary::rdma_core`]) makes,
+/// resolved at load.
 #[allow(missing_docs)]
 pub struct Fns {
     pub close_device: CloseDevice,

@@ -1,5 +1,6 @@
-//! The emulated provider: the verbs calls of [`crate::transport::ib::boundary::provider::Provider`] answered by the
-//! emulated mlx5 NIC ([`crate::transport::ib::emulated::nic`]), refusing what a ConnectX refuses:
+//! The emulated provider: the verbs calls of [`crate::transport::ib::boundary::provider::Provider`]
+//! answered by the emulated mlx5 NIC ([`crate::transport::ib::emulated::nic`]), refusing what a
+//! ConnectX refuses:
 //!
 //! - `ibv_modify_qp` out of order (RESET -> INIT -> RTR -> RTS; any state -> RESET or ERR), or
 //!   without the attributes the transition needs (the error lists the missing `IBV_QP_*`), a path

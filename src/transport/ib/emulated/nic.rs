@@ -125,7 +125,8 @@ pub struct Region {
 pub use crate::transport::ib::boundary::provider::access;
 
 /// What a connected queue pair's far end decides, consulted before each of its work requests
-/// executes: the verbs provider ([`crate::transport::ib::emulated`]) implements it from both ends' QP state.
+/// executes: the verbs provider ([`crate::transport::ib::emulated`]) implements it from both ends'
+/// QP state.
 pub trait Gate: Send + Sync {
     /// `Ok` to go on, or the mlx5 syndrome and the reason the work request fails with. `op` is
     /// the WQE opcode; `rd_in_flight` counts READs and atomics outstanding at the responder,

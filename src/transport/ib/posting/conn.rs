@@ -1,9 +1,10 @@
 //! Connected RC queue pairs between ranks, made only through the verbs boundary
-//! ([`crate::transport::ib::boundary::provider::Provider`]): a device opened on one port with its protection domain and
-//! GID ([`IbDevice`]), registrations that deregister on drop ([`Registration`]), queue pairs that
-//! destroy themselves ([`QueuePair`]), and the exchange that connects every pair of ranks over
-//! the bootstrap ([`connect_peers`]): each rank makes its QPs, all ranks trade endpoints (QPN,
-//! PSN, LID, GID, MTU), then every QP goes RESET -> INIT -> RTR -> RTS towards its peer's.
+//! ([`crate::transport::ib::boundary::provider::Provider`]): a device opened on one port with its
+//! protection domain and GID ([`IbDevice`]), registrations that deregister on drop
+//! ([`Registration`]), queue pairs that destroy themselves ([`QueuePair`]), and the exchange that
+//! connects every pair of ranks over the bootstrap ([`connect_peers`]): each rank makes its QPs,
+//! all ranks trade endpoints (QPN, PSN, LID, GID, MTU), then every QP goes RESET -> INIT -> RTR ->
+//! RTS towards its peer's.
 
 use crate::error::{Error, Result};
 use crate::job::bootstrap::Bootstrap;

@@ -1,6 +1,6 @@
-//! mlx5 completion queue entries (`struct mlx5_cqe64`, 64 bytes) as a ConnectX writes them and a
-//! poller reads them (facts in `shared/reference/ibgda.md` section 2.5). The emulated NIC writes
-//! these; the CPU and GPU pollers read them.
+//! mlx5 completion queue entries (`struct mlx5_cqe64`, 64 bytes, rdma-core's
+//! `providers/mlx5/mlx5dv.h`) as a ConnectX writes them and a poller reads them. The emulated NIC
+//! writes these; the CPU and GPU pollers read them.
 //!
 //! Layout (big-endian fields): `imm_inval_pkey` at 36, `byte_cnt` at 44, `sop_drop_qpn` at 56
 //! (`[31:24]` opcode of the completed send WQE, `[23:0]` QPN), `wqe_counter` at 60 (16-bit index of

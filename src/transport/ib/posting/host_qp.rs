@@ -1,7 +1,8 @@
 //! A queue pair the CPU posts to, on the emulated NIC or a real mlx5 NIC: the poster side of the
 //! proxy mode (a proxy thread turns PortChannel triggers into work requests). WQEs are built by
-//! [`crate::transport::ib::posting::wqe`], the doorbell record and doorbell written as rdma-core's `post_send` writes
-//! them, completions consumed with mlx5's ownership rule. One thread uses it at a time.
+//! [`crate::transport::ib::posting::wqe`], the doorbell record and doorbell written as rdma-core's
+//! `post_send` writes them, completions consumed with mlx5's ownership rule. One thread uses it at
+//! a time.
 
 use crate::error::{Error, Result};
 use crate::transport::ib::boundary::provider::Rings;
@@ -120,7 +121,8 @@ impl HostQp {
         ))
     }
 
-    /// Posts to the rings of a provider's queue pair (see [`crate::transport::ib::boundary::provider::Provider::rings`]).
+    /// Posts to the rings of a provider's queue pair (see
+    /// [`crate::transport::ib::boundary::provider::Provider::rings`]).
     ///
     /// # Safety
     /// The rings stay valid while this value lives, and nothing else posts to them.

@@ -1,5 +1,5 @@
 //! mlx5 send-queue work requests (WQEs), encoded byte for byte as a ConnectX reads them (rdma-core
-//! `providers/mlx5/mlx5dv.h`; facts in `shared/reference/ibgda.md` section 2). The GPU posting
+//! `providers/mlx5/mlx5dv.h`, its segment layouts and `mlx5dv_set_*` helpers). The GPU posting
 //! path and the CPU-assisted path build the same bytes; this is the CPU's builder and the
 //! reference the device builder will be tested against.
 //!
