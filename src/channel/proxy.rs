@@ -121,6 +121,11 @@ impl ProxyBuilder {
         self
     }
 
+    /// The GPU this proxy serves.
+    pub fn gpu(&self) -> &Arc<Gpu> {
+        &self.gpu
+    }
+
     /// Registers `bytes` of device memory at `ptr` (local, or a peer's mapped into this process).
     pub fn add_memory(&mut self, ptr: u64, bytes: u64) -> Result<MemoryId> {
         let id = self.tables.memories.len() as u32;
@@ -157,9 +162,13 @@ impl ProxyBuilder {
         self.add_memory(0, u64::MAX)
     }
 
-    /// A connection to one peer (a transport's [`Connection`]). Returns its id and the device
-    /// address of its flush word.
-    pub fn add_connection(&mut self, conn: Box<dyn Connection>) -> Result<(ConnectionId, u64)> {
+    /// A connection to one peer over any transport (a [`Connection`]). Returns its id and the
+    /// device address of its flush word. (`add_connection`, the copy-engine connection to a peer
+    /// of this host, is defined with the CUDA IPC wiring: this module names no transport.)
+    pub fn add_transport_connection(
+        &mut self,
+        conn: Box<dyn Connection>,
+    ) -> Result<(ConnectionId, u64)> {
         let flush_word = conn.flush_word();
         self.tables.connections.push(conn);
         Ok((

@@ -66,12 +66,9 @@ impl EthernetSetup {
         let writer = socket
             .try_clone()
             .map_err(|e| Error::io("cloning a socket", e))?;
-        let (conn, flush_done) = proxy.add_connection(Box::new(EthernetConnection::spawn(
-            w.gpu,
-            writer,
-            proxy.failure_sink(),
-            peer,
-        )?))?;
+        let (conn, flush_done) = proxy.add_transport_connection(Box::new(
+            EthernetConnection::spawn(w.gpu, writer, proxy.failure_sink(), peer)?,
+        ))?;
         let receiver = NetReceiver::spawn(
             w.gpu,
             socket,

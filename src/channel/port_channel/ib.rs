@@ -185,7 +185,7 @@ impl IbSetup {
         }?);
         registrations.push(scratch_mr.clone());
         let dst_mem = proxy.add_keyed_memory(addr, len, rkey)?;
-        let (conn, flush_done) = proxy.add_connection(Box::new(IbConnection::new(
+        let (conn, flush_done) = proxy.add_transport_connection(Box::new(IbConnection::new(
             w.gpu,
             posters,
             scratch,

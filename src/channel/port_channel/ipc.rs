@@ -1,8 +1,8 @@
 //! PortChannels over CUDA IPC: the peer's destination and token pool are mapped into this
-//! process, and the proxy's [`CopyEngineConnection`] copies into them with the copy engines.
+//! process, and the proxy's `CopyEngineConnection` ([`ProxyBuilder::add_connection`]) copies into them with the copy engines.
 
 use super::Link;
-use crate::channel::proxy::ProxyBuilder;
+use crate::channel::proxy::{ConnectionId, ProxyBuilder};
 use crate::channel::registered::RegisteredMemory;
 use crate::channel::wiring::Wiring;
 use crate::error::Result;
@@ -35,8 +35,7 @@ impl IpcSetup {
             .ok_or_else(|| w.missing(peer, "its memory could not be mapped"))?;
         let token = w.semaphore(w.base, peer)?.remote_inbound_token;
         let dst_mem = proxy.add_memory(remote.device_ptr(), remote.len() as u64)?;
-        let (conn, flush_done) =
-            proxy.add_connection(Box::new(CopyEngineConnection::new(w.gpu)?))?;
+        let (conn, flush_done) = proxy.add_connection()?;
         let semaphore = proxy.add_semaphore(conn, token)?;
         Ok(Link {
             dst_mem,
@@ -47,5 +46,15 @@ impl IpcSetup {
             receiver: None,
             dst: Ok(remote),
         })
+    }
+}
+
+impl ProxyBuilder {
+    /// A copy-engine connection to a peer on this host, whose memory is mapped here by CUDA IPC
+    /// (what every connection of a proxy was before transports had connections of their own).
+    /// Returns its id and the device address of its flush word.
+    pub fn add_connection(&mut self) -> Result<(ConnectionId, u64)> {
+        let conn = CopyEngineConnection::new(self.gpu())?;
+        self.add_transport_connection(Box::new(conn))
     }
 }

@@ -20,3 +20,35 @@ pub mod boundary;
 pub mod emulated;
 pub mod posting;
 pub mod topology;
+
+// The module paths before the rooms (2026-11-28), so code written against them still builds.
+#[doc(hidden)]
+pub use boundary::mlx5dv as hw;
+#[doc(hidden)]
+pub use boundary::{provider, rdma_core, verbs};
+#[doc(hidden)]
+pub use emulated::nic as emulator;
+#[doc(hidden)]
+pub use posting::{conn, cq, gpu_qp, host_qp, poster, select, wqe};
+
+#[cfg(test)]
+mod tests {
+    /// Code written against the paths before the rooms still names the same items.
+    #[test]
+    fn the_paths_before_the_rooms_still_resolve() {
+        use super::{conn, cq, emulator, gpu_qp, host_qp, hw, poster, provider, rdma_core};
+        use super::{select, verbs, wqe};
+        assert_eq!(wqe::WQEBB, super::posting::wqe::WQEBB);
+        assert_eq!(cq::CQE_BYTES, super::posting::cq::CQE_BYTES);
+        let _: Option<emulator::Traffic> = None;
+        let _: Option<hw::DvQp> = None;
+        let _: Option<&dyn provider::Provider> = None;
+        let _: Option<rdma_core::RdmaCore> = None;
+        let _: Option<conn::Registration> = None;
+        let _: Option<gpu_qp::Posting> = None;
+        let _: Option<host_qp::HostQp> = None;
+        let _: Option<poster::HostPoster> = None;
+        let _: Option<select::PostingMode> = None;
+        let _: Option<verbs::Port> = None;
+    }
+}
