@@ -47,7 +47,7 @@ pub enum WaitKind {
 }
 
 impl WaitKind {
-    /// Decodes the numeric code the device writes (see `cuda/include/doorbell/wait.cuh`).
+    /// Decodes the numeric code the device writes (see `cuda/include/doorbell/core/wait.cuh`).
     pub fn from_code(code: u32) -> Self {
         match code {
             1 => WaitKind::Semaphore,

@@ -294,7 +294,7 @@ fn pressure(comm: &Arc<Communicator>, s: &Arc<CudaStream>) {
 
 /// The last rank starts every call 300 us late; on every other rank such a call may take at most
 /// 300 + 60 us more than one with every rank on time, at sizes that take each algorithm. Before
-/// the abort gate (wait.cuh) every waiting thread read the host's abort word after 33 us: 32768
+/// the abort gate (core/wait.cuh) every waiting thread read the host's abort word after 33 us: 32768
 /// PCIe reads in flight that took 0.1-1.4 ms to drain, so a wait that outlived 33 us ended that
 /// much after its data came (on 2 x H100 this case measured 454 us at 32 KiB before the gate,
 /// 354 us after, with the skew of leaving a barrier in both).

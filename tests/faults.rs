@@ -1687,7 +1687,7 @@ fn mismatched_calls_across_nodes_are_named_on_every_rank() {
     }
 }
 
-/// MoE across nodes checks its calls too (moe_net.cuh: the inbox reached over the channels):
+/// MoE across nodes checks its calls too (coll/moe_net.cuh: the inbox reached over the channels):
 /// low-latency, rank 0 dispatching twice while the others dispatch and combine; high-throughput,
 /// rank 0 dispatching FP8 rows while the others send bf16; over Ethernet and the emulated NIC with
 /// the GPU posting, ranks as separate nodes and as nodes of two (even rank counts from 4).

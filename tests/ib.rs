@@ -1,5 +1,5 @@
 //! InfiniBand on the GPU (`#[ignore = "needs GPU"]`; run with `--ignored`): WQEs built by the
-//! device API (`doorbell/ibgda.cuh`) equal, byte for byte, those `rdma::wqe` builds on the CPU
+//! device API (`doorbell/ib/ibgda.cuh`) equal, byte for byte, those `rdma::wqe` builds on the CPU
 //! (which `tests/wqe_golden.rs` checks against rdma-core's `mlx5dv.h`): every opcode, inline
 //! payloads of every length class, fence and completion flags, and indices placed so WQEs
 //! straddle the ring's end and the 16-bit counter's wrap. GPU threads posting through the emulated

@@ -1,6 +1,6 @@
 //! The GPU-side cost of the node-spanning low-latency MoE dispatch (issue 16's budget: a decode
 //! dispatch of 128 tokens x top-8 posts all its WQEs within 10 us of GPU time), measured on the
-//! library's own send kernel (`moe_net_dispatch_send`, `doorbell/moe_net.cuh`) in one process: rank 0 of
+//! library's own send kernel (`moe_net_dispatch_send`, `doorbell/coll/moe_net.cuh`) in one process: rank 0 of
 //! `nodes` x 8 ranks (and 16 x 1, and 2 x 8 with the top-k ids off a 16-byte boundary),
 //! DeepSeek-V3's shape (256 experts, top-8, hidden 7168, FP8 rows with one scale per 128). Its 7 same-node peers' areas are mapped (local memory standing in for NVLink,
 //! so their stores cost less than over NVLink); every rank on another node is reached by a

@@ -32,9 +32,10 @@
 //
 // Every block of a launch must be resident at once (blocks spin on peers' blocks): the host caps
 // the grid at the number of SMs.
+#include <doorbell/coll/call_check.cuh>
+#include <doorbell/coll/limits.cuh>
+#include <doorbell/detail/collective_args.cuh>
 #include <doorbell/doorbell.cuh>
-#include <doorbell/collective_args.cuh>
-#include <doorbell/reduce.cuh>
 
 using namespace doorbell;
 
@@ -365,7 +366,7 @@ DOORBELL_DEVICE_INLINE void reduce_range_group(const T* const* srcs, uint32_t wo
   reduce_elements(srcs, world, done, n, dst, peer_dst, npeers, tid, nthreads);
 }
 
-// Slots per lane in the pipeline ring: kPipeDepth (limits.cuh; see the reuse argument below).
+// Slots per lane in the pipeline ring: kPipeDepth (coll/limits.cuh; see the reuse argument below).
 
 // Pipelined reduce-scatter + all-gather for medium and large messages. The message is cut into
 // tiles of world shards (`tile_elems` each); shard j of a tile is reduced by rank j. Lane (block)
@@ -604,9 +605,9 @@ DOORBELL_DEVICE_INLINE void twoshot_direct(const AllReduceDirectArgs& d) {
 }
 
 // Every allreduce kernel first waits for the kernel before it in the stream (launched with
-// programmatic dependent launch, it may start early: common.cuh), then runs its body between the
-// call check's announce and check (call_check.cuh): a rank that makes another call (count, type,
-// algorithm) is named on every rank.
+// programmatic dependent launch, it may start early: core/common.cuh), then runs its body between
+// the call check's announce and check (coll/call_check.cuh): a rank that makes another call (count,
+// type, algorithm) is named on every rank.
 // (Written out in each kernel, not through a lambda: the launch arguments stay in parameter space.)
 #define DOORBELL_ALLREDUCE_KERNELS(T, NAME)                                                                          \
   extern "C" __global__ void __launch_bounds__(512) allreduce_oneshot_ll8_##NAME(AllReduceArgs a) {                \

@@ -23,7 +23,9 @@
 // which both sides of the pair read: up to `pair_ll_max` bytes go as LL16 packets (below), more
 // as tiles. Before anything is written every block checks every range the counts name against
 // the buffers; a range outside them is reported (kWaitBadCounts) and the call writes nothing.
-// Each pair's two counts are compared by the call check (call_check.cuh, pair counts).
+// Each pair's two counts are compared by the call check (coll/call_check.cuh, pair counts).
+#include <doorbell/coll/call_check.cuh>
+#include <doorbell/detail/collective_args.cuh>
 #include <doorbell/doorbell.cuh>
 
 using namespace doorbell;
@@ -91,7 +93,7 @@ DOORBELL_DEVICE_INLINE bool counts_in_range(const AllToAllArgs& a) {
 // size). Each (direction, peer, lane) keeps its epoch in `pair_epochs`, and every lane of the pair
 // bumps it in every call in which the pair goes as packets (both sides see the same count, so all
 // of them agree on every epoch); the halves alternate by epoch. Reuse is safe because every
-// alltoallv waits for every peer's call word (call_check.cuh), so a rank starts call n+1 only
+// alltoallv waits for every peer's call word (coll/call_check.cuh), so a rank starts call n+1 only
 // after each peer started call n, that is, finished call n-1 and read its packets.
 DOORBELL_DEVICE_INLINE void pair_packets(const AllToAllArgs& a, bool send, uint32_t p, uint32_t lane,
                                          uint64_t bytes, uint64_t off, uint32_t t, uint32_t team,
@@ -256,11 +258,12 @@ DOORBELL_DEVICE_INLINE void ll16(const AllToAllArgs& a) {
   if (threadIdx.x == 0) a.epochs[blockIdx.x] = epoch;
 }
 
-// All three kernels run between the call check's announce and check (call_check.cuh): a rank that makes
-// another call (equal blocks of another size, alltoallv against alltoall, other pair counts) is
-// named on every rank. The checker threads sit in the last block, which copies the own block and
-// never waits, so a check runs even when a mismatch leaves data waits hanging; its report aborts
-// them. (Written out, not through a lambda: the launch arguments must stay in parameter space.)
+// All three kernels run between the call check's announce and check (coll/call_check.cuh): a rank
+// that makes another call (equal blocks of another size, alltoallv against alltoall, other pair
+// counts) is named on every rank. The checker threads sit in the last block, which copies the own
+// block and never waits, so a check runs even when a mismatch leaves data waits hanging; its report
+// aborts them. (Written out, not through a lambda: the launch arguments must stay in parameter
+// space.)
 extern "C" __global__ void __launch_bounds__(512) alltoall_tiles(AllToAllArgs a) {
   announce_call(a.call, a.rank, a.world);
   tiles<false>(a);

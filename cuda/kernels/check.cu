@@ -3,8 +3,8 @@
 // to 8 ranks stays an integer in [-64, 64], exact in bf16, f16 and f32, so any wrong element is
 // a real error and the expected value names every contribution. The host twin is
 // `collectives::check::value`.
-#include <doorbell/atomics.cuh>
-#include <doorbell/reduce.cuh>
+#include <doorbell/core/atomics.cuh>
+#include <doorbell/core/reduce.cuh>
 
 using namespace doorbell;
 

@@ -4,7 +4,7 @@
 // src/collectives/elementwise.rs launches them on the caller's stream. Values are compared and
 // scaled in f32; a maximum or minimum returns one of its inputs exactly (bf16 and f16 widen to
 // f32 without loss), a NaN input loses to a number as with fmaxf/fminf (NCCL's choice).
-#include <doorbell/reduce.cuh>
+#include <doorbell/core/reduce.cuh>
 
 using namespace doorbell;
 

@@ -1,7 +1,6 @@
 // InfiniBand kernels: the GPU side of tests/ib.rs for now (WQE bytes built by the device API of
-// doorbell/ibgda.cuh, compared there with the CPU builder's).
+// doorbell/ib/ibgda.cuh, compared there with the CPU builder's).
 #include <doorbell/doorbell.cuh>
-#include <doorbell/ibgda.cuh>
 
 using namespace doorbell;
 

@@ -55,6 +55,9 @@
 // block only), every wait's target derives from it, and every call consumes what it signals:
 // CUDA-graph capturable, replays need no reset. Dispatch and combine are stream-ordered on each
 // rank (one stream, or events between them).
+#include <doorbell/coll/call_check.cuh>
+#include <doorbell/coll/limits.cuh>
+#include <doorbell/detail/collective_args.cuh>
 #include <doorbell/doorbell.cuh>
 
 #include <cuda_bf16.h>
@@ -344,8 +347,8 @@ DOORBELL_DEVICE_INLINE void sum_pulled_rows(const MoeArgs& a, const uint32_t* fi
 
 }  // namespace
 
-// The call check (call_check.cuh): the layout kernel and the combine's copy-in announce the call,
-// the last kernel of each checks every peer made the same one.
+// The call check (coll/call_check.cuh): the layout kernel and the combine's copy-in announce the
+// call, the last kernel of each checks every peer made the same one.
 DOORBELL_DEVICE_INLINE void check_moe_call(const MoeArgs& a) {
   check_call(a.call, a.rank, a.world, a.sems[checked_peer(a.world) % a.world].site);
 }

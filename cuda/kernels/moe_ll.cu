@@ -2,9 +2,9 @@
 // worst-case buffers sized from max tokens per rank, a per-expert layout (one row per selected
 // (token, expert)), counts only on the device, no count exchange before rows move, CUDA-graph
 // capturable, and send and receive halves that can be called separately so other work overlaps
-// the transfer. Over NVLink a row crosses once per destination rank (see moe.cuh).
+// the transfer. Over NVLink a row crosses once per destination rank (see coll/moe_ll.cuh).
 //
-// Layout on every rank: [2 halves][local expert][source rank][max_tokens] rows (collective_args.cuh
+// Layout on every rank: [2 halves][local expert][source rank][max_tokens] rows (coll/moe_args.cuh
 // lists the sections). The half is the parity of the dispatch epoch, so a dispatch never
 // overwrites rows the previous one delivered (two results may be alive at once, as with DeepEP).
 //
@@ -34,6 +34,9 @@
 // token and each (expert, source) range (pack_rows). The combine returns every row unweighted
 // to its token's rank (combine_send_packed), which weighs them with the weights given to the
 // combine (combine_recv_packed): DeepEP's traffic and semantics.
+#include <doorbell/coll/limits.cuh>
+#include <doorbell/coll/moe_ll.cuh>
+#include <doorbell/detail/collective_args.cuh>  // kCutCount
 #include <doorbell/doorbell.cuh>
 
 #include <cuda_bf16.h>
@@ -592,10 +595,10 @@ extern "C" __global__ void __launch_bounds__(512) moe_ll_dispatch_send(MoeLlArgs
   moe_ll::finish_send(a, true);
 }
 
-// The call check (call_check.cuh): the send halves announce the call (finish_send, combine_send)
-// and keep its ordinal (in the ticket, and as the last send's: epochs[2 + which]), the receive
-// halves check every peer made the same one (`which`: 0 dispatch, 1 combine); whole calls
-// announce and check in one kernel (`which` = 2).
+// The call check (coll/call_check.cuh): the send halves announce the call (finish_send,
+// combine_send) and keep its ordinal (in the ticket, and as the last send's: epochs[2 + which]),
+// the receive halves check every peer made the same one (`which`: 0 dispatch, 1 combine); whole
+// calls announce and check in one kernel (`which` = 2).
 DOORBELL_DEVICE_INLINE void check_moe_call(const MoeLlArgs& a, uint32_t which) {
   const uint64_t* ordinal = which == 2 ? nullptr : a.ticket != nullptr ? a.ticket + 1 : a.epochs + 2 + which;
   check_indexed_call(a.call, a.rank, a.world, moe_ll::site(a, checked_peer(a.world) % a.world), ordinal, a.rank_mask);

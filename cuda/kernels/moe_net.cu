@@ -1,6 +1,6 @@
 // MoE dispatch and combine for decode across nodes (DeepEP's low-latency semantics over any mix of
-// NVLink and RDMA peers); protocol and device calls in doorbell/moe_net.cuh, layouts in
-// collective_args.cuh (MoeNetArgs).
+// NVLink and RDMA peers); protocol and device calls in doorbell/coll/moe_net.cuh, layouts in
+// coll/moe_args.cuh (MoeNetArgs).
 //
 // dispatch send (moe_net_dispatch_send): a warp per token stages its message and sends it to each rank
 // holding one of its experts (moe_net::put_token); the last block publishes the counts.
@@ -14,8 +14,11 @@
 // 16 bytes of a token's partial rows (moe_net::combine_chunk).
 // Every kernel's grid is at most one block per SM; only block 0 waits for peers, the others wait
 // for block 0, so the kernels make progress even when not all blocks are resident.
+#include <doorbell/coll/limits.cuh>
+#include <doorbell/coll/moe_ll.cuh>  // moe_ll::cast_row_fp8 (DeepEP's cast, shared with the NVLink path)
+#include <doorbell/coll/moe_net.cuh>
+#include <doorbell/detail/collective_args.cuh>
 #include <doorbell/doorbell.cuh>
-#include <doorbell/moe.cuh>  // moe_ll::cast_row_fp8 (DeepEP's cast, shared with the NVLink path)
 
 #include <cuda_bf16.h>
 
@@ -219,7 +222,7 @@ __device__ void probe_min(const MoeNetArgs& a, uint32_t i) {
 
 // A stage task builds kStageTokens messages, kStageSplit warps each (blocks of 256 threads); a
 // group takes kStageParts tasks, each announcing itself in its own word staged[g * kStageParts +
-// part] (the epoch it staged). The three are limits.cuh's (Rust sizes the words).
+// part] (the epoch it staged). The three are coll/limits.cuh's (Rust sizes the words).
 using moe_net::kStageParts;
 using moe_net::kStageSplit;
 using moe_net::kStageTokens;
@@ -518,7 +521,7 @@ extern "C" __global__ void __launch_bounds__(512) moe_net_combine_recv(MoeNetArg
 // rank's next send, which its stream orders after this receive).
 
 // Most (local expert, source) pairs of a packed receive (two u32 of shared memory each):
-// moe_net::kMaxPackPairs (limits.cuh), checked on the host.
+// moe_net::kMaxPackPairs (coll/limits.cuh), checked on the host.
 
 __device__ int32_t packed_id(const MoeNetArgs& a, uint64_t at) {
   const int64_t e = (a.packed & kIds64) != 0 ? static_cast<const int64_t*>(a.in_ids)[at]

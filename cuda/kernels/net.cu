@@ -8,13 +8,13 @@
 // me with a signal, wait for the peer's data signal, flush (my send buffer is reusable after the
 // call). Signals are counted, so each call consumes exactly the two it causes per peer.
 //
-// The call check rides on the ready handshake (ranks on other nodes map no inbox of each other,
-// so call_check.cuh's stores cannot reach them): the ready signal is a put of my call word (made
+// The call check rides on the ready handshake (ranks on other nodes map no inbox of each other, so
+// coll/call_check.cuh's stores cannot reach them): the ready signal is a put of my call word (made
 // by src/gpu/signature.rs, 0 with the check off) into the peer's word slot for me, and after the
 // peer's ready signal its word is in my slot for it. A different word is reported as a mismatch
 // (the communicator aborts; both ranks see it, each from its side) and the thread sends no data.
-// Slot reuse is safe for the reason the handshake exists: a peer puts its next word only after
-// this call's data signal from me, which I send after reading its word.
+// Slot reuse is safe for the reason the handshake exists: a peer puts its next word only after this
+// call's data signal from me, which I send after reading its word.
 #include <doorbell/doorbell.cuh>
 
 #include <cuda_bf16.h>

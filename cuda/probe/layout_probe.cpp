@@ -2,8 +2,12 @@
 // compiles this with the host C++ compiler (which also proves the headers are includable from
 // host-only code), runs it, and turns the output into a table the layout test compares against
 // Rust's offset_of!. Format: "struct <Name> <size> <align>" then "field <Name> <field> <offset> <size>";
-// then "const <name> <value>" for the constants and enum codes Rust keeps twins of (limits.cuh and
-// the codes the host decodes).
+// then "const <name> <value>" for the constants and enum codes Rust keeps twins of (coll/limits.cuh
+// and the codes the host decodes). It includes every tier, detail/ too.
+#include <doorbell/coll/call_check.cuh>
+#include <doorbell/coll/limits.cuh>
+#include <doorbell/coll/moe_args.cuh>
+#include <doorbell/detail/collective_args.cuh>
 #include <doorbell/doorbell.cuh>
 
 #include <cstdio>

@@ -686,7 +686,7 @@ impl MoeLl {
     /// Prepares a dispatch whose send half runs in the caller's kernel: launches nothing and
     /// returns ("nvlink", the bytes of a `doorbell::MoeLlArgs`) or ("net", the bytes of a
     /// `doorbell::MoeNetArgs`), the struct that kernel passes to `moe_ll::put_token` /
-    /// `moe_net::put_token` and `finish_send` (layouts in `doorbell/collective_args.cuh`).
+    /// `moe_net::put_token` and `finish_send` (layouts in `doorbell/coll/moe_args.cuh`).
     fn begin_fused_send(
         &self,
         topk_idx: u64,

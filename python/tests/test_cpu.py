@@ -63,9 +63,21 @@ def test_no_lazy_loading_hint_before_anything_copies_on_a_host_thread():
 
 
 def test_ships_the_cuda_headers():
+    # The tiered tree: doorbell.cuh on top, the tier folders below it, and nothing left flat from
+    # before the tiers.
     inc = pathlib.Path(doorbell.get_include())
-    for h in ("doorbell.cuh", "moe.cuh", "moe_net.cuh", "port_channel.cuh", "ibgda.cuh", "collective_args.cuh"):
+    for h in (
+        "doorbell.cuh",
+        "core/wait.cuh",
+        "ib/ibgda.cuh",
+        "channel/port_channel.cuh",
+        "coll/moe_ll.cuh",
+        "coll/moe_net.cuh",
+        "coll/moe_args.cuh",
+        "detail/collective_args.cuh",
+    ):
         assert (inc / "doorbell" / h).is_file(), h
+    assert [p.name for p in (inc / "doorbell").glob("*.cuh")] == ["doorbell.cuh"]
 
 
 def test_ships_libdoorbell_nccl_and_it_answers_as_nccl_2_28_9():

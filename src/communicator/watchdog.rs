@@ -179,7 +179,7 @@ fn watch(
         // A peer's failure (or this rank's own bootstrap abort): abort the device waits. While
         // peer loss is tolerated (a MoE low-latency exchange with a rank mask), a peer that died
         // or fell silent is marked instead: the exchange leaves it out, every other wait for it
-        // still fails the communicator (wait.cuh).
+        // still fails the communicator (core/wait.cuh).
         if let Some(f) = bootstrap.health() {
             let own_relay = relayed && f.from == Some(me);
             if f.from.is_none() && diagnostics.tolerates_peer_loss() {

@@ -1,4 +1,4 @@
-//! Mirrors of `call_check.cuh`: the collective call check (see the module above for the layout test).
+//! Mirrors of `coll/call_check.cuh`: the collective call check (see the module above for the layout test).
 
 use bytemuck::{Pod, Zeroable};
 
@@ -10,7 +10,7 @@ pub const MAX_RANKS: usize = 8;
 /// words per rank); [`crate::gpu::signature::INBOX_BYTES`] is its size in bytes.
 pub const INBOX_WORDS: usize = 10 * MAX_RANKS;
 
-/// A call's word and every rank's call-check inbox (`call_check.cuh`); a zero word runs the
+/// A call's word and every rank's call-check inbox (`coll/call_check.cuh`); a zero word runs the
 /// kernel unchecked.
 #[repr(C)]
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Pod, Zeroable)]

@@ -1,9 +1,9 @@
-//! Mirrors of `collective_args.cuh`: launch arguments of doorbell's own kernels (see the module above for the layout test).
+//! Mirrors of `detail/collective_args.cuh`: launch arguments of doorbell's own kernels (see the module above for the layout test).
 
 use super::{CallCheck, WaitSite, MAX_RANKS};
 use bytemuck::{Pod, Zeroable};
 
-/// Launch arguments of the allreduce kernels (`collective_args.cuh`).
+/// Launch arguments of the allreduce kernels (`detail/collective_args.cuh`).
 #[repr(C)]
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Pod, Zeroable)]
 pub struct AllReduceArgs {
@@ -51,7 +51,7 @@ pub struct AllReduceArgs {
     pub call: CallCheck,
 }
 
-/// Launch arguments of the two-shot on registered windows (`collective_args.cuh`).
+/// Launch arguments of the two-shot on registered windows (`detail/collective_args.cuh`).
 #[repr(C)]
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Pod, Zeroable)]
 pub struct AllReduceDirectArgs {
@@ -63,7 +63,7 @@ pub struct AllReduceDirectArgs {
     pub peer_output: [u64; MAX_RANKS],
 }
 
-/// Launch arguments of the all-to-all kernel (`collective_args.cuh`).
+/// Launch arguments of the all-to-all kernel (`detail/collective_args.cuh`).
 #[repr(C)]
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Pod, Zeroable)]
 pub struct AllToAllArgs {
@@ -114,7 +114,7 @@ pub struct AllToAllArgs {
     pub pair_epochs: u64,
 }
 
-/// Launch arguments of the MoE dispatch/combine kernels (`collective_args.cuh`; field meanings
+/// Launch arguments of the MoE dispatch/combine kernels (`detail/collective_args.cuh`; field meanings
 /// there). Device addresses as u64.
 #[repr(C)]
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Pod, Zeroable)]
@@ -161,136 +161,7 @@ pub struct MoeArgs {
     pub call: CallCheck,
 }
 
-/// Launch arguments of the low-latency MoE kernels (`collective_args.cuh`; field meanings there).
-#[repr(C)]
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Pod, Zeroable)]
-#[allow(missing_docs)]
-pub struct MoeLlArgs {
-    pub x: u64,
-    pub topk_idx: u64,
-    pub topk_weights: u64,
-    pub out: u64,
-    pub num_tokens: u32,
-    pub hidden: u32,
-    pub topk: u32,
-    pub experts_per_rank: u32,
-    pub max_tokens: u32,
-    pub rank: u32,
-    pub world: u32,
-    pub blocks: u32,
-    pub area: [u64; MAX_RANKS],
-    pub off_src: u64,
-    pub off_counts: u64,
-    pub off_from: u64,
-    pub off_weight: u64,
-    pub off_rec: u64,
-    pub off_part: u64,
-    pub off_queue: u64,
-    pub off_sent: u64,
-    pub y: u64,
-    pub fill: u64,
-    pub done: u64,
-    pub epochs: u64,
-    pub layout: u64,
-    pub recv_count: u64,
-    pub ready: u64,
-    /// The call check.
-    pub call: CallCheck,
-    pub packed_x: u64,
-    pub packed_scales: u64,
-    pub packed_src: u64,
-    pub packed_range: u64,
-    pub packed_count: u64,
-    pub packed_stats: u64,
-    pub off_ret: u64,
-    pub packed: u32,
-    pub packed_pad: u32,
-    pub ticket: u64,
-    pub rank_mask: u64,
-    pub wait_cycles: u64,
-}
-
-/// `MoeLlArgs::packed` bits (`collective_args.cuh`): DeepEP's low-latency layout; e4m3 rows;
-/// scales rounded up to powers of two; scales as exponent bytes.
-pub mod packed {
-    /// DeepEP's layout.
-    pub const PACKED: u32 = 1;
-    /// e4m3 rows, one scale per 128 values.
-    pub const FP8: u32 = 2;
-    /// Scales rounded up to powers of two.
-    pub const ROUND: u32 = 4;
-    /// Scales stored as their exponent bytes, four per i32.
-    pub const UE8M0: u32 = 8;
-    /// `topk_idx` holds int64 ids.
-    pub const IDS64: u32 = 16;
-    /// A packed combine's rows go back as 10-bit log rows (one node).
-    pub const LOGFMT: u32 = 32;
-}
-
-/// Launch arguments of the node-spanning MoE kernels (`collective_args.cuh`, `moe_net.cuh`; field
-/// meanings there). Fused-dispatch kernels receive it from `MoeLowLatency::begin_fused_send`.
-#[repr(C)]
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Pod, Zeroable)]
-#[allow(missing_docs)]
-pub struct MoeNetArgs {
-    pub x: u64,
-    pub scales: u64,
-    pub topk_idx: u64,
-    pub topk_weights: u64,
-    pub out: u64,
-    pub num_tokens: u32,
-    pub fp8: u32,
-    pub hidden: u32,
-    pub topk: u32,
-    pub experts_per_rank: u32,
-    pub max_tokens: u32,
-    pub rank: u32,
-    pub world: u32,
-    pub msg_bytes: u32,
-    pub header_bytes: u32,
-    pub area: u64,
-    pub peer_area: u64,
-    pub channels: u64,
-    pub sites: u64,
-    pub stage: u64,
-    pub off_counts: u64,
-    pub off_part: u64,
-    pub off_cdone: u64,
-    pub stage_counts: u64,
-    pub stage_part: u64,
-    pub y: u64,
-    pub recv_x: u64,
-    pub recv_src: u64,
-    pub recv_weights: u64,
-    pub recv_scales: u64,
-    pub rec: u64,
-    pub msgs: u64,
-    pub fill: u64,
-    pub done: u64,
-    pub epochs: u64,
-    pub layout: u64,
-    pub recv_count: u64,
-    pub list: u64,
-    pub probe: u64,
-    pub arrived: u64,
-    pub staged: u64,
-    pub call_word: u64,
-    pub off_inbox: u64,
-    pub stage_words: u64,
-    pub packed_x: u64,
-    pub packed_scales: u64,
-    pub packed_src: u64,
-    pub packed_range: u64,
-    pub packed_count: u64,
-    pub packed_stats: u64,
-    pub ticket: u64,
-    pub in_x: u64,
-    pub in_ids: u64,
-    pub packed: u32,
-    pub back: u32,
-}
-
-/// The high-throughput node-spanning MoE kernels' own arguments (`collective_args.cuh`).
+/// The high-throughput node-spanning MoE kernels' own arguments (`detail/collective_args.cuh`).
 #[repr(C)]
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Pod, Zeroable)]
 #[allow(missing_docs)]
@@ -348,7 +219,7 @@ pub struct MoeHtArgs {
     pub by_rank: u32,
 }
 
-/// What a chunk of the high-throughput network stream holds (`collective_args.cuh`), written
+/// What a chunk of the high-throughput network stream holds (`detail/collective_args.cuh`), written
 /// behind its messages.
 #[repr(C)]
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Pod, Zeroable)]
@@ -361,7 +232,7 @@ pub struct HtChunkDesc {
     pub last: u32,
 }
 
-/// Per-block state of the sentinel two-shot (`collective_args.cuh`).
+/// Per-block state of the sentinel two-shot (`detail/collective_args.cuh`).
 #[repr(C)]
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Pod, Zeroable)]
 pub struct LamportState {
@@ -382,9 +253,5 @@ unsafe impl cudarc::driver::DeviceRepr for AllReduceDirectArgs {}
 unsafe impl cudarc::driver::DeviceRepr for AllToAllArgs {}
 // SAFETY: as above.
 unsafe impl cudarc::driver::DeviceRepr for MoeArgs {}
-// SAFETY: as above.
-unsafe impl cudarc::driver::DeviceRepr for MoeLlArgs {}
-// SAFETY: as above.
-unsafe impl cudarc::driver::DeviceRepr for MoeNetArgs {}
 // SAFETY: as above.
 unsafe impl cudarc::driver::DeviceRepr for MoeHtArgs {}

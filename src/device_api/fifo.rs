@@ -1,9 +1,9 @@
-//! Mirrors of `fifo.cuh`: the device-to-host trigger FIFO (see the module above for the layout test).
+//! Mirrors of `channel/fifo.cuh`: the device-to-host trigger FIFO (see the module above for the layout test).
 
 use super::WaitSite;
 use bytemuck::{Pod, Zeroable};
 
-/// One trigger of the device-to-host FIFO (`fifo.cuh`). `meta` packs type, semaphore id, memory
+/// One trigger of the device-to-host FIFO (`channel/fifo.cuh`). `meta` packs type, semaphore id, memory
 /// ids and the commit parity bit; see [`ProxyTrigger::unpack`].
 #[repr(C, align(32))]
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Pod, Zeroable)]
@@ -49,7 +49,7 @@ impl ProxyTrigger {
     /// Largest memory id a trigger can carry.
     pub const MAX_MEMORY: u32 = (1 << 15) - 1;
 
-    /// Decodes `meta` (bit layout in `fifo.cuh`).
+    /// Decodes `meta` (bit layout in `channel/fifo.cuh`).
     pub fn unpack(meta: u64) -> TriggerMeta {
         TriggerMeta {
             kind: (meta & 7) as u32,
@@ -70,7 +70,7 @@ impl ProxyTrigger {
     }
 }
 
-/// The device side of a proxy's FIFO (`fifo.cuh`).
+/// The device side of a proxy's FIFO (`channel/fifo.cuh`).
 #[repr(C)]
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Pod, Zeroable)]
 pub struct FifoHandle {

@@ -1,9 +1,9 @@
-//! Mirrors of `ibgda.cuh`: a queue pair the GPU posts to (see the module above for the layout test).
+//! Mirrors of `ib/ibgda.cuh`: a queue pair the GPU posts to (see the module above for the layout test).
 
 use super::WaitSite;
 use bytemuck::{Pod, Zeroable};
 
-/// A queue pair the GPU posts to (`ibgda.cuh`).
+/// A queue pair the GPU posts to (`ib/ibgda.cuh`).
 #[repr(C)]
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Pod, Zeroable)]
 pub struct IbQpHandle {

@@ -1,4 +1,4 @@
-//! Mirrors `cuda/include/doorbell/limits.cuh`: the sizes and limits doorbell's kernels share with
+//! Mirrors `cuda/include/doorbell/coll/limits.cuh`: the sizes and limits doorbell's kernels share with
 //! its host code. The layout test holds each equal to the header's (the layout probe prints them),
 //! so neither side can change alone.
 
@@ -17,7 +17,7 @@ pub const LL_MAX_PAIRS: usize = 8192;
 /// ([`super::MAX_RANKS`]).
 pub const LL_MAX_LOCAL_EXPERTS: usize = LL_MAX_PAIRS / super::MAX_RANKS;
 
-/// Messages per chunk of the high-throughput network stream (`kHtChunk`, `collective_args.cuh`):
+/// Messages per chunk of the high-throughput network stream (`kHtChunk`, `detail/collective_args.cuh`):
 /// one warp posts a chunk.
 pub const HT_CHUNK: usize = 32;
 

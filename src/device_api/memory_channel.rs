@@ -1,9 +1,9 @@
-//! Mirrors of `memory_channel.cuh`: a MemoryChannel to one peer (see the module above for the layout test).
+//! Mirrors of `channel/memory_channel.cuh`: a MemoryChannel to one peer (see the module above for the layout test).
 
 use super::SemaphoreHandle;
 use bytemuck::{Pod, Zeroable};
 
-/// A MemoryChannel to one peer (`memory_channel.cuh`).
+/// A MemoryChannel to one peer (`channel/memory_channel.cuh`).
 #[repr(C)]
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Pod, Zeroable)]
 pub struct MemoryChannelHandle {

@@ -1,12 +1,14 @@
-//! `#[repr(C)]` mirrors of the device handles in `cuda/include/doorbell/`.
+//! `#[repr(C)]` mirrors of the device handles in `cuda/include/doorbell/` (its tiers: `core/`,
+//! `ib/`, `channel/`, `coll/`, `detail/`).
 //!
 //! Each struct here is byte-identical to the C++ struct of the same name: the layout test below
 //! compares every size and field offset with what the C++ compiler produced for the headers (a
 //! table build.rs generates by running `cuda/probe/layout_probe.cpp`). Handles are plain `Pod`
 //! data: the host fills them and passes them to kernels by value or in device arrays. Raw device
-//! addresses are `u64`, as the driver API has them. One file per header (`wait.rs` mirrors
-//! `wait.cuh`, `collective_args.rs` mirrors `collective_args.cuh`, ...), every item re-exported
-//! here; `limits` mirrors the constants of `limits.cuh`, which the same test holds equal.
+//! addresses are `u64`, as the driver API has them. One file per header, named as the header is
+//! in its tier (`wait.rs` mirrors `core/wait.cuh`, `moe_args.rs` mirrors `coll/moe_args.cuh`,
+//! `collective_args.rs` mirrors `detail/collective_args.cuh`, ...), every item re-exported here;
+//! `limits` mirrors the constants of `coll/limits.cuh`, which the same test holds equal.
 
 mod call_check;
 mod collective_args;
@@ -14,6 +16,7 @@ mod fifo;
 mod ibgda;
 pub mod limits;
 mod memory_channel;
+mod moe_args;
 mod packet;
 mod port_channel;
 mod semaphore;
@@ -23,6 +26,7 @@ pub use collective_args::*;
 pub use fifo::*;
 pub use ibgda::*;
 pub use memory_channel::*;
+pub use moe_args::*;
 pub use packet::*;
 pub use port_channel::*;
 pub use semaphore::*;

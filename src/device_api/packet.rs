@@ -1,4 +1,4 @@
-//! Mirrors of `packet.cuh`: LL packets (see the module above for the layout test).
+//! Mirrors of `core/packet.cuh`: LL packets (see the module above for the layout test).
 
 use bytemuck::{Pod, Zeroable};
 

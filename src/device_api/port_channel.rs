@@ -1,9 +1,9 @@
-//! Mirrors of `port_channel.cuh`: a PortChannel to one peer (see the module above for the layout test).
+//! Mirrors of `channel/port_channel.cuh`: a PortChannel to one peer (see the module above for the layout test).
 
 use super::{FifoHandle, IbQpHandle};
 use bytemuck::{Pod, Zeroable};
 
-/// A PortChannel to one peer (`port_channel.cuh`).
+/// A PortChannel to one peer (`channel/port_channel.cuh`).
 #[repr(C)]
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Pod, Zeroable)]
 pub struct PortChannelHandle {
@@ -27,7 +27,7 @@ pub struct PortChannelHandle {
     pub ib: u64,
 }
 
-/// A PortChannel's RDMA link for kernels that post their own work requests (`port_channel.cuh`).
+/// A PortChannel's RDMA link for kernels that post their own work requests (`channel/port_channel.cuh`).
 #[repr(C)]
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Pod, Zeroable)]
 pub struct IbPortLink {

@@ -1,9 +1,9 @@
-//! Mirrors of `semaphore.cuh`: a device-to-device semaphore (see the module above for the layout test).
+//! Mirrors of `channel/semaphore.cuh`: a device-to-device semaphore (see the module above for the layout test).
 
 use super::WaitSite;
 use bytemuck::{Pod, Zeroable};
 
-/// A device-to-device semaphore between two ranks (`semaphore.cuh`).
+/// A device-to-device semaphore between two ranks (`channel/semaphore.cuh`).
 #[repr(C)]
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Pod, Zeroable)]
 pub struct SemaphoreHandle {

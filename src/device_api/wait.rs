@@ -1,8 +1,8 @@
-//! Mirrors of `wait.cuh`: where a device wait that gives up reports, and how it waits (see the module above for the layout test).
+//! Mirrors of `core/wait.cuh`: where a device wait that gives up reports, and how it waits (see the module above for the layout test).
 
 use bytemuck::{Pod, Zeroable};
 
-/// Where a device wait that gives up writes who waited for what (`wait.cuh`). Lives in host-mapped
+/// Where a device wait that gives up writes who waited for what (`core/wait.cuh`). Lives in host-mapped
 /// pinned memory; the host trusts the other fields only once `valid` is 1.
 #[repr(C)]
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Pod, Zeroable)]
@@ -53,7 +53,7 @@ pub struct WaitReport {
     pub dead_peers: u64,
 }
 
-/// `WaitSite::reserved` bit (`kSiteTolerant` in `wait.cuh`): a wait whose caller leaves its peer
+/// `WaitSite::reserved` bit (`kSiteTolerant` in `core/wait.cuh`): a wait whose caller leaves its peer
 /// out when that peer died (MoE low latency with a rank mask) instead of failing the communicator.
 pub const SITE_TOLERANT: u32 = 1;
 

@@ -124,7 +124,7 @@ pub unsafe fn write_u64_after_async(stream: &CudaStream, at: u64, value: u64) ->
 /// `LaunchArgs::launch` does; with `overlap` the launch carries the programmatic-serialization
 /// attribute, so the GPU may schedule the kernel while the one before it in the stream finishes
 /// (programmatic dependent launch, as NCCL launches its symmetric kernels on sm_90). Only for
-/// kernels that begin with `wait_previous_grid()` (cuda/include/doorbell/common.cuh), and only
+/// kernels that begin with `wait_previous_grid()` (cuda/include/doorbell/core/common.cuh), and only
 /// where [`Gpu::overlapping_launch`] says so.
 ///
 /// # Safety

@@ -1,6 +1,6 @@
 //! Call words: the 64 bits every collective call tells its peers about itself, so that ranks
 //! making different calls are named on the device instead of returning wrong results or timing
-//! out (protocol in `cuda/include/doorbell/call_check.cuh`).
+//! out (protocol in `cuda/include/doorbell/coll/call_check.cuh`).
 //!
 //! This module owns the word's layout and its description in errors; it must stay free of any
 //! collective's logic (collectives hand it codes, it hands back words and text).
@@ -150,7 +150,7 @@ pub fn describe(word: u64) -> String {
             CallKind::name(kind)
         )
     } else if kind == CallKind::AllToAllV as u64 {
-        // Blocks differ by pair: the counts travel beside the word (`call_check.cuh`).
+        // Blocks differ by pair: the counts travel beside the word (`coll/call_check.cuh`).
         format!("call #{index} (mod 65536): alltoallv")
     } else {
         format!(
@@ -171,7 +171,7 @@ pub fn describe(word: u64) -> String {
     text
 }
 
-/// Bytes of one rank's inbox (`kInboxWords` in `call_check.cuh`): `[4][MAX_RANKS]` slots its
+/// Bytes of one rank's inbox (`kInboxWords` in `coll/call_check.cuh`): `[4][MAX_RANKS]` slots its
 /// peers write, then its own counts of calls announced to and checked against each peer,
 /// `MAX_RANKS` words each, then `[2 parities][MAX_RANKS][2]` pair byte counts (alltoallv). The
 /// slot a call uses is picked by that count on the device, not by the call index: a CUDA graph

@@ -1,4 +1,4 @@
-//! Host side of bounded device waits and of the abort word (see `cuda/include/doorbell/wait.cuh`
+//! Host side of bounded device waits and of the abort word (see `cuda/include/doorbell/core/wait.cuh`
 //! for the protocol).
 //!
 //! Each communicator has one [`WaitDiagnostics`]: the host-mapped [`WaitReport`] that the first
@@ -39,7 +39,7 @@ pub struct WaitDiagnostics {
     tolerant: std::sync::atomic::AtomicBool,
 }
 
-/// Bits of the report's abort word (`kAbortAll`, `kAbortPeerDead` in `wait.cuh`): every device
+/// Bits of the report's abort word (`kAbortAll`, `kAbortPeerDead` in `core/wait.cuh`): every device
 /// wait leaves; some peer is marked in `dead_peers` (the GPU reads that word only then).
 const ABORT_ALL: u32 = 1;
 const ABORT_PEER_DEAD: u32 = 2;
@@ -50,7 +50,7 @@ const EXPLAIN_GRACE: Duration = Duration::from_millis(1500);
 
 impl WaitDiagnostics {
     /// `claim` is the device address of 16 zeroed, 8-byte-aligned bytes of device memory that
-    /// nothing else uses: the claim word and the abort gate after it (`wait.cuh`).
+    /// nothing else uses: the claim word and the abort gate after it (`core/wait.cuh`).
     pub(crate) fn new(gpu: &Arc<Gpu>, claim: u64, budget: Duration, rank: usize) -> Result<Self> {
         Ok(WaitDiagnostics {
             report: HostArray::new(gpu, 1)?,

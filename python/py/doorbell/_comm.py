@@ -272,7 +272,7 @@ class MemoryChannels:
     """MemoryChannels to every peer. ``handles`` is a CUDA uint8 tensor ``[world_size,
     handle_size]``: row ``p`` is the ``doorbell::MemoryChannelHandle`` to rank ``p`` (this rank's
     row is zero), to pass to a kernel as ``const doorbell::MemoryChannelHandle*``; the calls are in
-    ``doorbell/memory_channel.cuh`` under :func:`get_include`. Keep this object alive while
+    ``doorbell/channel/memory_channel.cuh`` under :func:`get_include`. Keep this object alive while
     kernels use the handles."""
 
     struct = "doorbell::MemoryChannelHandle"

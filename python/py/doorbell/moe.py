@@ -349,9 +349,9 @@ class Buffer:
         """A low-latency dispatch whose send half runs in your own CUDA kernel (fused with the
         computation that produces the rows). Launches nothing; returns ``(fused, recv_x,
         handle, hook)``: launch your kernel with ``fused.args`` (the bytes of the struct
-        ``fused.struct`` from ``doorbell/collective_args.cuh``, under ``get_include()``) and, in
+        ``fused.struct`` from ``doorbell/coll/moe_args.cuh``, under ``get_include()``) and, in
         it, have one warp per token call ``put_token`` and every block ``finish_send`` (see the
-        top of ``doorbell/moe.cuh`` or ``doorbell/moe_net.cuh``, per ``fused.kind``); then call
+        top of ``doorbell/coll/moe_ll.cuh`` or ``doorbell/coll/moe_net.cuh``, per ``fused.kind``); then call
         ``hook()`` for the receive half. ``recv_x`` and ``handle`` are as
         ``low_latency_dispatch``'s (bf16 rows)."""
         self._need(True, "begin_fused_low_latency_dispatch")
@@ -447,7 +447,7 @@ class Buffer:
 
 class FusedSend:
     """The argument struct of a fused send: ``kind`` is ``"nvlink"`` (struct ``MoeLlArgs``, calls
-    in ``doorbell/moe.cuh``) or ``"net"`` (``MoeNetArgs``, ``doorbell/moe_net.cuh``); ``args``
+    in ``doorbell/coll/moe_ll.cuh``) or ``"net"`` (``MoeNetArgs``, ``doorbell/coll/moe_net.cuh``); ``args``
     its bytes, to pass by value as the kernel parameter of that type."""
 
     def __init__(self, kind: str, args: bytes) -> None:

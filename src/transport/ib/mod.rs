@@ -10,7 +10,7 @@
 //!   rdma-core's `mlx5dv.h` helpers in `tests/wqe_golden.rs`) and completion queue entries
 //!   ([`posting::cq`]); the host posters the proxy drives ([`posting::poster`], mlx5 WQEs it
 //!   writes in [`posting::host_qp`] or `ibv_post_send`) with the proxy's connection; queue pairs
-//!   kernels post to ([`posting::gpu_qp`], device side in `cuda/include/doorbell/ibgda.cuh`); the
+//!   kernels post to ([`posting::gpu_qp`], device side in `cuda/include/doorbell/ib/ibgda.cuh`); the
 //!   posting mode with its reason ([`posting::select`]).
 //! - [`topology`]: the NIC nearest each GPU.
 //!

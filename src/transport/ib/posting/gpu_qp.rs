@@ -3,7 +3,7 @@
 //! into the GPU, where the emulator's thread reads them as a ConnectX would read its own), and any
 //! provider's queue pair with its rings registered into the GPU ([`MappedQp`]); the posting state
 //! in device memory. Kernels take the [`IbQpHandle`] and call `put`, `atomic_add`, `quiet`
-//! (`cuda/include/doorbell/ibgda.cuh`).
+//! (`cuda/include/doorbell/ib/ibgda.cuh`).
 //!
 //! Two posting modes: [`Posting::Ibgda`], where the GPU writes the doorbell record and rings the
 //! doorbell itself, and [`Posting::CpuAssisted`], where the GPU builds and publishes WQEs and

@@ -1,6 +1,6 @@
-// doorbell device API: mlx5 work requests built on the GPU (the IBGDA path). Byte layouts follow
-// rdma-core's providers/mlx5/mlx5dv.h, exactly as src/transport/ib/posting/wqe.rs builds them on
-// the CPU (tests compare the two byte for byte; the CPU builder is itself compared with
+// doorbell device API, ib tier: mlx5 work requests built on the GPU (the IBGDA path). Byte layouts
+// follow rdma-core's providers/mlx5/mlx5dv.h, exactly as src/transport/ib/posting/wqe.rs builds
+// them on the CPU (tests compare the two byte for byte; the CPU builder is itself compared with
 // rdma-core's helpers).
 //
 // A send queue is a ring of 2^depth_log2 WQEBBs (64 bytes); a WQE is 16-byte DS units: control,
@@ -12,9 +12,9 @@
 // Bytes of a WQE's last WQEBB past its DS units are not written (the NIC reads DS units only).
 #pragma once
 
-#include "atomics.cuh"
-#include "common.cuh"
-#include "wait.cuh"
+#include "../core/atomics.cuh"
+#include "../core/common.cuh"
+#include "../core/wait.cuh"
 
 namespace doorbell {
 namespace ib {

@@ -1,4 +1,4 @@
-// doorbell device API: common macros and types.
+// doorbell device API, core tier: common macros and types.
 //
 // Every header of the device API can be included from a host-only translation unit (g++,
 // clang, or nvcc's host pass): structs are plain data there, and the device functions exist only

@@ -1,11 +1,14 @@
-// doorbell device API: call agreement, on by default, at one store and one load per peer and call.
+// doorbell device API, coll tier: call agreement, on by default, at one store and one load per
+// peer and call.
 //
 // Every collective call carries a 64-bit call word that names it: call index, collective, element
 // type, algorithm, operation and count (made by src/gpu/signature.rs; bit 63 marks a word as
 // written, so a zeroed slot reads as "nothing yet"). Each rank has an inbox of kInboxWords words in
 // its collective's scratch (zeroed at allocation): [kSlotRing][kMaxRanks] slots its peers write,
 // mapped by them, then two rows of counters only this rank touches: for each peer p, how many
-// calls it announced to p and how many it checked against p.
+// calls it announced to p and how many it checked against p. The callers are doorbell's collective
+// kernels and the MoE calls of this tier (finish_send announces, the receive half checks); the
+// host makes the word and reads the report.
 //
 // Who: block 0's thread p announces (block 0 is scheduled first, so a peer sees the word even
 // where the grids of ranks sharing a GPU cannot all be resident); the last `world` threads of the
@@ -22,25 +25,6 @@
 //     record) and aborts the communicator, so the host call returns Error::ArgumentMismatch
 //     naming both calls. A peer that skipped or repeated a call never shows this key: its waits
 //     and this one give up at the budget (Error::Timeout naming it).
-// The slot is picked by n, counted on the device (each announcing and checking thread keeps its
-// own count per peer, so no two threads share one), not by the host's call index: a CUDA graph
-// replays the indices it captured, so unless a graph held a multiple of four calls the first call
-// of a replay would share a slot with a call just before it, and a peer one call ahead would
-// overwrite the slot this rank is about to check (the check then waited for a word that never
-// came).
-// Why four slots suffice: a call split into a send and a receive half (MoE low latency) is
-// checked in its receive half, and up to two such calls may be in flight (two sends, then their
-// receive halves in send order: DeepEP's double buffer; the host refuses a third, and receive
-// halves out of order). Peer p writes call n+4's word into slot [n % 4][rank] only after its
-// receive half of call n+2 passed, which needs this rank's word of call n+2, which this rank
-// announces only after its receive half of call n (at most two in flight). So while call n's
-// check runs, the slot holds call n-4's word (wait) or call n's. With one call in flight two
-// slots would do (call n+2 needs this rank's data of n+1, sent after call n ended); with two in
-// flight, two slots were measured to deadlock (2026-11-26, 2 x H100: a peer's call n+2 overwrote call n's
-// word before this rank's receive half read it).
-// Graph replays reuse their captured words; a slot already holding this call's key from an
-// earlier replay (call n-4 captured as the same call) makes the check pass at once (the words
-// were compared at the first replay).
 // Pair counts (alltoallv): blocks differ by pair, so the word carries no count; instead the
 // announcing thread first stores, into peer p's inbox, the bytes it sends p and the bytes it
 // expects from p ([2 parities][kMaxRanks][2] words after the counters, same parity), then the word
@@ -50,12 +34,13 @@
 // (device_indexed), so graph replays are told apart too, and every call waits for every peer's word
 // of that same call: a rank never runs a call ahead of any peer, which is what lets alltoallv reuse
 // per-pair packet areas.
+// Why four slots, and why n is counted on the device: above check_slot below.
 // Cost: the store is fire-and-forget and the load at the end normally finds the word already there
 // (the peer's data arrived, so the peer had started): nothing on the critical path; the counters
 // are one load and one store of this rank's memory each.
 #pragma once
 
-#include "wait.cuh"
+#include "../core/wait.cuh"
 
 namespace doorbell {
 
@@ -125,6 +110,26 @@ static __noinline__ __device__ void announce_call_to(uint64_t* own, uint64_t* th
   own[kAnnouncedCounts + p] = n + 1;
 }
 
+// The slot is picked by n, counted on the device (each announcing and checking thread keeps its
+// own count per peer, so no two threads share one), not by the host's call index: a CUDA graph
+// replays the indices it captured, so unless a graph held a multiple of four calls the first call
+// of a replay would share a slot with a call just before it, and a peer one call ahead would
+// overwrite the slot this rank is about to check (the check then waited for a word that never
+// came).
+// Why four slots suffice: a call split into a send and a receive half (MoE low latency) is
+// checked in its receive half, and up to two such calls may be in flight (two sends, then their
+// receive halves in send order: DeepEP's double buffer; the host refuses a third, and receive
+// halves out of order). Peer p writes call n+4's word into slot [n % 4][rank] only after its
+// receive half of call n+2 passed, which needs this rank's word of call n+2, which this rank
+// announces only after its receive half of call n (at most two in flight). So while call n's
+// check runs, the slot holds call n-4's word (wait) or call n's. With one call in flight two
+// slots would do (call n+2 needs this rank's data of n+1, sent after call n ended); with two in
+// flight, two slots were measured to deadlock (2026-11-26, 2 x H100: a peer's call n+2 overwrote call n's
+// word before this rank's receive half read it).
+// Graph replays reuse their captured words; a slot already holding this call's key from an
+// earlier replay (call n-4 captured as the same call) makes the check pass at once (the words
+// were compared at the first replay).
+//
 // Checks call n (this rank's ordinal of it) against peer p's word in slot n. `later_passes`
 // (device-indexed words only): a word of a later call in the slot means the peer passed call n
 // and overwrote its word; the check then passes without comparing (the peer's own check of call

@@ -1,5 +1,5 @@
-// doorbell device API: MemoryChannel, a channel over NVLink (or PCIe peer access) driven by loads
-// and stores of GPU threads.
+// doorbell device API, channel tier: MemoryChannel, a channel over NVLink (or PCIe peer access)
+// driven by loads and stores of GPU threads.
 //
 // A channel joins my rank to one peer. It holds:
 //   dst            the peer's buffer, mapped into my address space (puts land here)
@@ -15,8 +15,8 @@
 // cycles on every call); the host checks them when it builds launch arguments.
 #pragma once
 
-#include "copy.cuh"
-#include "packet.cuh"
+#include "../core/copy.cuh"
+#include "../core/packet.cuh"
 #include "semaphore.cuh"
 
 namespace doorbell {

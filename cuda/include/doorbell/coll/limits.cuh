@@ -1,7 +1,10 @@
-// doorbell device API: the sizes and limits doorbell's kernels share with its host code. Each
-// has a twin in Rust that sizes an allocation or checks an argument against it; the layout probe
+// doorbell device API, coll tier: the sizes and limits of doorbell's collectives and MoE paths
+// that their kernels share with the host code. Each has a twin in Rust (src/device_api/limits.rs)
+// that sizes an allocation or checks an argument against it; the layout probe
 // (cuda/probe/layout_probe.cpp) prints them, and the layout test in src/device_api holds every
-// twin equal, so neither side can change alone.
+// twin equal, so neither side can change alone. It sits in coll/, not detail/, because the
+// node-spanning MoE calls (coll/moe_net.cuh) are sized by moe_net::kMaxRanks; the rest serve only
+// doorbell's own kernels.
 #pragma once
 
 #include <stdint.h>

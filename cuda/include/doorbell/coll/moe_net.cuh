@@ -1,9 +1,9 @@
-// doorbell device API: the node-spanning low-latency MoE exchange as calls for your own kernels.
-// `MoeLowLatency` (Rust) takes this path when its communicator spans nodes (or with
+// doorbell device API, coll tier: the node-spanning low-latency MoE exchange as calls for your own
+// kernels. `MoeLowLatency` (Rust) takes this path when its communicator spans nodes (or with
 // DOORBELL_MOE_NET=1); `cuda/kernels/moe_net.cu` is built from the same calls.
 //
 // One code path for every peer: a token's message (header + row, see MoeNetArgs in
-// collective_args.cuh) is built once in the sender's staging area (the half of the dispatch's
+// coll/moe_args.cuh) is built once in the sender's staging area (the half of the dispatch's
 // epoch), then goes to each rank holding one of its experts: by NVLink stores, from the token's
 // own warp, where that rank's area is mapped here (same node, and this rank itself); by
 // PortChannel puts otherwise (RDMA WRITEs that the kernel or the proxy posts, whichever posting
@@ -33,11 +33,12 @@
 // sends that partial row back; moe_net::combine_chunk adds the ranks' partial rows in rank order.
 #pragma once
 
+#include "../channel/port_channel.cuh"
+#include "../core/copy.cuh"
+#include "../core/reduce.cuh"
 #include "call_check.cuh"
-#include "collective_args.cuh"
-#include "copy.cuh"
-#include "port_channel.cuh"
-#include "reduce.cuh"
+#include "limits.cuh"  // moe_net::kMaxRanks, which the call check's inbox below is sized by
+#include "moe_args.cuh"
 
 #if DOORBELL_CUDA
 #include <cuda_bf16.h>

@@ -1,4 +1,4 @@
-// doorbell device API: memory-model leaves.
+// doorbell device API, core tier: memory-model leaves.
 //
 // The only place with inline PTX for loads, stores and atomics that synchronize between GPUs
 // (and between GPU and host). Each wrapper names its order and scope: `acquire`/`release`/`relaxed`

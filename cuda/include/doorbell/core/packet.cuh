@@ -1,4 +1,4 @@
-// doorbell device API: LL ("low latency") packets.
+// doorbell device API, core tier: LL ("low latency") packets.
 //
 // A packet carries data and a flag in one store, so a reader that sees the expected flag has the
 // data with it: no separate signal, no fence, one NVLink crossing. Callers pick a fresh flag per

@@ -1,6 +1,8 @@
-// doorbell device API: PortChannel, a channel whose data moves by DMA (copy engines, or the
-// network) on behalf of the GPU: kernels push small triggers into the proxy's FIFO and keep
-// computing; the ProxyService performs them.
+// doorbell device API, channel tier: PortChannel, a channel whose data moves by DMA (copy engines,
+// or the network) on behalf of the GPU: kernels push small triggers into the proxy's FIFO and keep
+// computing; the ProxyService performs them. Over InfiniBand with GPU posting (`ib` set by the
+// host), the same calls write the work requests from the kernel instead (ib/ibgda.cuh): that is
+// why this channel tier sits above ib/.
 //
 // Semantics (the same vocabulary as MemoryChannel):
 //   put                       copy bytes from my registered memory to the peer's (asynchronous)
@@ -14,13 +16,13 @@
 // peer read the destination only after it waited for the matching signal.
 #pragma once
 
+#include "../ib/ibgda.cuh"
 #include "fifo.cuh"
-#include "ibgda.cuh"
 
 namespace doorbell {
 
 // A PortChannel over RDMA whose kernels post their own work requests (IBGDA or CPU-assisted
-// posting, see ibgda.cuh) instead of pushing triggers to the proxy: a put becomes RDMA WRITEs
+// posting, see ib/ibgda.cuh) instead of pushing triggers to the proxy: a put becomes RDMA WRITEs
 // (1 GiB pieces, large ones striped over up to 4 QPs to the peer, DOORBELL_IB_QPS_PER_PEER), a
 // signal an 8-byte READ of the peer's token (the flush that keeps the signal behind the data) then
 // a fetch-add of 1 on it, a flush waits for every completion of the QPs.
@@ -136,7 +138,7 @@ struct PortChannelHandle {
   // then, when `tail_bytes` > 0, one put of `tail_bytes` from `tail_src` to `tail_dst` (a count
   // or descriptor that describes the rows); then, when `with_signal`, a signal behind all of it.
   // Over RDMA posted by the kernel, the whole batch is one reservation, one publish and one
-  // doorbell on the first queue pair (ibgda.cuh's post_warp: the signal is a READ that flushes
+  // doorbell on the first queue pair (ib/ibgda.cuh's post_warp: the signal is a READ that flushes
   // the writes, then the fetch-add); with the proxy, one trigger per put and one for the signal.
   // `ring` false (RDMA posted by the kernel): the batch is published but the doorbell is left to
   // a later batch on the same queue pair (which rings for everything published before it), so

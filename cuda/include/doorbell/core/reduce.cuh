@@ -1,5 +1,5 @@
-// doorbell device API: elementwise sums over packed words, for reductions that move data as
-// 32-bit words (LL packets) or 16-byte vectors.
+// doorbell device API, core tier: elementwise sums over packed words, for reductions that move
+// data as 32-bit words (LL packets) or 16-byte vectors.
 //
 // Sums accumulate in f32 and round once, and callers add contributions in rank order, so every
 // rank that reduces the same inputs gets bit-identical results.

@@ -1,4 +1,4 @@
-// doorbell device API: cooperative copies.
+// doorbell device API, core tier: cooperative copies.
 //
 // `copy` moves any number of bytes between any two addresses (local or a peer's, over NVLink)
 // with `nthreads` cooperating threads, each calling it with its own `tid` in [0, nthreads). The

@@ -1,4 +1,4 @@
-// doorbell device API: device-to-device semaphores.
+// doorbell device API, channel tier: device-to-device semaphores.
 //
 // Protocol (tokens are monotonic 64-bit counters, never reset, so CUDA-graph replays stay right):
 //   - Each side owns an inbound token in its own GPU memory. The peer signals by adding 1 to it
@@ -12,7 +12,7 @@
 //     synchronize them first (__syncthreads, or a grid barrier) and signal from one thread.
 #pragma once
 
-#include "wait.cuh"
+#include "../core/wait.cuh"
 
 namespace doorbell {
 
@@ -37,10 +37,10 @@ struct SemaphoreHandle {
     return true;
   }
 
-  // Waits for the next `count` signals (bounded; see wait.cuh). Several threads may wait at
+  // Waits for the next `count` signals (bounded; see core/wait.cuh). Several threads may wait at
   // once; each consumes the signals it asked for. False when the wait gave up (the communicator
   // aborted, or the budget ran out and was reported): what the signals guard never came, and an
-  // output that depends on it is to be marked (copy.cuh's mark_missing).
+  // output that depends on it is to be marked (core/copy.cuh's mark_missing).
   DOORBELL_DEVICE_INLINE bool wait(uint64_t count = 1) const {
     const uint64_t expected = fetch_add_relaxed_gpu(expected_inbound, count) + count;
     return spin_until(site, kWaitSemaphore, expected, [&](uint64_t& seen) {

@@ -1,4 +1,5 @@
-// doorbell device API: the device-to-host trigger FIFO (PortChannel -> ProxyService).
+// doorbell device API, channel tier: the device-to-host trigger FIFO (PortChannel ->
+// ProxyService).
 //
 // Layout: `triggers` is a ring of 2^size_log2 32-byte slots in pinned host memory the GPU maps;
 // `head` (device memory) counts positions claimed by pushers; `tail` (pinned host memory) counts
@@ -24,7 +25,7 @@
 // range-checked on every push and a bad one traps with a report instead of being truncated.
 #pragma once
 
-#include "wait.cuh"
+#include "../core/wait.cuh"
 
 namespace doorbell {
 

@@ -1,7 +1,8 @@
-// doorbell device API: the low-latency MoE exchange as calls for your own kernels, so an expert
-// or attention kernel can send its rows the moment it has them (fused dispatch) and reduce the
-// combine inside its epilogue. The host side (`MoeLowLatency` in Rust) prepares each call and
-// hands out the `MoeLlArgs` these take; `cuda/kernels/moe_ll.cu` is built from the same calls.
+// doorbell device API, coll tier: the low-latency MoE exchange as calls for your own kernels, so
+// an expert or attention kernel can send its rows the moment it has them (fused dispatch) and
+// reduce the combine inside its epilogue. The host side (`MoeLowLatency` in Rust) prepares each
+// call and hands out the `MoeLlArgs` these take (coll/moe_args.cuh); `cuda/kernels/moe_ll.cu` is
+// built from the same calls.
 //
 // Transport: a token's row crosses NVLink once per destination rank, however many of that rank's
 // experts it selected (top-8 of 256 on 4 ranks reaches 3.6 ranks on average, so about half the
@@ -27,9 +28,9 @@
 // moe_ll::combine_chunk(args, t, c) writes 16 bytes of token t's output.
 #pragma once
 
-#include "collective_args.cuh"
-#include "copy.cuh"
-#include "reduce.cuh"
+#include "../core/copy.cuh"
+#include "../core/reduce.cuh"
+#include "moe_args.cuh"
 
 #if DOORBELL_CUDA
 #include <cuda_bf16.h>

@@ -1,4 +1,11 @@
-// doorbell device API: bounded waits and the abort word.
+// doorbell device API, core tier: bounded waits and the abort word.
+//
+// Offers spin_until / spin_until_packet (poll a condition until it holds, the budget runs out or
+// the communicator aborts), the WaitSite a kernel passes to say who waits for whom, and the
+// WaitReport the host reads when a wait gave up. Every spin in doorbell goes through them
+// (semaphores, FIFO, packets, the call check, GPU posting), and a kernel of yours that polls a
+// flag of its own should too. Memory order is the poll's: spin_until adds none, so a poll that
+// guards data must read its flag with an acquire load (atomics.cuh).
 //
 // No spin loop in doorbell is unbounded, and none outlives a failed job. Each one polls a
 // condition; after the first miss it starts a clock (the GPU's global timer, nanoseconds) and, every
@@ -13,12 +20,6 @@
 //     replays too) leaves within about two periods of the abort, and later ones at their first
 //     miss. The kernel runs on to its end. Results are garbage and the host call that follows
 //     returns Error::PeerFailed.
-//   Why a gate: before it, every waiting thread read the host word itself after 33 us. A kernel
-//   that waits with every thread (LL packets: 64 blocks x 512 threads) then put 32768 PCIe reads
-//   in flight every 66 us; on two H100s they took 0.1-1.4 ms to drain, the waits saw their
-//   packets only after their own read came back, the late rank made its peer's next call wait
-//   past 33 us in turn, and allreduce, all-to-all and MoE calls ran at 0.01-0.1 x their speed
-//   (issue 25). With the gate a GPU reads the word at most once per kAbortGatePeriodNs.
 //   - the budget runs out: the first waiter of the communicator to give up claims its WaitReport,
 //     writes who waited (rank, peer, channel, block, thread) for what (kind, expected and last seen
 //     value, time waited), then sets the abort word itself, so every other wait of the
@@ -90,7 +91,7 @@ struct WaitReport {
   uint64_t waited_ns;
   uint32_t abort;             // bit 0: leave every wait (see the protocol above); bit 1: a peer is
                               // in dead_peers (tolerated loss), read only then
-  int32_t mismatch_peer;      // the first peer found making another call (see call_check.cuh)
+  int32_t mismatch_peer;      // the first peer found making another call (see coll/call_check.cuh)
   uint64_t mismatch_mine;     // this rank's call word
   uint64_t mismatch_theirs;   // that peer's call word
   uint32_t mismatch_valid;    // 1 once the fields above and below are written
@@ -227,14 +228,16 @@ static __noinline__ __device__ void wait_gave_up(const WaitSite& site, uint32_t 
 // A wait looks for the abort after this long, then every kAbortCheckPeriodNs; the GPU reads the
 // host's abort word at most once every kAbortGatePeriodNs (half the check period, so a lone
 // waiter always finds the gate due).
+// Why a gate: before it, every waiting thread read the host word itself after 33 us. A kernel
+// that waits with every thread (LL packets: 64 blocks x 512 threads) then put 32768 PCIe reads
+// in flight every 66 us; on two H100s they took 0.1-1.4 ms to drain, the waits saw their
+// packets only after their own read came back, the late rank made its peer's next call wait
+// past 33 us in turn, and allreduce, all-to-all and MoE calls ran at 0.01-0.1 x their speed
+// (issue 25). With the gate a GPU reads the word at most once per kAbortGatePeriodNs.
 constexpr uint64_t kFirstAbortCheckNs = uint64_t(1) << 15;  // 33 us
 constexpr uint64_t kAbortCheckPeriodNs = uint64_t(1) << 16; // 66 us
 constexpr uint64_t kAbortGatePeriodNs = kAbortCheckPeriodNs / 2;
 
-// True once this communicator aborted, as far as a waiter can tell at `now` (global timer):
-// the claim word's copy, or the host word if the gate lets this thread read it. Inline: a call
-// out of the wait loop makes the caller save its live registers around it (kernels with many
-// waits, such as moe_net_dispatch_send, spilled 7x more with this out of line).
 // A wait that cannot leave a dead peer out ends the communicator, as the host's abort would have
 // (the host has the peer's fault recorded: the calls return PeerFailed naming it).
 static __noinline__ __device__ void fail_for_dead_peer(const WaitSite& site) {
@@ -243,6 +246,10 @@ static __noinline__ __device__ void fail_for_dead_peer(const WaitSite& site) {
   atomicOr(site.claim, kClaimAborted);
 }
 
+// True once this communicator aborted, as far as a waiter can tell at `now` (global timer):
+// the claim word's copy, or the host word if the gate lets this thread read it. Inline: a call
+// out of the wait loop makes the caller save its live registers around it (kernels with many
+// waits, such as moe_net_dispatch_send, spilled 7x more with this out of line).
 DOORBELL_DEVICE_INLINE bool abort_seen(const WaitSite& site, uint64_t now) {
   if (site.report == nullptr) return false;
   if (site.claim == nullptr) return aborted(site);
