@@ -259,10 +259,7 @@ impl AllToAll {
             .alloc_zeros::<u32>(2 * world * lanes_us)
             .map_err(cuda_err("cuMemAlloc"))?;
         let scratch_ptrs = scratch.bases("the all-to-all")?;
-        let mut inbox = [0u64; MAX_RANKS];
-        for (i, p) in inbox.iter_mut().zip(&scratch_ptrs).take(world) {
-            *i = p + inbox_offset as u64;
-        }
+        let inbox = scratch.bases_at(inbox_offset, "the all-to-all")?;
         let sems_ptr = sems.device_ptr(&stream).0;
         let base = AllToAllArgs {
             scratch: scratch_ptrs,

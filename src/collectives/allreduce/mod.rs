@@ -160,10 +160,7 @@ impl AllReduce {
             .alloc_zeros::<u8>(ll_blocks as usize * std::mem::size_of::<LamportState>())
             .map_err(cuda_err("cuMemAlloc"))?;
         let scratch_ptrs = scratch.bases("the allreduce")?;
-        let mut inbox = [0u64; MAX_RANKS];
-        for (i, p) in inbox.iter_mut().zip(&scratch_ptrs).take(world) {
-            *i = p + inbox_offset as u64;
-        }
+        let inbox = scratch.bases_at(inbox_offset, "the allreduce")?;
         let sems_ptr = sems_dev.device_ptr(&stream).0;
         let base = AllReduceArgs {
             scratch: scratch_ptrs,

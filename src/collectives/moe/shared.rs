@@ -233,10 +233,7 @@ pub(super) fn receive_area_with_inbox(
     bytes: usize,
 ) -> Result<(SymmetricBuffer, [u64; MAX_RANKS], [u64; MAX_RANKS])> {
     let (area, ptrs) = receive_area(comm, bytes + signature::INBOX_BYTES)?;
-    let mut inbox = [0u64; MAX_RANKS];
-    for (i, p) in inbox.iter_mut().zip(&ptrs).take(comm.world_size()) {
-        *i = p + bytes as u64;
-    }
+    let inbox = area.bases_at(bytes, "the MoE exchange")?;
     Ok((area, ptrs, inbox))
 }
 
