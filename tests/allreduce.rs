@@ -115,7 +115,7 @@ fn a_late_peer_costs_only_its_lateness() {
 #[test]
 #[ignore = "needs GPU"]
 fn argument_check_names_the_odd_rank() {
-    run_case("disagree", 3, &[("DOORBELL_CHECK", "1")]);
+    run_case("disagree", 3, &[("DOORBELL_HOST_CALL_CHECK", "1")]);
 }
 
 struct Bufs {
@@ -380,7 +380,7 @@ fn graph_of_three(comm: &Arc<Communicator>, s: &Arc<CudaStream>) {
     comm.synchronize(s).unwrap();
 }
 
-/// With DOORBELL_CHECK=1, rank 1 calls with a different count: every rank gets an error naming
+/// With DOORBELL_HOST_CALL_CHECK=1, rank 1 calls with a different count: every rank gets an error naming
 /// rank 1 instead of hanging.
 fn disagree(comm: &Arc<Communicator>, s: &Arc<CudaStream>) {
     let ar = AllReduce::new(comm, AllReduceOptions::default()).unwrap();

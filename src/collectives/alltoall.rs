@@ -357,7 +357,7 @@ impl AllToAll {
         // SAFETY: the arguments match all three kernels (AllToAllArgs is layout-tested); scratch and
         // semaphores live as long as `self`; the caller vouches for the buffers.
         self.comm
-            .check(unsafe { b.launch(cfg) }.map(|_| ()), "cuLaunchKernel")
+            .cuda_result(unsafe { b.launch(cfg) }.map(|_| ()), "cuLaunchKernel")
     }
 
     /// Equal blocks: block `p` of `input` (`[p * bytes_per_peer, +bytes_per_peer)`) goes to rank

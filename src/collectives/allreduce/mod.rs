@@ -15,7 +15,7 @@
 //! capturable with any number of replays.
 //!
 //! Every rank must call with the same count, type and algorithm choice inputs, in the same
-//! order. `DOORBELL_CHECK=1` (or [`AllReduceOptions::check_args`]) verifies that on every call
+//! order. `DOORBELL_HOST_CALL_CHECK=1` (or [`AllReduceOptions::check_args`]) verifies that on every call
 //! and names the odd rank instead of hanging.
 
 use crate::channel::semaphore::Semaphores;
@@ -513,7 +513,7 @@ impl AllReduce {
         // (layout-tested), alive through the launch; every allreduce kernel begins with
         // wait_previous_grid (allreduce.cu); the caller vouches for the buffers; scratch and
         // semaphores live as long as `self`.
-        self.comm.check(
+        self.comm.cuda_result(
             unsafe { crate::gpu::cuda::launch(stream, f, cfg, &mut [param], self.overlap) },
             "cuLaunchKernelEx",
         )

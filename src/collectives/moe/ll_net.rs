@@ -12,7 +12,7 @@
 //! destination rank once with its top-k ids and weights in a header, and the receive half copies
 //! it into each selected expert's slot. The area and channels: `net_area.rs`.
 
-use super::net_area::{message_bytes, LandingShape, NetLanding};
+use super::net_area::{message_bytes, NetReceiveArea, ReceiveAreaShape};
 use super::packed::{PackedCombine, PackedOutputs};
 use super::path::LowLatencyPath;
 use super::shared::{launch, FusedSend, LowLatencyResults, MoeConfig};
@@ -40,7 +40,7 @@ struct PackedLog {
 
 /// Node-spanning low-latency MoE state. Collective to build and to call.
 pub(super) struct LlNet {
-    landing: NetLanding,
+    area: NetReceiveArea,
     comm: Arc<Communicator>,
     base: MoeNetArgs,
     kernels: [CudaFunction; 8],
@@ -74,10 +74,10 @@ impl LlNet {
                 ),
             ));
         }
-        let landing = NetLanding::new(
+        let area = NetReceiveArea::new(
             comm,
             cfg,
-            LandingShape {
+            ReceiveAreaShape {
                 messages: 2 * world * cfg.max_tokens * message_bytes(cfg),
                 counts: 2 * world * 8,
                 fill_extra: local * world,
@@ -140,7 +140,7 @@ impl LlNet {
             list: p(8),
             arrived: p(9),
             staged: p(10),
-            ..landing.base
+            ..area.base
         };
         stream
             .synchronize()
@@ -158,7 +158,7 @@ impl LlNet {
         ];
         comm.bootstrap().barrier()?;
         Ok(LlNet {
-            landing,
+            area,
             comm: comm.clone(),
             base,
             kernels,
@@ -187,7 +187,7 @@ impl LlNet {
     }
 
     fn launch(&self, stream: &CudaStream, k: usize, args: &MoeNetArgs) -> Result<()> {
-        self.launch_on(stream, k, self.landing.blocks, args)
+        self.launch_on(stream, k, self.area.blocks, args)
     }
 
     fn launch_on(
@@ -197,7 +197,7 @@ impl LlNet {
         blocks: u32,
         args: &MoeNetArgs,
     ) -> Result<()> {
-        self.landing.proxy_alive()?;
+        self.area.proxy_alive()?;
         // The send (task-parallel, moe_net_dispatch_send) runs 256 threads a block: more registers per
         // thread for its posting paths; the others 512.
         let threads = if k == 0 { 256 } else { 512 };
@@ -514,7 +514,7 @@ impl LowLatencyPath for LlNet {
             }
         }
         let [rows, scales, ids] = prep[(self.dispatches() % 2) as usize];
-        let tokens_blocks = (num_tokens.div_ceil(16) as u32).clamp(1, self.landing.blocks);
+        let tokens_blocks = (num_tokens.div_ceil(16) as u32).clamp(1, self.area.blocks);
         let prep_args = MoeNetArgs {
             in_x: x,
             in_ids: topk_idx,

@@ -24,9 +24,9 @@ const INBOX_WORDS: usize = 4 * MAX_NET_RANKS;
 /// The channel id wait reports of this path carry.
 const SITE_CHANNEL: u32 = u32::MAX - 1;
 
-/// The shape of a [`NetLanding`]: what each path keeps in the area and the staging area beside
+/// The shape of a [`NetReceiveArea`]: what each path keeps in the area and the staging area beside
 /// the parts both share (the staged messages by token, the partial rows of the combine).
-pub(super) struct LandingShape {
+pub(super) struct ReceiveAreaShape {
     /// Bytes of the area's message region (at offset 0).
     pub messages: usize,
     /// Bytes of the area's count region (`off_counts`) and of the staging area's
@@ -49,7 +49,7 @@ pub(super) struct LandingShape {
 /// The memory and channels both node-spanning MoE paths share: this rank's area (registered with
 /// the NIC, mapped by same-node peers), its staging area, PortChannels from the staging area to
 /// every peer's area, and the device arrays the kernels find peers, counters and epochs in.
-pub(super) struct NetLanding {
+pub(super) struct NetReceiveArea {
     // Dropped first: the proxy thread stops before the memory it moves goes away.
     pub(super) proxy: ProxyService,
     /// The transport's fields of the kernels' arguments (the rest zero).
@@ -57,7 +57,7 @@ pub(super) struct NetLanding {
     pub(super) blocks: u32,
     /// Device address of the credit channels' handles (0 without them).
     pub(super) credits: u64,
-    /// Offsets of the partial weights (`LandingShape::part_weights`) in the area and in the
+    /// Offsets of the partial weights (`ReceiveAreaShape::part_weights`) in the area and in the
     /// staging area (0 without them).
     pub(super) off_part_w: u64,
     pub(super) stage_part_w: u64,
@@ -67,12 +67,12 @@ pub(super) struct NetLanding {
     _device: Vec<CudaSlice<u8>>,
 }
 
-impl NetLanding {
+impl NetReceiveArea {
     /// Collective.
     pub(super) fn new(
         comm: &Arc<Communicator>,
         cfg: &MoeConfig,
-        shape: LandingShape,
+        shape: ReceiveAreaShape,
     ) -> Result<Self> {
         let world = comm.world_size();
         let rank = comm.rank();
@@ -195,7 +195,7 @@ impl NetLanding {
         stream
             .synchronize()
             .map_err(cuda_err("cuStreamSynchronize"))?;
-        Ok(NetLanding {
+        Ok(NetReceiveArea {
             proxy,
             base,
             blocks,

@@ -223,7 +223,7 @@ pub(super) fn launch_unchecked<A: DeviceRepr>(
     };
     // SAFETY: the argument struct matches the kernel's (layout-tested); every buffer it names
     // lives as long as the dispatcher that calls this; its caller vouches for per-call inputs.
-    comm.check(unsafe { b.launch(cfg) }.map(|_| ()), "cuLaunchKernel")
+    comm.cuda_result(unsafe { b.launch(cfg) }.map(|_| ()), "cuLaunchKernel")
 }
 
 /// A receive area of `bytes` followed by the call check's inbox ([`signature::INBOX_BYTES`]):
