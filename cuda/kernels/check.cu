@@ -2,7 +2,7 @@
 // benchmarks' --check. Values are small integers derived from (rank, index, seed): a sum over up
 // to 8 ranks stays an integer in [-64, 64], exact in bf16, f16 and f32, so any wrong element is
 // a real error and the expected value names every contribution. The host twin is
-// `collectives::check::value`.
+// `collectives::verify::value`.
 #include <doorbell/atomics.cuh>
 #include <doorbell/reduce.cuh>
 

@@ -1,9 +1,9 @@
-//! Inputs with exact sums and result checks, for the collective tests and the benchmarks'
-//! `--check` (kernels in `cuda/kernels/check.cu`).
+//! Inputs with exact sums and the verification of results, for the collective tests and the
+//! benchmarks' `--check` (kernels in `cuda/kernels/check.cu`).
 //!
 //! [`value`] is the host twin of the device's `check_value`: small integers derived from (rank,
 //! index, seed), so the sum over up to 8 ranks is exact in every supported type and a wrong
-//! element is a real error. [`Checker::fill_random`] and [`Checker::hash`] serve the pressure
+//! element is a real error. [`Verifier::fill_random`] and [`Verifier::hash`] serve the pressure
 //! tests: rounding there depends on summation order, so a race shows up as differing hashes.
 
 use crate::collectives::DataType;
@@ -23,7 +23,7 @@ pub fn expected_sum(world: u32, i: u64, seed: u32) -> i32 {
 }
 
 /// The check kernels of one GPU, for every data type.
-pub struct Checker {
+pub struct Verifier {
     fill: [CudaFunction; 3],
     count_wrong: [CudaFunction; 3],
     fill_random: [CudaFunction; 3],
@@ -60,11 +60,11 @@ fn one_u64(
     Ok(v[0])
 }
 
-impl Checker {
+impl Verifier {
     /// Loads the kernels.
-    pub fn new(gpu: &Arc<Gpu>) -> Result<Checker> {
+    pub fn new(gpu: &Arc<Gpu>) -> Result<Verifier> {
         let load = |stem: &str| crate::collectives::kernels_per_type(gpu, "check", stem);
-        Ok(Checker {
+        Ok(Verifier {
             fill: load("check_fill")?,
             count_wrong: load("check_count_wrong")?,
             fill_random: load("check_fill_random")?,
@@ -128,11 +128,11 @@ impl Checker {
         Ok(())
     }
 
-    /// Counts the bytes at `ptr` that differ from [`Checker::fill_route`]'s pattern. Synchronizes
+    /// Counts the bytes at `ptr` that differ from [`Verifier::fill_route`]'s pattern. Synchronizes
     /// `s`.
     ///
     /// # Safety
-    /// As for [`Checker::fill_route`].
+    /// As for [`Verifier::fill_route`].
     pub unsafe fn count_wrong_route(
         &self,
         s: &Arc<CudaStream>,
@@ -182,7 +182,7 @@ impl Checker {
     /// Pseudo-random values in [-1, 1) derived from (rank, index, seed).
     ///
     /// # Safety
-    /// As for [`Checker::fill`].
+    /// As for [`Verifier::fill`].
     pub unsafe fn fill_random(
         &self,
         s: &Arc<CudaStream>,
@@ -205,7 +205,7 @@ impl Checker {
     /// Synchronizes `s`.
     ///
     /// # Safety
-    /// As for [`Checker::fill`].
+    /// As for [`Verifier::fill`].
     pub unsafe fn count_wrong(
         &self,
         s: &Arc<CudaStream>,
@@ -227,7 +227,7 @@ impl Checker {
     /// An order-independent hash of the `count` elements at `ptr`. Synchronizes `s`.
     ///
     /// # Safety
-    /// As for [`Checker::fill`].
+    /// As for [`Verifier::fill`].
     pub unsafe fn hash(
         &self,
         s: &Arc<CudaStream>,
@@ -244,6 +244,10 @@ impl Checker {
         })
     }
 }
+
+/// The name before [`Verifier`].
+#[doc(hidden)]
+pub type Checker = Verifier;
 
 #[cfg(test)]
 mod tests {
