@@ -12,7 +12,7 @@
 use clap::Parser;
 use cudarc::driver::{CudaSlice, DevicePtr};
 use doorbell::collectives::allreduce::{Algorithm, AllReduce, AllReduceOptions};
-use doorbell::collectives::check::Checker;
+use doorbell::collectives::verify::Verifier;
 use doorbell::collectives::DataType;
 use doorbell::communicator::Communicator;
 use doorbell::gpu::cuda::device_count;
@@ -159,7 +159,7 @@ fn run(args: &Args) -> Result<i32> {
             ..defaults
         },
     )?;
-    let checker = Checker::new(comm.gpu())?;
+    let checker = Verifier::new(comm.gpu())?;
     let s = comm.gpu().new_stream()?;
     let nccl = Nccl::optional(comm.bootstrap(), comm.gpu(), args.no_nccl);
     let symm = match &nccl {

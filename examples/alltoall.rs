@@ -9,7 +9,7 @@
 use clap::Parser;
 use cudarc::driver::{CudaSlice, DevicePtr};
 use doorbell::collectives::alltoall::{AllToAll, AllToAllOptions};
-use doorbell::collectives::check::Checker;
+use doorbell::collectives::verify::Verifier;
 use doorbell::collectives::DataType;
 use doorbell::communicator::Communicator;
 use doorbell::gpu::cuda::device_count;
@@ -132,7 +132,7 @@ fn run(args: &Args) -> Result<i32> {
             ..d
         },
     )?;
-    let checker = Checker::new(comm.gpu())?;
+    let checker = Verifier::new(comm.gpu())?;
     let s = comm.gpu().new_stream()?;
     let nccl = Nccl::optional(comm.bootstrap(), comm.gpu(), args.no_nccl);
     let unit = world * dtype.size();

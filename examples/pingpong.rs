@@ -240,7 +240,7 @@ fn latency_round(
     let mut b = stream.launch_builder(&k.latency);
     b.arg(&ch).arg(&iters).arg(&initiator);
     // SAFETY: matches pingpong_latency's signature.
-    comm.check(unsafe { b.launch(cfg(1, 32)) }, "cuLaunchKernel")?;
+    comm.cuda_result(unsafe { b.launch(cfg(1, 32)) }, "cuLaunchKernel")?;
     let stop = stream
         .record_event(Some(CU_EVENT_DEFAULT))
         .map_err(cuda("cuEventRecord"))?;
@@ -275,7 +275,7 @@ fn bandwidth_round(
                     let mut b = stream.launch_builder(&k.put);
                     b.arg(&ch).arg(&bytes);
                     // SAFETY: matches pingpong_put; `bytes` fits both buffers.
-                    comm.check(unsafe { b.launch(cfg(blocks, threads)) }, "cuLaunchKernel")?;
+                    comm.cuda_result(unsafe { b.launch(cfg(blocks, threads)) }, "cuLaunchKernel")?;
                 }
                 PutKind::Bulk { blocks, chunk } => {
                     let mut b = stream.launch_builder(&k.put_bulk);
@@ -292,7 +292,7 @@ fn bandwidth_round(
                     }
                     // SAFETY: matches pingpong_put_bulk; `bytes` fits both buffers (16-byte
                     // multiples), shared memory sized as the kernel expects.
-                    comm.check(unsafe { b.launch(c) }, "cuLaunchKernel")?;
+                    comm.cuda_result(unsafe { b.launch(c) }, "cuLaunchKernel")?;
                 }
             }
         }
@@ -301,7 +301,7 @@ fn bandwidth_round(
         let mut b = stream.launch_builder(&k.drain);
         b.arg(&ch).arg(&one).arg(&no_ack);
         // SAFETY: matches pingpong_drain.
-        comm.check(unsafe { b.launch(cfg(1, 32)) }, "cuLaunchKernel")?;
+        comm.cuda_result(unsafe { b.launch(cfg(1, 32)) }, "cuLaunchKernel")?;
         let stop = stream
             .record_event(Some(CU_EVENT_DEFAULT))
             .map_err(cuda("cuEventRecord"))?;
@@ -315,7 +315,7 @@ fn bandwidth_round(
         let mut b = stream.launch_builder(&k.drain);
         b.arg(&ch).arg(&count).arg(&ack);
         // SAFETY: matches pingpong_drain.
-        comm.check(unsafe { b.launch(cfg(1, 32)) }, "cuLaunchKernel")?;
+        comm.cuda_result(unsafe { b.launch(cfg(1, 32)) }, "cuLaunchKernel")?;
         comm.synchronize(stream)?;
         Ok(0.0)
     }

@@ -114,7 +114,7 @@ fn measure(
                 let mut b = st.launch_builder(&roundtrip);
                 b.arg(&ch).arg(&n);
                 // SAFETY: matches port_fifo_roundtrip.
-                comm.check(unsafe { b.launch(one()) }.map(|_| ()), "cuLaunchKernel")
+                comm.cuda_result(unsafe { b.launch(one()) }.map(|_| ()), "cuLaunchKernel")
             })?;
             if i > 0 {
                 best = best.min(t / n as f64);
@@ -142,7 +142,7 @@ fn measure(
                 let mut b = s.launch_builder(&split);
                 b.arg(&ch).arg(&args.iters).arg(&fenced).arg(&op);
                 // SAFETY: matches port_fifo_roundtrip_split; `out` holds two u64.
-                comm.check(unsafe { b.launch(one()) }.map(|_| ()), "cuLaunchKernel")?;
+                comm.cuda_result(unsafe { b.launch(one()) }.map(|_| ()), "cuLaunchKernel")?;
             }
             comm.synchronize(s)?;
             let v = s.clone_dtoh(&out).map_err(cuda("cuMemcpyDtoH"))?;
@@ -170,7 +170,7 @@ fn measure(
             let mut b = st.launch_builder(&storm);
             b.arg(&ch).arg(&signals);
             // SAFETY: matches port_signal_storm.
-            comm.check(
+            comm.cuda_result(
                 unsafe {
                     b.launch(LaunchConfig {
                         grid_dim: (1, 1, 1),
@@ -185,7 +185,7 @@ fn measure(
             let mut b = st.launch_builder(&drain);
             b.arg(&ch).arg(&ack).arg(&no);
             // SAFETY: matches port_drain.
-            comm.check(unsafe { b.launch(one()) }.map(|_| ()), "cuLaunchKernel")
+            comm.cuda_result(unsafe { b.launch(one()) }.map(|_| ()), "cuLaunchKernel")
         })?;
         println!(
             "{:>28} {:>10.3}",
@@ -202,7 +202,7 @@ fn measure(
         let mut b = s.launch_builder(&drain);
         b.arg(&ch).arg(&count).arg(&ack);
         // SAFETY: matches port_drain.
-        comm.check(unsafe { b.launch(one()) }.map(|_| ()), "cuLaunchKernel")?;
+        comm.cuda_result(unsafe { b.launch(one()) }.map(|_| ()), "cuLaunchKernel")?;
         comm.synchronize(s)?;
     }
     comm.bootstrap().barrier()?;
@@ -230,13 +230,13 @@ fn measure(
                         let mut b = st.launch_builder(&put);
                         b.arg(&ch).arg(&bytes).arg(&chunk).arg(&zero);
                         // SAFETY: matches port_put; `bytes` fits both buffers.
-                        comm.check(unsafe { b.launch(one()) }.map(|_| ()), "cuLaunchKernel")?;
+                        comm.cuda_result(unsafe { b.launch(one()) }.map(|_| ()), "cuLaunchKernel")?;
                     }
                     let (ack, no) = (1u64, 0u32);
                     let mut b = st.launch_builder(&drain);
                     b.arg(&ch).arg(&ack).arg(&no);
                     // SAFETY: matches port_drain.
-                    comm.check(unsafe { b.launch(one()) }.map(|_| ()), "cuLaunchKernel")
+                    comm.cuda_result(unsafe { b.launch(one()) }.map(|_| ()), "cuLaunchKernel")
                 })?;
                 best_port = best_port.min(t);
             } else {
@@ -244,7 +244,7 @@ fn measure(
                 let mut b = s.launch_builder(&drain);
                 b.arg(&ch).arg(&count).arg(&ack);
                 // SAFETY: matches port_drain.
-                comm.check(unsafe { b.launch(one()) }.map(|_| ()), "cuLaunchKernel")?;
+                comm.cuda_result(unsafe { b.launch(one()) }.map(|_| ()), "cuLaunchKernel")?;
                 comm.synchronize(s)?;
             }
             comm.bootstrap().barrier()?;
@@ -252,7 +252,7 @@ fn measure(
                 let t = timed(comm, s, &|st| {
                     for _ in 0..reps {
                         // SAFETY: both ranges hold `bytes` (the peer's buffer is mapped here).
-                        doorbell::gpu::cuda::check("cuMemcpyDtoDAsync", unsafe {
+                        doorbell::gpu::cuda::driver_result("cuMemcpyDtoDAsync", unsafe {
                             cudarc::driver::sys::cuMemcpyDtoDAsync_v2(
                                 peer_buf,
                                 buf.device_ptr(),

@@ -10,7 +10,7 @@ use common::{assert_late_peer_cost, late_peer_cost, rank_counts, rank_main, run_
 use cudarc::driver::sys::CUstreamCaptureMode;
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
 use doorbell::collectives::allreduce::{Algorithm, AllReduce, AllReduceOptions};
-use doorbell::collectives::check::Checker;
+use doorbell::collectives::verify::Verifier;
 use doorbell::collectives::DataType;
 use doorbell::communicator::Communicator;
 use doorbell::Error;
@@ -115,7 +115,7 @@ fn a_late_peer_costs_only_its_lateness() {
 #[test]
 #[ignore = "needs GPU"]
 fn argument_check_names_the_odd_rank() {
-    run_case("disagree", 3, &[("DOORBELL_CHECK", "1")]);
+    run_case("disagree", 3, &[("DOORBELL_HOST_CALL_CHECK", "1")]);
 }
 
 struct Bufs {
@@ -155,7 +155,7 @@ fn sizes(ar: &AllReduce, algo: Algorithm, dtype: DataType) -> Vec<usize> {
 fn matrix(comm: &Arc<Communicator>, s: &Arc<CudaStream>, algo: Algorithm, index: u32) {
     let rank = comm.rank() as u32;
     let world = comm.world_size() as u32;
-    let checker = Checker::new(comm.gpu()).unwrap();
+    let checker = Verifier::new(comm.gpu()).unwrap();
     let cap = 24 << 20;
     // Room for a misaligned start (offset by one element) too.
     let bufs = Bufs {
@@ -231,7 +231,7 @@ fn matrix(comm: &Arc<Communicator>, s: &Arc<CudaStream>, algo: Algorithm, index:
 /// checker's patterned values, whose sum is known, and must be exact.
 fn pressure(comm: &Arc<Communicator>, s: &Arc<CudaStream>) {
     let rank = comm.rank() as u32;
-    let checker = Checker::new(comm.gpu()).unwrap();
+    let checker = Verifier::new(comm.gpu()).unwrap();
     let ar = AllReduce::new(comm, AllReduceOptions::default()).unwrap();
     let cap = 48 << 20;
     let input = s.alloc_zeros::<u8>(cap).unwrap();
@@ -329,7 +329,7 @@ fn late_peer(comm: &Arc<Communicator>, s: &Arc<CudaStream>) {
 fn graph_of_three(comm: &Arc<Communicator>, s: &Arc<CudaStream>) {
     let rank = comm.rank() as u32;
     let world = comm.world_size() as u32;
-    let checker = Checker::new(comm.gpu()).unwrap();
+    let checker = Verifier::new(comm.gpu()).unwrap();
     let ar = AllReduce::new(comm, AllReduceOptions::default()).unwrap();
     let dtype = DataType::Bf16;
     let counts = [4096usize, 1 << 20, 8 << 20];
@@ -380,7 +380,7 @@ fn graph_of_three(comm: &Arc<Communicator>, s: &Arc<CudaStream>) {
     comm.synchronize(s).unwrap();
 }
 
-/// With DOORBELL_CHECK=1, rank 1 calls with a different count: every rank gets an error naming
+/// With DOORBELL_HOST_CALL_CHECK=1, rank 1 calls with a different count: every rank gets an error naming
 /// rank 1 instead of hanging.
 fn disagree(comm: &Arc<Communicator>, s: &Arc<CudaStream>) {
     let ar = AllReduce::new(comm, AllReduceOptions::default()).unwrap();
@@ -406,7 +406,7 @@ fn disagree(comm: &Arc<Communicator>, s: &Arc<CudaStream>) {
 fn windows(comm: &Arc<Communicator>, s: &Arc<CudaStream>) {
     let rank = comm.rank() as u32;
     let world = comm.world_size() as u32;
-    let checker = Checker::new(comm.gpu()).unwrap();
+    let checker = Verifier::new(comm.gpu()).unwrap();
     let cap = 24 << 20;
     let win_in = comm.alloc(cap + 4096).unwrap();
     let win_out = comm.alloc(cap + 4096).unwrap();
@@ -517,7 +517,7 @@ fn window_sizes_differ(comm: &Arc<Communicator>, _s: &Arc<CudaStream>) {
 struct Call<'a> {
     comm: &'a Communicator,
     ar: &'a AllReduce,
-    checker: &'a Checker,
+    checker: &'a Verifier,
 }
 
 impl Call<'_> {

@@ -12,7 +12,7 @@ use common::{assert_late_peer_cost, late_peer_cost, rank_counts, rank_main, run_
 use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
 use doorbell::collectives::alltoall::{AllToAll, AllToAllOptions, Counts};
-use doorbell::collectives::check::Checker;
+use doorbell::collectives::verify::Verifier;
 use doorbell::communicator::Communicator;
 use std::sync::Arc;
 
@@ -107,7 +107,7 @@ fn small_rings(comm: &Arc<Communicator>) -> AllToAll {
 fn exchange(
     comm: &Arc<Communicator>,
     s: &Arc<CudaStream>,
-    checker: &Checker,
+    checker: &Verifier,
     input: u64,
     output: u64,
     c: &Counts,
@@ -156,7 +156,7 @@ fn exchange(
 
 fn equal(comm: &Arc<Communicator>, s: &Arc<CudaStream>) {
     let world = comm.world_size();
-    let checker = Checker::new(comm.gpu()).unwrap();
+    let checker = Verifier::new(comm.gpu()).unwrap();
     let max_blk = 5 * TILE + 3;
     let input: CudaSlice<u8> = s.alloc_zeros(world * max_blk).unwrap();
     let output: CudaSlice<u8> = s.alloc_zeros(world * max_blk).unwrap();
@@ -267,7 +267,7 @@ fn uneven_counts(world: usize, me: usize, round: usize) -> Counts {
 
 fn uneven(comm: &Arc<Communicator>, s: &Arc<CudaStream>) {
     let (me, world) = (comm.rank(), comm.world_size());
-    let checker = Checker::new(comm.gpu()).unwrap();
+    let checker = Verifier::new(comm.gpu()).unwrap();
     let cap = 64 * 1000 * world;
     let input: CudaSlice<u8> = s.alloc_zeros(cap).unwrap();
     let mut output: CudaSlice<u8> = s.alloc_zeros(cap).unwrap();
@@ -333,7 +333,7 @@ fn mixed_bytes(from: usize, to: usize, round: usize, ll: usize) -> usize {
 
 fn mixed(comm: &Arc<Communicator>, s: &Arc<CudaStream>) {
     let (me, world) = (comm.rank(), comm.world_size());
-    let checker = Checker::new(comm.gpu()).unwrap();
+    let checker = Verifier::new(comm.gpu()).unwrap();
     let ll = AllToAllOptions::default_ll_max(world);
     let cap = world * ((1 << 20).max(ll + 8192) + 8);
     let input: CudaSlice<u8> = s.alloc_zeros(cap).unwrap();

@@ -1,8 +1,8 @@
 //! The library's layers, checked: every `crate::` path in `src/` names a module of its own layer
 //! or one below it, the transports do not import each other, and no two files import each other
-//! (directly or around a loop; `super::` and `self::` paths count); the device headers include no
-//! cycle and each compiles alone from host code; direct CUDA driver calls stay in `src/gpu/` or
-//! the few rooms that own theirs. With `DOORBELL_LAYERS_DOT=FILE`
+//! (directly or around a loop; `super::` and `self::` paths count); direct CUDA driver calls stay
+//! in `src/gpu/` or the few rooms that own theirs. The device headers' tiers, include cycles and
+//! stand-alone compiles are `tests/header_tiers.rs`'. With `DOORBELL_LAYERS_DOT=FILE`
 //! it also writes the module import graph as Graphviz (the drawing in `docs/layers.svg`:
 //! `DOORBELL_LAYERS_DOT=docs/layers.dot cargo test --test layers && dot -Tsvg docs/layers.dot -o
 //! docs/layers.svg`).
@@ -407,73 +407,6 @@ fn no_import_cycle_between_files() {
                 panic!("an import cycle between files: {}", c.join(" -> "));
             }
         }
-    }
-}
-
-/// The device headers: no include cycle among them (`#pragma once` would hide one), and each
-/// compiles alone from host code (it includes what its host-visible part uses), with the host
-/// C++ compiler build.rs uses (`CXX`, else `c++`).
-#[test]
-fn device_headers_stand_alone_and_include_no_cycle() {
-    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("cuda/include/doorbell");
-    let mut headers: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
-    for entry in std::fs::read_dir(&dir).expect("read cuda/include/doorbell") {
-        let path = entry.expect("dir entry").path();
-        if path.extension().is_none_or(|e| e != "cuh") {
-            continue;
-        }
-        let name = path.file_name().unwrap().to_string_lossy().into_owned();
-        let text = std::fs::read_to_string(&path).expect("read header");
-        let includes = text
-            .lines()
-            .filter_map(|l| l.trim().strip_prefix("#include \""))
-            .filter_map(|l| l.split('"').next())
-            .map(String::from)
-            .collect();
-        headers.insert(name, includes);
-    }
-    assert!(headers.len() > 10, "found only {} headers", headers.len());
-    // Kahn's order: whatever is left over sits on a cycle.
-    let mut left = headers.clone();
-    while let Some(done) = left
-        .iter()
-        .find(|(_, inc)| inc.iter().all(|i| !left.contains_key(i)))
-        .map(|(h, _)| h.clone())
-    {
-        left.remove(&done);
-    }
-    assert!(
-        left.is_empty(),
-        "headers on an include cycle: {:?}",
-        left.keys().collect::<Vec<_>>()
-    );
-    let cxx = std::env::var("CXX").unwrap_or_else(|_| "c++".into());
-    let include = dir.parent().unwrap();
-    for name in headers.keys() {
-        let mut child = std::process::Command::new(&cxx)
-            .args([
-                "-std=c++17",
-                "-Wall",
-                "-Wextra",
-                "-Werror",
-                "-fsyntax-only",
-                "-x",
-                "c++",
-            ])
-            .arg(format!("-I{}", include.display()))
-            .arg("-")
-            .stdin(std::process::Stdio::piped())
-            .stderr(std::process::Stdio::piped())
-            .spawn()
-            .unwrap_or_else(|e| panic!("{cxx}: {e} (build.rs needs the same compiler)"));
-        use std::io::Write;
-        writeln!(child.stdin.take().unwrap(), "#include <doorbell/{name}>").unwrap();
-        let out = child.wait_with_output().unwrap();
-        assert!(
-            out.status.success(),
-            "{name} does not compile alone from host code:\n{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
     }
 }
 

@@ -362,7 +362,7 @@ fn huge(comm: &Communicator, s: &Arc<CudaStream>) {
     let me = comm.rank() as u32;
     let peer = 1 - me;
     let big: u64 = (4 << 30) + (2 << 20);
-    // [my message: big][landing zone for the peer's: big]
+    // [my message: big][receive area for the peer's: big]
     let buf = comm.alloc((2 * big) as usize).unwrap();
     let reg = comm.register(&buf).unwrap();
     let mut proxy = comm.proxy_builder(0).unwrap();
@@ -388,7 +388,7 @@ fn huge(comm: &Communicator, s: &Arc<CudaStream>) {
     assert_eq!(wrong, 0, "rank {me}: one {big}-byte put");
 
     // 1 MiB from source offset 4 GiB + 1 KiB (inside my message half) to destination offset
-    // big + 2 KiB (inside the landing half): the two ranges never overlap.
+    // big + 2 KiB (inside the receive half): the two ranges never overlap.
     comm.bootstrap().barrier().unwrap();
     let (src_off, dst_off, n) = ((4u64 << 30) + 1024, big + 2048, 1u64 << 20);
     fill(comm, s, buf.device_ptr() + src_off, 0, n, me, peer, 10);

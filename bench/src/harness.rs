@@ -5,7 +5,7 @@ use cudarc::driver::sys::{
     CUevent_flags::CU_EVENT_DEFAULT, CUgraphInstantiate_flags, CUstreamCaptureMode,
 };
 use cudarc::driver::{CudaEvent, CudaStream, DevicePtr};
-use doorbell::collectives::check::Checker;
+use doorbell::collectives::verify::Verifier;
 use doorbell::communicator::Communicator;
 use doorbell::{Error, Result};
 use std::sync::Arc;
@@ -151,7 +151,7 @@ pub fn print_stall_summary(found: &[String]) {
 ///
 /// Then single calls, so that a stall cannot hide in a mean: the same number of eager launches
 /// with an event between every two, and one graph of k x r captured calls with a clock kernel
-/// (`Checker::stamp`, the GPU's global timer) between every two, replayed once untimed, then
+/// (`Verifier::stamp`, the GPU's global timer) between every two, replayed once untimed, then
 /// timed. The first call of each sequence is left out of the spread: it starts right after a host
 /// barrier and absorbs the ranks' skew in leaving it, which is the harness's, not the library's.
 /// Both clocks add their own cost to every call (an event record eagerly, a one-thread kernel in
@@ -180,7 +180,7 @@ pub fn measure(
     // for 60-450 us now and then, seen in every library's eager columns alike; once a 33 us gap
     // between two graph replays at 32 MiB) stays out of the means and the single calls; the GPU
     // then runs what is queued back to back, as in a training step whose host runs ahead.
-    let clock = Checker::new(comm.gpu())?;
+    let clock = Verifier::new(comm.gpu())?;
     let hold = std::time::Duration::from_micros(2000 + 20 * iters as u64);
     // A timing whose hold ran out on some rank before its host had queued everything measured
     // that host's pace for a while (on 2 x H100, 20 of 199 single calls once took 85 us against

@@ -4,7 +4,7 @@
 //! transport and (between nodes) the RDMA posting mode.
 
 use cudarc::driver::sys;
-use doorbell::gpu::cuda::{check, device_count, Gpu};
+use doorbell::gpu::cuda::{device_count, driver_result, Gpu};
 use doorbell::job::config::{IbPosting, Settings};
 use doorbell::transport::ib::boundary::verbs::{choose_gid, Verbs};
 use doorbell::transport::ib::posting::select::{choose_posting, gpu_registration, Platform};
@@ -30,12 +30,12 @@ fn gpu_info(ordinal: usize) -> doorbell::Result<GpuInfo> {
     let gpu = Gpu::open(ordinal)?;
     let mut dev: sys::CUdevice = 0;
     // SAFETY: the driver is initialized (Gpu::open); out-pointers are locals.
-    check("cuDeviceGet", unsafe {
+    driver_result("cuDeviceGet", unsafe {
         sys::cuDeviceGet(&mut dev, ordinal as i32)
     })?;
     let mut name = [0 as std::ffi::c_char; 256];
     // SAFETY: as above; the buffer holds 256 bytes.
-    check("cuDeviceGetName", unsafe {
+    driver_result("cuDeviceGetName", unsafe {
         sys::cuDeviceGetName(name.as_mut_ptr(), 256, dev)
     })?;
     let mut dmabuf = 0;

@@ -1,10 +1,10 @@
-//! The proxy's side of the device-to-host trigger FIFO (`cuda/include/doorbell/fifo.cuh`):
+//! The proxy's side of the device-to-host trigger FIFO (`cuda/include/doorbell/channel/fifo.cuh`):
 //! reading committed triggers in order. The kernels' side is `FifoHandle::push` on the device.
 
 use crate::device_api::ProxyTrigger;
 use std::sync::atomic::{fence, Ordering};
 
-/// The consumer side of the FIFO ring, over any memory laid out as `fifo.cuh` describes (pinned
+/// The consumer side of the FIFO ring, over any memory laid out as `channel/fifo.cuh` describes (pinned
 /// host memory in service, plain memory in the CPU model test).
 pub(crate) struct RingReader {
     size_log2: u32,

@@ -12,7 +12,7 @@ use std::sync::{Arc, Mutex};
 /// Tokens in one token pool. Each set of channels takes `world_size` of them.
 pub(crate) const TOKEN_SLOTS: usize = 64 * 1024;
 /// Slots 0 and 1 of the private half hold the wait diagnostics' claim word and abort gate
-/// (`wait.cuh`).
+/// (`core/wait.cuh`).
 pub(crate) const FIRST_TOKEN_SLOT: usize = 2;
 
 /// Semaphore tokens of one rank, in one VMM buffer that every same-host peer maps:

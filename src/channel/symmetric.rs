@@ -79,4 +79,20 @@ impl SymmetricBuffer {
         }
         Ok(bases)
     }
+
+    /// [`SymmetricBuffer::bases`] moved `offset` bytes in (a sub-area every rank places alike,
+    /// e.g. the call check's inbox behind a receive area); the ranks past the world stay 0.
+    pub fn bases_at(&self, offset: usize, what: &str) -> Result<[u64; MAX_RANKS]> {
+        if offset > self.len() {
+            return Err(Error::invalid(
+                "symmetric buffer",
+                format!("offset {offset} is past its {} bytes", self.len()),
+            ));
+        }
+        let mut bases = self.bases(what)?;
+        for b in bases.iter_mut().take(self.peers.len()) {
+            *b += offset as u64;
+        }
+        Ok(bases)
+    }
 }

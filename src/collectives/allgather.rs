@@ -268,7 +268,7 @@ impl PortAllGather {
         // long as `self`; `input` holds the shard until the kernel's final flush.
         let launched = self
             .comm
-            .check(unsafe { b.launch(cfg) }.map(|_| ()), "cuLaunchKernel");
+            .cuda_result(unsafe { b.launch(cfg) }.map(|_| ()), "cuLaunchKernel");
         if forked {
             stream
                 .wait(&self.join)

@@ -130,7 +130,7 @@ pub struct AllToAll {
     v_kernel: CudaFunction,
     /// Blocks of the tile kernel that copy this rank's own block.
     own_lanes: u32,
-    /// Counts calls and makes each call's word (the call check, `call_check.cuh`).
+    /// Counts calls and makes each call's word (the call check, `coll/call_check.cuh`).
     calls: CallChecker,
     _epochs: CudaSlice<u32>,
     /// Device `[4][world]` byte counts for [`AllToAll::run_v`].
@@ -259,10 +259,7 @@ impl AllToAll {
             .alloc_zeros::<u32>(2 * world * lanes_us)
             .map_err(cuda_err("cuMemAlloc"))?;
         let scratch_ptrs = scratch.bases("the all-to-all")?;
-        let mut inbox = [0u64; MAX_RANKS];
-        for (i, p) in inbox.iter_mut().zip(&scratch_ptrs).take(world) {
-            *i = p + inbox_offset as u64;
-        }
+        let inbox = scratch.bases_at(inbox_offset, "the all-to-all")?;
         let sems_ptr = sems.device_ptr(&stream).0;
         let base = AllToAllArgs {
             scratch: scratch_ptrs,
@@ -360,7 +357,7 @@ impl AllToAll {
         // SAFETY: the arguments match all three kernels (AllToAllArgs is layout-tested); scratch and
         // semaphores live as long as `self`; the caller vouches for the buffers.
         self.comm
-            .check(unsafe { b.launch(cfg) }.map(|_| ()), "cuLaunchKernel")
+            .cuda_result(unsafe { b.launch(cfg) }.map(|_| ()), "cuLaunchKernel")
     }
 
     /// Equal blocks: block `p` of `input` (`[p * bytes_per_peer, +bytes_per_peer)`) goes to rank

@@ -6,10 +6,14 @@
 pub mod allgather;
 pub mod allreduce;
 pub mod alltoall;
-pub mod check;
 pub mod elementwise;
 pub mod moe;
 pub mod net;
+pub mod verify;
+
+/// The name before [`verify`] ("check" now means only the call check).
+#[doc(hidden)]
+pub use verify as check;
 
 use crate::error::{Error, Result};
 

@@ -542,7 +542,7 @@ impl Communicator {
     pub fn synchronize(&self, stream: &CudaStream) -> Result<()> {
         let limit = self.diagnostics.budget().saturating_mul(SYNC_BUDGET_FACTOR);
         match self.gpu.wait_stream(stream, limit) {
-            Ok(true) => self.diagnostics.check().map_err(|e| self.named(e)),
+            Ok(true) => self.diagnostics.healthy().map_err(|e| self.named(e)),
             Ok(false) => Err(
                 self.named(self.diagnostics.error().unwrap_or(Error::Timeout {
                     rank: self.rank() as i32,
@@ -560,8 +560,9 @@ impl Communicator {
         }
     }
 
-    /// Converts a failed CUDA result into the device timeout that caused it, if there was one.
-    pub fn check<T>(
+    /// A cudarc result as this communicator's: a failure becomes [`Error::Cuda`] naming `call`,
+    /// or the device timeout or peer fault that caused it where there was one, and names this rank.
+    pub fn cuda_result<T>(
         &self,
         r: std::result::Result<T, cudarc::driver::DriverError>,
         call: &'static str,
@@ -572,6 +573,17 @@ impl Communicator {
                 code: e.to_string(),
             }))
         })
+    }
+
+    /// The name before [`Communicator::cuda_result`] ("check" now means only the call check).
+    #[doc(hidden)]
+    #[deprecated(note = "renamed to `cuda_result`")]
+    pub fn check<T>(
+        &self,
+        r: std::result::Result<T, cudarc::driver::DriverError>,
+        call: &'static str,
+    ) -> Result<T> {
+        self.cuda_result(r, call)
     }
 }
 

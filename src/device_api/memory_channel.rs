@@ -13,9 +13,9 @@ pub struct MemoryChannelHandle {
     pub dst: u64,
     /// My buffer (puts read here, gets land here).
     pub src: u64,
-    /// My packet landing buffer.
+    /// My packet area buffer.
     pub packet_buffer: u64,
-    /// The peer's packet landing buffer, mapped.
+    /// The peer's packet area buffer, mapped.
     pub remote_packet_buffer: u64,
     /// Bytes of `dst`.
     pub dst_bytes: u64,

@@ -17,7 +17,7 @@ mod embedded {
 }
 
 /// Turns a raw driver result into [`Error::Cuda`] naming the call.
-pub fn check(call: &'static str, r: sys::CUresult) -> Result<()> {
+pub fn driver_result(call: &'static str, r: sys::CUresult) -> Result<()> {
     match r {
         sys::CUresult::CUDA_SUCCESS => Ok(()),
         other => Err(Error::Cuda {
@@ -27,6 +27,13 @@ pub fn check(call: &'static str, r: sys::CUresult) -> Result<()> {
     }
 }
 
+/// The name before [`driver_result`] ("check" now means only the call check).
+#[doc(hidden)]
+#[deprecated(note = "renamed to `driver_result`")]
+pub fn check(call: &'static str, r: sys::CUresult) -> Result<()> {
+    driver_result(call, r)
+}
+
 /// Queues a copy of `bytes` from `src` to `dst`, device addresses of this context (peers'
 /// memory mapped here included), on `stream`.
 ///
@@ -34,7 +41,7 @@ pub fn check(call: &'static str, r: sys::CUresult) -> Result<()> {
 /// Both ranges must hold `bytes` and stay valid until the stream's work is done.
 pub unsafe fn copy_async(stream: &CudaStream, dst: u64, src: u64, bytes: usize) -> Result<()> {
     // SAFETY: the caller vouches for the ranges; the stream is live.
-    check("cuMemcpyDtoDAsync", unsafe {
+    driver_result("cuMemcpyDtoDAsync", unsafe {
         sys::cuMemcpyDtoDAsync_v2(dst, src, bytes, stream.cu_stream())
     })
 }
@@ -51,7 +58,7 @@ pub unsafe fn copy_unified_async(
     bytes: usize,
 ) -> Result<()> {
     // SAFETY: the caller vouches for the ranges; the stream is live.
-    check("cuMemcpyAsync", unsafe {
+    driver_result("cuMemcpyAsync", unsafe {
         sys::cuMemcpyAsync(dst, src, bytes, stream.cu_stream())
     })
 }
@@ -68,7 +75,7 @@ pub unsafe fn copy_to_host_async(
     bytes: usize,
 ) -> Result<()> {
     // SAFETY: the caller vouches for the ranges.
-    check("cuMemcpyDtoHAsync", unsafe {
+    driver_result("cuMemcpyDtoHAsync", unsafe {
         sys::cuMemcpyDtoHAsync_v2(dst.cast(), src, bytes, stream.cu_stream())
     })
 }
@@ -84,7 +91,7 @@ pub unsafe fn copy_from_host_async(
     bytes: usize,
 ) -> Result<()> {
     // SAFETY: the caller vouches for the ranges.
-    check("cuMemcpyHtoDAsync", unsafe {
+    driver_result("cuMemcpyHtoDAsync", unsafe {
         sys::cuMemcpyHtoDAsync_v2(dst, src.cast(), bytes, stream.cu_stream())
     })
 }
@@ -95,7 +102,7 @@ pub unsafe fn copy_from_host_async(
 /// `at` must be 4-byte aligned device memory of this context, valid until the store ran.
 pub unsafe fn store_u32_async(stream: &CudaStream, at: u64, value: u32) -> Result<()> {
     // SAFETY: the caller vouches for the word.
-    check("cuMemsetD32Async", unsafe {
+    driver_result("cuMemsetD32Async", unsafe {
         sys::cuMemsetD32Async(at, value, 1, stream.cu_stream())
     })
 }
@@ -110,7 +117,7 @@ pub unsafe fn store_u32_async(stream: &CudaStream, at: u64, value: u32) -> Resul
 /// until the write ran.
 pub unsafe fn write_u64_after_async(stream: &CudaStream, at: u64, value: u64) -> Result<()> {
     // SAFETY: the caller vouches for the word.
-    check("cuStreamWriteValue64", unsafe {
+    driver_result("cuStreamWriteValue64", unsafe {
         sys::cuStreamWriteValue64_v2(
             stream.cu_stream(),
             at,
@@ -204,7 +211,7 @@ pub fn device_count() -> Result<usize> {
     init_driver()?;
     let mut n = 0;
     // SAFETY: the driver is initialized; `n` outlives the call.
-    check("cuDeviceGetCount", unsafe { sys::cuDeviceGetCount(&mut n) })?;
+    driver_result("cuDeviceGetCount", unsafe { sys::cuDeviceGetCount(&mut n) })?;
     if n <= 0 {
         return Err(Error::NoCudaDriver {
             why: "the CUDA driver reports no GPU".into(),
@@ -442,7 +449,7 @@ impl<T: Pod> HostArray<T> {
             .ok_or_else(|| Error::invalid("len", "overflow"))?;
         let mut host: *mut std::ffi::c_void = std::ptr::null_mut();
         // SAFETY: `host` receives a fresh allocation of `bytes`; the context is current.
-        check("cuMemHostAlloc", unsafe {
+        driver_result("cuMemHostAlloc", unsafe {
             sys::cuMemHostAlloc(
                 &mut host,
                 bytes,
@@ -453,7 +460,7 @@ impl<T: Pod> HostArray<T> {
         unsafe { std::ptr::write_bytes(host as *mut u8, 0, bytes) };
         let mut device = 0;
         // SAFETY: `host` came from cuMemHostAlloc with DEVICEMAP.
-        let r = check("cuMemHostGetDevicePointer", unsafe {
+        let r = driver_result("cuMemHostGetDevicePointer", unsafe {
             sys::cuMemHostGetDevicePointer_v2(&mut device, host, 0)
         });
         if let Err(e) = r {

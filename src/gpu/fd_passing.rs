@@ -27,7 +27,7 @@
 
 use crate::error::{Error, Result};
 use crate::job::auth::{auth_digest, ct_eq, hex, random_bytes, NONCE_LEN};
-use crate::job::net::{fmt_duration, wait_readable};
+use crate::job::socket::{fmt_duration, wait_readable};
 use sha2::{Digest, Sha256};
 use std::collections::HashMap;
 use std::fmt;

@@ -8,7 +8,7 @@
 //! step before taking the next one.
 
 use crate::error::{Error, Result};
-use crate::gpu::cuda::{check, Gpu};
+use crate::gpu::cuda::{driver_result, Gpu};
 use cudarc::driver::sys;
 use std::os::fd::{FromRawFd, OwnedFd};
 use std::sync::Arc;
@@ -53,7 +53,7 @@ pub fn granularity(gpu: &Gpu) -> Result<usize> {
     let prop = allocation_prop(gpu.ordinal());
     let mut g = 0usize;
     // SAFETY: `prop` is a valid allocation description; `g` outlives the call.
-    check("cuMemGetAllocationGranularity", unsafe {
+    driver_result("cuMemGetAllocationGranularity", unsafe {
         sys::cuMemGetAllocationGranularity(
             &mut g,
             &prop,
@@ -113,12 +113,12 @@ impl Mapping {
     ) -> Result<Mapping> {
         let mut ptr = 0u64;
         // SAFETY: reserving fresh address space; `ptr` outlives the call.
-        check("cuMemAddressReserve", unsafe {
+        driver_result("cuMemAddressReserve", unsafe {
             sys::cuMemAddressReserve(&mut ptr, bytes, granularity, 0, 0)
         })?;
         let range = Reservation { ptr, bytes };
         // SAFETY: the range is reserved and `bytes` long; the handle covers `bytes`.
-        check("cuMemMap", unsafe {
+        driver_result("cuMemMap", unsafe {
             sys::cuMemMap(ptr, bytes, 0, handle.0, 0)
         })?;
         let mapping = Mapping {
@@ -129,7 +129,7 @@ impl Mapping {
         };
         let desc = access_desc(gpu.ordinal());
         // SAFETY: the range is mapped; `desc` names this process's GPU.
-        check("cuMemSetAccess", unsafe {
+        driver_result("cuMemSetAccess", unsafe {
             sys::cuMemSetAccess(ptr, bytes, &desc, 1)
         })
         .map_err(|e| match e {
@@ -178,7 +178,7 @@ impl Buffer {
         let prop = allocation_prop(gpu.ordinal());
         let mut raw = 0;
         // SAFETY: `prop` describes a pinned device allocation; `raw` outlives the call.
-        check("cuMemCreate", unsafe {
+        driver_result("cuMemCreate", unsafe {
             sys::cuMemCreate(&mut raw, rounded, &prop, 0)
         })
         .map_err(|e| match e {
@@ -193,7 +193,7 @@ impl Buffer {
         })?;
         let mapping = Mapping::map(gpu, PhysicalHandle(raw), rounded, g)?;
         // SAFETY: the mapping is `rounded` bytes of this GPU's memory, current context bound.
-        check("cuMemsetD8", unsafe {
+        driver_result("cuMemsetD8", unsafe {
             sys::cuMemsetD8_v2(mapping.ptr, 0, rounded)
         })?;
         Ok(Buffer {
@@ -228,7 +228,7 @@ impl Buffer {
         self.gpu.bind()?;
         let mut fd: libc::c_int = -1;
         // SAFETY: for POSIX_FILE_DESCRIPTOR the output is an int; the handle is live.
-        check("cuMemExportToShareableHandle", unsafe {
+        driver_result("cuMemExportToShareableHandle", unsafe {
             sys::cuMemExportToShareableHandle(
                 &mut fd as *mut libc::c_int as *mut std::ffi::c_void,
                 self.mapping._handle.0,
@@ -247,7 +247,7 @@ impl Buffer {
         self.check_range(offset, data.len())?;
         self.device_synchronize()?;
         // SAFETY: the range was checked to lie inside the mapping.
-        check("cuMemcpyHtoD", unsafe {
+        driver_result("cuMemcpyHtoD", unsafe {
             sys::cuMemcpyHtoD_v2(
                 self.mapping.ptr + offset as u64,
                 data.as_ptr() as *const std::ffi::c_void,
@@ -262,7 +262,7 @@ impl Buffer {
         self.check_range(offset, out.len())?;
         self.device_synchronize()?;
         // SAFETY: as in `write`.
-        check("cuMemcpyDtoH", unsafe {
+        driver_result("cuMemcpyDtoH", unsafe {
             sys::cuMemcpyDtoH_v2(
                 out.as_mut_ptr() as *mut std::ffi::c_void,
                 self.mapping.ptr + offset as u64,
@@ -276,7 +276,7 @@ impl Buffer {
         self.check_range(offset, len)?;
         self.device_synchronize()?;
         // SAFETY: as in `write`.
-        check("cuMemsetD8", unsafe {
+        driver_result("cuMemsetD8", unsafe {
             sys::cuMemsetD8_v2(self.mapping.ptr + offset as u64, value, len)
         })?;
         self.device_synchronize()
@@ -285,7 +285,7 @@ impl Buffer {
     fn device_synchronize(&self) -> Result<()> {
         self.gpu.bind()?;
         // SAFETY: no arguments; the context is current.
-        check("cuCtxSynchronize", unsafe { sys::cuCtxSynchronize() })
+        driver_result("cuCtxSynchronize", unsafe { sys::cuCtxSynchronize() })
     }
 
     fn check_range(&self, offset: usize, len: usize) -> Result<()> {

@@ -331,7 +331,7 @@ impl WaitDiagnostics {
     }
 
     /// `Err` if this communicator failed (see [`error`](Self::error)), else `Ok`.
-    pub fn check(&self) -> Result<()> {
+    pub fn healthy(&self) -> Result<()> {
         match self.error() {
             Some(e) => Err(e),
             None => Ok(()),

@@ -12,7 +12,7 @@
 //! | `DOORBELL_WAIT_TIMEOUT_MS` | budget of every device-side spin loop, milliseconds | `30000` |
 //! | `DOORBELL_HEARTBEAT_TIMEOUT_MS` | a peer that sends nothing on its bootstrap link for this long (heartbeats go out at a tenth of it) is declared failed and every communicator of the job aborts; `0` turns heartbeats off (a peer that dies is still noticed at once, by its closed connection) | `5000` |
 //! | `DOORBELL_CALL_CHECK` | `0`: collective kernels skip the call check (every call's word compared with the peers' on the device, naming ranks that make different calls as `Error::ArgumentMismatch`); for measuring what the check costs, nothing else | `1` |
-//! | `DOORBELL_CHECK` | `1`: `AllReduce` (only) also verifies on the host, before launching, that every rank called with the same count and type, and fails naming the odd rank (one bootstrap exchange per call; `AllReduceOptions::check_args` per object); every collective's call is checked on the device anyway (`DOORBELL_CALL_CHECK`) | `0` |
+//! | `DOORBELL_HOST_CALL_CHECK` | `1`: `AllReduce` (only) also verifies on the host, before launching, that every rank called with the same count and type, and fails naming the odd rank (one bootstrap exchange per call; `AllReduceOptions::check_args` per object); every collective's call is checked on the device anyway (`DOORBELL_CALL_CHECK`). The name before it, `DOORBELL_CHECK`, is still read where this one is unset | `0` |
 //! | `DOORBELL_PDL` | `0`: allreduce kernels are launched in plain stream order; by default, on sm_90 and later, each is launched with programmatic dependent launch (it may be scheduled while the kernel before it finishes, and waits for it before touching memory), as NCCL launches its symmetric kernels; for A/B measurements | `1` |
 //! | `DOORBELL_ALLREDUCE_ALGO` | force an allreduce algorithm: `oneshot-ll8`, `oneshot-ll16`, `twoshot-ll8`, `twoshot-ll16`, `twoshot-sentinel`, `pipelined` | chosen by size and rank count |
 //! | `DOORBELL_PROXY_CPU` | where proxy threads run: `auto` pins each to a core of its GPU's NUMA node (from `/sys/bus/pci/devices/*/local_cpulist`, spread by GPU and proxy), `off` leaves them to the scheduler, a number pins every proxy of the process to that CPU. Pinning did not shorten the FIFO round trip on 4 x H200 (4.71 us pinned, 4.18 us not), hence the default | `off` |
@@ -129,7 +129,7 @@ pub struct Settings {
     pub wait_timeout: Duration,
     /// `DOORBELL_HEARTBEAT_TIMEOUT_MS` (zero: heartbeats off).
     pub heartbeat_timeout: Duration,
-    /// `DOORBELL_CHECK`.
+    /// `DOORBELL_HOST_CALL_CHECK` (or the name before it, `DOORBELL_CHECK`).
     pub check_args: bool,
     /// `DOORBELL_CALL_CHECK`.
     pub call_check: bool,
@@ -220,7 +220,10 @@ impl Settings {
             None => DEFAULT_HEARTBEAT_TIMEOUT,
             Some(ms) => timeout_from_millis("DOORBELL_HEARTBEAT_TIMEOUT_MS", ms, true)?,
         };
-        let check_args = flag(env, "DOORBELL_CHECK")?;
+        let check_args = match env.get("DOORBELL_HOST_CALL_CHECK") {
+            Some(_) => flag(env, "DOORBELL_HOST_CALL_CHECK")?,
+            None => flag(env, "DOORBELL_CHECK")?,
+        };
         let proxy_cpu = match env.get("DOORBELL_PROXY_CPU").as_deref().map(str::trim) {
             Some("auto") => ProxyCpu::Auto,
             None | Some("") | Some("off") | Some("none") => ProxyCpu::Off,
@@ -534,7 +537,7 @@ mod tests {
         assert_eq!(s.bootstrap_timeout, Duration::from_millis(2500));
         assert_eq!(s.wait_timeout, Duration::from_millis(7));
         let s = Settings::from_lookup(&env(&[
-            ("DOORBELL_CHECK", "1"),
+            ("DOORBELL_HOST_CALL_CHECK", "1"),
             ("DOORBELL_PROXY_CPU", "5"),
             ("DOORBELL_SEPARATE_NODES", "1"),
             ("DOORBELL_NODE_SIZE", "2"),
@@ -543,6 +546,15 @@ mod tests {
         assert!(s.check_args && s.separate_nodes);
         assert_eq!(s.node_size, 2);
         assert_eq!(s.proxy_cpu, ProxyCpu::Cpu(5));
+        // The name before DOORBELL_HOST_CALL_CHECK still works; the new one wins where both are set.
+        let s = Settings::from_lookup(&env(&[("DOORBELL_CHECK", "1")])).unwrap();
+        assert!(s.check_args);
+        let s = Settings::from_lookup(&env(&[
+            ("DOORBELL_CHECK", "1"),
+            ("DOORBELL_HOST_CALL_CHECK", "0"),
+        ]))
+        .unwrap();
+        assert!(!s.check_args);
         let s = Settings::from_lookup(&env(&[("DOORBELL_PROXY_CPU", "auto")])).unwrap();
         assert_eq!(s.proxy_cpu, ProxyCpu::Auto);
         let s = Settings::from_lookup(&env(&[
@@ -570,6 +582,7 @@ mod tests {
             ("DOORBELL_BOOTSTRAP_TIMEOUT_S", "inf"),
             ("DOORBELL_WAIT_TIMEOUT_MS", "18446744073709551615"),
             ("DOORBELL_HEARTBEAT_TIMEOUT_MS", "18446744073709551615"),
+            ("DOORBELL_HOST_CALL_CHECK", "maybe"),
             ("DOORBELL_CHECK", "maybe"),
             ("DOORBELL_PROXY_CPU", "near"),
             ("DOORBELL_SEPARATE_NODES", "yes please"),

@@ -11,7 +11,7 @@ use crate::error::{Error, Result};
 use crate::job::auth::{hex, random_bytes};
 use crate::job::bootstrap::BootstrapConfig;
 use crate::job::config::{LaunchEnv, Settings};
-use crate::job::net::fmt_duration;
+use crate::job::socket::fmt_duration;
 use std::ffi::OsString;
 use std::fmt;
 use std::io::{self, BufRead, BufReader, Read, Write};

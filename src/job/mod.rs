@@ -8,5 +8,5 @@ pub(crate) mod auth;
 pub mod bootstrap;
 pub mod config;
 pub mod launch;
-pub(crate) mod net;
+pub(crate) mod socket;
 pub mod topology;

@@ -283,7 +283,7 @@ pub(crate) struct NetReceiver {
 }
 
 /// Where a receiver puts what arrives.
-pub(crate) struct Landing {
+pub(crate) struct ReceiveBuffer {
     /// The registered destination (device address, bytes).
     pub(crate) dst: u64,
     pub(crate) dst_bytes: u64,
@@ -295,7 +295,7 @@ impl NetReceiver {
     pub(crate) fn spawn(
         gpu: &Arc<Gpu>,
         socket: TcpStream,
-        landing: Landing,
+        buffer: ReceiveBuffer,
         sink: FailureSink,
         peer: usize,
     ) -> Result<NetReceiver> {
@@ -307,7 +307,7 @@ impl NetReceiver {
         let thread = std::thread::Builder::new()
             .name(format!("doorbell-net-recv-{peer}"))
             .spawn(move || {
-                if let Err(e) = receive_loop(&gpu, &mine, reader, &landing) {
+                if let Err(e) = receive_loop(&gpu, &mine, reader, &buffer) {
                     sink.fail(Error::invalid(
                         "ethernet",
                         format!("receiving from rank {peer}: {e}"),
@@ -336,7 +336,7 @@ fn receive_loop(
     gpu: &Arc<Gpu>,
     cuda: &ThreadCuda,
     mut socket: TcpStream,
-    at: &Landing,
+    at: &ReceiveBuffer,
 ) -> Result<()> {
     gpu.bind()?;
     let (stream, staging, count) = (&cuda.stream, &cuda.staging, &cuda.count);

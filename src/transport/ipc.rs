@@ -11,7 +11,7 @@
 
 use super::{Address, Connection, Token};
 use crate::error::{Error, Result};
-use crate::gpu::cuda::{check, cuda_err, Gpu, HostArray};
+use crate::gpu::cuda::{cuda_err, driver_result, Gpu, HostArray};
 use crate::gpu::memory::{Mapping, PhysicalHandle};
 use cudarc::driver::{sys, CudaEvent, CudaStream};
 use std::collections::VecDeque;
@@ -215,7 +215,7 @@ impl RemoteMemory {
                 let mut raw = 0;
                 // SAFETY: for POSIX fds the "OS handle" argument is the fd value itself; the
                 // driver dups what it needs, and `fd` is closed when it drops below.
-                check("cuMemImportFromShareableHandle", unsafe {
+                driver_result("cuMemImportFromShareableHandle", unsafe {
                     sys::cuMemImportFromShareableHandle(
                         &mut raw,
                         fd.as_raw_fd() as usize as *mut std::ffi::c_void,
@@ -242,7 +242,7 @@ impl RemoteMemory {
                 let h: sys::CUipcMemHandle = unsafe { std::mem::transmute(*handle) };
                 let mut base = 0;
                 // SAFETY: opening a handle another process exported; `base` outlives the call.
-                check("cuIpcOpenMemHandle", unsafe {
+                driver_result("cuIpcOpenMemHandle", unsafe {
                     sys::cuIpcOpenMemHandle_v2(
                         &mut base,
                         h,
@@ -302,7 +302,7 @@ pub fn ipc_handle_for(gpu: &Gpu, ptr: u64, bytes: usize) -> Result<([u8; 64], u6
     gpu.bind()?;
     let mut capable: libc::c_int = 0;
     // SAFETY: the attribute is an int; `capable` outlives the call.
-    check("cuPointerGetAttribute", unsafe {
+    driver_result("cuPointerGetAttribute", unsafe {
         sys::cuPointerGetAttribute(
             &mut capable as *mut libc::c_int as *mut std::ffi::c_void,
             sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE,
@@ -321,7 +321,7 @@ pub fn ipc_handle_for(gpu: &Gpu, ptr: u64, bytes: usize) -> Result<([u8; 64], u6
     }
     let (mut base, mut size) = (0u64, 0usize);
     // SAFETY: querying the allocation that contains `ptr`; outputs outlive the call.
-    check("cuMemGetAddressRange", unsafe {
+    driver_result("cuMemGetAddressRange", unsafe {
         sys::cuMemGetAddressRange_v2(&mut base, &mut size, ptr)
     })?;
     let offset = ptr - base;
@@ -334,7 +334,7 @@ pub fn ipc_handle_for(gpu: &Gpu, ptr: u64, bytes: usize) -> Result<([u8; 64], u6
     // SAFETY: CUipcMemHandle is plain data.
     let mut h: sys::CUipcMemHandle = unsafe { std::mem::zeroed() };
     // SAFETY: `base` is the start of a device allocation of this context.
-    check("cuIpcGetMemHandle", unsafe {
+    driver_result("cuIpcGetMemHandle", unsafe {
         sys::cuIpcGetMemHandle(&mut h, base)
     })
     .map_err(|e| match e {

@@ -202,7 +202,7 @@ pub fn late_peer_cost(
     reps: usize,
     op: &dyn Fn() -> doorbell::Result<()>,
 ) -> Option<(Duration, Duration)> {
-    let checker = doorbell::collectives::check::Checker::new(comm.gpu()).expect("checker");
+    let checker = doorbell::collectives::verify::Verifier::new(comm.gpu()).expect("checker");
     let shared = doorbell::gpu::cuda::device_count().unwrap_or(0) < comm.world_size();
     let last = comm.rank() + 1 == comm.world_size();
     let mut times = [Vec::with_capacity(reps), Vec::with_capacity(reps)];

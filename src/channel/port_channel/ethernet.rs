@@ -7,7 +7,7 @@ use crate::channel::proxy::ProxyBuilder;
 use crate::channel::registered::RegisteredMemory;
 use crate::channel::wiring::Wiring;
 use crate::error::{Error, Result};
-use crate::transport::ethernet::{self, EthernetConnection, Landing, NetReceiver};
+use crate::transport::ethernet::{self, EthernetConnection, NetReceiver, ReceiveBuffer};
 use std::sync::Arc;
 
 /// The sockets to this rank's Ethernet peers, in their rank order, and every rank's destination
@@ -72,7 +72,7 @@ impl EthernetSetup {
         let receiver = NetReceiver::spawn(
             w.gpu,
             socket,
-            Landing {
+            ReceiveBuffer {
                 dst: dst.device_ptr(),
                 dst_bytes: dst.len() as u64,
                 token: w.tokens.inbound(w.base + peer),

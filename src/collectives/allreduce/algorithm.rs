@@ -163,7 +163,7 @@ impl Element for f32 {
 pub struct AllReduceOptions {
     /// Always use this algorithm (else `DOORBELL_ALLREDUCE_ALGO`, else [`Algorithm::choose`]).
     pub algorithm: Option<Algorithm>,
-    /// Verify argument agreement on every call (else `DOORBELL_CHECK`).
+    /// Verify argument agreement on every call (else `DOORBELL_HOST_CALL_CHECK`).
     pub check_args: Option<bool>,
     /// Bytes of one sender's slot in the LL scratch areas (bounds the LL algorithms' sizes).
     pub ll_slot_bytes: usize,

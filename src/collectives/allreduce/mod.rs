@@ -15,7 +15,7 @@
 //! capturable with any number of replays.
 //!
 //! Every rank must call with the same count, type and algorithm choice inputs, in the same
-//! order. `DOORBELL_CHECK=1` (or [`AllReduceOptions::check_args`]) verifies that on every call
+//! order. `DOORBELL_HOST_CALL_CHECK=1` (or [`AllReduceOptions::check_args`]) verifies that on every call
 //! and names the odd rank instead of hanging.
 
 use crate::channel::semaphore::Semaphores;
@@ -58,7 +58,7 @@ pub struct AllReduce {
     _sems_dev: CudaSlice<SemaphoreHandle>,
     _epochs: CudaSlice<u32>,
     _sentinel_state: CudaSlice<u8>,
-    /// Counts calls and makes each call's word (the call check, `call_check.cuh`).
+    /// Counts calls and makes each call's word (the call check, `coll/call_check.cuh`).
     calls: CallChecker,
     /// Launch with programmatic dependent launch (`DOORBELL_PDL`, sm_90 and later).
     overlap: bool,
@@ -160,10 +160,7 @@ impl AllReduce {
             .alloc_zeros::<u8>(ll_blocks as usize * std::mem::size_of::<LamportState>())
             .map_err(cuda_err("cuMemAlloc"))?;
         let scratch_ptrs = scratch.bases("the allreduce")?;
-        let mut inbox = [0u64; MAX_RANKS];
-        for (i, p) in inbox.iter_mut().zip(&scratch_ptrs).take(world) {
-            *i = p + inbox_offset as u64;
-        }
+        let inbox = scratch.bases_at(inbox_offset, "the allreduce")?;
         let sems_ptr = sems_dev.device_ptr(&stream).0;
         let base = AllReduceArgs {
             scratch: scratch_ptrs,
@@ -516,7 +513,7 @@ impl AllReduce {
         // (layout-tested), alive through the launch; every allreduce kernel begins with
         // wait_previous_grid (allreduce.cu); the caller vouches for the buffers; scratch and
         // semaphores live as long as `self`.
-        self.comm.check(
+        self.comm.cuda_result(
             unsafe { crate::gpu::cuda::launch(stream, f, cfg, &mut [param], self.overlap) },
             "cuLaunchKernelEx",
         )

@@ -43,7 +43,7 @@ pub struct MoeHighThroughput {
 }
 
 impl MoeHighThroughput {
-    /// Allocates the landing areas (mapped by every same-node peer; on the node-spanning path
+    /// Allocates the area areas (mapped by every same-node peer; on the node-spanning path
     /// also registered with the NIC), outputs and semaphores. Collective.
     pub fn new(comm: &Arc<Communicator>, cfg: MoeConfig) -> Result<MoeHighThroughput> {
         let spans = comm.spans_nodes();

@@ -16,7 +16,7 @@
 //! protocol on the CPU: [`super::plan::ChunkStream`].
 
 use super::ht_nvlink::HtNvlink;
-use super::net_area::{message_bytes, LandingShape, NetLanding};
+use super::net_area::{message_bytes, NetReceiveArea, ReceiveAreaShape};
 use super::path::HighThroughputPath;
 use super::plan::{NodeMap, HT_CHUNK};
 use super::shared::{agree_shape, DispatchResults, MoeConfig, Route};
@@ -34,7 +34,7 @@ pub(super) const DEFAULT_NET_CHUNKS: usize = 8;
 
 /// Node-spanning high-throughput MoE state. Collective to build and to call.
 pub(super) struct HtNet {
-    landing: NetLanding,
+    area: NetReceiveArea,
     comm: Arc<Communicator>,
     base: MoeNetArgs,
     ht: MoeHtArgs,
@@ -48,7 +48,7 @@ pub(super) struct HtNet {
     _node_comm: Arc<Communicator>,
     _origin: SymmetricBuffer,
     _device: Vec<CudaSlice<u8>>,
-    /// The call check across nodes (`moe_net.cuh`): a dispatch is checked with the rail peers
+    /// The call check across nodes (`coll/moe_net.cuh`): a dispatch is checked with the rail peers
     /// (and by the node's own dispatcher inside the node), a combine with every peer.
     calls: CallChecker,
 }
@@ -78,10 +78,10 @@ impl HtNet {
         let node_experts = cfg.num_experts / world * size;
         let desc_bytes =
             (std::mem::size_of::<HtChunkDesc>() + 4 * node_experts).next_multiple_of(16);
-        let landing = NetLanding::new(
+        let area = NetReceiveArea::new(
             comm,
             cfg,
-            LandingShape {
+            ReceiveAreaShape {
                 messages: nodes * chunks * HT_CHUNK * msg,
                 counts: nodes * chunks * desc_bytes,
                 fill_extra: 0,
@@ -151,7 +151,7 @@ impl HtNet {
         ];
         let p = |i: usize| device[i].device_ptr(&stream).0;
         let res = node_disp.results();
-        let base = landing.base;
+        let base = area.base;
         let ht = MoeHtArgs {
             nodes: nodes as u32,
             node: node as u32,
@@ -174,7 +174,7 @@ impl HtNet {
             off_ring: 0,
             off_desc: base.off_counts,
             stage_desc: base.stage_counts,
-            credits: landing.credits,
+            credits: area.credits,
             sent_chunks: p(11),
             recv_chunks: p(12),
             list: p(13),
@@ -183,8 +183,8 @@ impl HtNet {
             node_max_rows: res.max_rows as u64,
             fwd_wout: p(14),
             w_out: 0,
-            off_part_w: landing.off_part_w,
-            stage_part_w: landing.stage_part_w,
+            off_part_w: area.off_part_w,
+            stage_part_w: area.stage_part_w,
             in_rank: 0,
             fwd_in_rank: p(15),
             tokens_per_expert: 0,
@@ -207,7 +207,7 @@ impl HtNet {
         comm.bootstrap().barrier()?;
         Ok(HtNet {
             base,
-            landing,
+            area,
             comm: comm.clone(),
             ht,
             nodes,
@@ -233,7 +233,7 @@ impl HtNet {
         a: &MoeNetArgs,
         ht: &MoeHtArgs,
     ) -> Result<()> {
-        self.landing.proxy_alive()?;
+        self.area.proxy_alive()?;
         self.comm.check_health()?;
         self.launch_local(stream, k, grid, a, ht)
     }
@@ -258,7 +258,7 @@ impl HtNet {
         // SAFETY: both argument structs match the kernel's (layout-tested); every buffer they
         // name lives as long as this exchange; the caller vouches for the per-call inputs.
         self.comm
-            .check(unsafe { b.launch(cfg) }.map(|_| ()), "cuLaunchKernel")
+            .cuda_result(unsafe { b.launch(cfg) }.map(|_| ()), "cuLaunchKernel")
     }
 
     /// Blocks of the exchange kernel: a sending block per 16 nodes, then a receiving block per
@@ -338,7 +338,7 @@ impl HtNet {
                 .word,
             ..self.base
         };
-        self.launch_with(stream, 0, self.landing.blocks, &a, &ht)?;
+        self.launch_with(stream, 0, self.area.blocks, &a, &ht)?;
         self.launch_with(stream, 1, self.exchange_blocks(), &a, &ht)?;
         let slots = self.nodes * max;
         let (fx, fi, fw) = (ht.fwd_x, ht.fwd_idx, ht.fwd_w);
@@ -361,7 +361,7 @@ impl HtNet {
         };
         // The remap runs even when the exchange failed by now: it then marks the results the
         // node's dispatch left (moe_ht_remap), so they never pass for a whole dispatch.
-        let remap = self.launch_local(stream, 2, self.landing.blocks, &a, &ht);
+        let remap = self.launch_local(stream, 2, self.area.blocks, &a, &ht);
         node.and(remap)
     }
 }
@@ -380,7 +380,7 @@ impl HighThroughputPath for HtNet {
     }
 
     fn sms(&self) -> u32 {
-        self.landing.blocks
+        self.area.blocks
     }
 
     unsafe fn dispatch(
@@ -477,7 +477,7 @@ impl HighThroughputPath for HtNet {
                 .word,
             ..self.base
         };
-        let blocks = self.landing.blocks;
+        let blocks = self.area.blocks;
         self.launch_with(stream, 3, blocks, &a, &ht)?;
         self.launch_with(stream, 4, blocks, &a, &ht)
     }

@@ -40,7 +40,7 @@ pub(super) struct HtNvlink {
     off_pos: u64,
     /// Rows whose ids the next dispatches set to -1 past the received ones (0: none).
     fill_rows: std::sync::atomic::AtomicU32,
-    /// Counts calls and makes each call's word (the call check, `call_check.cuh`).
+    /// Counts calls and makes each call's word (the call check, `coll/call_check.cuh`).
     calls: CallChecker,
     kernels: [CudaFunction; 2],
     /// [`HighThroughputPath::combine_buffer`]'s rows, allocated on first use.

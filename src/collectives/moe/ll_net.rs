@@ -2,7 +2,7 @@
 //! combine for any mix of same-node peers (NVLink stores into their mapped areas) and peers on
 //! other nodes (PortChannel puts: RDMA WRITEs posted by the kernels themselves with IBGDA or
 //! CPU-assisted posting, or by the proxy, as the transports chose; or the Ethernet proxies).
-//! Protocol: `cuda/include/doorbell/moe_net.cuh`; kernels: `cuda/kernels/moe_net.cu`.
+//! Protocol: `cuda/include/doorbell/coll/moe_net.cuh`; kernels: `cuda/kernels/moe_net.cu`.
 //!
 //! Same results and contract as the NVLink path: rows at `[local expert][source rank][i]` in the
 //! half the dispatch's epoch picks, the same combine sums (each rank's selections of a token in
@@ -12,7 +12,7 @@
 //! destination rank once with its top-k ids and weights in a header, and the receive half copies
 //! it into each selected expert's slot. The area and channels: `net_area.rs`.
 
-use super::net_area::{message_bytes, LandingShape, NetLanding};
+use super::net_area::{message_bytes, NetReceiveArea, ReceiveAreaShape};
 use super::packed::{PackedCombine, PackedOutputs};
 use super::path::LowLatencyPath;
 use super::shared::{launch, FusedSend, LowLatencyResults, MoeConfig};
@@ -40,7 +40,7 @@ struct PackedLog {
 
 /// Node-spanning low-latency MoE state. Collective to build and to call.
 pub(super) struct LlNet {
-    landing: NetLanding,
+    area: NetReceiveArea,
     comm: Arc<Communicator>,
     base: MoeNetArgs,
     kernels: [CudaFunction; 8],
@@ -49,7 +49,7 @@ pub(super) struct LlNet {
     last: Mutex<(u64, u32)>,
     rows: u64,
     _device: Vec<CudaSlice<u8>>,
-    /// The call check (`moe_net.cuh`): every dispatch and combine counts one call; the words of
+    /// The call check (`coll/moe_net.cuh`): every dispatch and combine counts one call; the words of
     /// the last dispatch and the last combine, for their receive halves.
     calls: CallChecker,
     words: Mutex<(u64, u64)>,
@@ -74,10 +74,10 @@ impl LlNet {
                 ),
             ));
         }
-        let landing = NetLanding::new(
+        let area = NetReceiveArea::new(
             comm,
             cfg,
-            LandingShape {
+            ReceiveAreaShape {
                 messages: 2 * world * cfg.max_tokens * message_bytes(cfg),
                 counts: 2 * world * 8,
                 fill_extra: local * world,
@@ -140,7 +140,7 @@ impl LlNet {
             list: p(8),
             arrived: p(9),
             staged: p(10),
-            ..landing.base
+            ..area.base
         };
         stream
             .synchronize()
@@ -158,7 +158,7 @@ impl LlNet {
         ];
         comm.bootstrap().barrier()?;
         Ok(LlNet {
-            landing,
+            area,
             comm: comm.clone(),
             base,
             kernels,
@@ -187,7 +187,7 @@ impl LlNet {
     }
 
     fn launch(&self, stream: &CudaStream, k: usize, args: &MoeNetArgs) -> Result<()> {
-        self.launch_on(stream, k, self.landing.blocks, args)
+        self.launch_on(stream, k, self.area.blocks, args)
     }
 
     fn launch_on(
@@ -197,7 +197,7 @@ impl LlNet {
         blocks: u32,
         args: &MoeNetArgs,
     ) -> Result<()> {
-        self.landing.proxy_alive()?;
+        self.area.proxy_alive()?;
         // The send (task-parallel, moe_net_dispatch_send) runs 256 threads a block: more registers per
         // thread for its posting paths; the others 512.
         let threads = if k == 0 { 256 } else { 512 };
@@ -514,7 +514,7 @@ impl LowLatencyPath for LlNet {
             }
         }
         let [rows, scales, ids] = prep[(self.dispatches() % 2) as usize];
-        let tokens_blocks = (num_tokens.div_ceil(16) as u32).clamp(1, self.landing.blocks);
+        let tokens_blocks = (num_tokens.div_ceil(16) as u32).clamp(1, self.area.blocks);
         let prep_args = MoeNetArgs {
             in_x: x,
             in_ids: topk_idx,

@@ -1,7 +1,7 @@
 //! The receive area both node-spanning MoE paths (`ht_net.rs`, `ll_net.rs`) share: this rank's
 //! area (registered with the NIC, mapped by same-node peers), its staging area, PortChannels from
 //! the staging area to every peer's area, and the device arrays the kernels find peers, counters
-//! and epochs in. Layout: `doorbell/collective_args.cuh` (`MoeNetArgs`) and `moe_net.cuh`.
+//! and epochs in. Layout: `doorbell/coll/moe_args.cuh` (`MoeNetArgs`) and `coll/moe_net.cuh`.
 
 use super::shared::MoeConfig;
 use crate::channel::memory_channel::RegisteredMemory;
@@ -17,16 +17,16 @@ use crate::gpu::memory::Buffer;
 use cudarc::driver::{CudaSlice, DevicePtr};
 use std::sync::Arc;
 
-/// Words of the call check's inbox in the area (`moe_net.cuh`, kInboxWords): `[2][64]` slots, then
+/// Words of the call check's inbox in the area (`coll/moe_net.cuh`, kInboxWords): `[2][64]` slots, then
 /// 64 counts of calls announced and 64 of calls checked.
 const INBOX_WORDS: usize = 4 * MAX_NET_RANKS;
 
 /// The channel id wait reports of this path carry.
 const SITE_CHANNEL: u32 = u32::MAX - 1;
 
-/// The shape of a [`NetLanding`]: what each path keeps in the area and the staging area beside
+/// The shape of a [`NetReceiveArea`]: what each path keeps in the area and the staging area beside
 /// the parts both share (the staged messages by token, the partial rows of the combine).
-pub(super) struct LandingShape {
+pub(super) struct ReceiveAreaShape {
     /// Bytes of the area's message region (at offset 0).
     pub messages: usize,
     /// Bytes of the area's count region (`off_counts`) and of the staging area's
@@ -49,7 +49,7 @@ pub(super) struct LandingShape {
 /// The memory and channels both node-spanning MoE paths share: this rank's area (registered with
 /// the NIC, mapped by same-node peers), its staging area, PortChannels from the staging area to
 /// every peer's area, and the device arrays the kernels find peers, counters and epochs in.
-pub(super) struct NetLanding {
+pub(super) struct NetReceiveArea {
     // Dropped first: the proxy thread stops before the memory it moves goes away.
     pub(super) proxy: ProxyService,
     /// The transport's fields of the kernels' arguments (the rest zero).
@@ -57,7 +57,7 @@ pub(super) struct NetLanding {
     pub(super) blocks: u32,
     /// Device address of the credit channels' handles (0 without them).
     pub(super) credits: u64,
-    /// Offsets of the partial weights (`LandingShape::part_weights`) in the area and in the
+    /// Offsets of the partial weights (`ReceiveAreaShape::part_weights`) in the area and in the
     /// staging area (0 without them).
     pub(super) off_part_w: u64,
     pub(super) stage_part_w: u64,
@@ -67,12 +67,12 @@ pub(super) struct NetLanding {
     _device: Vec<CudaSlice<u8>>,
 }
 
-impl NetLanding {
+impl NetReceiveArea {
     /// Collective.
     pub(super) fn new(
         comm: &Arc<Communicator>,
         cfg: &MoeConfig,
-        shape: LandingShape,
+        shape: ReceiveAreaShape,
     ) -> Result<Self> {
         let world = comm.world_size();
         let rank = comm.rank();
@@ -104,7 +104,7 @@ impl NetLanding {
         let msg = message_bytes(cfg);
         let row_out = cfg.hidden * 2;
         let section = |bytes: usize| bytes.next_multiple_of(256);
-        // The area: messages, counts, partial rows, combine words (collective_args.cuh).
+        // The area: messages, counts, partial rows, combine words (coll/moe_args.cuh).
         let off_counts = section(shape.messages);
         let off_part = off_counts + section(shape.counts.max(2 * world * 8));
         let off_cdone = off_part + section(shape.part_rows * row_out);
@@ -117,7 +117,7 @@ impl NetLanding {
         let stage_counts = section(2 * cfg.max_tokens * msg);
         let stage_part = stage_counts + section(shape.counts.max(2 * world * 8));
         let stage_words = stage_part + section(shape.stage_part_rows * row_out);
-        let stage_part_w = stage_words + section(32); // four call-check words (moe_net.cuh)
+        let stage_part_w = stage_words + section(32); // four call-check words (coll/moe_net.cuh)
         let stage_bytes = stage_part_w + section(shape.stage_part_rows * part_w_bytes);
         let area = comm.alloc_symmetric(area_bytes)?;
         let area_reg = area.registered().clone();
@@ -195,7 +195,7 @@ impl NetLanding {
         stream
             .synchronize()
             .map_err(cuda_err("cuStreamSynchronize"))?;
-        Ok(NetLanding {
+        Ok(NetReceiveArea {
             proxy,
             base,
             blocks,
@@ -230,7 +230,7 @@ impl NetLanding {
 }
 
 /// Bytes of a message header: source token, row format, epoch, then top-k ids and weights
-/// (`moe_net.cuh`), rounded up to 16.
+/// (`coll/moe_net.cuh`), rounded up to 16.
 pub(super) fn header_bytes(cfg: &MoeConfig) -> usize {
     (16 + 8 * cfg.topk).next_multiple_of(16)
 }

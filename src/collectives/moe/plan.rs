@@ -307,7 +307,7 @@ impl LowLatencyPlan {
 }
 
 /// Messages per chunk of the high-throughput network stream (`kHtChunk` in
-/// `collective_args.cuh`: one warp posts a chunk).
+/// `detail/collective_args.cuh`: one warp posts a chunk).
 pub const HT_CHUNK: usize = crate::device_api::limits::HT_CHUNK;
 
 /// A chunk's descriptor as the receiver reads it from its ring.

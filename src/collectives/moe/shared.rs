@@ -168,9 +168,9 @@ pub struct LowLatencyResults {
 /// (node-spanning path), from `cuda/include/doorbell/`.
 #[derive(Debug, Clone, Copy)]
 pub enum FusedSend {
-    /// For `moe_ll::put` / `put_token` / `finish_send` (`moe.cuh`).
+    /// For `moe_ll::put` / `put_token` / `finish_send` (`coll/moe_ll.cuh`).
     Nvlink(crate::device_api::MoeLlArgs),
-    /// For `moe_net::put_token` / `finish_send` (`moe_net.cuh`).
+    /// For `moe_net::put_token` / `finish_send` (`coll/moe_net.cuh`).
     Net(crate::device_api::MoeNetArgs),
 }
 
@@ -223,7 +223,7 @@ pub(super) fn launch_unchecked<A: DeviceRepr>(
     };
     // SAFETY: the argument struct matches the kernel's (layout-tested); every buffer it names
     // lives as long as the dispatcher that calls this; its caller vouches for per-call inputs.
-    comm.check(unsafe { b.launch(cfg) }.map(|_| ()), "cuLaunchKernel")
+    comm.cuda_result(unsafe { b.launch(cfg) }.map(|_| ()), "cuLaunchKernel")
 }
 
 /// A receive area of `bytes` followed by the call check's inbox ([`signature::INBOX_BYTES`]):
@@ -233,10 +233,7 @@ pub(super) fn receive_area_with_inbox(
     bytes: usize,
 ) -> Result<(SymmetricBuffer, [u64; MAX_RANKS], [u64; MAX_RANKS])> {
     let (area, ptrs) = receive_area(comm, bytes + signature::INBOX_BYTES)?;
-    let mut inbox = [0u64; MAX_RANKS];
-    for (i, p) in inbox.iter_mut().zip(&ptrs).take(comm.world_size()) {
-        *i = p + bytes as u64;
-    }
+    let inbox = area.bases_at(bytes, "the MoE exchange")?;
     Ok((area, ptrs, inbox))
 }
 

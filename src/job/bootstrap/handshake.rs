@@ -19,7 +19,7 @@ use super::wire::{
 use super::{lock, BootstrapConfig};
 use crate::error::{Error, Result};
 use crate::job::auth::{auth_digest, ct_eq, random_bytes, DIGEST_LEN, NONCE_LEN};
-use crate::job::net::{fmt_duration, wait_readable};
+use crate::job::socket::{fmt_duration, wait_readable};
 use std::io::{self, Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::ops::Range;

@@ -8,7 +8,7 @@
 use super::wire::{decode_abort, Kind, Receiver};
 use super::{fmt_ranks, lock};
 use crate::error::Error;
-use crate::job::net::fmt_duration;
+use crate::job::socket::fmt_duration;
 use std::collections::{HashMap, VecDeque};
 use std::io;
 use std::sync::{Arc, Condvar, Mutex, PoisonError};

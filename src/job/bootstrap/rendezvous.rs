@@ -11,7 +11,7 @@ use super::wire::{decode_abort, decode_table, encode_abort, encode_table, Conn, 
 use super::{fmt_ranks, BootstrapConfig, FAREWELL_WRITE_TIMEOUT};
 use crate::error::{Error, Result};
 use crate::job::config::Settings;
-use crate::job::net::fmt_duration;
+use crate::job::socket::fmt_duration;
 use std::io;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, TcpListener, ToSocketAddrs, UdpSocket};
 use std::time::{Duration, Instant};

@@ -1,7 +1,7 @@
 //! The NVLink path of [`super::MoeLowLatency`], every rank on one node: a token's row crosses once
 //! per destination rank and the receive half copies it into the other selections' slots as soon
 //! as the sender announces it. Kernels and protocol: `cuda/kernels/moe_ll.cu` and
-//! `doorbell/moe.cuh`.
+//! `doorbell/coll/moe_ll.cuh`.
 
 use super::path::LowLatencyPath;
 use super::shared::{
@@ -31,7 +31,7 @@ pub(super) struct LlNvlink {
     kernels: [CudaFunction; 6],
     dispatches: std::sync::atomic::AtomicU64,
     last: std::sync::Mutex<(u64, u32)>,
-    /// Counts calls and makes each call's word (the call check, `call_check.cuh`).
+    /// Counts calls and makes each call's word (the call check, `coll/call_check.cuh`).
     calls: CallChecker,
     /// The words of the last dispatch and the last combine, for their receive halves.
     last_calls: std::sync::Mutex<(CallCheck, CallCheck)>,
@@ -128,7 +128,7 @@ impl LlNvlink {
                 .alloc_zeros::<u8>(bytes.max(16))
                 .map_err(cuda_err("cuMemAlloc"))
         };
-        // With a rank mask, a dead peer's waits leave it out instead of failing (wait.cuh).
+        // With a rank mask, a dead peer's waits leave it out instead of failing (core/wait.cuh).
         let mut handles = semaphores.handles().to_vec();
         if cfg.rank_mask {
             for h in &mut handles {
@@ -269,7 +269,7 @@ impl LlNvlink {
 
     /// Writes the peers the watchdog found dead since the last call into the rank mask, on
     /// `stream` before the next kernel, so every call after leaves them out at once (a call in
-    /// flight when a peer dies leaves it out by itself, wait.cuh). Errors if the communicator
+    /// flight when a peer dies leaves it out by itself, core/wait.cuh). Errors if the communicator
     /// aborted.
     fn mask_dead(&self, stream: &CudaStream) -> Result<()> {
         use std::sync::atomic::Ordering;
@@ -364,7 +364,7 @@ impl LlNvlink {
     /// launches nothing, and returns the arguments
     /// that kernel passes to `doorbell::moe_ll::put_token` (one warp per token) or
     /// `doorbell::moe_ll::put` (one warp per (token, rank)) and `doorbell::moe_ll::finish_send`
-    /// (every block once), from `cuda/include/doorbell/moe.cuh`. Every (token, rank) pair of the
+    /// (every block once), from `cuda/include/doorbell/coll/moe_ll.cuh`. Every (token, rank) pair of the
     /// `num_tokens` must be put exactly once: the counts go out when the last one is done (a
     /// missing one makes the receivers' bounded waits report). Then call
     /// [`super::MoeLowLatency::dispatch_recv`]. The kernel reads `topk_idx` and `topk_weights`

@@ -19,7 +19,7 @@ mod packed;
 /// worst-case buffers sized from `max_tokens` per rank, a per-expert layout with one row per
 /// selected (token, expert), counts only on the device, no count exchange before rows move,
 /// CUDA-graph capturable, and send and receive halves callable separately so other work overlaps
-/// the transfer. Kernels and protocol: `cuda/kernels/moe_ll.cu` and `doorbell/moe.cuh`.
+/// the transfer. Kernels and protocol: `cuda/kernels/moe_ll.cu` and `doorbell/coll/moe_ll.cuh`.
 ///
 /// Over NVLink a token's row crosses once per destination rank, however many of that rank's
 /// experts it selected, and the receive half copies it into the other selections' slots as soon
@@ -38,7 +38,7 @@ mod packed;
 /// than `max_tokens`).
 ///
 /// When the communicator spans nodes (or with `DOORBELL_MOE_NET=1`), the node-spanning path runs
-/// instead (`ll_net.rs`, `cuda/include/doorbell/moe_net.cuh`): a token's row goes to each rank
+/// instead (`ll_net.rs`, `cuda/include/doorbell/coll/moe_net.cuh`): a token's row goes to each rank
 /// holding one of its experts once, by NVLink stores inside the node and PortChannel puts (RDMA
 /// WRITEs in any posting mode) to other nodes, and the receive half copies it into each selected
 /// expert's slot; same layouts, same combine sums, and FP8 rows

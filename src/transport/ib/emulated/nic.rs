@@ -690,7 +690,7 @@ fn next_rand(x: &mut u64) -> u64 {
 }
 
 /// Finds `[addr, addr + len)` in the region of `key`.
-fn check(regions: &[Region], key: u32, addr: u64, len: u64) -> Option<Region> {
+fn covering_region(regions: &[Region], key: u32, addr: u64, len: u64) -> Option<Region> {
     regions
         .iter()
         .find(|r| r.key == key)
@@ -816,7 +816,7 @@ fn perform(
     let io = |r: Result<()>| r.map_err(|_| LOCAL_PROTECTION);
     // Where this process reaches `[addr, addr + len)` of the region of `key`, or `syndrome`.
     let reach = |key: u32, addr: u64, len: u64, syndrome: u8| {
-        check(regions, key, addr, len)
+        covering_region(regions, key, addr, len)
             .map(|r| (r.at(addr), r.strict))
             .ok_or(syndrome)
     };

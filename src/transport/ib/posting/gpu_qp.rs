@@ -16,7 +16,7 @@
 
 use crate::device_api::{IbQpHandle, WaitSite};
 use crate::error::{Error, Result};
-use crate::gpu::cuda::{check, cuda_err, Gpu, HostArray};
+use crate::gpu::cuda::{cuda_err, driver_result, Gpu, HostArray};
 use crate::transport::ib::emulated::nic::{Dma, EmulatedNic, QpRings, RingDma};
 use crate::transport::ib::posting::cq::{CQE_BYTES, EMPTY_OP_OWN};
 use crate::transport::ib::posting::wqe::WQEBB;
@@ -66,7 +66,7 @@ impl CudaDma {
         // is finished (synchronized) before they are used or dropped.
         unsafe { crate::gpu::cuda::copy_unified_async(&stream, dst, src, len) }?;
         // SAFETY: a live stream of this context.
-        check("cuStreamSynchronize", unsafe {
+        driver_result("cuStreamSynchronize", unsafe {
             sys::cuStreamSynchronize(stream.cu_stream())
         })
     }
@@ -560,11 +560,11 @@ pub(crate) fn register(regs: &mut Registrations, addr: u64, len: u64, io: bool) 
     match r {
         sys::CUresult::CUDA_SUCCESS => regs.0.push(start),
         sys::CUresult::CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED => {}
-        other => check("cuMemHostRegister", other)?,
+        other => driver_result("cuMemHostRegister", other)?,
     }
     let mut dev = 0u64;
     // SAFETY: `addr` lies in registered pages.
-    check("cuMemHostGetDevicePointer", unsafe {
+    driver_result("cuMemHostGetDevicePointer", unsafe {
         sys::cuMemHostGetDevicePointer_v2(&mut dev, addr as *mut c_void, 0)
     })?;
     Ok(dev)

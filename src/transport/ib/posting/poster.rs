@@ -235,71 +235,11 @@ impl IbConnection {
         })
     }
 
-    fn key(a: Address, what: &str) -> Result<u32> {
-        a.key.ok_or_else(|| {
-            Error::invalid(
-                "trigger",
-                format!("the {what} memory is not registered with the RDMA NIC"),
-            )
-        })
-    }
-}
-
-impl Connection for IbConnection {
-    fn write(&mut self, src: Address, dst: Address, bytes: u64) -> Result<()> {
-        let (lkey, rkey) = (Self::key(src, "source")?, Self::key(dst, "destination")?);
-        let stripes = self.qps.len() as u64;
-        let parts = if bytes >= STRIPE_FROM { stripes } else { 1 };
-        let part = bytes.div_ceil(parts).next_multiple_of(4096);
-        for q in 0..parts {
-            let (start, end) = ((q * part).min(bytes), ((q + 1) * part).min(bytes));
-            let mut off = start;
-            while off < end {
-                let len = (end - off).min(PIECE);
-                let op = Op::Write {
-                    raddr: dst.addr + off,
-                    rkey,
-                    laddr: src.addr + off,
-                    lkey,
-                    len: len as u32,
-                };
-                self.qps[q as usize].post(&op, true, PATIENCE)?;
-                off += len;
-            }
-        }
-        for qp in self.qps.iter_mut() {
-            qp.ring()?;
-        }
-        self.progress()?;
-        Ok(())
-    }
-
-    fn signal(&mut self, token: Token) -> Result<()> {
-        Self::key(token.at, "token")?;
-        let ends: Vec<u64> = self.qps.iter().map(|q| q.posted()).collect();
-        self.deferred.push_back((token, ends));
-        self.progress()?;
-        Ok(())
-    }
-
-    fn flush(&mut self, pos: u64) -> Result<()> {
-        self.pending.push_back((pos, None));
-        self.progress()?;
-        Ok(())
-    }
-
-    /// Polls the QPs; posts the deferred signals whose earlier writes completed on every other
-    /// QP (each as a READ of the peer's token on QP 0, the flush of QP 0's writes, then a
-    /// fetch-add of 1), in order; fixes what the flushes behind them wait for; reports completed
-    /// flushes.
-    fn progress(&mut self) -> Result<bool> {
+    /// Posts, in order, the deferred signals whose earlier writes completed on every other QP:
+    /// each as a READ of the peer's token on QP 0 (the flush of QP 0's writes before it) then a
+    /// fetch-add of 1. True if any was posted.
+    fn post_ready_signals(&mut self) -> Result<bool> {
         let mut any = false;
-        for qp in self.qps.iter_mut() {
-            if qp.completed() < qp.posted() {
-                let before = qp.completed();
-                any |= qp.poll()? != before;
-            }
-        }
         while let Some((token, ends)) = self.deferred.front() {
             let ready = self
                 .qps
@@ -338,15 +278,91 @@ impl Connection for IbConnection {
             self.deferred.pop_front();
             any = true;
         }
-        // A flush covers what was posted when it arrived, deferred signals included: it gets its
-        // marks once the signals before it are posted.
-        if self.deferred.is_empty() {
-            for (_, ends) in self.pending.iter_mut() {
-                if ends.is_none() {
-                    *ends = Some(self.qps.iter().map(|q| q.posted()).collect());
-                }
+        Ok(any)
+    }
+
+    /// A flush covers what was posted when it arrived, deferred signals included: it gets its
+    /// marks (each QP's posting position) once the signals before it are posted.
+    fn mark_flushes(&mut self) {
+        if !self.deferred.is_empty() {
+            return;
+        }
+        for (_, ends) in self.pending.iter_mut() {
+            if ends.is_none() {
+                *ends = Some(self.qps.iter().map(|q| q.posted()).collect());
             }
         }
+    }
+
+    fn key(a: Address, what: &str) -> Result<u32> {
+        a.key.ok_or_else(|| {
+            Error::invalid(
+                "trigger",
+                format!("the {what} memory is not registered with the RDMA NIC"),
+            )
+        })
+    }
+}
+
+impl Connection for IbConnection {
+    fn write(&mut self, src: Address, dst: Address, bytes: u64) -> Result<()> {
+        let (lkey, rkey) = (Self::key(src, "source")?, Self::key(dst, "destination")?);
+        let stripes = self.qps.len() as u64;
+        let parts = if bytes >= STRIPE_FROM { stripes } else { 1 };
+        let part = bytes.div_ceil(parts).next_multiple_of(4096);
+        for q in 0..parts {
+            let (start, end) = ((q * part).min(bytes), ((q + 1) * part).min(bytes));
+            let mut off = start;
+            while off < end {
+                let len = (end - off).min(PIECE);
+                let op = Op::Write {
+                    raddr: dst.addr + off,
+                    rkey,
+                    laddr: src.addr + off,
+                    lkey,
+                    len: len as u32,
+                };
+                self.qps[q as usize].post(&op, true, PATIENCE)?;
+                off += len;
+            }
+        }
+        // The completions are the proxy's next `progress` call's job: a write only posts.
+        for qp in self.qps.iter_mut() {
+            qp.ring()?;
+        }
+        Ok(())
+    }
+
+    /// Posts the signal at once where no other QP holds earlier writes (one QP: always), else
+    /// defers it to `progress`; polls no completion queue.
+    fn signal(&mut self, token: Token) -> Result<()> {
+        Self::key(token.at, "token")?;
+        let ends: Vec<u64> = self.qps.iter().map(|q| q.posted()).collect();
+        self.deferred.push_back((token, ends));
+        self.post_ready_signals()?;
+        self.mark_flushes();
+        Ok(())
+    }
+
+    /// Queues the flush with what it waits for; `progress` reports it once that completed.
+    fn flush(&mut self, pos: u64) -> Result<()> {
+        self.pending.push_back((pos, None));
+        self.mark_flushes();
+        Ok(())
+    }
+
+    /// Polls the QPs; posts the deferred signals whose earlier writes completed on every other
+    /// QP, in order; fixes what the flushes behind them wait for; reports completed flushes.
+    fn progress(&mut self) -> Result<bool> {
+        let mut any = false;
+        for qp in self.qps.iter_mut() {
+            if qp.completed() < qp.posted() {
+                let before = qp.completed();
+                any |= qp.poll()? != before;
+            }
+        }
+        any |= self.post_ready_signals()?;
+        self.mark_flushes();
         while let Some((pos, Some(ends))) = self.pending.front() {
             if self
                 .qps

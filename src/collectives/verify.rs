@@ -1,9 +1,9 @@
-//! Inputs with exact sums and result checks, for the collective tests and the benchmarks'
-//! `--check` (kernels in `cuda/kernels/check.cu`).
+//! Inputs with exact sums and the verification of results, for the collective tests and the
+//! benchmarks' `--check` (kernels in `cuda/kernels/verify.cu`).
 //!
-//! [`value`] is the host twin of the device's `check_value`: small integers derived from (rank,
+//! [`value`] is the host twin of the device's `verify_value`: small integers derived from (rank,
 //! index, seed), so the sum over up to 8 ranks is exact in every supported type and a wrong
-//! element is a real error. [`Checker::fill_random`] and [`Checker::hash`] serve the pressure
+//! element is a real error. [`Verifier::fill_random`] and [`Verifier::hash`] serve the pressure
 //! tests: rounding there depends on summation order, so a race shows up as differing hashes.
 
 use crate::collectives::DataType;
@@ -12,7 +12,7 @@ use crate::gpu::cuda::{cuda_err, Gpu};
 use cudarc::driver::{CudaFunction, CudaStream, DevicePtr, LaunchConfig, PushKernelArg};
 use std::sync::Arc;
 
-/// Element `i` of `rank`'s check input with `seed` (twin of `check_value` in check.cu).
+/// Element `i` of `rank`'s input with `seed` (twin of `verify_value` in verify.cu).
 pub fn value(rank: u32, i: u64, seed: u32) -> i32 {
     ((i.wrapping_mul(7) + rank as u64 * 13 + seed as u64 * 5) % 17) as i32 - 8
 }
@@ -22,8 +22,8 @@ pub fn expected_sum(world: u32, i: u64, seed: u32) -> i32 {
     (0..world).map(|r| value(r, i, seed)).sum()
 }
 
-/// The check kernels of one GPU, for every data type.
-pub struct Checker {
+/// The verification kernels of one GPU, for every data type.
+pub struct Verifier {
     fill: [CudaFunction; 3],
     count_wrong: [CudaFunction; 3],
     fill_random: [CudaFunction; 3],
@@ -60,19 +60,19 @@ fn one_u64(
     Ok(v[0])
 }
 
-impl Checker {
+impl Verifier {
     /// Loads the kernels.
-    pub fn new(gpu: &Arc<Gpu>) -> Result<Checker> {
-        let load = |stem: &str| crate::collectives::kernels_per_type(gpu, "check", stem);
-        Ok(Checker {
-            fill: load("check_fill")?,
-            count_wrong: load("check_count_wrong")?,
-            fill_random: load("check_fill_random")?,
-            hash: load("check_hash")?,
+    pub fn new(gpu: &Arc<Gpu>) -> Result<Verifier> {
+        let load = |stem: &str| crate::collectives::kernels_per_type(gpu, "verify", stem);
+        Ok(Verifier {
+            fill: load("verify_fill")?,
+            count_wrong: load("verify_count_wrong")?,
+            fill_random: load("verify_fill_random")?,
+            hash: load("verify_hash")?,
             route_fill: gpu.function("selftest", "selftest_fill")?,
             route_count_wrong: gpu.function("selftest", "selftest_count_wrong")?,
-            delay: gpu.function("check", "check_delay")?,
-            stamp: gpu.function("check", "check_stamp")?,
+            delay: gpu.function("verify", "verify_delay")?,
+            stamp: gpu.function("verify", "verify_stamp")?,
         })
     }
 
@@ -84,7 +84,7 @@ impl Checker {
     pub unsafe fn stamp(&self, s: &Arc<CudaStream>, at: u64) -> Result<()> {
         let mut b = s.launch_builder(&self.stamp);
         b.arg(&at);
-        // SAFETY: check_stamp(uint64_t*) writes 8 bytes at `at`, which the caller vouches for.
+        // SAFETY: verify_stamp(uint64_t*) writes 8 bytes at `at`, which the caller vouches for.
         unsafe { b.launch(ONE_THREAD) }.map_err(cuda_err("cuLaunchKernel"))?;
         Ok(())
     }
@@ -95,7 +95,7 @@ impl Checker {
         let ns = d.as_nanos().min(u64::MAX as u128) as u64;
         let mut b = s.launch_builder(&self.delay);
         b.arg(&ns);
-        // SAFETY: check_delay(uint64_t) touches no memory.
+        // SAFETY: verify_delay(uint64_t) touches no memory.
         unsafe { b.launch(ONE_THREAD) }.map_err(cuda_err("cuLaunchKernel"))?;
         Ok(())
     }
@@ -128,11 +128,11 @@ impl Checker {
         Ok(())
     }
 
-    /// Counts the bytes at `ptr` that differ from [`Checker::fill_route`]'s pattern. Synchronizes
+    /// Counts the bytes at `ptr` that differ from [`Verifier::fill_route`]'s pattern. Synchronizes
     /// `s`.
     ///
     /// # Safety
-    /// As for [`Checker::fill_route`].
+    /// As for [`Verifier::fill_route`].
     pub unsafe fn count_wrong_route(
         &self,
         s: &Arc<CudaStream>,
@@ -157,7 +157,7 @@ impl Checker {
         })
     }
 
-    /// Writes `rank`'s check input (`value(rank, i, seed)`) to `count` elements at `ptr`.
+    /// Writes `rank`'s input (`value(rank, i, seed)`) to `count` elements at `ptr`.
     ///
     /// # Safety
     /// `ptr` must be device memory of this GPU holding `count` elements of `dtype`.
@@ -174,7 +174,7 @@ impl Checker {
         let n = count as u64;
         let mut b = s.launch_builder(f);
         b.arg(&ptr).arg(&n).arg(&rank).arg(&seed);
-        // SAFETY: matches check_fill_*; the caller vouches for the range.
+        // SAFETY: matches verify_fill_*; the caller vouches for the range.
         unsafe { b.launch(grid(count)) }.map_err(cuda_err("cuLaunchKernel"))?;
         Ok(())
     }
@@ -182,7 +182,7 @@ impl Checker {
     /// Pseudo-random values in [-1, 1) derived from (rank, index, seed).
     ///
     /// # Safety
-    /// As for [`Checker::fill`].
+    /// As for [`Verifier::fill`].
     pub unsafe fn fill_random(
         &self,
         s: &Arc<CudaStream>,
@@ -196,16 +196,16 @@ impl Checker {
         let n = count as u64;
         let mut b = s.launch_builder(f);
         b.arg(&ptr).arg(&n).arg(&rank).arg(&seed);
-        // SAFETY: matches check_fill_random_*; the caller vouches for the range.
+        // SAFETY: matches verify_fill_random_*; the caller vouches for the range.
         unsafe { b.launch(grid(count)) }.map_err(cuda_err("cuLaunchKernel"))?;
         Ok(())
     }
 
-    /// Counts elements at `ptr` that are not the sum over `world` ranks of their check input.
+    /// Counts elements at `ptr` that are not the sum over `world` ranks of their inputs.
     /// Synchronizes `s`.
     ///
     /// # Safety
-    /// As for [`Checker::fill`].
+    /// As for [`Verifier::fill`].
     pub unsafe fn count_wrong(
         &self,
         s: &Arc<CudaStream>,
@@ -219,7 +219,7 @@ impl Checker {
             let n = count as u64;
             let mut b = s.launch_builder(&self.count_wrong[dtype.code() as usize]);
             b.arg(&ptr).arg(&n).arg(&world).arg(&seed).arg(&w);
-            // SAFETY: matches check_count_wrong_*; `w` holds one u64.
+            // SAFETY: matches verify_count_wrong_*; `w` holds one u64.
             unsafe { b.launch(grid(count)) }.map(drop)
         })
     }
@@ -227,7 +227,7 @@ impl Checker {
     /// An order-independent hash of the `count` elements at `ptr`. Synchronizes `s`.
     ///
     /// # Safety
-    /// As for [`Checker::fill`].
+    /// As for [`Verifier::fill`].
     pub unsafe fn hash(
         &self,
         s: &Arc<CudaStream>,
@@ -239,11 +239,15 @@ impl Checker {
             let n = count as u64;
             let mut b = s.launch_builder(&self.hash[dtype.code() as usize]);
             b.arg(&ptr).arg(&n).arg(&o);
-            // SAFETY: matches check_hash_*; `o` holds one u64.
+            // SAFETY: matches verify_hash_*; `o` holds one u64.
             unsafe { b.launch(grid(count)) }.map(drop)
         })
     }
 }
+
+/// The name before [`Verifier`].
+#[doc(hidden)]
+pub type Checker = Verifier;
 
 #[cfg(test)]
 mod tests {
