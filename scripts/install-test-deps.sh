@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Installs what the CPU tests need besides Rust and the nvcc wheels: rdma-core's headers
-# (tests/wqe_golden.rs compiles a C program against infiniband/mlx5dv.h; nothing is linked).
+# (tests/wqe_golden.rs compiles a C program against infiniband/mlx5dv.h; nothing is linked), which
+# scripts/regen-verbs.sh --check also reads (it installs its own libclang from PyPI).
 set -euo pipefail
 if [ -f /usr/include/infiniband/mlx5dv.h ]; then
   echo "rdma-core headers present"

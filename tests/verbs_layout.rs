@@ -1,8 +1,10 @@
-//! The rdma-core struct mirrors of `rdma::verbs` and `rdma::hw` against `infiniband/verbs.h` and
-//! `infiniband/mlx5dv.h` (a C program
+//! The rdma-core structs of the verbs boundary (`transport::ib::boundary::{verbs, rdma_core,
+//! mlx5dv}`: bindgen's, generated into `boundary::sys`, and the few written by hand) against
+//! `infiniband/verbs.h` and `infiniband/mlx5dv.h` as the C compiler lays them out (a C program
 //! compiled here prints every field's offset and size; needs a C compiler and rdma-core's
 //! headers: `apt install libibverbs-dev`, as `scripts/install-test-deps.sh` does), and loading
-//! libibverbs at run time where it is installed.
+//! libibverbs at run time where it is installed. `scripts/regen-verbs.sh --check` checks that the
+//! generated ones are what bindgen makes of the installed headers.
 
 use doorbell::transport::ib::boundary::mlx5dv::{DvCq, DvObj, DvQp};
 use doorbell::transport::ib::boundary::rdma_core::{
@@ -36,6 +38,8 @@ fn layout_c(rows: &[(&str, &str, usize, usize)]) -> String {
 
 /// (struct, field, offset, size) as Rust lays the mirrors out; "SIZE" rows give the struct's
 /// size, for mirrors of a whole struct (`head` mirrors cover its first fields only).
+// The `unsafe` around measuring a member is needed only where the path crosses a union.
+#[allow(unused_unsafe)]
 fn ours() -> Vec<(&'static str, &'static str, usize, usize)> {
     macro_rules! fields {
         ($c:literal, $t:ty, $kind:ident, [$($f:ident),* $(,)?]) => {{
@@ -49,13 +53,18 @@ fn ours() -> Vec<(&'static str, &'static str, usize, usize)> {
             v
         }};
     }
-    // Mirrors that flatten nested C structs: (C field path, Rust field).
+    // Structs whose Rust field paths differ from C's (flattened, or bindgen's anonymous
+    // members): (C field path, Rust field path).
     macro_rules! named {
-        ($c:literal, $t:ty, [$($cf:literal => $f:ident),* $(,)?]) => {{
-            // SAFETY: as above.
+        ($c:literal, $t:ty, [$($cf:literal => $($f:ident).+),* $(,)?]) => {{
+            // SAFETY: as above; union members are only measured.
             let probe: $t = unsafe { std::mem::zeroed() };
             let mut v = vec![($c, "SIZE", size_of::<$t>(), 0)];
-            $(v.push(($c, $cf, offset_of!($t, $f), std::mem::size_of_val(&probe.$f)));)*
+            $(
+                // SAFETY: a zeroed value's member (of a union, for some), measured, not read.
+                let size = unsafe { std::mem::size_of_val(&probe.$($f).+) };
+                v.push(($c, $cf, offset_of!($t, $($f).+), size));
+            )*
             v
         }};
     }
@@ -67,35 +76,22 @@ fn ours() -> Vec<(&'static str, &'static str, usize, usize)> {
             "wr.atomic.swap" => swap, "wr.atomic.rkey" => atomic_rkey,
         ]),
         fields!("ibv_sge", Sge, full, [addr, length, lkey]),
-        fields!(
-            "ibv_wc",
-            WcRaw,
-            full,
-            [
-                wr_id,
-                status,
-                opcode,
-                vendor_err,
-                byte_len,
-                imm_data,
-                qp_num,
-                src_qp,
-                wc_flags,
-                pkey_index,
-                slid,
-                sl,
-                dlid_path_bits
-            ]
-        ),
+        named!("ibv_wc", WcRaw, [
+            "wr_id" => wr_id, "status" => status, "opcode" => opcode,
+            "vendor_err" => vendor_err, "byte_len" => byte_len,
+            "imm_data" => __bindgen_anon_1.imm_data, "qp_num" => qp_num, "src_qp" => src_qp,
+            "wc_flags" => wc_flags, "pkey_index" => pkey_index, "slid" => slid, "sl" => sl,
+            "dlid_path_bits" => dlid_path_bits,
+        ]),
         // ibv_post_send / ibv_poll_cq are inline calls through the context's ops table.
         vec![
             ("ibv_context", "ops.poll_cq", CTX_POLL_CQ, 8),
             ("ibv_context", "ops.post_send", CTX_POST_SEND, 8),
         ],
         named!("mlx5dv_qp", DvQp, [
-            "dbrec" => dbrec, "sq.buf" => sq_buf, "sq.wqe_cnt" => sq_wqe_cnt,
-            "sq.stride" => sq_stride, "rq.buf" => rq_buf, "rq.wqe_cnt" => rq_wqe_cnt,
-            "rq.stride" => rq_stride, "bf.reg" => bf_reg, "bf.size" => bf_size,
+            "dbrec" => dbrec, "sq.buf" => sq.buf, "sq.wqe_cnt" => sq.wqe_cnt,
+            "sq.stride" => sq.stride, "rq.buf" => rq.buf, "rq.wqe_cnt" => rq.wqe_cnt,
+            "rq.stride" => rq.stride, "bf.reg" => bf.reg, "bf.size" => bf.size,
             "comp_mask" => comp_mask, "uar_mmap_offset" => uar_mmap_offset, "tirn" => tirn,
             "tisn" => tisn, "rqn" => rqn, "sqn" => sqn, "tir_icm_addr" => tir_icm_addr,
         ]),
@@ -104,7 +100,10 @@ fn ours() -> Vec<(&'static str, &'static str, usize, usize)> {
             "cq_uar" => cq_uar, "cqn" => cqn, "comp_mask" => comp_mask,
         ]),
         named!("mlx5dv_obj", DvObj, [
-            "qp.in" => qp_in, "qp.out" => qp_out, "cq.in" => cq_in, "cq.out" => cq_out,
+            "qp.in" => qp.in_, "qp.out" => qp.out, "cq.in" => cq.in_, "cq.out" => cq.out,
+            "srq.in" => srq.in_, "srq.out" => srq.out, "rwq.in" => rwq.in_,
+            "rwq.out" => rwq.out, "dm.in" => dm.in_, "dm.out" => dm.out, "ah.in" => ah.in_,
+            "ah.out" => ah.out, "pd.in" => pd.in_, "pd.out" => pd.out,
         ]),
         fields!(
             "ibv_device_attr",
@@ -268,8 +267,22 @@ fn ours() -> Vec<(&'static str, &'static str, usize, usize)> {
         fields!(
             "ibv_qp",
             QpRaw,
-            head,
-            [context, qp_context, pd, send_cq, recv_cq, srq, handle, qp_num, state, qp_type]
+            full,
+            [
+                context,
+                qp_context,
+                pd,
+                send_cq,
+                recv_cq,
+                srq,
+                handle,
+                qp_num,
+                state,
+                qp_type,
+                mutex,
+                cond,
+                events_completed
+            ]
         ),
     ]
     .concat()

@@ -12,65 +12,28 @@
 //! `mlx5dv_init_obj`, no DEVX (NVSHMEM's and DOCA's IBGDA create their rings in GPU memory through
 //! DEVX instead, which is faster and needs the PRM layouts).
 //!
-//! **Never run on a NIC**: the machines of this project have none. The struct mirrors are checked
-//! against `mlx5dv.h` in CI (`tests/verbs_layout.rs`); `tests/ib_hw.rs` is the hardware test
-//! (`docs/rdma.md` gives the command).
+//! **Never run on a NIC**: the machines of this project have none. The structs are bindgen's of
+//! `mlx5dv.h` ([`super::sys`]), also checked against the header in CI (`tests/verbs_layout.rs`);
+//! `tests/ib_hw.rs` is the hardware test (`docs/rdma.md` gives the command).
 
+use super::sys;
 use crate::error::{Error, Result};
 use std::ffi::{c_int, c_void};
 
-/// `struct mlx5dv_qp` (mlx5dv.h).
-#[repr(C)]
-#[derive(Debug, Clone, Copy)]
-#[allow(missing_docs)]
-pub struct DvQp {
-    pub dbrec: *mut u32,
-    pub sq_buf: *mut c_void,
-    pub sq_wqe_cnt: u32,
-    pub sq_stride: u32,
-    pub rq_buf: *mut c_void,
-    pub rq_wqe_cnt: u32,
-    pub rq_stride: u32,
-    pub bf_reg: *mut c_void,
-    pub bf_size: u32,
-    pub comp_mask: u64,
-    pub uar_mmap_offset: i64,
-    pub tirn: u32,
-    pub tisn: u32,
-    pub rqn: u32,
-    pub sqn: u32,
-    pub tir_icm_addr: u64,
-}
+/// `struct mlx5dv_qp` (mlx5dv.h; generated).
+pub type DvQp = sys::mlx5dv_qp;
 
-/// `struct mlx5dv_cq` (mlx5dv.h).
-#[repr(C)]
-#[derive(Debug, Clone, Copy)]
-#[allow(missing_docs)]
-pub struct DvCq {
-    pub buf: *mut c_void,
-    pub dbrec: *mut u32,
-    pub cqe_cnt: u32,
-    pub cqe_size: u32,
-    pub cq_uar: *mut c_void,
-    pub cqn: u32,
-    pub comp_mask: u64,
-}
+/// `struct mlx5dv_cq` (mlx5dv.h; generated).
+pub type DvCq = sys::mlx5dv_cq;
 
-/// `struct mlx5dv_obj` (mlx5dv.h): (in, out) pointer pairs for QP, CQ, SRQ, RWQ, DM, AH, PD.
-#[repr(C)]
-#[allow(missing_docs)]
-pub struct DvObj {
-    pub qp_in: *mut c_void,
-    pub qp_out: *mut DvQp,
-    pub cq_in: *mut c_void,
-    pub cq_out: *mut DvCq,
-    pub others: [[*mut c_void; 2]; 5],
-}
+/// `struct mlx5dv_obj` (mlx5dv.h; generated): (in, out) pointer pairs for QP, CQ, SRQ, RWQ, DM,
+/// AH, PD.
+pub type DvObj = sys::mlx5dv_obj;
 
 /// `MLX5DV_OBJ_QP`.
-pub const OBJ_QP: u64 = 1;
+pub const OBJ_QP: u64 = sys::MLX5DV_OBJ_QP as u64;
 /// `MLX5DV_OBJ_CQ`.
-pub const OBJ_CQ: u64 = 2;
+pub const OBJ_CQ: u64 = sys::MLX5DV_OBJ_CQ as u64;
 
 type InitObj = unsafe extern "C" fn(*mut DvObj, u64) -> c_int;
 
@@ -123,24 +86,24 @@ impl Drop for Mlx5 {
     }
 }
 
-/// `mlx5dv_init_obj` on `qp` (a `struct ibv_qp *`, number `qpn`) and `cq`: where their rings
-/// are, checked to be what doorbell's posters drive (64-byte WQEBBs and CQEs, powers of two).
+/// `mlx5dv_init_obj` on `qp` (number `qpn`) and `cq`: where their rings are, checked to be what
+/// doorbell's posters drive (64-byte WQEBBs and CQEs, powers of two).
 pub(crate) fn dv_rings(
     mlx5: &Mlx5,
-    qp: *mut c_void,
-    cq: *mut c_void,
+    qp: *mut sys::ibv_qp,
+    cq: *mut sys::ibv_cq,
     qpn: u32,
 ) -> Result<crate::transport::ib::boundary::provider::Rings> {
-    let mut dv_qp: DvQp = unsafe_zeroed();
-    let mut dv_cq: DvCq = unsafe_zeroed();
-    let mut obj = DvObj {
-        qp_in: qp,
-        qp_out: &mut dv_qp,
-        cq_in: cq,
-        cq_out: &mut dv_cq,
-        others: [[std::ptr::null_mut(); 2]; 5],
-    };
-    // SAFETY: live QP and CQ of an mlx5 context; outputs point at full mirrors.
+    let mut dv_qp = DvQp::default();
+    let mut dv_cq = DvCq::default();
+    // The other (in, out) pairs stay null: only the QP and CQ are asked for.
+    let mut obj = DvObj::default();
+    obj.qp.in_ = qp;
+    obj.qp.out = &mut dv_qp;
+    obj.cq.in_ = cq;
+    obj.cq.out = &mut dv_cq;
+    // SAFETY: live QP and CQ of an mlx5 context; the outputs point at whole `mlx5dv_qp` and
+    // `mlx5dv_cq` structs.
     let r = unsafe { (mlx5.init_obj)(&mut obj, OBJ_QP | OBJ_CQ) };
     if r != 0 {
         return Err(Error::TransportUnavailable {
@@ -151,12 +114,12 @@ pub(crate) fn dv_rings(
             ),
         });
     }
-    if dv_qp.sq_stride != 64 || !dv_qp.sq_wqe_cnt.is_power_of_two() || dv_qp.bf_reg.is_null() {
+    if dv_qp.sq.stride != 64 || !dv_qp.sq.wqe_cnt.is_power_of_two() || dv_qp.bf.reg.is_null() {
         return Err(Error::TransportUnavailable {
             transport: "ib",
             why: format!(
                 "unexpected send queue: stride {}, {} WQEBBs, doorbell register {:?}",
-                dv_qp.sq_stride, dv_qp.sq_wqe_cnt, dv_qp.bf_reg
+                dv_qp.sq.stride, dv_qp.sq.wqe_cnt, dv_qp.bf.reg
             ),
         });
     }
@@ -171,20 +134,14 @@ pub(crate) fn dv_rings(
     }
     Ok(crate::transport::ib::boundary::provider::Rings {
         qpn,
-        sq: dv_qp.sq_buf as *mut u8,
-        sq_wqebbs: u64::from(dv_qp.sq_wqe_cnt),
+        sq: dv_qp.sq.buf as *mut u8,
+        sq_wqebbs: u64::from(dv_qp.sq.wqe_cnt),
         // SAFETY: dbrec is the QP's [receive, send] record pair.
         dbr: unsafe { dv_qp.dbrec.add(1) },
-        doorbell: dv_qp.bf_reg as *mut u64,
+        doorbell: dv_qp.bf.reg as *mut u64,
         cq: dv_cq.buf as *mut u8,
         cq_entries: u64::from(dv_cq.cqe_cnt),
         cq_ci: dv_cq.dbrec,
         doorbell_is_mmio: true,
     })
-}
-
-fn unsafe_zeroed<T: Copy>() -> T {
-    // SAFETY: only used for the plain-data mirrors above (pointers and integers; all-zero is
-    // a valid value of each).
-    unsafe { std::mem::zeroed() }
 }

@@ -11,44 +11,47 @@
 
 use crate::error::Result;
 use crate::gpu::cuda::Gpu;
+use crate::transport::ib::boundary::sys;
 use crate::transport::ib::boundary::verbs::{Port, QpAttr, QpCap};
 use crate::transport::ib::posting::wqe::Op;
 
-/// `IBV_ACCESS_*` flags (verbs.h): what a registration lets the NIC and the peers do (the emulated
-/// NIC checks them as a ConnectX does).
+/// `IBV_ACCESS_*` flags (verbs.h, through [`sys`]): what a registration lets the NIC and the peers
+/// do (the emulated NIC checks them as a ConnectX does).
 pub mod access {
+    use super::sys;
     /// The NIC may write the region for local work (a READ's or atomic's destination).
-    pub const LOCAL_WRITE: u32 = 1;
+    pub const LOCAL_WRITE: u32 = sys::IBV_ACCESS_LOCAL_WRITE;
     /// Peers may RDMA WRITE into it.
-    pub const REMOTE_WRITE: u32 = 1 << 1;
+    pub const REMOTE_WRITE: u32 = sys::IBV_ACCESS_REMOTE_WRITE;
     /// Peers may RDMA READ from it.
-    pub const REMOTE_READ: u32 = 1 << 2;
+    pub const REMOTE_READ: u32 = sys::IBV_ACCESS_REMOTE_READ;
     /// Peers may run atomics on it.
-    pub const REMOTE_ATOMIC: u32 = 1 << 3;
+    pub const REMOTE_ATOMIC: u32 = sys::IBV_ACCESS_REMOTE_ATOMIC;
     /// Writes into it may be delivered out of order (PCIe relaxed ordering).
-    pub const RELAXED_ORDERING: u32 = 1 << 20;
+    pub const RELAXED_ORDERING: u32 = sys::IBV_ACCESS_RELAXED_ORDERING;
     /// Everything but relaxed ordering.
     pub const ALL: u32 = LOCAL_WRITE | REMOTE_WRITE | REMOTE_READ | REMOTE_ATOMIC;
 }
 
-/// `IBV_QP_*` attribute mask bits (verbs.h) for [`Provider::modify_qp`].
+/// `IBV_QP_*` attribute mask bits (verbs.h, through [`sys`]) for [`Provider::modify_qp`].
 pub mod mask {
     #![allow(missing_docs)]
-    pub const STATE: u32 = 1;
-    pub const ACCESS_FLAGS: u32 = 1 << 3;
-    pub const PKEY_INDEX: u32 = 1 << 4;
-    pub const PORT: u32 = 1 << 5;
-    pub const AV: u32 = 1 << 7;
-    pub const PATH_MTU: u32 = 1 << 8;
-    pub const TIMEOUT: u32 = 1 << 9;
-    pub const RETRY_CNT: u32 = 1 << 10;
-    pub const RNR_RETRY: u32 = 1 << 11;
-    pub const RQ_PSN: u32 = 1 << 12;
-    pub const MAX_QP_RD_ATOMIC: u32 = 1 << 13;
-    pub const MIN_RNR_TIMER: u32 = 1 << 15;
-    pub const SQ_PSN: u32 = 1 << 16;
-    pub const MAX_DEST_RD_ATOMIC: u32 = 1 << 17;
-    pub const DEST_QPN: u32 = 1 << 20;
+    use super::sys;
+    pub const STATE: u32 = sys::IBV_QP_STATE;
+    pub const ACCESS_FLAGS: u32 = sys::IBV_QP_ACCESS_FLAGS;
+    pub const PKEY_INDEX: u32 = sys::IBV_QP_PKEY_INDEX;
+    pub const PORT: u32 = sys::IBV_QP_PORT;
+    pub const AV: u32 = sys::IBV_QP_AV;
+    pub const PATH_MTU: u32 = sys::IBV_QP_PATH_MTU;
+    pub const TIMEOUT: u32 = sys::IBV_QP_TIMEOUT;
+    pub const RETRY_CNT: u32 = sys::IBV_QP_RETRY_CNT;
+    pub const RNR_RETRY: u32 = sys::IBV_QP_RNR_RETRY;
+    pub const RQ_PSN: u32 = sys::IBV_QP_RQ_PSN;
+    pub const MAX_QP_RD_ATOMIC: u32 = sys::IBV_QP_MAX_QP_RD_ATOMIC;
+    pub const MIN_RNR_TIMER: u32 = sys::IBV_QP_MIN_RNR_TIMER;
+    pub const SQ_PSN: u32 = sys::IBV_QP_SQ_PSN;
+    pub const MAX_DEST_RD_ATOMIC: u32 = sys::IBV_QP_MAX_DEST_RD_ATOMIC;
+    pub const DEST_QPN: u32 = sys::IBV_QP_DEST_QPN;
 
     /// What RESET -> INIT needs (IB spec 11.2.4.2, as rdma-core's providers enforce).
     pub const TO_INIT: u32 = STATE | PKEY_INDEX | PORT | ACCESS_FLAGS;
@@ -84,37 +87,37 @@ pub mod mask {
     }
 }
 
-/// `enum ibv_qp_state`.
+/// `enum ibv_qp_state` (values from [`sys`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[repr(u32)]
 pub enum QpState {
     /// Just created.
-    Reset = 0,
+    Reset = sys::IBV_QPS_RESET,
     /// Bound to a port, receives may be posted.
-    Init = 1,
+    Init = sys::IBV_QPS_INIT,
     /// Ready to receive: bound to its far end.
-    Rtr = 2,
+    Rtr = sys::IBV_QPS_RTR,
     /// Ready to send.
-    Rts = 3,
+    Rts = sys::IBV_QPS_RTS,
     /// Send queue drained.
-    Sqd = 4,
+    Sqd = sys::IBV_QPS_SQD,
     /// Send queue error.
-    Sqe = 5,
+    Sqe = sys::IBV_QPS_SQE,
     /// Error: every work request is flushed.
-    Err = 6,
+    Err = sys::IBV_QPS_ERR,
 }
 
 impl QpState {
     /// From `ibv_qp_attr::qp_state`.
     pub fn from_raw(v: u32) -> Option<QpState> {
         Some(match v {
-            0 => QpState::Reset,
-            1 => QpState::Init,
-            2 => QpState::Rtr,
-            3 => QpState::Rts,
-            4 => QpState::Sqd,
-            5 => QpState::Sqe,
-            6 => QpState::Err,
+            sys::IBV_QPS_RESET => QpState::Reset,
+            sys::IBV_QPS_INIT => QpState::Init,
+            sys::IBV_QPS_RTR => QpState::Rtr,
+            sys::IBV_QPS_RTS => QpState::Rts,
+            sys::IBV_QPS_SQD => QpState::Sqd,
+            sys::IBV_QPS_SQE => QpState::Sqe,
+            sys::IBV_QPS_ERR => QpState::Err,
             _ => return None,
         })
     }
@@ -123,14 +126,16 @@ impl QpState {
 /// `enum ibv_mtu` (1 = 256 .. 5 = 4096) in bytes.
 pub fn mtu_bytes(code: u32) -> u32 {
     match code {
-        1..=5 => 128 << code,
+        sys::IBV_MTU_256..=sys::IBV_MTU_4096 => 128 << code,
         _ => 0,
     }
 }
 
 /// Bytes to `enum ibv_mtu` (0 when not a valid MTU).
 pub fn mtu_code(bytes: u32) -> u32 {
-    (1..=5).find(|&c| mtu_bytes(c) == bytes).unwrap_or(0)
+    (sys::IBV_MTU_256..=sys::IBV_MTU_4096)
+        .find(|&c| mtu_bytes(c) == bytes)
+        .unwrap_or(0)
 }
 
 /// A protection domain.
@@ -210,18 +215,19 @@ pub struct SendWr {
     pub signaled: bool,
 }
 
-/// `enum ibv_wc_status` values doorbell names.
+/// `enum ibv_wc_status` values doorbell names (from [`sys`]).
 pub mod wc_status {
     #![allow(missing_docs)]
-    pub const SUCCESS: u32 = 0;
-    pub const LOC_LEN_ERR: u32 = 1;
-    pub const LOC_QP_OP_ERR: u32 = 2;
-    pub const LOC_PROT_ERR: u32 = 4;
-    pub const WR_FLUSH_ERR: u32 = 5;
-    pub const REM_INV_REQ_ERR: u32 = 9;
-    pub const REM_ACCESS_ERR: u32 = 10;
-    pub const RETRY_EXC_ERR: u32 = 12;
-    pub const GENERAL_ERR: u32 = 21;
+    use super::sys;
+    pub const SUCCESS: u32 = sys::IBV_WC_SUCCESS;
+    pub const LOC_LEN_ERR: u32 = sys::IBV_WC_LOC_LEN_ERR;
+    pub const LOC_QP_OP_ERR: u32 = sys::IBV_WC_LOC_QP_OP_ERR;
+    pub const LOC_PROT_ERR: u32 = sys::IBV_WC_LOC_PROT_ERR;
+    pub const WR_FLUSH_ERR: u32 = sys::IBV_WC_WR_FLUSH_ERR;
+    pub const REM_INV_REQ_ERR: u32 = sys::IBV_WC_REM_INV_REQ_ERR;
+    pub const REM_ACCESS_ERR: u32 = sys::IBV_WC_REM_ACCESS_ERR;
+    pub const RETRY_EXC_ERR: u32 = sys::IBV_WC_RETRY_EXC_ERR;
+    pub const GENERAL_ERR: u32 = sys::IBV_WC_GENERAL_ERR;
 
     /// A name for messages.
     pub fn name(s: u32) -> &'static str {

@@ -1,34 +1,39 @@
 //! The rdma-core provider: [`Provider`] on a real NIC, every call going to `libibverbs.so.1`
 //! (and `mlx5dv_init_obj` in `libmlx5.so.1` for [`Provider::rings`]), both loaded at run time.
 //! `ibv_post_send` and `ibv_poll_cq` are inline functions in `verbs.h` that call through the
-//! context's ops table (`ctx->ops.post_send`, `ctx->ops.poll_cq`); so does this, with the
-//! offsets `tests/verbs_layout.rs` checks against the header.
+//! context's ops table (`ctx->ops.post_send`, `ctx->ops.poll_cq`); so does this, at the offsets
+//! of bindgen's `ibv_context` ([`super::sys`]), which `tests/verbs_layout.rs` also checks against
+//! the header.
 //!
 //! **Never run on a NIC**: the machines of this project have none. What is checked: the struct
 //! mirrors and ops offsets against `verbs.h`, and that opening fails with a reason where there
 //! is no device.
+//!
+//! `struct ibv_sge` and `struct ibv_wc` are bindgen's; `struct ibv_send_wr` is written by hand
+//! ([`SendWrRaw`]): its `wr` member is a union of `rdma`, `atomic` and `ud` (and `imm_data` shares
+//! a union too), which bindgen renders as nested unions and anonymous `__bindgen_*` members that
+//! every work request would fill with `unsafe`; flattened here, pinned to bindgen's layout by a
+//! unit test below and to the header by `tests/verbs_layout.rs`.
 
 use crate::error::{Error, Result};
 use crate::transport::ib::boundary::mlx5dv::{dv_rings, Mlx5};
 use crate::transport::ib::boundary::provider::{
     Cq, Memory, MrKeys, Pd, Provider, QpId, Rings, SendWr, WorkCompletion,
 };
+use crate::transport::ib::boundary::sys;
 use crate::transport::ib::boundary::verbs::{MrRaw, Port, QpAttr, QpCap, QpInitAttr, QpRaw, Verbs};
 use crate::transport::ib::posting::wqe::Op;
 use std::ffi::{c_int, c_void};
 use std::sync::Arc;
+use sys::{
+    IBV_SEND_INLINE, IBV_SEND_SIGNALED, IBV_WR_ATOMIC_CMP_AND_SWP, IBV_WR_ATOMIC_FETCH_AND_ADD,
+    IBV_WR_RDMA_READ, IBV_WR_RDMA_WRITE, IBV_WR_RDMA_WRITE_WITH_IMM,
+};
 
-/// `struct ibv_sge`.
-#[repr(C)]
-#[derive(Debug, Clone, Copy, Default)]
-#[allow(missing_docs)]
-pub struct Sge {
-    pub addr: u64,
-    pub length: u32,
-    pub lkey: u32,
-}
+/// `struct ibv_sge` (verbs.h; generated).
+pub type Sge = sys::ibv_sge;
 
-/// `struct ibv_send_wr` (128 bytes), with `wr.rdma` / `wr.atomic` flattened: `remote_addr` at
+/// `struct ibv_send_wr` (128 bytes), by hand, with `wr.rdma` / `wr.atomic` flattened: `remote_addr` at
 /// 40, then the RDMA rkey or the atomic's compare-add at 48, the swap at 56, the atomic's rkey
 /// at 64.
 #[repr(C)]
@@ -49,48 +54,23 @@ pub struct SendWrRaw {
     pub tail: [u32; 15],
 }
 
-/// `struct ibv_wc` (48 bytes).
-#[repr(C)]
-#[derive(Debug, Clone, Copy, Default)]
-#[allow(missing_docs)]
-pub struct WcRaw {
-    pub wr_id: u64,
-    pub status: u32,
-    pub opcode: u32,
-    pub vendor_err: u32,
-    pub byte_len: u32,
-    pub imm_data: u32,
-    pub qp_num: u32,
-    pub src_qp: u32,
-    pub wc_flags: u32,
-    pub pkey_index: u16,
-    pub slid: u16,
-    pub sl: u8,
-    pub dlid_path_bits: u8,
-}
+/// `struct ibv_wc` (48 bytes; verbs.h; generated; doorbell reads no member of its union).
+pub type WcRaw = sys::ibv_wc;
 
 /// Byte offsets in `struct ibv_context` of `ops.poll_cq` and `ops.post_send`.
-pub const CTX_POLL_CQ: usize = 8 + 11 * 8;
+pub const CTX_POLL_CQ: usize = std::mem::offset_of!(sys::ibv_context, ops.poll_cq);
 /// See [`CTX_POLL_CQ`].
-pub const CTX_POST_SEND: usize = 8 + 25 * 8;
+pub const CTX_POST_SEND: usize = std::mem::offset_of!(sys::ibv_context, ops.post_send);
 
 type PostSend = unsafe extern "C" fn(*mut QpRaw, *mut SendWrRaw, *mut *mut SendWrRaw) -> c_int;
-type PollCq = unsafe extern "C" fn(*mut c_void, c_int, *mut WcRaw) -> c_int;
-
-const WR_RDMA_WRITE: u32 = 0;
-const WR_RDMA_WRITE_WITH_IMM: u32 = 1;
-const WR_RDMA_READ: u32 = 4;
-const WR_ATOMIC_CMP_AND_SWP: u32 = 5;
-const WR_ATOMIC_FETCH_AND_ADD: u32 = 6;
-const SEND_SIGNALED: u32 = 1 << 1;
-const SEND_INLINE: u32 = 1 << 3;
+type PollCq = unsafe extern "C" fn(*mut sys::ibv_cq, c_int, *mut WcRaw) -> c_int;
 
 /// One opened RDMA device behind the verbs calls.
 pub struct RdmaCore {
     verbs: Arc<Verbs>,
     mlx5: Option<Mlx5>,
     name: String,
-    ctx: *mut c_void,
+    ctx: *mut sys::ibv_context,
 }
 
 // SAFETY: rdma-core's verbs are thread-safe; the context lives until Drop.
@@ -155,7 +135,7 @@ impl RdmaCore {
         Ok((RdmaCore::open(verbs, &choice.name)?, choice))
     }
 
-    fn op_at<T: Copy>(&self, ctx: *mut c_void, offset: usize) -> T {
+    fn op_at<T: Copy>(&self, ctx: *mut sys::ibv_context, offset: usize) -> T {
         // SAFETY: `ctx` is a live `struct ibv_context`; `offset` names a function pointer of its
         // ops table (offsets checked against verbs.h in tests/verbs_layout.rs).
         unsafe { *(ctx.cast::<u8>().add(offset) as *const T) }
@@ -177,7 +157,7 @@ fn encode(wr: &SendWr, sge: &mut Sge) -> Result<SendWrRaw> {
         sg_list: sge,
         num_sge: 1,
         opcode: 0,
-        send_flags: if wr.signaled { SEND_SIGNALED } else { 0 },
+        send_flags: if wr.signaled { IBV_SEND_SIGNALED } else { 0 },
         imm_data: 0,
         remote_addr: 0,
         rkey_or_compare_add: 0,
@@ -206,9 +186,9 @@ fn encode(wr: &SendWr, sge: &mut Sge) -> Result<SendWrRaw> {
                 lkey: *lkey,
             };
             raw.opcode = if matches!(wr.op, Op::Read { .. }) {
-                WR_RDMA_READ
+                IBV_WR_RDMA_READ
             } else {
-                WR_RDMA_WRITE
+                IBV_WR_RDMA_WRITE
             };
             raw.remote_addr = *raddr;
             raw.rkey_or_compare_add = u64::from(*rkey);
@@ -226,7 +206,7 @@ fn encode(wr: &SendWr, sge: &mut Sge) -> Result<SendWrRaw> {
                 length: *len,
                 lkey: *lkey,
             };
-            raw.opcode = WR_RDMA_WRITE_WITH_IMM;
+            raw.opcode = IBV_WR_RDMA_WRITE_WITH_IMM;
             raw.imm_data = *imm;
             raw.remote_addr = *raddr;
             raw.rkey_or_compare_add = u64::from(*rkey);
@@ -242,8 +222,8 @@ fn encode(wr: &SendWr, sge: &mut Sge) -> Result<SendWrRaw> {
                 length: payload.len() as u32,
                 lkey: 0,
             };
-            raw.opcode = WR_RDMA_WRITE;
-            raw.send_flags |= SEND_INLINE;
+            raw.opcode = IBV_WR_RDMA_WRITE;
+            raw.send_flags |= IBV_SEND_INLINE;
             raw.remote_addr = *raddr;
             raw.rkey_or_compare_add = u64::from(*rkey);
         }
@@ -259,7 +239,7 @@ fn encode(wr: &SendWr, sge: &mut Sge) -> Result<SendWrRaw> {
                 length: 8,
                 lkey: *lkey,
             };
-            raw.opcode = WR_ATOMIC_FETCH_AND_ADD;
+            raw.opcode = IBV_WR_ATOMIC_FETCH_AND_ADD;
             raw.remote_addr = *raddr;
             raw.rkey_or_compare_add = *add;
             raw.atomic_rkey = *rkey;
@@ -277,7 +257,7 @@ fn encode(wr: &SendWr, sge: &mut Sge) -> Result<SendWrRaw> {
                 length: 8,
                 lkey: *lkey,
             };
-            raw.opcode = WR_ATOMIC_CMP_AND_SWP;
+            raw.opcode = IBV_WR_ATOMIC_CMP_AND_SWP;
             raw.remote_addr = *raddr;
             raw.rkey_or_compare_add = *compare;
             raw.swap = *swap;
@@ -326,7 +306,7 @@ impl Provider for RdmaCore {
 
     fn dealloc_pd(&self, pd: Pd) {
         // SAFETY: allocated by alloc_pd, released once by its owner.
-        unsafe { (self.verbs.fns().dealloc_pd)(pd.0 as *mut c_void) };
+        unsafe { (self.verbs.fns().dealloc_pd)(pd.0 as *mut sys::ibv_pd) };
     }
 
     unsafe fn reg_mr(
@@ -338,7 +318,7 @@ impl Provider for RdmaCore {
         memory: Memory<'_>,
     ) -> Result<MrKeys> {
         let fns = self.verbs.fns();
-        let pd_ptr = pd.0 as *mut c_void;
+        let pd_ptr = pd.0 as *mut sys::ibv_pd;
         let mut why_dmabuf = String::new();
         if let Memory::Gpu(gpu) = memory {
             gpu.bind()?;
@@ -433,19 +413,19 @@ impl Provider for RdmaCore {
 
     fn destroy_cq(&self, cq: Cq) {
         // SAFETY: created by create_cq, destroyed once after its QPs.
-        unsafe { (self.verbs.fns().destroy_cq)(cq.0 as *mut c_void) };
+        unsafe { (self.verbs.fns().destroy_cq)(cq.0 as *mut sys::ibv_cq) };
     }
 
     fn create_qp(&self, pd: Pd, cq: Cq, cap: QpCap) -> Result<QpId> {
         let mut attr = QpInitAttr {
-            send_cq: cq.0 as *mut c_void,
-            recv_cq: cq.0 as *mut c_void,
+            send_cq: cq.0 as *mut sys::ibv_cq,
+            recv_cq: cq.0 as *mut sys::ibv_cq,
             cap,
-            qp_type: 2, // IBV_QPT_RC
+            qp_type: sys::IBV_QPT_RC,
             ..Default::default()
         };
         // SAFETY: a live PD and CQ; `attr` is a full ibv_qp_init_attr.
-        let qp = unsafe { (self.verbs.fns().create_qp)(pd.0 as *mut c_void, &mut attr) };
+        let qp = unsafe { (self.verbs.fns().create_qp)(pd.0 as *mut sys::ibv_pd, &mut attr) };
         if qp.is_null() {
             return Err(failed("ibv_create_qp", &self.name, errno()));
         }
@@ -493,7 +473,12 @@ impl Provider for RdmaCore {
                     self.name
                 ),
             })?;
-        dv_rings(mlx5, qp.handle as *mut c_void, cq.0 as *mut c_void, qp.qpn)
+        dv_rings(
+            mlx5,
+            qp.handle as *mut QpRaw,
+            cq.0 as *mut sys::ibv_cq,
+            qp.qpn,
+        )
     }
 
     fn post_send(&self, qp: QpId, wrs: &[SendWr]) -> Result<()> {
@@ -538,9 +523,9 @@ impl Provider for RdmaCore {
     }
 
     fn poll_cq(&self, cq: Cq, max: usize, out: &mut Vec<WorkCompletion>) -> Result<usize> {
-        let cq_ptr = cq.0 as *mut c_void;
+        let cq_ptr = cq.0 as *mut sys::ibv_cq;
         // SAFETY: a live CQ; its first field is its context.
-        let ctx = unsafe { *(cq_ptr as *const *mut c_void) };
+        let ctx = unsafe { *(cq_ptr as *const *mut sys::ibv_context) };
         let poll: PollCq = self.op_at(ctx, CTX_POLL_CQ);
         let mut wcs = [WcRaw::default(); 32];
         let room = max.clamp(1, wcs.len());
@@ -559,5 +544,27 @@ impl Provider for RdmaCore {
             });
         }
         Ok(n as usize)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::transport::ib::boundary::assert_same_layout;
+
+    /// The flattened `ibv_send_wr` against bindgen's, union members by their paths.
+    #[test]
+    fn send_wr_lays_out_as_bindgen_does() {
+        assert_same_layout!(SendWrRaw, sys::ibv_send_wr, [
+            wr_id => wr_id, next => next, sg_list => sg_list, num_sge => num_sge,
+            opcode => opcode, send_flags => send_flags, imm_data => __bindgen_anon_1.imm_data,
+            remote_addr => wr.rdma.remote_addr, rkey_or_compare_add => wr.atomic.compare_add,
+            swap => wr.atomic.swap, atomic_rkey => wr.atomic.rkey,
+        ]);
+        assert_eq!(
+            std::mem::offset_of!(SendWrRaw, rkey_or_compare_add),
+            std::mem::offset_of!(sys::ibv_send_wr, wr.rdma.rkey),
+            "the RDMA rkey shares its offset with the atomic's compare-add"
+        );
     }
 }

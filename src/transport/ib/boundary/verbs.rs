@@ -1,144 +1,40 @@
 //! rdma-core loaded at run time (`dlopen("libibverbs.so.1")`, never linked), so a doorbell binary
-//! starts on machines without it and says what is missing. So far: device discovery (devices,
-//! firmware, vendor ids, ports with their state, link layer (InfiniBand or Ethernet = RoCE), MTU
-//! and GID tables) and GID selection. Protection domains, memory registration and queue pairs
-//! are not built yet (issue 6); `tests/verbs_layout.rs` checks these struct mirrors against
-//! rdma-core's `infiniband/verbs.h` field by field.
+//! starts on machines without it and says what is missing: device discovery (devices, firmware,
+//! vendor ids, ports with their state, link layer (InfiniBand or Ethernet = RoCE), MTU and GID
+//! tables), GID selection, and the resource calls [`Fns`] that the rdma-core provider makes.
+//!
+//! The verbs structs are bindgen's ([`super::sys`], generated from `infiniband/verbs.h`), named
+//! here for doorbell; the symbols are typed with them. Three are written by hand because the
+//! header puts a `union ibv_gid` inside them ([`GlobalRoute`], and so [`AhAttr`] and [`QpAttr`]):
+//! bindgen's union would make every caller that sets or reads a GID use `unsafe` and would lose
+//! `Debug`/`PartialEq`; here the GID is its 16 bytes. They are pinned to bindgen's layout by a
+//! unit test below and to the header by `tests/verbs_layout.rs`.
 
+use super::sys;
+use super::sys::{ibv_context, ibv_cq, ibv_device, ibv_pd};
 use crate::error::{Error, Result};
 use std::ffi::{c_char, c_int, c_void, CStr};
 use std::net::Ipv4Addr;
 
-/// `struct ibv_device_attr` (verbs.h).
-#[repr(C)]
-#[derive(Clone, Copy)]
-#[allow(missing_docs)]
-pub struct DeviceAttr {
-    pub fw_ver: [u8; 64],
-    pub node_guid: u64,
-    pub sys_image_guid: u64,
-    pub max_mr_size: u64,
-    pub page_size_cap: u64,
-    pub vendor_id: u32,
-    pub vendor_part_id: u32,
-    pub hw_ver: u32,
-    pub max_qp: i32,
-    pub max_qp_wr: i32,
-    pub device_cap_flags: u32,
-    pub max_sge: i32,
-    pub max_sge_rd: i32,
-    pub max_cq: i32,
-    pub max_cqe: i32,
-    pub max_mr: i32,
-    pub max_pd: i32,
-    pub max_qp_rd_atom: i32,
-    pub max_ee_rd_atom: i32,
-    pub max_res_rd_atom: i32,
-    pub max_qp_init_rd_atom: i32,
-    pub max_ee_init_rd_atom: i32,
-    pub atomic_cap: u32,
-    pub max_ee: i32,
-    pub max_rdd: i32,
-    pub max_mw: i32,
-    pub max_raw_ipv6_qp: i32,
-    pub max_raw_ethy_qp: i32,
-    pub max_mcast_grp: i32,
-    pub max_mcast_qp_attach: i32,
-    pub max_total_mcast_qp_attach: i32,
-    pub max_ah: i32,
-    pub max_fmr: i32,
-    pub max_map_per_fmr: i32,
-    pub max_srq: i32,
-    pub max_srq_wr: i32,
-    pub max_srq_sge: i32,
-    pub max_pkeys: u16,
-    pub local_ca_ack_delay: u8,
-    pub phys_port_cnt: u8,
-}
+/// `struct ibv_device_attr` (verbs.h; generated).
+pub type DeviceAttr = sys::ibv_device_attr;
 
-/// `struct ibv_port_attr` (verbs.h; the exported `ibv_query_port` fills the same prefix).
-#[repr(C)]
-#[derive(Clone, Copy, Default)]
-#[allow(missing_docs)]
-pub struct PortAttr {
-    pub state: u32,
-    pub max_mtu: u32,
-    pub active_mtu: u32,
-    pub gid_tbl_len: i32,
-    pub port_cap_flags: u32,
-    pub max_msg_sz: u32,
-    pub bad_pkey_cntr: u32,
-    pub qkey_viol_cntr: u32,
-    pub pkey_tbl_len: u16,
-    pub lid: u16,
-    pub sm_lid: u16,
-    pub lmc: u8,
-    pub max_vl_num: u8,
-    pub sm_sl: u8,
-    pub subnet_timeout: u8,
-    pub init_type_reply: u8,
-    pub active_width: u8,
-    pub active_speed: u8,
-    pub phys_state: u8,
-    pub link_layer: u8,
-    pub flags: u8,
-    pub port_cap_flags2: u16,
-}
+/// `struct ibv_port_attr` (verbs.h; generated; the exported `ibv_query_port` fills the same
+/// prefix).
+pub type PortAttr = sys::ibv_port_attr;
 
-/// `struct ibv_gid_entry` (verbs.h).
-#[repr(C)]
-#[derive(Clone, Copy, Default)]
-#[allow(missing_docs)]
-pub struct GidEntry {
-    pub gid: [u8; 16],
-    pub gid_index: u32,
-    pub port_num: u32,
-    pub gid_type: u32,
-    pub ndev_ifindex: u32,
-}
+/// `struct ibv_gid_entry` (verbs.h; generated).
+pub type GidEntry = sys::ibv_gid_entry;
 
-/// `struct ibv_qp_cap` (verbs.h).
-#[repr(C)]
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-#[allow(missing_docs)]
-pub struct QpCap {
-    pub max_send_wr: u32,
-    pub max_recv_wr: u32,
-    pub max_send_sge: u32,
-    pub max_recv_sge: u32,
-    pub max_inline_data: u32,
-}
+/// `struct ibv_qp_cap` (verbs.h; generated).
+pub type QpCap = sys::ibv_qp_cap;
 
-/// `struct ibv_qp_init_attr` (verbs.h).
-#[repr(C)]
-#[derive(Debug, Clone, Copy)]
-#[allow(missing_docs)]
-pub struct QpInitAttr {
-    pub qp_context: *mut c_void,
-    pub send_cq: *mut c_void,
-    pub recv_cq: *mut c_void,
-    pub srq: *mut c_void,
-    pub cap: QpCap,
-    pub qp_type: u32,
-    pub sq_sig_all: i32,
-}
+/// `struct ibv_qp_init_attr` (verbs.h; generated).
+pub type QpInitAttr = sys::ibv_qp_init_attr;
 
-impl Default for QpInitAttr {
-    fn default() -> Self {
-        QpInitAttr {
-            qp_context: std::ptr::null_mut(),
-            send_cq: std::ptr::null_mut(),
-            recv_cq: std::ptr::null_mut(),
-            srq: std::ptr::null_mut(),
-            cap: QpCap::default(),
-            qp_type: 0,
-            sq_sig_all: 0,
-        }
-    }
-}
-
-/// `struct ibv_global_route` (verbs.h). Aligned to 8 like `union ibv_gid` (it holds two u64s),
-/// which makes `ibv_ah_attr` and `ibv_qp_attr` 8-aligned too.
+/// `struct ibv_global_route` (verbs.h), by hand: `dgid` is `union ibv_gid` there, its 16 bytes
+/// here. Aligned to 8 like the union (it holds two u64s), which makes `ibv_ah_attr` and
+/// `ibv_qp_attr` 8-aligned too.
 #[repr(C, align(8))]
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 #[allow(missing_docs)]
@@ -150,7 +46,7 @@ pub struct GlobalRoute {
     pub traffic_class: u8,
 }
 
-/// `struct ibv_ah_attr` (verbs.h).
+/// `struct ibv_ah_attr` (verbs.h), by hand because it holds a [`GlobalRoute`].
 #[repr(C)]
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 #[allow(missing_docs)]
@@ -164,15 +60,15 @@ pub struct AhAttr {
     pub port_num: u8,
 }
 
-/// `struct ibv_qp_attr` (verbs.h).
+/// `struct ibv_qp_attr` (verbs.h), by hand because it holds two [`AhAttr`]s.
 #[repr(C)]
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 #[allow(missing_docs)]
 pub struct QpAttr {
-    pub qp_state: u32,
-    pub cur_qp_state: u32,
-    pub path_mtu: u32,
-    pub path_mig_state: u32,
+    pub qp_state: sys::ibv_qp_state,
+    pub cur_qp_state: sys::ibv_qp_state,
+    pub path_mtu: sys::ibv_mtu,
+    pub path_mig_state: sys::ibv_mig_state,
     pub qkey: u32,
     pub rq_psn: u32,
     pub sq_psn: u32,
@@ -197,34 +93,11 @@ pub struct QpAttr {
     pub rate_limit: u32,
 }
 
-/// The head of `struct ibv_mr` (verbs.h): what is read from a registration.
-#[repr(C)]
-#[allow(missing_docs)]
-pub struct MrRaw {
-    pub context: *mut c_void,
-    pub pd: *mut c_void,
-    pub addr: *mut c_void,
-    pub length: usize,
-    pub handle: u32,
-    pub lkey: u32,
-    pub rkey: u32,
-}
+/// `struct ibv_mr` (verbs.h; generated): what is read from a registration.
+pub type MrRaw = sys::ibv_mr;
 
-/// The head of `struct ibv_qp` (verbs.h), up to the QP number and type.
-#[repr(C)]
-#[allow(missing_docs)]
-pub struct QpRaw {
-    pub context: *mut c_void,
-    pub qp_context: *mut c_void,
-    pub pd: *mut c_void,
-    pub send_cq: *mut c_void,
-    pub recv_cq: *mut c_void,
-    pub srq: *mut c_void,
-    pub handle: u32,
-    pub qp_num: u32,
-    pub state: u32,
-    pub qp_type: u32,
-}
+/// `struct ibv_qp` (verbs.h; generated).
+pub type QpRaw = sys::ibv_qp;
 
 /// A port's link layer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -278,7 +151,7 @@ impl Gid {
 pub struct Port {
     /// Port number (from 1).
     pub num: u8,
-    /// `IBV_PORT_*` state (4 = active).
+    /// `IBV_PORT_*` state (`IBV_PORT_ACTIVE` = 4).
     pub state: u32,
     /// Link layer.
     pub link_layer: LinkLayer,
@@ -293,7 +166,7 @@ pub struct Port {
 impl Port {
     /// Whether the port is up.
     pub fn active(&self) -> bool {
-        self.state == 4 || self.state == 5
+        self.state == sys::IBV_PORT_ACTIVE || self.state == sys::IBV_PORT_ACTIVE_DEFER
     }
 }
 
@@ -357,33 +230,46 @@ pub fn choose_gid(port: &Port, override_index: Option<u32>) -> Result<Gid> {
         })
 }
 
-type GetDeviceList = unsafe extern "C" fn(*mut c_int) -> *mut *mut c_void;
-type FreeDeviceList = unsafe extern "C" fn(*mut *mut c_void);
-type GetDeviceName = unsafe extern "C" fn(*mut c_void) -> *const c_char;
-type OpenDevice = unsafe extern "C" fn(*mut c_void) -> *mut c_void;
-type CloseDevice = unsafe extern "C" fn(*mut c_void) -> c_int;
-type QueryDevice = unsafe extern "C" fn(*mut c_void, *mut DeviceAttr) -> c_int;
-type QueryPort = unsafe extern "C" fn(*mut c_void, u8, *mut PortAttr) -> c_int;
-type QueryGidEx = unsafe extern "C" fn(*mut c_void, u32, u32, *mut GidEntry, u32, usize) -> c_int;
-type RegDmabufMr = unsafe extern "C" fn(*mut c_void, u64, usize, u64, c_int, c_int) -> *mut MrRaw;
+type GetDeviceList = unsafe extern "C" fn(*mut c_int) -> *mut *mut ibv_device;
+type FreeDeviceList = unsafe extern "C" fn(*mut *mut ibv_device);
+type GetDeviceName = unsafe extern "C" fn(*mut ibv_device) -> *const c_char;
+type OpenDevice = unsafe extern "C" fn(*mut ibv_device) -> *mut ibv_context;
+type CloseDevice = unsafe extern "C" fn(*mut ibv_context) -> c_int;
+type QueryDevice = unsafe extern "C" fn(*mut ibv_context, *mut DeviceAttr) -> c_int;
+type QueryPort = unsafe extern "C" fn(*mut ibv_context, u8, *mut PortAttr) -> c_int;
+type QueryGidEx =
+    unsafe extern "C" fn(*mut ibv_context, u32, u32, *mut GidEntry, u32, usize) -> c_int;
+type AllocPd = unsafe extern "C" fn(*mut ibv_context) -> *mut ibv_pd;
+type DeallocPd = unsafe extern "C" fn(*mut ibv_pd) -> c_int;
+type RegMr = unsafe extern "C" fn(*mut ibv_pd, *mut c_void, usize, c_int) -> *mut MrRaw;
+type RegDmabufMr = unsafe extern "C" fn(*mut ibv_pd, u64, usize, u64, c_int, c_int) -> *mut MrRaw;
+type DeregMr = unsafe extern "C" fn(*mut MrRaw) -> c_int;
+/// `ibv_create_cq(context, cqe, cq_context, channel, comp_vector)`; doorbell passes no completion
+/// channel, so that argument stays untyped.
+type CreateCq =
+    unsafe extern "C" fn(*mut ibv_context, c_int, *mut c_void, *mut c_void, c_int) -> *mut ibv_cq;
+type DestroyCq = unsafe extern "C" fn(*mut ibv_cq) -> c_int;
+type CreateQp = unsafe extern "C" fn(*mut ibv_pd, *mut QpInitAttr) -> *mut QpRaw;
+type DestroyQp = unsafe extern "C" fn(*mut QpRaw) -> c_int;
+/// `ibv_modify_qp`, with the hand-written [`QpAttr`] (laid out as `struct ibv_qp_attr`).
+type ModifyQp = unsafe extern "C" fn(*mut QpRaw, *mut QpAttr, c_int) -> c_int;
 
 /// The verbs calls the rdma-core provider ([`crate::transport::ib::boundary::rdma_core`]) makes,
 /// resolved at load.
 #[allow(missing_docs)]
 pub struct Fns {
     pub close_device: CloseDevice,
-    pub alloc_pd: unsafe extern "C" fn(*mut c_void) -> *mut c_void,
-    pub dealloc_pd: unsafe extern "C" fn(*mut c_void) -> c_int,
-    pub reg_mr: unsafe extern "C" fn(*mut c_void, *mut c_void, usize, c_int) -> *mut MrRaw,
+    pub alloc_pd: AllocPd,
+    pub dealloc_pd: DeallocPd,
+    pub reg_mr: RegMr,
     /// Absent before rdma-core v34.
     pub reg_dmabuf_mr: Option<RegDmabufMr>,
-    pub dereg_mr: unsafe extern "C" fn(*mut MrRaw) -> c_int,
-    pub create_cq:
-        unsafe extern "C" fn(*mut c_void, c_int, *mut c_void, *mut c_void, c_int) -> *mut c_void,
-    pub destroy_cq: unsafe extern "C" fn(*mut c_void) -> c_int,
-    pub create_qp: unsafe extern "C" fn(*mut c_void, *mut QpInitAttr) -> *mut QpRaw,
-    pub destroy_qp: unsafe extern "C" fn(*mut QpRaw) -> c_int,
-    pub modify_qp: unsafe extern "C" fn(*mut QpRaw, *mut QpAttr, c_int) -> c_int,
+    pub dereg_mr: DeregMr,
+    pub create_cq: CreateCq,
+    pub destroy_cq: DestroyCq,
+    pub create_qp: CreateQp,
+    pub destroy_qp: DestroyQp,
+    pub modify_qp: ModifyQp,
 }
 
 /// libibverbs, loaded.
@@ -453,82 +339,41 @@ impl Verbs {
                 Ok(p)
             }
         };
+        use std::mem::transmute;
         // SAFETY (each transmute): the symbol has exactly this C signature in rdma-core's
-        // verbs.h (the mirrors' layouts are checked by tests/verbs_layout.rs).
+        // verbs.h, typed with bindgen's structs of that header (and the hand-written QpAttr,
+        // pinned to its layout).
         let v = unsafe {
             Verbs {
                 lib,
-                get_device_list: std::mem::transmute::<*mut c_void, GetDeviceList>(sym(
+                get_device_list: transmute::<*mut c_void, GetDeviceList>(sym(
                     c"ibv_get_device_list",
                 )?),
-                free_device_list: std::mem::transmute::<*mut c_void, FreeDeviceList>(sym(
+                free_device_list: transmute::<*mut c_void, FreeDeviceList>(sym(
                     c"ibv_free_device_list",
                 )?),
-                get_device_name: std::mem::transmute::<*mut c_void, GetDeviceName>(sym(
+                get_device_name: transmute::<*mut c_void, GetDeviceName>(sym(
                     c"ibv_get_device_name",
                 )?),
-                open_device: std::mem::transmute::<*mut c_void, OpenDevice>(sym(
-                    c"ibv_open_device",
-                )?),
-                close_device: std::mem::transmute::<*mut c_void, CloseDevice>(sym(
-                    c"ibv_close_device",
-                )?),
-                query_device: std::mem::transmute::<*mut c_void, QueryDevice>(sym(
-                    c"ibv_query_device",
-                )?),
-                query_port: std::mem::transmute::<*mut c_void, QueryPort>(sym(c"ibv_query_port")?),
-                query_gid_ex: std::mem::transmute::<*mut c_void, QueryGidEx>(sym(
-                    c"_ibv_query_gid_ex",
-                )?),
+                open_device: transmute::<*mut c_void, OpenDevice>(sym(c"ibv_open_device")?),
+                close_device: transmute::<*mut c_void, CloseDevice>(sym(c"ibv_close_device")?),
+                query_device: transmute::<*mut c_void, QueryDevice>(sym(c"ibv_query_device")?),
+                query_port: transmute::<*mut c_void, QueryPort>(sym(c"ibv_query_port")?),
+                query_gid_ex: transmute::<*mut c_void, QueryGidEx>(sym(c"_ibv_query_gid_ex")?),
                 fns: Fns {
-                    close_device: std::mem::transmute::<*mut c_void, CloseDevice>(sym(
-                        c"ibv_close_device",
-                    )?),
-                    alloc_pd: std::mem::transmute::<
-                        *mut c_void,
-                        unsafe extern "C" fn(*mut c_void) -> *mut c_void,
-                    >(sym(c"ibv_alloc_pd")?),
-                    dealloc_pd: std::mem::transmute::<
-                        *mut c_void,
-                        unsafe extern "C" fn(*mut c_void) -> c_int,
-                    >(sym(c"ibv_dealloc_pd")?),
-                    reg_mr: std::mem::transmute::<
-                        *mut c_void,
-                        unsafe extern "C" fn(*mut c_void, *mut c_void, usize, c_int) -> *mut MrRaw,
-                    >(sym(c"ibv_reg_mr")?),
+                    close_device: transmute::<*mut c_void, CloseDevice>(sym(c"ibv_close_device")?),
+                    alloc_pd: transmute::<*mut c_void, AllocPd>(sym(c"ibv_alloc_pd")?),
+                    dealloc_pd: transmute::<*mut c_void, DeallocPd>(sym(c"ibv_dealloc_pd")?),
+                    reg_mr: transmute::<*mut c_void, RegMr>(sym(c"ibv_reg_mr")?),
                     reg_dmabuf_mr: sym(c"ibv_reg_dmabuf_mr")
                         .ok()
-                        .map(|p| std::mem::transmute::<*mut c_void, RegDmabufMr>(p)),
-                    dereg_mr: std::mem::transmute::<
-                        *mut c_void,
-                        unsafe extern "C" fn(*mut MrRaw) -> c_int,
-                    >(sym(c"ibv_dereg_mr")?),
-                    create_cq: std::mem::transmute::<
-                        *mut c_void,
-                        unsafe extern "C" fn(
-                            *mut c_void,
-                            c_int,
-                            *mut c_void,
-                            *mut c_void,
-                            c_int,
-                        ) -> *mut c_void,
-                    >(sym(c"ibv_create_cq")?),
-                    destroy_cq: std::mem::transmute::<
-                        *mut c_void,
-                        unsafe extern "C" fn(*mut c_void) -> c_int,
-                    >(sym(c"ibv_destroy_cq")?),
-                    create_qp: std::mem::transmute::<
-                        *mut c_void,
-                        unsafe extern "C" fn(*mut c_void, *mut QpInitAttr) -> *mut QpRaw,
-                    >(sym(c"ibv_create_qp")?),
-                    destroy_qp: std::mem::transmute::<
-                        *mut c_void,
-                        unsafe extern "C" fn(*mut QpRaw) -> c_int,
-                    >(sym(c"ibv_destroy_qp")?),
-                    modify_qp: std::mem::transmute::<
-                        *mut c_void,
-                        unsafe extern "C" fn(*mut QpRaw, *mut QpAttr, c_int) -> c_int,
-                    >(sym(c"ibv_modify_qp")?),
+                        .map(|p| transmute::<*mut c_void, RegDmabufMr>(p)),
+                    dereg_mr: transmute::<*mut c_void, DeregMr>(sym(c"ibv_dereg_mr")?),
+                    create_cq: transmute::<*mut c_void, CreateCq>(sym(c"ibv_create_cq")?),
+                    destroy_cq: transmute::<*mut c_void, DestroyCq>(sym(c"ibv_destroy_cq")?),
+                    create_qp: transmute::<*mut c_void, CreateQp>(sym(c"ibv_create_qp")?),
+                    destroy_qp: transmute::<*mut c_void, DestroyQp>(sym(c"ibv_destroy_qp")?),
+                    modify_qp: transmute::<*mut c_void, ModifyQp>(sym(c"ibv_modify_qp")?),
                 },
             }
         };
@@ -541,7 +386,7 @@ impl Verbs {
     }
 
     /// Opens the device called `name`; the caller closes it with `fns().close_device`.
-    pub fn open_by_name(&self, name: &str) -> Result<*mut c_void> {
+    pub fn open_by_name(&self, name: &str) -> Result<*mut ibv_context> {
         let mut n: c_int = 0;
         // SAFETY: rdma-core allocates the list; freed below.
         let list = unsafe { (self.get_device_list)(&mut n) };
@@ -610,7 +455,7 @@ impl Verbs {
         Ok(nics)
     }
 
-    fn describe(&self, dev: *mut c_void) -> Result<Nic> {
+    fn describe(&self, dev: *mut ibv_device) -> Result<Nic> {
         // SAFETY: `dev` from the device list.
         let name = unsafe { CStr::from_ptr((self.get_device_name)(dev)) }
             .to_string_lossy()
@@ -628,13 +473,12 @@ impl Verbs {
             return Err(unavailable("ibv_open_device"));
         }
         let result = (|| {
-            // SAFETY: zeroed plain-old-data, filled by rdma-core.
-            let mut attr: DeviceAttr = unsafe { std::mem::zeroed() };
+            let mut attr = DeviceAttr::default();
             // SAFETY: `ctx` is open; `attr` is a full ibv_device_attr.
             if unsafe { (self.query_device)(ctx, &mut attr) } != 0 {
                 return Err(unavailable("ibv_query_device"));
             }
-            let firmware = CStr::from_bytes_until_nul(&attr.fw_ver)
+            let firmware = CStr::from_bytes_until_nul(&attr.fw_ver.map(|c| c as u8))
                 .map(|c| c.to_string_lossy().into_owned())
                 .unwrap_or_default();
             let mut ports = Vec::new();
@@ -662,13 +506,14 @@ impl Verbs {
                         continue; // empty or unreadable entry
                     }
                     let kind = match e.gid_type {
-                        1 => GidType::RoceV1,
-                        2 => GidType::RoceV2,
+                        sys::IBV_GID_TYPE_ROCE_V1 => GidType::RoceV1,
+                        sys::IBV_GID_TYPE_ROCE_V2 => GidType::RoceV2,
                         _ => GidType::Ib,
                     };
                     let g = Gid {
                         index,
-                        bytes: e.gid,
+                        // SAFETY: `raw` spans the whole union and any 16 bytes are a valid [u8; 16].
+                        bytes: unsafe { e.gid.raw },
                         kind,
                     };
                     if !g.is_zero() {
@@ -678,9 +523,9 @@ impl Verbs {
                 ports.push(Port {
                     num,
                     state: p.state,
-                    link_layer: match p.link_layer {
-                        1 => LinkLayer::Infiniband,
-                        2 => LinkLayer::Ethernet,
+                    link_layer: match u32::from(p.link_layer) {
+                        sys::IBV_LINK_LAYER_INFINIBAND => LinkLayer::Infiniband,
+                        sys::IBV_LINK_LAYER_ETHERNET => LinkLayer::Ethernet,
                         _ => LinkLayer::Unspecified,
                     },
                     active_mtu: 128 << p.active_mtu.min(5),
@@ -712,6 +557,32 @@ impl Drop for Verbs {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::transport::ib::boundary::assert_same_layout;
+
+    /// The hand-written mirrors against bindgen's structs of the same header.
+    #[test]
+    fn hand_written_mirrors_lay_out_as_bindgen_does() {
+        assert_same_layout!(GlobalRoute, sys::ibv_global_route, [
+            dgid => dgid, flow_label => flow_label, sgid_index => sgid_index,
+            hop_limit => hop_limit, traffic_class => traffic_class,
+        ]);
+        assert_same_layout!(AhAttr, sys::ibv_ah_attr, [
+            grh => grh, dlid => dlid, sl => sl, src_path_bits => src_path_bits,
+            static_rate => static_rate, is_global => is_global, port_num => port_num,
+        ]);
+        assert_same_layout!(QpAttr, sys::ibv_qp_attr, [
+            qp_state => qp_state, cur_qp_state => cur_qp_state, path_mtu => path_mtu,
+            path_mig_state => path_mig_state, qkey => qkey, rq_psn => rq_psn, sq_psn => sq_psn,
+            dest_qp_num => dest_qp_num, qp_access_flags => qp_access_flags, cap => cap,
+            ah_attr => ah_attr, alt_ah_attr => alt_ah_attr, pkey_index => pkey_index,
+            alt_pkey_index => alt_pkey_index, en_sqd_async_notify => en_sqd_async_notify,
+            sq_draining => sq_draining, max_rd_atomic => max_rd_atomic,
+            max_dest_rd_atomic => max_dest_rd_atomic, min_rnr_timer => min_rnr_timer,
+            port_num => port_num, timeout => timeout, retry_cnt => retry_cnt,
+            rnr_retry => rnr_retry, alt_port_num => alt_port_num, alt_timeout => alt_timeout,
+            rate_limit => rate_limit,
+        ]);
+    }
 
     fn gid(index: u32, kind: GidType, tail: [u8; 6]) -> Gid {
         let mut bytes = [0u8; 16];
