@@ -27,9 +27,9 @@
 # python -m doorbell.peers: torch.distributed, torch symmetric memory one-/two-shot,
 # all_to_all_single), MoE high-throughput and low-latency against NCCL moving the same rows, then
 # `python -m doorbell.peers check`, which fails on a stall (a call above 5 x its size's median),
-# on doorbell slower than the fastest peer without a stated reason (bench/perf/reasons.csv), or on
+# on doorbell slower than the fastest peer without a stated reason (benches/perf/reasons.csv), or on
 # a size more than 10% slower than the last recorded table of this machine kind, in the mean and
-# in the single calls' p50 (bench/perf/KIND.csv; record a passing run's merged.csv there). PERF_MAX_BYTES (default 1G)
+# in the single calls' p50 (benches/perf/KIND.csv; record a passing run's merged.csv there). PERF_MAX_BYTES (default 1G)
 # caps the sweeps; PERF_ITERS sets the PyTorch peers' calls per timing (default 20). A failing
 # size is timed once more (every library, that size alone; up to PERF_RETAKES sizes, default 4)
 # and fails only if it fails again; perf-check-first.txt keeps the first verdict.
@@ -320,8 +320,8 @@ perf() {
   local have=()
   for f in "${csvs[@]}"; do [ -s "$f" ] && have+=("$f"); done
   "$py" -m doorbell.peers table "${have[@]}" --out-csv "$logs/perf-merged.csv" > /dev/null 2>&1
-  local judge=("$py" -m doorbell.peers check "${have[@]}" --kind "$k" --baseline "$root/bench/perf/$k.csv"
-    --reasons "$root/bench/perf/reasons.csv")
+  local judge=("$py" -m doorbell.peers check "${have[@]}" --kind "$k" --baseline "$root/benches/perf/$k.csv"
+    --reasons "$root/benches/perf/reasons.csv")
   if ! "${judge[@]}" --failing-sizes "$logs/perf-failing.txt" > "$logs/perf-check.txt" 2>&1; then
     # A failing size is timed once more, every library, that size alone, and fails only if it
     # fails again: the machine has rare slow calls of its own (in one run of three on 2 x H100,

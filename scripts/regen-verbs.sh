@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Regenerates src/transport/ib/boundary/sys.rs, doorbell's bindings of rdma-core's
+# Regenerates src/host/transport/ib/boundary/sys.rs, doorbell's bindings of rdma-core's
 # infiniband/verbs.h and infiniband/mlx5dv.h, with bindgen (tools/verbs-bindgen) from the headers
 # installed here (apt install libibverbs-dev; scripts/install-test-deps.sh does).
 #
@@ -58,7 +58,7 @@ LIBCLANG_PATH="$libclang_dir" BINDGEN_EXTRA_CLANG_ARGS="-isystem $cc_include" \
 if [ "$check" = 1 ]; then
   if ! diff -u "$out" "$tmp/sys.rs" > "$tmp/diff"; then
     cat "$tmp/diff"
-    echo "src/transport/ib/boundary/sys.rs is not what scripts/regen-verbs.sh generates" \
+    echo "src/host/transport/ib/boundary/sys.rs is not what scripts/regen-verbs.sh generates" \
       "(rdma-core $found installed, ${recorded:-none} recorded): run scripts/regen-verbs.sh" \
       "and commit the result" >&2
     exit 1

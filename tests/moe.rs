@@ -782,7 +782,7 @@ fn low_latency_layout_payloads_combine_and_graph_replays() {
 /// Which variants of the across-nodes tests run: all by default; `DOORBELL_TEST_VARIANTS=IBGDA,proxy`
 /// keeps those whose names contain one of the words. (Ethernet between nodes of two was left out
 /// until the transport threads stopped freeing pinned memory while kernels waited on the proxy:
-/// src/transport/ethernet.rs.)
+/// src/host/transport/ethernet.rs.)
 fn keep_variant() -> impl Fn(&str) -> bool {
     let only = std::env::var("DOORBELL_TEST_VARIANTS").unwrap_or_default();
     move |name: &str| only.is_empty() || only.split(',').any(|w| name.contains(w.trim()))

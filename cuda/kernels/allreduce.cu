@@ -1,5 +1,5 @@
 // Allreduce (sum) inside one node, over NVLink loads and stores. Three algorithms, each templated
-// on the element type (bf16, f16, f32); src/collectives/allreduce.rs picks one by size and rank
+// on the element type (bf16, f16, f32); src/host/collectives/allreduce.rs picks one by size and rank
 // count and launches it on the caller's stream.
 //
 // Scratch: every rank owns one scratch buffer that every peer maps (`scratch[r]` is rank r's, as

@@ -1,7 +1,7 @@
 // Elementwise work beside the collectives, on one GPU's memory: the maximum or minimum over
 // slices that an all-gather put side by side (NCCL's max and min where doorbell runs them, by
 // gathering first), and a scaling in place (NCCL's average: the sum times 1 / ranks).
-// src/collectives/elementwise.rs launches them on the caller's stream. Values are compared and
+// src/host/collectives/elementwise.rs launches them on the caller's stream. Values are compared and
 // scaled in f32; a maximum or minimum returns one of its inputs exactly (bf16 and f16 widen to
 // f32 without loss), a NaN input loses to a number as with fmaxf/fminf (NCCL's choice).
 #include <doorbell/core/reduce.cuh>

@@ -1,6 +1,6 @@
 // Collectives between ranks of different nodes, every byte through PortChannels (copy engines,
 // Ethernet, or RDMA over the Ib transport in any posting mode): the direct algorithms of
-// src/collectives/net.rs. One block; thread p < world drives the channel to rank p (net_exchange),
+// src/host/collectives/net.rs. One block; thread p < world drives the channel to rank p (net_exchange),
 // or thread i the i-th peer of a phase (net_phase, the hierarchical allreduce).
 //
 // Per call and peer: signal "ready" and wait for the peer's (so nobody writes a receive slot the
@@ -10,7 +10,7 @@
 //
 // The call check rides on the ready handshake (ranks on other nodes map no inbox of each other, so
 // coll/call_check.cuh's stores cannot reach them): the ready signal is a put of my call word (made
-// by src/gpu/signature.rs, 0 with the check off) into the peer's word slot for me, and after the
+// by src/host/gpu/signature.rs, 0 with the check off) into the peer's word slot for me, and after the
 // peer's ready signal its word is in my slot for it. A different word is reported as a mismatch
 // (the communicator aborts; both ranks see it, each from its side) and the thread sends no data.
 // Slot reuse is safe for the reason the handshake exists: a peer puts its next word only after this
@@ -113,7 +113,7 @@ extern "C" __global__ void net_reduce_bf16(const __nv_bfloat16* recv, __nv_bfloa
   sum_slots(recv, n, world, UINT32_MAX, recv, n, out, out);
 }
 
-// ---- The hierarchical allreduce (nodes of L ranks, N nodes; see src/collectives/net.rs) ----
+// ---- The hierarchical allreduce (nodes of L ranks, N nodes; see src/host/collectives/net.rs) ----
 //
 // One phase: thread i < n drives the channel ch[peers[i]] (keys[i] is that peer's local index or
 // node; the peer's rank follows from the channel index, channels being in rank order without

@@ -1,4 +1,4 @@
-//! Generates doorbell's rdma-core bindings (`src/transport/ib/boundary/sys.rs`) from the installed
+//! Generates doorbell's rdma-core bindings (`src/host/transport/ib/boundary/sys.rs`) from the installed
 //! `infiniband/verbs.h` and `infiniband/mlx5dv.h`: types and constants only, no functions (doorbell
 //! loads libibverbs and libmlx5 at run time and types the symbols itself). The allowlist is what
 //! the verbs boundary uses; objects doorbell only points at are opaque, so their insides (and the

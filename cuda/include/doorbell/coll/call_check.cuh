@@ -2,7 +2,7 @@
 // peer and call.
 //
 // Every collective call carries a 64-bit call word that names it: call index, collective, element
-// type, algorithm, operation and count (made by src/gpu/signature.rs; bit 63 marks a word as
+// type, algorithm, operation and count (made by src/host/gpu/signature.rs; bit 63 marks a word as
 // written, so a zeroed slot reads as "nothing yet"). Each rank has an inbox of kInboxWords words in
 // its collective's scratch (zeroed at allocation): [kSlotRing][kMaxRanks] slots its peers write,
 // mapped by them, then two rows of counters only this rank touches: for each peer p, how many

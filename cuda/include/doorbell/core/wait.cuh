@@ -58,7 +58,7 @@
 
 namespace doorbell {
 
-// What a wait was waiting for; mirrored by WaitKind in src/error.rs.
+// What a wait was waiting for; mirrored by WaitKind in src/host/error.rs.
 enum WaitKindCode : uint32_t {
   kWaitSemaphore = 1,
   kWaitPacket = 2,

@@ -1,5 +1,5 @@
 // doorbell device API, ib tier: mlx5 work requests built on the GPU (the IBGDA path). Byte layouts
-// follow rdma-core's providers/mlx5/mlx5dv.h, exactly as src/transport/ib/posting/wqe.rs builds
+// follow rdma-core's providers/mlx5/mlx5dv.h, exactly as src/host/transport/ib/posting/wqe.rs builds
 // them on the CPU (tests compare the two byte for byte; the CPU builder is itself compared with
 // rdma-core's helpers).
 //
