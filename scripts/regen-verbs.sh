@@ -12,7 +12,7 @@
 # headers (stddef.h and friends, which the wheel lacks) from the C compiler's include folder.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
-out="$root/src/transport/ib/boundary/sys.rs"
+out="$root/src/host/transport/ib/boundary/sys.rs"
 check=0
 case "${1:-}" in
   --check) check=1 ;;
