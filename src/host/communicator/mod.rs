@@ -8,6 +8,7 @@
 //! mismatched channels.
 
 mod fabric;
+mod renamed;
 pub mod watchdog;
 
 use fabric::IbFabric;
@@ -573,17 +574,6 @@ impl Communicator {
                 code: e.to_string(),
             }))
         })
-    }
-
-    /// The name before [`Communicator::cuda_result`] ("check" now means only the call check).
-    #[doc(hidden)]
-    #[deprecated(note = "renamed to `cuda_result`")]
-    pub fn check<T>(
-        &self,
-        r: std::result::Result<T, cudarc::driver::DriverError>,
-        call: &'static str,
-    ) -> Result<T> {
-        self.cuda_result(r, call)
     }
 }
 
